@@ -1,0 +1,1 @@
+"""dpresearch: communication-efficient distributed SGD research framework."""

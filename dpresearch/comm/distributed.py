@@ -1,0 +1,70 @@
+"""Collectives over torch.distributed: one worker per process (W = 1), gloo or NCCL."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dpresearch.comm.base import Communicator
+from dpresearch.comm.network import NetworkModel
+
+
+class DistributedCommunicator(Communicator):
+    """This process is worker `dist.get_rank()` of `dist.get_world_size()`.
+
+    The process group must already be initialised. "centralized" reduction is a real
+    parameter-server pattern: `reduce` to rank 0, then `broadcast` from it.
+    """
+
+    def __init__(self, network: NetworkModel, reduction: str = "ring") -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("DistributedCommunicator needs an initialised process group")
+        super().__init__(dist.get_world_size(), [dist.get_rank()], network, reduction)
+
+    def _all_reduce_sum(self, x: Tensor) -> None:
+        if self.reduction == "ring":
+            dist.all_reduce(x[0], op=dist.ReduceOp.SUM)
+        else:
+            dist.reduce(x[0], dst=0, op=dist.ReduceOp.SUM)
+            dist.broadcast(x[0], src=0)
+
+    def _all_gather(self, x: Tensor) -> Tensor:
+        out = x.new_empty((self.world_size,) + tuple(x.shape[1:]))
+        dist.all_gather(list(out.unbind(0)), x[0].contiguous())
+        return out
+
+    def _broadcast(self, x: Tensor, src: int) -> None:
+        dist.broadcast(x[0], src=src)
+
+    def _neighbor_exchange(
+        self, x: Tensor, out_peers: Sequence[Sequence[int]], in_peers: Sequence[Sequence[int]]
+    ) -> list[Tensor]:
+        me = self.local_workers[0]
+        send = x[0].contiguous()
+        received = x.new_empty((len(in_peers[me]),) + tuple(x.shape[1:]))
+        # Sends and receives go out in ascending peer order on every rank, so matching pairs are
+        # posted in the same order on both sides (NCCL ignores tags).
+        ops = []
+        for peer in sorted(set(out_peers[me]) | set(in_peers[me])):
+            if peer in out_peers[me]:
+                ops.append(dist.P2POp(dist.isend, send, peer))
+            for slot, src in enumerate(in_peers[me]):
+                if src == peer:
+                    ops.append(dist.P2POp(dist.irecv, received[slot], peer))
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        return [received]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+def default_device_for(backend: str, local_rank: int) -> torch.device:
+    """The device a worker of `backend` computes on: its own GPU for NCCL, else the CPU."""
+    if backend == "nccl":
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")

@@ -1,0 +1,108 @@
+"""Structured-config schema: types and defaults for every key that is not a plug-in.
+
+Plug-in groups (`data`, `model`, `optimizer`, `schedule`, `algorithm`) are Hydra `_target_`
+nodes whose keys belong to their target; their arguments are checked against the target's
+signature by `validate.py` before any worker starts. Everything else is typed here, so an
+unknown key or a wrongly typed value fails at composition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class TrainConfig:
+    """The loop. `batch_size` is per worker; the global batch is `workers × batch_size`.
+
+    `steps` (if set) overrides `epochs`; `eval_every` is in steps (null: at every epoch end);
+    `lr_scaling`: "linear" multiplies the optimizer's lr by the number of workers (Goyal et al.),
+    "none" leaves it.
+    """
+
+    steps: int | None = None
+    epochs: float = 1.0
+    batch_size: int = 32
+    eval_every: int | None = None
+    eval_batch_size: int = 1000
+    log_every: int = 10
+    lr_scaling: str = "none"
+    device: str = "auto"
+    progress: bool = True
+    save_model: bool = True
+
+
+@dataclass
+class BackendConfig:
+    """How workers are placed: `simulated` (all in this process), `gloo` (CPU processes) or
+    `nccl` (one GPU per process). `threads` per process (null: cores ÷ local processes)."""
+
+    name: str = "simulated"
+    threads: int | None = None
+    timeout_s: float = 600.0
+
+
+@dataclass
+class NetworkConfig:
+    """The α-β network model pricing every recorded collective (`comm/modeled_s`)."""
+
+    name: str = "10gbe"
+    latency_us: float = 20.0
+    bandwidth_gbit: float = 10.0
+
+
+@dataclass
+class CommConfig:
+    """`reduction`: "ring" allreduce or "centralized" (parameter server on worker 0)."""
+
+    reduction: str = "ring"
+
+
+@dataclass
+class LoggerConfig:
+    """Local files are always written; `wandb=true` adds Weights & Biases (rank 0 only).
+
+    `mode`: online / offline / disabled; null takes WANDB_MODE, else "online".
+    """
+
+    wandb: bool = False
+    mode: str | None = None
+    project: str = "dpresearch"
+    entity: str | None = None
+    group: str | None = None
+    job_type: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection for testing failure handling: worker `fail_worker` raises at
+    `fail_at_step`."""
+
+    fail_worker: int | None = None
+    fail_at_step: int | None = None
+
+
+@dataclass
+class Config:
+    workers: int = 4
+    seed: int = 0
+    train: TrainConfig = field(default_factory=TrainConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    data: Any = None
+    model: Any = None
+    optimizer: Any = None
+    schedule: Any = None
+    algorithm: Any = None
+
+
+def register_configs() -> None:
+    """Make the schema available to `conf/config.yaml` as `base_config`."""
+    ConfigStore.instance().store(name="base_config", node=Config)

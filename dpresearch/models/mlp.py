@@ -1,0 +1,45 @@
+"""Small models for the synthetic set: a multilayer perceptron and logistic regression."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from torch import Tensor, nn
+
+
+class MLP(nn.Module):
+    """Flatten → [Linear → (BatchNorm) → ReLU] × len(hidden) → Linear."""
+
+    def __init__(
+        self,
+        num_classes: int,
+        input_shape: Sequence[int],
+        hidden: Sequence[int] = (128, 128),
+        batch_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Flatten()]
+        width = math.prod(input_shape)
+        for h in hidden:
+            layers.append(nn.Linear(width, h))
+            if batch_norm:
+                layers.append(nn.BatchNorm1d(h))
+            layers.append(nn.ReLU())
+            width = h
+        layers.append(nn.Linear(width, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+class LogisticRegression(nn.Module):
+    """Multinomial logistic regression: one linear layer on the flattened input."""
+
+    def __init__(self, num_classes: int, input_shape: Sequence[int]) -> None:
+        super().__init__()
+        self.linear = nn.Linear(math.prod(input_shape), num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x.flatten(1))

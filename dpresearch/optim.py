@@ -1,0 +1,41 @@
+"""Optimizer construction: a Hydra `_partial_` optimizer plus parameter groups.
+
+The `optimizer` node is any `torch.optim` class as `_target_` with `_partial_: true`; the one
+extra key `exclude_bn_bias_from_weight_decay` (ours, removed before instantiation) puts
+BatchNorm weights and all biases (every parameter with fewer than two dimensions) in a group
+without weight decay, as in Goyal et al. 2017.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+OWN_KEYS = ("exclude_bn_bias_from_weight_decay",)
+
+
+def make_optimizer(
+    cfg: DictConfig, model: nn.Module, lr_scale: float = 1.0
+) -> torch.optim.Optimizer:
+    """Instantiate the optimizer node for `model`'s trainable parameters; lr × `lr_scale`."""
+    node: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    exclude = bool(node.pop("exclude_bn_bias_from_weight_decay", False))
+    node["_partial_"] = True
+    node["lr"] = float(node.get("lr", 0.1)) * lr_scale
+    factory = instantiate(node)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not exclude:
+        return factory(params)
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return factory([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+
+
+def set_lr(optimizer: torch.optim.Optimizer, base_lrs: list[float], multiplier: float) -> None:
+    """Set every group's lr to its base lr × `multiplier`."""
+    for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
+        group["lr"] = base * multiplier

@@ -1,0 +1,86 @@
+"""W local worker replicas of one model, with parameters and gradients in flat stacked buffers.
+
+Each replica's parameters are views into row w of `params` (`[W, D]`) and its gradients views
+into row w of `grads`, so a collective over all parameters or gradients of all local workers is
+one call on one tensor, and backward accumulates straight into the communication buffer (as
+DDP's `gradient_as_bucket_view`). Floating-point buffers (BatchNorm statistics) are likewise
+views into `buffers` (`[W, Db]`). Integer buffers (`num_batches_tracked`) stay per replica:
+every worker steps the same number of times, so they agree without communication.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor, nn
+
+
+class Replicas:
+    """`num_local` independent copies of `model`, all starting from its current state."""
+
+    def __init__(self, model: nn.Module, num_local: int, device: torch.device) -> None:
+        model = model.to(device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"all trainable parameters must share one dtype, got {dtypes}")
+        self.models: list[nn.Module] = [copy.deepcopy(model) for _ in range(num_local)]
+        numel = sum(p.numel() for p in params)
+        dtype = params[0].dtype
+        self.params = torch.empty(num_local, numel, dtype=dtype, device=device)
+        self.grads = torch.zeros(num_local, numel, dtype=dtype, device=device)
+        float_buffers = [b for b in model.buffers() if b.is_floating_point()]
+        buf_numel = sum(b.numel() for b in float_buffers)
+        self.buffers = torch.empty(num_local, buf_numel, dtype=dtype, device=device)
+        for w, replica in enumerate(self.models):
+            offset = 0
+            for p in (p for p in replica.parameters() if p.requires_grad):
+                view = self.params[w, offset : offset + p.numel()].view_as(p)
+                view.copy_(p.data)
+                p.data = view
+                p.grad = self.grads[w, offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+            offset = 0
+            for module in replica.modules():
+                for name, b in module.named_buffers(recurse=False):
+                    if b is None or not b.is_floating_point():
+                        continue
+                    view = self.buffers[w, offset : offset + b.numel()].view_as(b)
+                    view.copy_(b)
+                    setattr(module, name, view)
+                    offset += b.numel()
+
+    @property
+    def num_local(self) -> int:
+        return len(self.models)
+
+    @property
+    def num_params(self) -> int:
+        return self.params.shape[1]
+
+    def zero_grad(self) -> None:
+        """Zero every replica's gradient in place (keeps `.grad` as views into `grads`)."""
+        self.grads.zero_()
+
+    def train(self, mode: bool = True) -> None:
+        for m in self.models:
+            m.train(mode)
+
+    def load_into(self, target: nn.Module, params: Tensor, buffers: Tensor) -> nn.Module:
+        """Copy one flat parameter row and buffer row into `target` (same architecture);
+        integer buffers are taken from local replica 0."""
+        offset = 0
+        for p in (p for p in target.parameters() if p.requires_grad):
+            p.data.copy_(params[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        offset = 0
+        source_int = [b for b in self.models[0].buffers() if not b.is_floating_point()]
+        target_int = [b for b in target.buffers() if not b.is_floating_point()]
+        for b in target.buffers():
+            if b.is_floating_point():
+                b.copy_(buffers[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+        for dst, src in zip(target_int, source_int, strict=True):
+            dst.copy_(src)
+        return target

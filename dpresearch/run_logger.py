@@ -1,0 +1,81 @@
+"""The run directory's writer: resolved config, metrics.jsonl, summary.json, W&B.
+
+Only the process holding worker 0 creates a `RunLogger`; every other process gets a
+`NullLogger`. Each metrics line is flushed as it is written, so a crash loses nothing already
+logged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+class NullLogger:
+    """Logger of the processes that do not write."""
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        pass
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        pass
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class RunLogger(NullLogger):
+    """Writes `config.yaml`, `metrics.jsonl` and `summary.json` into `run_dir`; mirrors
+    metrics to W&B when `logger_cfg.wandb` is true."""
+
+    def __init__(self, run_dir: Path, resolved_cfg: dict[str, Any], logger_cfg: Any) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved_cfg))
+        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        self._wandb = None
+        if logger_cfg.wandb:
+            self._wandb = self._start_wandb(resolved_cfg, logger_cfg)
+
+    def _start_wandb(self, resolved_cfg: dict[str, Any], logger_cfg: Any):
+        mode = logger_cfg.mode or os.environ.get("WANDB_MODE") or "online"
+        if mode not in WANDB_MODES:
+            raise ValueError(f"logger.mode={mode!r}; choose one of: {', '.join(WANDB_MODES)}")
+        import wandb
+
+        return wandb.init(
+            project=logger_cfg.project,
+            entity=logger_cfg.entity,
+            group=logger_cfg.group,
+            job_type=logger_cfg.job_type,
+            tags=list(logger_cfg.tags) or None,
+            config=resolved_cfg,
+            dir=str(self.run_dir),
+            mode=mode,
+            reinit="finish_previous",
+        )
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self._metrics.write(json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=int(metrics["step"]))
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        (self.run_dir / "summary.json").write_text(
+            json.dumps({k: _jsonable(v) for k, v in summary.items()}, indent=2) + "\n"
+        )
+        self._metrics.close()
+        if self._wandb is not None:
+            self._wandb.summary.update(summary)
+            self._wandb.finish()
+            self._wandb = None

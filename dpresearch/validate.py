@@ -1,0 +1,117 @@
+"""Checks that run before any worker starts; each failure is one line naming the fix."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+import torch
+from hydra.utils import get_object
+from omegaconf import DictConfig, OmegaConf
+
+BACKENDS = ("simulated", "gloo", "nccl")
+LR_SCALINGS = ("none", "linear")
+
+# Arguments the trainer supplies at instantiation, per plug-in group.
+RUNTIME_ARGS = {
+    "data": {"device"},
+    "model": {"num_classes", "input_shape"},
+    "optimizer": {"params"},
+    "schedule": {"steps_per_epoch", "total_steps"},
+    "algorithm": {"replicas", "comm", "optimizers"},
+}
+OWN_KEYS = {"optimizer": {"exclude_bn_bias_from_weight_decay"}}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is the one line shown to the user."""
+
+
+def check_target(group: str, node: Any) -> None:
+    """The node's `_target_` exists and accepts its keys plus the trainer's runtime arguments."""
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        raise ConfigError(f"{group}: no _target_ set; pick one with {group}=<option>")
+    target = node._target_
+    try:
+        obj = get_object(target)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the same user error
+        raise ConfigError(f"{group}._target_={target} cannot be imported ({exc})") from None
+    keys = [k for k in node if not str(k).startswith("_") and k not in OWN_KEYS.get(group, ())]
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return
+    params = signature.parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = [k for k in keys if k not in params]
+    if unknown:
+        allowed = sorted(set(params) - RUNTIME_ARGS.get(group, set()) - {"self"})
+        raise ConfigError(
+            f"{group}.{unknown[0]} is not an option of {target}; valid options: "
+            + ", ".join(allowed)
+        )
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise `ConfigError` for any configuration that would fail once workers are running."""
+    if cfg.workers < 1:
+        raise ConfigError(f"workers={cfg.workers}: need at least 1 worker; set workers=1 or more")
+    backend = cfg.backend.name
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend={backend} is unknown; choose one of: {', '.join(BACKENDS)}")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "backend=nccl needs CUDA GPUs but none is visible; "
+                "use backend=gloo (CPU processes) or backend=simulated"
+            )
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.workers))
+        if torch.cuda.device_count() < local:
+            raise ConfigError(
+                f"backend=nccl puts one worker per GPU: {local} workers here but only "
+                f"{torch.cuda.device_count()} GPUs; lower workers or use backend=simulated"
+            )
+    if cfg.train.device not in ("auto", "cpu") and not cfg.train.device.startswith("cuda"):
+        raise ConfigError(f"train.device={cfg.train.device}: use auto, cpu or cuda[:N]")
+    if cfg.train.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"train.device={cfg.train.device} but no GPU is visible; use train.device=cpu"
+        )
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])
+        if world != cfg.workers:
+            raise ConfigError(
+                f"torchrun started {world} processes but workers={cfg.workers}; "
+                f"pass workers={world}"
+            )
+        if backend == "simulated":
+            raise ConfigError(
+                "started by torchrun but backend=simulated; pass backend=gloo or nccl"
+            )
+    if cfg.train.batch_size < 1:
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size}: must be at least 1")
+    if cfg.train.steps is not None and cfg.train.steps < 1:
+        raise ConfigError(
+            f"train.steps={cfg.train.steps}: must be at least 1 (or null to use epochs)"
+        )
+    if cfg.train.steps is None and cfg.train.epochs <= 0:
+        raise ConfigError(f"train.epochs={cfg.train.epochs}: must be positive")
+    if cfg.train.log_every < 1:
+        raise ConfigError(f"train.log_every={cfg.train.log_every}: must be at least 1")
+    if cfg.train.lr_scaling not in LR_SCALINGS:
+        raise ConfigError(
+            f"train.lr_scaling={cfg.train.lr_scaling}; choose one of: {', '.join(LR_SCALINGS)}"
+        )
+    if cfg.comm.reduction not in ("ring", "centralized"):
+        raise ConfigError(f"comm.reduction={cfg.comm.reduction}; choose one of: ring, centralized")
+    if cfg.network.bandwidth_gbit <= 0 or cfg.network.latency_us < 0:
+        raise ConfigError("network.bandwidth_gbit must be > 0 and network.latency_us >= 0")
+    if cfg.logger.mode is not None and cfg.logger.mode not in ("online", "offline", "disabled"):
+        raise ConfigError(
+            f"logger.mode={cfg.logger.mode}; choose one of: online, offline, disabled"
+        )
+    for group in RUNTIME_ARGS:
+        check_target(group, cfg[group])
+    OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg)))
