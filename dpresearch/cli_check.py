@@ -28,6 +28,10 @@ FLAGS_WITH_VALUE = {
     "--config-dir",
     "-cd",
     "--experimental-rerun",
+    "--cfg",
+    "-c",
+    "--package",
+    "-p",
 }
 
 

@@ -73,7 +73,10 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     try:
         comm = DistributedCommunicator(network_model(cfg), cfg.comm.reduction)
         writer_dir = run_dir if comm.is_main_process else None
-        return Trainer(cfg, comm, device, writer_dir).run()
+        summary = Trainer(cfg, comm, device, writer_dir).run()
+        # Leave together: a rank that exits while a peer still uses the gloo pair can abort it.
+        dist.barrier()
+        return summary
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,63 @@
+"""Shared fixtures: compose the project's Hydra config in-process, run the CLI as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+import dpresearch.train  # noqa: F401 - registers the structured config schema
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "conf"
+SHARED = REPO.parent / "shared"
+
+# A small, fast experiment: 1024 synthetic examples, a 16-32-10 MLP.
+SMALL = [
+    "data.num_train=1024",
+    "data.num_test=256",
+    "data.num_features=16",
+    "model.hidden=[32]",
+    "train.progress=false",
+    "train.log_every=5",
+]
+
+
+def compose_config(*overrides: str) -> DictConfig:
+    """The composed config for `overrides`, exactly as `python -m dpresearch.train` builds it."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.fixture
+def small_config() -> Callable[..., DictConfig]:
+    """compose(SMALL + overrides)."""
+    return lambda *overrides: compose_config(*SMALL, *overrides)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(
+    args: list[str], cwd: Path, timeout: float = 120, module: str = "dpresearch.train"
+) -> subprocess.CompletedProcess:
+    """Run `python -m <module> args` in `cwd`; returns the completed process (text output)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled", HYDRA_FULL_ERROR="0")
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -1,0 +1,80 @@
+"""Reference trainers written directly against torch, independent of dpresearch's loop:
+torch DDP with DistributedSampler, and single-process SGD on the concatenated global batch."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
+
+from dpresearch.data.synthetic import make_synthetic
+from dpresearch.models.mlp import MLP
+
+# Must match conftest.SMALL and the overrides the tests pass.
+DATA = dict(num_train=1024, num_test=256, num_features=16, num_classes=10, noise=1.0, seed=0)
+SEED, LR, STEPS, BATCH = 0, 0.1, 20, 16
+
+
+def _model(batch_norm: bool) -> torch.nn.Module:
+    torch.manual_seed(SEED)
+    return MLP(10, (16,), hidden=[32], batch_norm=batch_norm)
+
+
+def _shard_batches(world: int, rank: int, n: int):
+    """DistributedSampler(shuffle, seed, drop_last) batches of BATCH, epoch after epoch."""
+    sampler = DistributedSampler(
+        range(n), num_replicas=world, rank=rank, shuffle=True, seed=SEED, drop_last=True
+    )
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        idx = torch.tensor(list(sampler))
+        for b in range(len(idx) // BATCH):
+            yield idx[b * BATCH : (b + 1) * BATCH]
+        epoch += 1
+
+
+def ddp_worker(rank: int, world: int, port: int, out_path: str, batch_norm: bool) -> None:
+    """One rank of a torch DDP run; rank 0 saves the final state dict to `out_path`."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    data = make_synthetic(**DATA)
+    model = _model(batch_norm)
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    batches = _shard_batches(world, rank, DATA["num_train"])
+    for _ in range(STEPS):
+        x, y = data.train_batch(next(batches))
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    if rank == 0:
+        torch.save(model.state_dict(), out_path)
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it
+    dist.destroy_process_group()
+
+
+def run_ddp(world: int, out_path: str, port: int, batch_norm: bool = False) -> dict:
+    torch.multiprocessing.spawn(
+        ddp_worker, args=(world, port, out_path, batch_norm), nprocs=world, join=True
+    )
+    return torch.load(out_path)
+
+
+def run_single_process(world: int) -> dict:
+    """Plain SGD on the concatenation of the `world` workers' shards of each global batch."""
+    data = make_synthetic(**DATA)
+    model = _model(batch_norm=False)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    streams = [_shard_batches(world, r, DATA["num_train"]) for r in range(world)]
+    for _ in range(STEPS):
+        x, y = data.train_batch(torch.cat([next(s) for s in streams]))
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model.state_dict()

@@ -1,0 +1,74 @@
+"""Every option of every config group composes and validates; bad input gives one line."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import CONF_DIR, compose_config, run_cli
+
+from dpresearch.validate import ConfigError, validate
+
+GROUPS = ["data", "model", "optimizer", "schedule", "algorithm", "backend", "network", "logger"]
+NEEDS_GPU = {("backend", "nccl")}
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize(
+    "group,option", [(g, o) for g in GROUPS for o in options(g) if (g, o) not in NEEDS_GPU]
+)
+def test_every_option_composes_and_validates(group, option):
+    cfg = compose_config(f"{group}={option}")
+    validate(cfg)
+
+
+def test_required_groups_exist():
+    for group in GROUPS:
+        assert options(group), f"conf/{group} has no options"
+
+
+def test_nccl_without_gpu_is_rejected():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ConfigError, match="backend=gloo"):
+        validate(compose_config("backend=nccl"))
+
+
+def test_unknown_target_argument_is_rejected():
+    with pytest.raises(ConfigError, match="model.width is not an option"):
+        validate(compose_config("+model.width=3"))
+
+
+def test_cfg_job_prints_composed_config(tmp_path):
+    out = run_cli(["--cfg", "job", "algorithm=local_sgd"], cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "period: 8" in out.stdout and "workers: 4" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args,fix",
+    [
+        (["algorithm=foo"], "choose one of: local_sgd, sync"),
+        (["not_a_key=1"], "not a config key"),
+        (["workers=0"], "set workers=1 or more"),
+        (["workers=abc"], "could not be converted to Integer"),
+        (["backend=nccl"], "use backend=gloo"),
+        (["train.lr_scaling=quadratic"], "choose one of: none, linear"),
+    ],
+)
+def test_bad_input_gives_one_clear_line(tmp_path, args, fix):
+    """Acceptance F: non-zero exit, one line naming the fix, nothing started or written."""
+    import torch
+
+    if args == ["backend=nccl"] and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    out = run_cli(args, cwd=tmp_path, timeout=60)
+    assert out.returncode != 0
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("error: ") and fix in lines[0]
+    assert "Traceback" not in out.stdout + out.stderr
+    assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*.jsonl"))
