@@ -43,8 +43,8 @@ def threads_per_process(cfg: DictConfig, local_processes: int) -> int:
     return max(1, (os.cpu_count() or 1) // local_processes)
 
 
-def run_simulated(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
-    """Run all K workers in this process."""
+def run_simulated(cfg: DictConfig, run_dir: Path | None, dataset: Any = None) -> dict[str, Any]:
+    """Run all K workers in this process (on `dataset` if already loaded)."""
     from dpresearch.comm.simulated import SimulatedCommunicator
     from dpresearch.trainer import Trainer
 
@@ -52,7 +52,7 @@ def run_simulated(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     comm = SimulatedCommunicator(cfg.workers, network_model(cfg), cfg.comm.reduction)
-    return Trainer(cfg, comm, torch.device(device_name), run_dir).run()
+    return Trainer(cfg, comm, torch.device(device_name), run_dir, dataset).run()
 
 
 def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from dpresearch.launch import (
     run_simulated,
     under_torchrun,
 )
-from dpresearch.validate import ConfigError, validate
+from dpresearch.validate import ConfigError, prepare_data, validate
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -41,8 +41,9 @@ def train(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     validate(cfg)
     if under_torchrun():
         return run_as_worker(cfg, run_dir if global_rank() == 0 else None)
+    dataset = prepare_data(cfg)
     if cfg.backend.name == "simulated":
-        return run_simulated(cfg, run_dir)
+        return run_simulated(cfg, run_dir, dataset)
     return launch_local(cfg, run_dir)
 
 
@@ -50,11 +51,18 @@ def train(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
 def _hydra_main(cfg: DictConfig) -> float | None:
     writes = not under_torchrun() or global_rank() == 0
     run_dir = Path(HydraConfig.get().runtime.output_dir) if writes else None
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     try:
         summary = train(cfg, run_dir)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except ChildFailedError as exc:
+        # The report holds the failed worker's own traceback; the launcher's frames add nothing.
+        print(exc.format_msg(), file=sys.stderr)
+        print(f"error: worker process failed; the job was stopped ({exc.name})", file=sys.stderr)
+        sys.exit(1)
     return summary.get("test/acc")
 
 

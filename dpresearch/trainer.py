@@ -42,12 +42,19 @@ class Trainer:
     """Builds everything from `cfg` for the workers this process holds and runs the loop."""
 
     def __init__(
-        self, cfg: DictConfig, comm: Communicator, device: torch.device, run_dir: Path | None
+        self,
+        cfg: DictConfig,
+        comm: Communicator,
+        device: torch.device,
+        run_dir: Path | None,
+        dataset: Dataset | None = None,
     ) -> None:
         self.cfg, self.comm, self.device = cfg, comm, device
         k, tc = cfg.workers, cfg.train
         torch.manual_seed(cfg.seed)
-        self.data: Dataset = instantiate(cfg.data, device=str(device))
+        self.data: Dataset = (
+            dataset.to(device) if dataset is not None else instantiate(cfg.data, device=str(device))
+        )
         self.partitioner = self.data.make_partitioner(k, cfg.seed)
         self.steps_per_epoch = self.partitioner.samples_per_worker // tc.batch_size
         if self.steps_per_epoch < 1:

@@ -115,3 +115,19 @@ def validate(cfg: DictConfig) -> None:
     for group in RUNTIME_ARGS:
         check_target(group, cfg[group])
     OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg)))
+
+
+def prepare_data(cfg: DictConfig):
+    """Load (and, with `data.download=true`, fetch) the data set once, before any worker starts,
+    so a missing or corrupt data set is one line here rather than K tracebacks later. Returns
+    the data set on the CPU."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(cfg.data, device="cpu")
+    except InstantiationException as exc:
+        cause = exc.__cause__ or exc
+        if isinstance(cause, (OSError, ValueError, ConnectionError, ImportError)):
+            raise ConfigError(str(cause).strip().splitlines()[0]) from None
+        raise

@@ -1,0 +1,157 @@
+"""Launching: torchrun across two "nodes", sweeps, failure handling, logging (issue 2 C, E, F)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import SMALL, free_port, run_cli
+
+
+def run_dirs(root):
+    return sorted(p.parent for p in root.rglob("config.yaml") if p.parent.name != ".hydra")
+
+
+@pytest.mark.distributed
+def test_two_node_torchrun_writes_exactly_one_run_directory(tmp_path):
+    """Acceptance C: 2 nodes × 2 processes, c10d rendezvous on 127.0.0.1."""
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    nodes = []
+    for node_rank in range(2):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--node-rank",
+            str(node_rank),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "dpresearch-test",
+            "--max-restarts",
+            "0",
+            "-m",
+            "dpresearch.train",
+            "backend=gloo",
+            "workers=4",
+            "train.steps=12",
+            *SMALL,
+        ]
+        nodes.append(
+            subprocess.Popen(
+                cmd,
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = [p.communicate(timeout=240)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(outputs)
+    dirs = run_dirs(tmp_path)
+    assert len(dirs) == 1, dirs
+    rows = [json.loads(ln) for ln in (dirs[0] / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 12 and rows[-1]["samples"] == 12 * 4 * 32
+    assert (dirs[0] / "model_final.pt").exists() and (dirs[0] / "summary.json").exists()
+    # Nothing else was written anywhere under the working directory.
+    written = {p for p in tmp_path.rglob("*") if p.is_file()}
+    assert all(dirs[0] in p.parents for p in written), sorted(written)
+
+
+def test_sweep_yields_one_run_directory_per_point(tmp_path):
+    """Acceptance E: a 2×2 -m sweep gives 4 run directories with distinct configs."""
+    out = run_cli(
+        [
+            "-m",
+            "train.batch_size=16,32",
+            "algorithm=sync,local_sgd",
+            "train.steps=6",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+            *SMALL,
+        ],
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    dirs = run_dirs(tmp_path / "sweep")
+    assert len(dirs) == 4
+    configs = {(d / "config.yaml").read_text() for d in dirs}
+    assert len(configs) == 4
+    for d in dirs:
+        rows = (d / "metrics.jsonl").read_text().splitlines()
+        assert json.loads(rows[-1])["step"] == 6
+        assert json.loads((d / "summary.json").read_text())["total_steps"] == 6
+    assert {json.loads((d / "summary.json").read_text())["samples"] for d in dirs} == {
+        6 * 4 * 16,
+        6 * 4 * 32,
+    }
+
+
+@pytest.mark.distributed
+def test_crashing_worker_fails_the_job_fast_with_its_traceback(tmp_path):
+    """Acceptance F: worker 1 raises at step 3 → non-zero exit within 30 s, its traceback shown,
+    what was already logged kept."""
+    start = time.monotonic()
+    out = run_cli(
+        [
+            "backend=gloo",
+            "workers=2",
+            "debug.fail_worker=1",
+            "debug.fail_at_step=3",
+            "train.steps=1000",
+            "train.log_every=1",
+            *SMALL[:-1],
+        ],
+        cwd=tmp_path,
+        timeout=120,
+    )
+    elapsed = time.monotonic() - start
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert elapsed < 30, f"took {elapsed:.1f}s"
+    assert "injected failure on worker 1 at step 3" in text
+    assert "Traceback" in text and "_maybe_fail" in text
+    dirs = run_dirs(tmp_path / "outputs")
+    assert len(dirs) == 1
+    logged = [json.loads(ln) for ln in (dirs[0] / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3]
+
+
+def test_wandb_offline_writes_local_run(tmp_path):
+    out = run_cli(
+        ["logger=wandb", "logger.mode=offline", "train.steps=4", *SMALL], cwd=tmp_path, timeout=180
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run_dir,) = run_dirs(tmp_path / "outputs")
+    offline = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1
+    assert (run_dir / "metrics.jsonl").exists()
+
+
+def test_default_run_needs_no_network_or_account(tmp_path):
+    env_free = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
+    out = subprocess.run(
+        [sys.executable, "-m", "dpresearch.train", "train.steps=3", *SMALL],
+        cwd=tmp_path,
+        env=env_free,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert not (tmp_path / "wandb").exists()
+    (run_dir,) = run_dirs(tmp_path / "outputs")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["comm/bytes"] == 3 * summary["num_params"] * 4
