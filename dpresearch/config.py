@@ -20,7 +20,9 @@ class TrainConfig:
 
     `steps` (if set) overrides `epochs`; `eval_every` is in steps (null: at every epoch end);
     `lr_scaling`: "linear" multiplies the optimizer's lr by the number of workers (Goyal et al.),
-    "none" leaves it.
+    "none" leaves it. `channels_last`: NHWC inputs and conv weights (faster convolutions on
+    GPUs). `autocast`: null, "bf16" or "fp16" mixed-precision forward/backward; fp16 multiplies
+    the loss by the static `loss_scale` and divides the gradients by it before communication.
     """
 
     steps: int | None = None
@@ -33,6 +35,9 @@ class TrainConfig:
     device: str = "auto"
     progress: bool = True
     save_model: bool = True
+    channels_last: bool = False
+    autocast: str | None = None
+    loss_scale: float = 1024.0
 
 
 @dataclass

@@ -3,7 +3,9 @@
 Each replica's parameters are views into row w of `params` (`[W, D]`) and its gradients views
 into row w of `grads`, so a collective over all parameters or gradients of all local workers is
 one call on one tensor, and backward accumulates straight into the communication buffer (as
-DDP's `gradient_as_bucket_view`). Floating-point buffers (BatchNorm statistics) are likewise
+DDP's `gradient_as_bucket_view`). With `channels_last`, 4-D parameters are laid out NHWC inside
+their slice of the row (a permuted view), so convolutions get channels-last weights without
+leaving the flat buffer. Floating-point buffers (BatchNorm statistics) are likewise
 views into `buffers` (`[W, Db]`). Integer buffers (`num_batches_tracked`) stay per replica:
 every worker steps the same number of times, so they agree without communication.
 """
@@ -19,7 +21,9 @@ from torch import Tensor, nn
 class Replicas:
     """`num_local` independent copies of `model`, all starting from its current state."""
 
-    def __init__(self, model: nn.Module, num_local: int, device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, num_local: int, device: torch.device, channels_last: bool = False
+    ) -> None:
         model = model.to(device)
         params = [p for p in model.parameters() if p.requires_grad]
         dtypes = {p.dtype for p in params}
@@ -36,10 +40,11 @@ class Replicas:
         for w, replica in enumerate(self.models):
             offset = 0
             for p in (p for p in replica.parameters() if p.requires_grad):
-                view = self.params[w, offset : offset + p.numel()].view_as(p)
+                nhwc = channels_last and p.dim() == 4
+                view = _shaped(self.params[w, offset : offset + p.numel()], p.shape, nhwc)
                 view.copy_(p.data)
                 p.data = view
-                p.grad = self.grads[w, offset : offset + p.numel()].view_as(p)
+                p.grad = _shaped(self.grads[w, offset : offset + p.numel()], p.shape, nhwc)
                 offset += p.numel()
             offset = 0
             for module in replica.modules():
@@ -71,8 +76,11 @@ class Replicas:
         """Copy one flat parameter row and buffer row into `target` (same architecture);
         integer buffers are taken from local replica 0."""
         offset = 0
-        for p in (p for p in target.parameters() if p.requires_grad):
-            p.data.copy_(params[offset : offset + p.numel()].view_as(p))
+        sources = [q for q in self.models[0].parameters() if q.requires_grad]
+        targets = [p for p in target.parameters() if p.requires_grad]
+        for p, q in zip(targets, sources, strict=True):
+            nhwc = q.dim() == 4 and not q.is_contiguous()
+            p.data.copy_(_shaped(params[offset : offset + p.numel()], p.shape, nhwc))
             offset += p.numel()
         offset = 0
         source_int = [b for b in self.models[0].buffers() if not b.is_floating_point()]
@@ -84,3 +92,11 @@ class Replicas:
         for dst, src in zip(target_int, source_int, strict=True):
             dst.copy_(src)
         return target
+
+
+def _shaped(flat: Tensor, shape: torch.Size, channels_last: bool) -> Tensor:
+    """View a flat slice as `shape`, NCHW-contiguous or (4-D only) channels-last."""
+    if not channels_last:
+        return flat.view(shape)
+    n, c, h, w = shape
+    return flat.view(n, h, w, c).permute(0, 3, 1, 2)

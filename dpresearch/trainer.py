@@ -69,7 +69,7 @@ class Trainer:
         model: nn.Module = instantiate(
             cfg.model, num_classes=self.data.num_classes, input_shape=self.data.input_shape
         )
-        self.replicas = Replicas(model, comm.num_local, device)
+        self.replicas = Replicas(model, comm.num_local, device, tc.channels_last)
         # Replicas built from one seed are identical, but broadcasting worker 0's state makes
         # that true even where initialisation draws differ between processes.
         comm.broadcast(self.replicas.params, src=0, record=False)
@@ -92,7 +92,18 @@ class Trainer:
         self.logger = (
             RunLogger(run_dir, resolved, cfg.logger) if run_dir is not None else NullLogger()
         )
+        self.loss_scale = float(tc.loss_scale) if tc.autocast == "fp16" else 1.0
         self.comm.ledger.reset()
+
+    def _autocast(self):
+        """Mixed precision for the forward pass (and, through autograd, the backward)."""
+        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+        enabled = self.cfg.train.autocast in dtypes
+        return torch.autocast(
+            self.device.type,
+            dtype=dtypes.get(self.cfg.train.autocast, torch.bfloat16),
+            enabled=enabled,
+        )
 
     # -- evaluation ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -107,7 +118,10 @@ class Trainer:
         for x, y in self.data.test_batches(
             self.cfg.train.eval_batch_size, process_index, num_processes
         ):
-            out = model(x)
+            if self.cfg.train.channels_last and x.dim() == 4:
+                x = x.contiguous(memory_format=torch.channels_last)
+            with self._autocast():
+                out = model(x).float()
             sums[0, 0] += F.cross_entropy(out, y, reduction="sum").double()
             sums[0, 1] += (out.argmax(1) == y).sum().double()
             sums[0, 2] += y.numel()
@@ -141,14 +155,19 @@ class Trainer:
                 x, y = self.data.train_batch(
                     indices[w][pos * batch : (pos + 1) * batch], self.generators[w]
                 )
-                out = model(x)
-                loss = F.cross_entropy(out, y)
-                loss.backward()
+                if tc.channels_last and x.dim() == 4:
+                    x = x.contiguous(memory_format=torch.channels_last)
+                with self._autocast():
+                    out = model(x)
+                    loss = F.cross_entropy(out, y)
+                (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
                 with torch.no_grad():
                     window[w, 0] += loss.double()
                     window[w, 1] += (out.argmax(1) == y).double().mean()
                     window[w, 2] += 1
             self._maybe_fail(step)
+            if self.loss_scale != 1.0:
+                self.replicas.grads.div_(self.loss_scale)
             self.algorithm.after_backward(step)
             step_comm = comm.ledger.measured_s - comm_before
             compute_s += time.perf_counter() - step_start - step_comm

@@ -100,6 +100,14 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"train.epochs={cfg.train.epochs}: must be positive")
     if cfg.train.log_every < 1:
         raise ConfigError(f"train.log_every={cfg.train.log_every}: must be at least 1")
+    if cfg.train.autocast not in (None, "bf16", "fp16"):
+        raise ConfigError(f"train.autocast={cfg.train.autocast}; choose one of: null, bf16, fp16")
+    if (
+        cfg.train.autocast == "fp16"
+        and backend != "nccl"
+        and not (cfg.train.device.startswith("cuda") or torch.cuda.is_available())
+    ):
+        raise ConfigError("train.autocast=fp16 needs a GPU; use train.autocast=bf16 on CPUs")
     if cfg.train.lr_scaling not in LR_SCALINGS:
         raise ConfigError(
             f"train.lr_scaling={cfg.train.lr_scaling}; choose one of: {', '.join(LR_SCALINGS)}"
