@@ -1,6 +1,7 @@
 """Structured-config schema: types and defaults for every key that is not a plug-in.
 
-Plug-in groups (`data`, `model`, `optimizer`, `schedule`, `algorithm`) are Hydra `_target_`
+Plug-in groups (`data`, `model`, `optimizer`, `schedule`, `algorithm`, `compressor`,
+`error_feedback`) are Hydra `_target_`
 nodes whose keys belong to their target; their arguments are checked against the target's
 signature by `validate.py` before any worker starts. Everything else is typed here, so an
 unknown key or a wrongly typed value fails at composition.
@@ -106,6 +107,8 @@ class Config:
     optimizer: Any = None
     schedule: Any = None
     algorithm: Any = None
+    compressor: Any = None
+    error_feedback: Any = None
 
 
 def register_configs() -> None:

@@ -20,6 +20,8 @@ RUNTIME_ARGS = {
     "optimizer": {"params"},
     "schedule": {"steps_per_epoch", "total_steps"},
     "algorithm": {"replicas", "comm", "optimizers"},
+    "compressor": {"seed", "worker"},
+    "error_feedback": {"inner"},
 }
 OWN_KEYS = {"optimizer": {"exclude_bn_bias_from_weight_decay"}}
 
@@ -122,7 +124,46 @@ def validate(cfg: DictConfig) -> None:
         )
     for group in RUNTIME_ARGS:
         check_target(group, cfg[group])
+    check_compression(cfg)
     OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg)))
+
+
+def _is_default(node: Any, target: str, **defaults: Any) -> bool:
+    return node is None or (
+        node.get("_target_") == target and all(node.get(k, v) == v for k, v in defaults.items())
+    )
+
+
+def check_compression(cfg: DictConfig) -> None:
+    """Compressor and error feedback pair with each other and with the algorithm."""
+    from dpresearch.compress.build import check_compatibility
+
+    alg = cfg.algorithm
+    if "compressor" not in alg:
+        idle = _is_default(cfg.compressor, "dpresearch.compress.casts.Identity") and _is_default(
+            cfg.error_feedback,
+            "dpresearch.compress.error_feedback.ErrorFeedback",
+            mode="none",
+            momentum=0.0,
+        )
+        if not idle:
+            raise ConfigError(
+                f"{alg._target_.rsplit('.', 1)[-1]} does not use compressor/error_feedback; "
+                "use algorithm=sync, or leave compressor=identity error_feedback=none"
+            )
+        return
+    try:
+        check_compatibility(
+            alg.compressor,
+            alg.error_feedback,
+            granularity=alg.get("granularity", "auto"),
+            bucket_mb=alg.get("bucket_mb", 25.0),
+            collective=alg.get("collective", "auto"),
+            optimizer_momentum=float(cfg.optimizer.get("momentum", 0.0) or 0.0),
+            where="algorithm",
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def prepare_data(cfg: DictConfig):

@@ -1,6 +1,9 @@
-"""Synchronous data-parallel SGD: average the workers' gradients, every worker steps.
+"""Synchronous data-parallel SGD: aggregate the workers' (compressed) gradients, every worker
+steps on the result.
 
-With identity communication this is exactly what torch DDP computes. BatchNorm buffers follow
+The gradient exchange is a `CompressedReducer` built from the `compressor` and
+`error_feedback` nodes: linear payloads are allreduced, the others allgathered and decoded.
+With the identity compressor this is exactly what torch DDP computes. BatchNorm buffers follow
 DDP's default (`broadcast_buffers=True`): before every forward, worker 0's buffers are copied to
 all workers, so the running statistics are worker 0's; `buffers="local"` keeps each worker's
 own (DDP with `broadcast_buffers=False`) and evaluates with worker 0's.
@@ -8,18 +11,26 @@ own (DDP with `broadcast_buffers=False`) and evaluates with worker 0's.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from dpresearch.algorithms.base import Algorithm
 from dpresearch.comm.base import Communicator
+from dpresearch.compress import build_reducer, param_layout
 from dpresearch.replicas import Replicas
 
 BUFFER_MODES = ("broadcast", "local")
 
 
 class SyncSGD(Algorithm):
-    """Gradient averaging by allreduce, then one optimizer step per worker."""
+    """Gradient aggregation (compressed or not), then one optimizer step per worker.
+
+    compressor / error_feedback: config nodes (`_target_`s) built once per local worker, seeded
+    by (`seed`, worker id); None means identity without error feedback.
+    """
 
     def __init__(
         self,
@@ -27,20 +38,43 @@ class SyncSGD(Algorithm):
         comm: Communicator,
         optimizers: list[torch.optim.Optimizer],
         buffers: str = "broadcast",
+        compressor: Mapping[str, Any] | None = None,
+        error_feedback: Mapping[str, Any] | None = None,
+        seed: int = 0,
+        granularity: str = "auto",
+        bucket_mb: float = 25.0,
+        collective: str = "auto",
     ) -> None:
         super().__init__(replicas, comm, optimizers)
         if buffers not in BUFFER_MODES:
             raise ValueError(f"algorithm.buffers={buffers!r}; choose one of: {BUFFER_MODES}")
         self.buffer_mode = buffers
+        compressor = compressor or {"_target_": "dpresearch.compress.casts.Identity"}
+        self.reducer = build_reducer(
+            compressor,
+            error_feedback,
+            comm,
+            param_layout(replicas.models[0]),
+            seed,
+            granularity=granularity,
+            bucket_mb=bucket_mb,
+            collective=collective,
+        )
 
     def before_forward(self, step: int) -> None:
         if self.buffer_mode == "broadcast" and self.replicas.buffers.shape[1] > 0:
             self.comm.broadcast(self.replicas.buffers, src=0)
 
     def after_backward(self, step: int) -> None:
-        self.comm.all_reduce(self.replicas.grads, op="mean")
+        self.reducer.reduce(self.replicas.grads, step)
         for opt in self.optimizers:
             opt.step()
+
+    def state_dict(self) -> dict:
+        return {"reducer": self.reducer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reducer.load_state_dict(state["reducer"])
 
     def consensus(self) -> tuple[Tensor, Tensor]:
         # Parameters are identical on every worker; the buffers are worker 0's.

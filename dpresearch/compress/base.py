@@ -1,0 +1,199 @@
+"""The compressor contract.
+
+A `Compressor` instance belongs to ONE worker: it may hold that worker's state (error-feedback
+memory, PowerSGD's warm-start Q) and draws its randomness from streams seeded by
+(run seed, worker id, key, step) — see `rng.py`. A *chunk* is one compression unit (a tensor, a
+bucket of flattened tensors, or the whole model), named by a string `key` that is stable across
+steps. The unit of communication is a list of chunks (a bucket): all payloads of one worker for
+one bucket travel as ONE row in ONE collective per protocol round, so the bytes the ledger
+records are exactly the payload bytes documented by each compressor.
+
+Aggregation algebra (`linear`):
+- linear: payloads of different workers can be summed element-wise and the sum decoded
+  (allreduce). Sums happen in the payload's dtype (fp16 casts are summed in fp16).
+- non-linear: every worker's payload is gathered (allgather), each is decoded, and the decoded
+  tensors are combined by `finalize` (by default their mean).
+
+`aggregate` is the protocol hook. `SingleRoundCompressor` implements it once for every
+compressor that is a compress → one collective → decompress pipeline; a compressor with a
+multi-round protocol (PowerSGD: P round, then Q round) subclasses `Compressor` directly and
+writes its own.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from dpresearch.comm.base import Communicator
+from dpresearch.compress.wire import RowLayout, Spec
+from dpresearch.compress.workspace import scratch
+
+COLLECTIVES = ("auto", "allreduce", "allgather")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One compression unit: `numel` elements at `offset` within its bucket's flat row.
+
+    `shape` is the tensor's own shape when the chunk is exactly one parameter (PowerSGD uses it
+    to view a conv weight as out × in·k·k), else None.
+    """
+
+    key: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...] | None = None
+
+    @property
+    def slice(self) -> slice:
+        return slice(self.offset, self.offset + self.numel)
+
+
+class Compressor(ABC):
+    """Per-worker compressor. Subclasses set `linear` and implement `payload_bytes` and
+    `aggregate`.
+
+    seed: the run's seed (shared by all workers); worker: this worker's global id. Both are
+    supplied at build time, never in a config file.
+    """
+
+    linear: ClassVar[bool] = False
+
+    def __init__(self, seed: int = 0, worker: int = 0) -> None:
+        self.seed = int(seed)
+        self.worker = int(worker)
+
+    @abstractmethod
+    def payload_bytes(
+        self, numel: int, shape: tuple[int, ...] | None = None, dtype: torch.dtype = torch.float32
+    ) -> int:
+        """Exact bytes one worker sends for one chunk of `numel` elements (all rounds)."""
+
+    @classmethod
+    @abstractmethod
+    def aggregate(
+        cls,
+        workers: Sequence[Compressor],
+        rows: Sequence[Tensor],
+        chunks: Sequence[Chunk],
+        comm: Communicator,
+        step: int,
+        out: Tensor,
+        local: Sequence[Tensor] | None = None,
+        collective: str = "auto",
+    ) -> None:
+        """Run the protocol for one bucket.
+
+        workers: this process's compressors, one per local worker (in `comm.local_workers`
+        order); rows: each local worker's flat input for the bucket (1-D, same length); chunks:
+        the compression units tiling the rows. Writes into `out` the aggregate that every worker
+        uses (the same on all workers); if `local` is given, writes into `local[w]` worker w's
+        own decoded message D(C(rows[w])) — what error feedback subtracts. Never modifies `rows`.
+        """
+
+    @property
+    def wraps(self) -> Compressor:
+        """The compressor that produces the payload (self unless this is a decorator)."""
+        return self
+
+    def state_dict(self) -> dict:
+        """Per-worker state to checkpoint (tensors keyed by chunk key)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned."""
+
+
+class SingleRoundCompressor(Compressor):
+    """A compress → one collective → decompress compressor.
+
+    Subclasses implement `payload_spec`, `compress` and `decompress`; `decompress` must depend
+    only on the payload, the chunk and the step — never on the sending worker's state — since a
+    receiver decodes every worker's payload with its own instance.
+    """
+
+    @abstractmethod
+    def payload_spec(self, chunk: Chunk, dtype: torch.dtype) -> Spec:
+        """The payload components for `chunk`: a list of (dtype, element count). Fixed by the
+        chunk's size, so a receiver can split a row without headers."""
+
+    @abstractmethod
+    def compress(self, x: Tensor, chunk: Chunk, step: int) -> list[Tensor]:
+        """Encode the flat 1-D `x` (`chunk.numel` elements) into payload components matching
+        `payload_spec`. Must not modify `x`."""
+
+    @abstractmethod
+    def decompress(self, payload: Sequence[Tensor], chunk: Chunk, step: int, out: Tensor) -> None:
+        """Decode `payload` into `out` (1-D, `chunk.numel` elements)."""
+
+    def decompress_sum(
+        self, payloads: Sequence[Sequence[Tensor]], chunk: Chunk, step: int, out: Tensor
+    ) -> None:
+        """`out` = Σ_k decompress(payloads[k]), summed in worker order."""
+        self.decompress(payloads[0], chunk, step, out)
+        if len(payloads) > 1:
+            tmp = scratch("decode.sum", out.numel(), out.dtype, out.device)
+            for payload in payloads[1:]:
+                self.decompress(payload, chunk, step, tmp)
+                out.add_(tmp)
+
+    def finalize(self, total: Tensor, count: int) -> None:
+        """Turn the sum of `count` decoded messages into the aggregate, in place (mean)."""
+        total.div_(count)
+
+    def payload_bytes(
+        self, numel: int, shape: tuple[int, ...] | None = None, dtype: torch.dtype = torch.float32
+    ) -> int:
+        spec = self.payload_spec(Chunk("", 0, numel, shape), dtype)
+        return sum(count * dt.itemsize for dt, count in spec)
+
+    @classmethod
+    def aggregate(
+        cls,
+        workers: Sequence[Compressor],
+        rows: Sequence[Tensor],
+        chunks: Sequence[Chunk],
+        comm: Communicator,
+        step: int,
+        out: Tensor,
+        local: Sequence[Tensor] | None = None,
+        collective: str = "auto",
+    ) -> None:
+        lead = workers[0]
+        assert isinstance(lead, SingleRoundCompressor)
+        if collective not in COLLECTIVES:
+            raise ValueError(f"collective={collective!r}; choose one of: {', '.join(COLLECTIVES)}")
+        if collective == "allreduce" and not lead.linear:
+            raise ValueError(
+                f"{type(lead).__name__} is not linear: its payloads cannot be summed by "
+                "allreduce; use collective=allgather (or auto)"
+            )
+        linear = lead.linear if collective == "auto" else collective == "allreduce"
+        dtype = rows[0].dtype
+        layout = RowLayout([lead.payload_spec(ch, dtype) for ch in chunks], linear)
+        wire = scratch("wire.rows", (len(rows), layout.size), layout.dtype, rows[0].device)
+        for w, (worker, row) in enumerate(zip(workers, rows, strict=True)):
+            for i, ch in enumerate(chunks):
+                layout.write(wire[w], i, worker.compress(row[ch.slice], ch, step))
+                if local is not None:
+                    # Decode from the wire bytes, not from the compressor's tensors: EF must
+                    # subtract exactly what the receivers will see.
+                    lead.decompress(layout.read(wire[w], i), ch, step, local[w][ch.slice])
+        count = comm.world_size
+        if linear:
+            comm.all_reduce(wire, op="sum")
+            for i, ch in enumerate(chunks):
+                lead.decompress(layout.read(wire[0], i), ch, step, out[ch.slice])
+                lead.finalize(out[ch.slice], count)
+        else:
+            gathered = comm.all_gather(wire)
+            for i, ch in enumerate(chunks):
+                payloads = [layout.read(gathered[k], i) for k in range(count)]
+                lead.decompress_sum(payloads, ch, step, out[ch.slice])
+                lead.finalize(out[ch.slice], count)
