@@ -44,7 +44,9 @@ class TrainConfig:
 @dataclass
 class BackendConfig:
     """How workers are placed: `simulated` (all in this process), `gloo` (CPU processes) or
-    `nccl` (one GPU per process). `threads` per process (null: cores ÷ local processes)."""
+    `nccl` (one GPU per process). `threads`: torch threads per process (null: cores ÷ local
+    processes; simulated: torch's default). Matrix products round differently with different
+    thread counts, so bit-level comparisons across backends fix it (e.g. 1)."""
 
     name: str = "simulated"
     threads: int | None = None
@@ -62,9 +64,12 @@ class NetworkConfig:
 
 @dataclass
 class CommConfig:
-    """`reduction`: "ring" allreduce or "centralized" (parameter server on worker 0)."""
+    """`reduction`: "ring" allreduce or "centralized" (parameter server on worker 0).
+    `deterministic`: add sums in worker order on every backend, so simulated and multi-process
+    runs agree bit for bit (see `Communicator`)."""
 
     reduction: str = "ring"
+    deterministic: bool = False
 
 
 @dataclass

@@ -48,10 +48,14 @@ def run_simulated(cfg: DictConfig, run_dir: Path | None, dataset: Any = None) ->
     from dpresearch.comm.simulated import SimulatedCommunicator
     from dpresearch.trainer import Trainer
 
+    if cfg.backend.threads:
+        torch.set_num_threads(int(cfg.backend.threads))
     device_name = cfg.train.device
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
-    comm = SimulatedCommunicator(cfg.workers, network_model(cfg), cfg.comm.reduction)
+    comm = SimulatedCommunicator(
+        cfg.workers, network_model(cfg), cfg.comm.reduction, cfg.comm.deterministic
+    )
     return Trainer(cfg, comm, torch.device(device_name), run_dir, dataset).run()
 
 
@@ -71,7 +75,9 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.backend.timeout_s))
     try:
-        comm = DistributedCommunicator(network_model(cfg), cfg.comm.reduction)
+        comm = DistributedCommunicator(
+            network_model(cfg), cfg.comm.reduction, deterministic=cfg.comm.deterministic
+        )
         writer_dir = run_dir if comm.is_main_process else None
         summary = Trainer(cfg, comm, device, writer_dir).run()
         # Leave together: a rank that exits while a peer still uses the gloo pair can abort it.

@@ -36,6 +36,16 @@ def compose_config(*overrides: str) -> DictConfig:
         return compose(config_name="config", overrides=list(overrides))
 
 
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """`backend.threads` in a simulated run sets this process's thread count: undo it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def small_config() -> Callable[..., DictConfig]:
     """compose(SMALL + overrides)."""

@@ -38,14 +38,28 @@ def _shard_batches(world: int, rank: int, n: int):
         epoch += 1
 
 
-def ddp_worker(rank: int, world: int, port: int, out_path: str, batch_norm: bool) -> None:
-    """One rank of a torch DDP run; rank 0 saves the final state dict to `out_path`."""
+def ddp_worker(
+    rank: int, world: int, port: int, out_path: str, batch_norm: bool, hook: dict | None = None
+) -> None:
+    """One rank of a torch DDP run; rank 0 saves the final state dict to `out_path`.
+
+    hook: {"compressor": node, "error_feedback": node} registers dpresearch's compressed comm
+    hook (compressors seeded like our workers: (SEED, rank))."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     data = make_synthetic(**DATA)
     model = _model(batch_norm)
     ddp = DistributedDataParallel(model)
+    if hook is not None:
+        from dpresearch.compress import build_compressor, make_comm_hook
+
+        state, fn = make_comm_hook(
+            lambda r: build_compressor(hook["compressor"], None, SEED, r),
+            error_feedback=hook["error_feedback"],
+            model=ddp,
+        )
+        ddp.register_comm_hook(state, fn)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     batches = _shard_batches(world, rank, DATA["num_train"])
     for _ in range(STEPS):
@@ -59,9 +73,11 @@ def ddp_worker(rank: int, world: int, port: int, out_path: str, batch_norm: bool
     dist.destroy_process_group()
 
 
-def run_ddp(world: int, out_path: str, port: int, batch_norm: bool = False) -> dict:
+def run_ddp(
+    world: int, out_path: str, port: int, batch_norm: bool = False, hook: dict | None = None
+) -> dict:
     torch.multiprocessing.spawn(
-        ddp_worker, args=(world, port, out_path, batch_norm), nprocs=world, join=True
+        ddp_worker, args=(world, port, out_path, batch_norm, hook), nprocs=world, join=True
     )
     return torch.load(out_path)
 

@@ -30,6 +30,12 @@ class Communicator(ABC):
     reduction: "ring" (allreduce as a ring/tree collective) or "centralized" (parameter server
     on worker 0: gather, reduce, broadcast back). Both give the same sums; they differ in the
     traffic pattern the network model prices and, on real processes, in the calls made.
+
+    deterministic: sums are added in worker order, ((x₀ + x₁) + x₂) + …, on every backend, so a
+    simulated run and a run on processes agree bit for bit (a real ring adds in another order,
+    which differs by rounding). On processes this gathers every payload and sums locally: the
+    same bytes handed over per worker, more traffic on the wire than the ring; the network model
+    still prices the allreduce the algorithm asked for. For reproducibility studies and tests.
     """
 
     def __init__(
@@ -38,12 +44,14 @@ class Communicator(ABC):
         local_workers: Sequence[int],
         network: NetworkModel,
         reduction: str = "ring",
+        deterministic: bool = False,
     ) -> None:
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction={reduction!r}; choose one of: {', '.join(REDUCTIONS)}")
         self.world_size = world_size
         self.local_workers = list(local_workers)
         self.reduction = reduction
+        self.deterministic = deterministic
         self.ledger = CommLedger(network)
 
     @property

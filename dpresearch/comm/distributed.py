@@ -13,31 +13,47 @@ from dpresearch.comm.network import NetworkModel
 
 
 class DistributedCommunicator(Communicator):
-    """This process is worker `dist.get_rank()` of `dist.get_world_size()`.
+    """This process is worker `dist.get_rank(group)` of the `dist.get_world_size(group)` workers
+    of `group` (None: the default group, which must already be initialised).
 
-    The process group must already be initialised. "centralized" reduction is a real
-    parameter-server pattern: `reduce` to rank 0, then `broadcast` from it.
+    Worker ids are ranks within `group`. "centralized" reduction is a real parameter-server
+    pattern: `reduce` to worker 0, then `broadcast` from it.
     """
 
-    def __init__(self, network: NetworkModel, reduction: str = "ring") -> None:
+    def __init__(
+        self,
+        network: NetworkModel,
+        reduction: str = "ring",
+        group: dist.ProcessGroup | None = None,
+        deterministic: bool = False,
+    ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("DistributedCommunicator needs an initialised process group")
-        super().__init__(dist.get_world_size(), [dist.get_rank()], network, reduction)
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        super().__init__(size, [rank], network, reduction, deterministic)
+        self.group = group
+
+    def _global(self, worker: int) -> int:
+        """Global rank of worker `worker` of the group (the id torch.distributed calls take)."""
+        return worker if self.group is None else dist.get_global_rank(self.group, worker)
 
     def _all_reduce_sum(self, x: Tensor) -> None:
-        if self.reduction == "ring":
-            dist.all_reduce(x[0], op=dist.ReduceOp.SUM)
+        if self.deterministic:
+            # The simulated communicator's exact operation on the same [K, ...] rows.
+            x.copy_(self._all_gather(x).sum(dim=0, keepdim=True))
+        elif self.reduction == "ring":
+            dist.all_reduce(x[0], op=dist.ReduceOp.SUM, group=self.group)
         else:
-            dist.reduce(x[0], dst=0, op=dist.ReduceOp.SUM)
-            dist.broadcast(x[0], src=0)
+            dist.reduce(x[0], dst=self._global(0), op=dist.ReduceOp.SUM, group=self.group)
+            dist.broadcast(x[0], src=self._global(0), group=self.group)
 
     def _all_gather(self, x: Tensor) -> Tensor:
         out = x.new_empty((self.world_size,) + tuple(x.shape[1:]))
-        dist.all_gather(list(out.unbind(0)), x[0].contiguous())
+        dist.all_gather(list(out.unbind(0)), x[0].contiguous(), group=self.group)
         return out
 
     def _broadcast(self, x: Tensor, src: int) -> None:
-        dist.broadcast(x[0], src=src)
+        dist.broadcast(x[0], src=self._global(src), group=self.group)
 
     def _neighbor_exchange(
         self, x: Tensor, out_peers: Sequence[Sequence[int]], in_peers: Sequence[Sequence[int]]
@@ -50,17 +66,19 @@ class DistributedCommunicator(Communicator):
         ops = []
         for peer in sorted(set(out_peers[me]) | set(in_peers[me])):
             if peer in out_peers[me]:
-                ops.append(dist.P2POp(dist.isend, send, peer))
+                ops.append(dist.P2POp(dist.isend, send, self._global(peer), self.group))
             for slot, src in enumerate(in_peers[me]):
                 if src == peer:
-                    ops.append(dist.P2POp(dist.irecv, received[slot], peer))
+                    ops.append(
+                        dist.P2POp(dist.irecv, received[slot], self._global(peer), self.group)
+                    )
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
         return [received]
 
     def barrier(self) -> None:
-        dist.barrier()
+        dist.barrier(group=self.group)
 
 
 def default_device_for(backend: str, local_rank: int) -> torch.device:

@@ -14,10 +14,17 @@ from dpresearch.comm.network import NetworkModel
 class SimulatedCommunicator(Communicator):
     """All K workers live in this process (W = K); collectives are tensor operations."""
 
-    def __init__(self, world_size: int, network: NetworkModel, reduction: str = "ring") -> None:
-        super().__init__(world_size, range(world_size), network, reduction)
+    def __init__(
+        self,
+        world_size: int,
+        network: NetworkModel,
+        reduction: str = "ring",
+        deterministic: bool = False,
+    ) -> None:
+        super().__init__(world_size, range(world_size), network, reduction, deterministic)
 
     def _all_reduce_sum(self, x: Tensor) -> None:
+        # Always worker order: `deterministic` changes nothing in-process.
         x.copy_(x.sum(dim=0, keepdim=True).expand_as(x))
 
     def _all_gather(self, x: Tensor) -> Tensor:

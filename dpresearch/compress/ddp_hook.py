@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from torch import Tensor, nn
 
-from dpresearch.comm.base import Communicator
+from dpresearch.comm.distributed import DistributedCommunicator
 from dpresearch.comm.network import NetworkModel
 from dpresearch.compress.base import Chunk, Compressor
 from dpresearch.compress.error_feedback import ErrorFeedback
@@ -32,37 +32,13 @@ from dpresearch.compress.layout import tensor_key
 HOOK_GRANULARITIES = ("tensor", "bucket")
 
 
-class ProcessGroupCommunicator(Communicator):
-    """W = 1: this process is worker `dist.get_rank(group)` of the group's ranks."""
-
-    def __init__(self, network: NetworkModel, group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(dist.get_world_size(group), [dist.get_rank(group)], network)
-        self.group = group
-
-    def _all_reduce_sum(self, x: Tensor) -> None:
-        dist.all_reduce(x[0], op=dist.ReduceOp.SUM, group=self.group)
-
-    def _all_gather(self, x: Tensor) -> Tensor:
-        out = x.new_empty((self.world_size,) + tuple(x.shape[1:]))
-        dist.all_gather(list(out.unbind(0)), x[0].contiguous(), group=self.group)
-        return out
-
-    def _broadcast(self, x: Tensor, src: int) -> None:
-        dist.broadcast(
-            x[0], src=dist.get_global_rank(self.group or dist.group.WORLD, src), group=self.group
-        )
-
-    def _neighbor_exchange(self, x, out_peers, in_peers) -> list[Tensor]:
-        raise NotImplementedError("the DDP hook only needs allreduce and allgather")
-
-
 @dataclass
 class HookState:
     """What the hook needs between calls: this rank's compressor (and its memory), the
     communicator (whose ledger counts bytes), and the step counter (one per backward pass)."""
 
     compressor: Compressor
-    comm: ProcessGroupCommunicator
+    comm: DistributedCommunicator
     granularity: str
     collective: str
     keys: dict[int, str] | None
@@ -93,7 +69,7 @@ def make_comm_hook(
             f"granularity={granularity!r}: a DDP hook sees one bucket at a time; "
             f"choose one of: {', '.join(HOOK_GRANULARITIES)}"
         )
-    comm = ProcessGroupCommunicator(network or NetworkModel.preset("10gbe"), process_group)
+    comm = DistributedCommunicator(network or NetworkModel.preset("10gbe"), group=process_group)
     compressor = compressor_factory(comm.local_workers[0])
     if error_feedback is not None:
         if "_target_" in error_feedback:
