@@ -1,0 +1,547 @@
+"""Benchmark: the α-β network model against a real, shaped link (issue 4).
+
+Setup. Two network namespaces joined by a veth pair; each end's egress is shaped with
+`tc qdisc add dev <veth> root tbf rate R burst b latency l`, so each direction is a full-duplex
+link of R bit/s, as on switched Ethernet. Rank 0 of a 2-worker gloo job runs in one namespace,
+rank 1 in the other; the pair is started once per rate and trains every compressor in turn
+(ResNet-20 on the CIFAR-10 subset, batch 32 per worker, one thread each), `--steps` steps per
+compressor of which the first `--warmup` are dropped.
+
+Measured comm = the time rank 0 spends inside the recorded collectives (`time/comm_s`: gradient
+collectives and the BatchNorm-buffer broadcast; compression and decompression run outside
+them). With `--barrier` (default) an untimed `dist.barrier()` precedes every recorded collective,
+so the collective starts with both ranks present: otherwise rank 0's figure also holds the wait
+for a slower rank 1 (two processes on a shared CPU), which no network model predicts. That wait
+is reported apart (`wait`); `--no-barrier` measures the stock loop, wait included in comm.
+
+Modeled comm = `comm/modeled_s` of `network=custom` with parameters calibrated once per link,
+before the jobs, from gloo itself (the table header prints them):
+- α = median time of a 4-byte gloo allreduce / 2 (a 2-worker ring allreduce is two message
+  rounds, which the model charges 2α). It is mostly software: gloo, the kernel's TCP stack and
+  veth; tbf adds no delay to an empty queue.
+- B = R/8/f bytes/s. tbf charges every L2 frame: Ethernet, IP and TCP headers (1514-byte frames
+  carry 1448 payload bytes with MTU 1500 and TCP timestamps: 4.6%), the ACKs of the opposite
+  flow that share the direction (both ranks send at once in allreduce and allgather), and gloo's
+  own message headers. f = bytes tbf sent / payload bytes, read from tc's counters over large
+  gloo allgathers; expect f ≈ 1.06–1.08. With B = R/8 (f = 1) the model is f× optimistic on
+  bandwidth-bound ops; the `nominal` column shows that ratio too.
+The B implied by the calibration allgathers' own timing is printed as a check, not used.
+
+What the model cannot see, and so where a ratio may leave 0.8–1.25:
+- tbf's burst: b bytes pass at veth speed after an idle gap (every step's compute is one), so a
+  payload of a few b takes less than D/B. The default b = R · 250 µs is about the least at which
+  tbf still reaches R (timer granularity); at 1 Gbit that is 31 KB, the size of a top-k payload.
+- CPU contention: the benchmark shares two cores with other work; a collective whose rank is
+  descheduled, or whose softirqs (tbf, veth, TCP) wait for a core, takes longer.
+- Small payloads: α is a median; the per-op software cost varies with the tensor count gloo
+  handles (allgather of K outputs, fp16 sums) more than a single α captures.
+The script prints both rankings of compressors — by measured and by model-predicted per-step
+time (measured step minus measured comm plus modeled comm) — and the pairs they disagree on.
+
+The benchmark creates its namespaces under unique names and always removes them. It exits 0
+with one `skipped:` line where it cannot run (not root, no `ip`/`tc`, no namespaces, no tbf,
+no CIFAR subset). Usage (as root):
+
+    python experiments/bench/emulated_network.py [--rates 100mbit 1gbit] [--steps 30]
+        [--warmup 5] [--compressors identity fp16 ...] [--model resnet20|mlp] [--no-barrier]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+SUBSET = REPO.parent / "shared" / "data" / "cifar10-subset"
+PORT = 29500  # inside our own namespace: nothing else listens there
+
+MODELS: dict[str, list[str]] = {
+    "resnet20": [
+        "data=cifar10",
+        f"data.root={SUBSET}",
+        "model=resnet20",
+        "train.batch_size=32",
+    ],
+    "mlp": [
+        "data=synthetic",
+        "data.num_train=16384",
+        "data.num_features=256",
+        "model=mlp",
+        "model.hidden=[1024,1024]",
+        "train.batch_size=128",
+    ],
+}
+
+COMPRESSORS: dict[str, list[str]] = {
+    "identity": ["compressor=identity"],
+    "fp16": ["compressor=fp16"],
+    "bf16": ["compressor=bf16"],
+    "topk1%+ef14": ["compressor=topk", "compressor.ratio=0.01", "error_feedback=ef14"],
+    "randomk1%+ef14": ["compressor=randomk", "compressor.ratio=0.01", "error_feedback=ef14"],
+    "qsgd": ["compressor=qsgd"],
+    "terngrad": ["compressor=terngrad"],
+    "sign+ef14": ["compressor=sign", "error_feedback=ef14"],
+    # Signum as conf/compressor/signum.yaml prescribes: momentum before the vote, small lr.
+    "signum": [
+        "compressor=signum",
+        "error_feedback.momentum=0.9",
+        "optimizer.momentum=0",
+        "optimizer.lr=0.001",
+    ],
+    "powersgd-r2+ef14": ["compressor=powersgd", "compressor.rank=2", "error_feedback=ef14"],
+}
+DEFAULT_COMPRESSORS = [
+    "identity",
+    "fp16",
+    "topk1%+ef14",
+    "randomk1%+ef14",
+    "qsgd",
+    "sign+ef14",
+    "signum",
+    "powersgd-r2+ef14",
+]
+RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+
+
+class Unavailable(RuntimeError):
+    """The benchmark cannot run here; the message says why (printed as one `skipped:` line)."""
+
+
+def parse_rate(text: str) -> float:
+    """tc rate (`100mbit`, `1gbit`, `2.5Gbit`; SI prefixes as tc uses them) → bits per second."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?bit)", text.strip().lower())
+    if not match:
+        raise ValueError(f"rate {text!r}: write it as tc does, e.g. 100mbit or 1gbit")
+    return float(match.group(1)) * RATE_UNITS[match.group(2)]
+
+
+def skip_reason(model: str) -> str | None:
+    """Why this machine cannot run the benchmark, or None."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "needs root (network namespaces and tc qdiscs)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    if model == "resnet20" and not SUBSET.is_dir():
+        return f"no CIFAR-10 subset at {SUBSET} (or use --model mlp)"
+    return None
+
+
+def _run(*cmd: str) -> str:
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise subprocess.CalledProcessError(out.returncode, cmd, out.stdout, out.stderr)
+    return out.stdout
+
+
+# -- the link ---------------------------------------------------------------------------------
+class Link:
+    """Two namespaces `<tag>a`/`<tag>b` joined by veth `<tag>a`↔`<tag>b` (10.213.<n>.1/.2),
+    both ends shaped by tbf. Use as a context manager: everything it created is removed on exit,
+    also after a failure half-way through creation."""
+
+    def __init__(self, rate: str, burst_us: float, queue_ms: float, index: int) -> None:
+        self.rate = rate
+        self.bits = parse_rate(rate)
+        # burst must hold at least one full frame or tbf drops it
+        self.burst = max(3028, round(self.bits / 8 * burst_us * 1e-6))
+        self.queue_ms = queue_ms
+        tag = f"dpb{os.getpid() % 100000}{index}"
+        self.ns = (f"{tag}a", f"{tag}b")
+        self.dev = (f"{tag}a", f"{tag}b")
+        subnet = 1 + (os.getpid() + index) % 250
+        self.addr = (f"10.213.{subnet}.1", f"10.213.{subnet}.2")
+        self._made: list[str] = []
+
+    def __enter__(self) -> Link:
+        try:
+            for ns in self.ns:
+                _run("ip", "netns", "add", ns)
+                self._made.append(ns)
+            _run("ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
+            self._made.append("veth")
+            for ns, dev, addr in zip(self.ns, self.dev, self.addr, strict=True):
+                _run("ip", "link", "set", dev, "netns", ns)
+                _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+                _run("ip", "-n", ns, "link", "set", dev, "up")
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+        except (OSError, subprocess.CalledProcessError) as exc:
+            self.__exit__(None, None, None)
+            raise Unavailable(f"cannot create network namespaces: {_why(exc)}") from None
+        try:
+            for ns, dev in zip(self.ns, self.dev, strict=True):
+                _run(
+                    "ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                    "rate", self.rate, "burst", str(self.burst), "latency", f"{self.queue_ms}ms",
+                )  # fmt: skip
+        except (OSError, subprocess.CalledProcessError) as exc:
+            self.__exit__(None, None, None)
+            raise Unavailable(f"cannot shape the link with tc tbf: {_why(exc)}") from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if "veth" in self._made and not all(ns in self._made for ns in self.ns):
+            subprocess.run(["ip", "link", "del", self.dev[0]], capture_output=True)
+        for ns in self.ns:
+            if ns in self._made:
+                # deleting a namespace destroys the veth end inside it
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self._made.clear()
+
+    def describe(self) -> str:
+        return (
+            f"tbf rate {self.rate} burst {self.burst} B latency {self.queue_ms:g} ms "
+            f"on each end of veth {self.dev[0]}↔{self.dev[1]}"
+        )
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, subprocess.CalledProcessError):
+        err = (exc.stderr or "").strip().splitlines()
+        return f"`{' '.join(exc.cmd)}`: {err[0] if err else f'exit {exc.returncode}'}"
+    return str(exc)
+
+
+# -- the worker (runs inside a namespace) -----------------------------------------------------
+def compose(*overrides: str):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    import dpresearch.train  # noqa: F401 - registers the schema
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def egress_bytes(dev: str) -> int:
+    """Bytes tbf has sent on `dev` (L2 frames), from tc's counters."""
+    qdiscs = json.loads(_run("tc", "-s", "-j", "qdisc", "show", "dev", dev))
+    return sum(q["bytes"] for q in qdiscs if q.get("root"))
+
+
+def calibrate(dev: str, reps: int = 200, big: int = 1 << 20, big_reps: int = 10) -> dict:
+    """α from tiny allreduces, the wire overhead f from tc's counters over large allgathers, and
+    the bandwidth large allreduces and allgathers achieve (checks, not model inputs). Both ranks
+    call it; rank 0's figures are returned to both."""
+    import torch
+    import torch.distributed as dist
+
+    def timed(fn, n: int) -> float:
+        times = []
+        for _ in range(n):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    tiny = torch.zeros(1)
+    tiny_out = [torch.zeros(1), torch.zeros(1)]
+    alpha = timed(lambda: dist.all_reduce(tiny), reps) / 2
+    ag_tiny = timed(lambda: dist.all_gather(tiny_out, tiny), reps)
+    x = torch.zeros(big // 4)
+    outs = [torch.zeros_like(x), torch.zeros_like(x)]
+    ar_big = timed(lambda: dist.all_reduce(x), big_reps)
+    dist.barrier()
+    before = egress_bytes(dev)
+    ag_big = timed(lambda: dist.all_gather(outs, x), big_reps)
+    wire = torch.tensor([egress_bytes(dev) - before], dtype=torch.float64)
+    dist.all_reduce(wire)  # both directions
+    # model: allreduce 2α + D/B, allgather α + D/B (2 workers) → the B each achieved
+    figures = torch.tensor(
+        [
+            alpha,
+            ag_tiny,
+            wire.item() / (2 * big * big_reps),
+            big / (ar_big - 2 * alpha),
+            big / (ag_big - alpha),
+        ],
+        dtype=torch.float64,
+    )
+    dist.broadcast(figures, src=0)
+    keys = ("alpha_s", "allgather_tiny_s", "overhead", "allreduce_1MiB_Bps", "allgather_1MiB_Bps")
+    return dict(zip(keys, figures.tolist(), strict=True))
+
+
+def _communicator_class():
+    """A DistributedCommunicator that keeps every recorded op and, if asked, starts each with
+    an untimed barrier (built lazily: the parent process never imports torch.distributed)."""
+    import torch.distributed as dist
+
+    from dpresearch.comm.distributed import DistributedCommunicator
+
+    class LoggingCommunicator(DistributedCommunicator):
+        def __init__(self, network: Any, barrier: bool) -> None:
+            super().__init__(network)
+            self.barrier_first = barrier
+            self.ops: list[tuple[str, int, float, float]] = []  # kind, bytes, measured s, wait s
+
+        @contextmanager
+        def _timed(self, record: bool, kind: str, x: Any, peers: int = 0) -> Iterator[None]:
+            # `_timed` wraps every collective, so this is the one place to sync and observe.
+            wait = 0.0
+            if record and self.barrier_first:
+                start = time.perf_counter()
+                dist.barrier()
+                wait = time.perf_counter() - start
+            before = self.ledger.measured_s
+            with super()._timed(record, kind, x, peers):
+                yield
+            if record:
+                nbytes = x[0].numel() * x.element_size()
+                self.ops.append((kind, nbytes, self.ledger.measured_s - before, wait))
+
+    return LoggingCommunicator
+
+
+def worker(spec: dict) -> None:
+    """One rank: calibrate the link, then train every job of `spec` in turn; rank 0 writes
+    metrics.jsonl per job and both write `rank<r>.json` (calibration, per-job op logs)."""
+    import torch
+    import torch.distributed as dist
+
+    from dpresearch.launch import network_model
+    from dpresearch.trainer import Trainer
+    from dpresearch.validate import prepare_data, validate
+
+    rank, out = spec["rank"], Path(spec["out"])
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = spec["dev"]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{spec['master']}:{PORT}", rank=rank, world_size=2
+    )
+    try:
+        cal = calibrate(spec["dev"])
+        bandwidth_gbit = spec["rate_bits"] / cal["overhead"] / 1e9
+        base = [
+            *MODELS[spec["model"]],
+            "backend=gloo",
+            "workers=2",
+            "backend.threads=1",
+            "network=custom",
+            f"network.latency_us={cal['alpha_s'] * 1e6:.3f}",
+            f"network.bandwidth_gbit={bandwidth_gbit:.6f}",
+            f"train.steps={spec['steps']}",
+            "train.log_every=1",
+            "train.progress=false",
+            "train.eval_every=100000",
+            "train.save_model=false",
+        ]
+        dataset = prepare_data(compose(*base))
+        comm_class = _communicator_class()
+        result: dict[str, Any] = {"calibration": cal, "jobs": {}}
+        for job, overrides in spec["jobs"]:
+            cfg = compose(*base, *overrides)
+            validate(cfg)
+            comm = comm_class(network_model(cfg), spec["barrier"])
+            run_dir = out / job if rank == 0 else None
+            Trainer(cfg, comm, torch.device("cpu"), run_dir, dataset).run()
+            dist.barrier()
+            result["jobs"][job] = comm.ops
+        (out / f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# -- the parent -------------------------------------------------------------------------------
+def run_rate(link: Link, args: argparse.Namespace, out: Path) -> dict:
+    """Start both ranks in their namespaces, wait for them, return rank 0's results."""
+    jobs = []
+    for r in range(args.rounds):
+        order = args.compressors if r % 2 == 0 else args.compressors[::-1]
+        jobs += [(f"{name}@{r}", COMPRESSORS[name]) for name in order]
+    procs = []
+    try:
+        for rank in range(2):
+            spec = {
+                "rank": rank,
+                "dev": link.dev[rank],
+                "master": link.addr[0],
+                "rate_bits": link.bits,
+                "model": args.model,
+                "steps": args.steps,
+                "barrier": args.barrier,
+                "jobs": jobs,
+                "out": str(out),
+            }
+            spec_path = out / f"spec{rank}.json"
+            spec_path.write_text(json.dumps(spec))
+            cmd = ["ip", "netns", "exec", link.ns[rank], sys.executable, __file__]
+            procs.append(subprocess.Popen([*cmd, "--worker", str(spec_path)]))
+        deadline = time.monotonic() + args.timeout
+        while any(p.poll() is None for p in procs):
+            failed = [p for p in procs if p.returncode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                why = "a worker failed" if failed else f"no result within {args.timeout} s"
+                raise RuntimeError(f"{link.rate}: {why}")
+            time.sleep(0.2)
+        if any(p.returncode != 0 for p in procs):
+            raise RuntimeError(f"{link.rate}: a worker failed")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return json.loads((out / "rank0.json").read_text())
+
+
+def summarize(name: str, rounds: int, result: dict, out: Path, args: argparse.Namespace,
+              nominal: Any, model: Any) -> dict:  # fmt: skip
+    """Per-step figures of one compressor over its timed steps (all rounds pooled)."""
+    from dpresearch.comm import CommOp
+
+    comm, wait, step, bytes_, modeled, nom = [], [], [], [], [], []
+    for r in range(rounds):
+        job = f"{name}@{r}"
+        ops = result["jobs"][job]
+        per_step = len(ops) // args.steps
+        assert per_step * args.steps == len(ops), "ops differ between steps"
+        rows = [json.loads(line) for line in (out / job / "metrics.jsonl").open()]
+        walls = [0.0] + [row["time/wall_s"] for row in rows]
+        for s in range(args.warmup, args.steps):
+            step_ops = ops[s * per_step : (s + 1) * per_step]
+            records = [CommOp(kind, nbytes, 2) for kind, nbytes, _, _ in step_ops]
+            comm.append(sum(op[2] for op in step_ops))
+            wait.append(sum(op[3] for op in step_ops))
+            bytes_.append(sum(op[1] for op in step_ops))
+            modeled.append(sum(model.op_seconds(op) for op in records))
+            nom.append(sum(nominal.op_seconds(op) for op in records))
+            step.append(walls[s + 1] - walls[s])
+        # the trainer's own cumulative figure must agree with the model priced here
+        logged = rows[-1]["comm/modeled_s"] - rows[args.warmup - 1]["comm/modeled_s"]
+        assert abs(logged - sum(modeled[-(args.steps - args.warmup) :])) < 1e-6 * (1 + logged)
+    mean = statistics.fmean
+    return {
+        "compressor": name,
+        "bytes": mean(bytes_),
+        "comm": mean(comm),
+        "comm_median": statistics.median(comm),
+        "modeled": mean(modeled),
+        "nominal": mean(nom),
+        "wait": mean(wait),
+        "step": mean(step),
+        "step_median": statistics.median(step),
+    }
+
+
+def ranking(rows: Sequence[dict], key) -> list[str]:
+    return [r["compressor"] for r in sorted(rows, key=key)]
+
+
+def swapped_pairs(a: Sequence[str], b: Sequence[str]) -> list[tuple[str, str]]:
+    """Pairs ordered one way in ranking `a` and the other way in `b`."""
+    pos = {name: i for i, name in enumerate(b)}
+    return [(x, y) for i, x in enumerate(a) for y in a[i + 1 :] if pos[x] > pos[y]]
+
+
+def report(link: Link, cal: dict, rows: list[dict], args: argparse.Namespace) -> None:
+    bps = link.bits / 8 / cal["overhead"]
+    print(f"\n== {link.rate}: {link.describe()}")
+    print(
+        f"   calibration: α = {cal['alpha_s'] * 1e6:.1f} µs (4-byte allreduce / 2; a 4-byte "
+        f"allgather takes {cal['allgather_tiny_s'] * 1e6:.1f} µs), wire overhead f = "
+        f"{cal['overhead']:.4f} → B = R/8/f = {bps / 1e6:.2f} MB/s; 1 MiB achieved "
+        f"{cal['allreduce_1MiB_Bps'] / 1e6:.2f} MB/s by allreduce, "
+        f"{cal['allgather_1MiB_Bps'] / 1e6:.2f} MB/s by allgather"
+    )
+    print(
+        f"   per step, mean over {args.steps - args.warmup} steps × {args.rounds} round(s) "
+        f"after {args.warmup} warm-up; ms unless stated; wait = barrier before collectives "
+        f"({'on' if args.barrier else 'off: wait is inside comm'})"
+    )
+    head = (
+        f"   {'compressor':17} {'KB/step':>9} {'comm':>8} {'model':>8} {'ratio':>6} "
+        f"{'med.r':>6} {'nom.r':>6} {'wait':>7} {'step':>7} {'med':>7}"
+    )
+    print(head)
+    print("   " + "-" * (len(head) - 3))
+    for r in rows:
+        print(
+            f"   {r['compressor']:17} {r['bytes'] / 1e3:9.1f} {r['comm'] * 1e3:8.2f} "
+            f"{r['modeled'] * 1e3:8.2f} {r['comm'] / r['modeled']:6.2f} "
+            f"{r['comm_median'] / r['modeled']:6.2f} {r['comm'] / r['nominal']:6.2f} "
+            f"{r['wait'] * 1e3:7.2f} {r['step'] * 1e3:7.1f} {r['step_median'] * 1e3:7.1f}"
+        )
+    print("   ratio = comm/model (target 0.8–1.25); med.r = median comm/model; nom.r = comm over")
+    print("   the model with B = R/8 (no overhead correction)")
+    for what, measured, predicted in (
+        ("comm", lambda r: r["comm"], lambda r: r["modeled"]),
+        ("step", lambda r: r["step"], lambda r: r["step"] - r["comm"] + r["modeled"]),
+    ):
+        a, b = ranking(rows, measured), ranking(rows, predicted)
+        swaps = swapped_pairs(a, b)
+        print(f"   {what} ranking, fastest first — measured: {' < '.join(a)}")
+        print(f"   {' ' * len(what)}                         model:    {' < '.join(b)}")
+        pairs = ", ".join(f"{x}/{y}" for x, y in swaps) or "none"
+        print(f"   {' ' * len(what)}                         pairs swapped: {pairs}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", nargs="+", default=["100mbit", "1gbit"])
+    parser.add_argument(
+        "--compressors", nargs="+", default=DEFAULT_COMPRESSORS, choices=list(COMPRESSORS)
+    )
+    parser.add_argument("--model", default="resnet20", choices=list(MODELS))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1, help="passes over the compressors")
+    parser.add_argument("--burst-us", type=float, default=250.0, help="tbf burst = R × this")
+    parser.add_argument("--queue-ms", type=float, default=50.0, help="tbf latency (queue limit)")
+    parser.add_argument("--barrier", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per rate")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(json.loads(Path(args.worker).read_text()))
+        return 0
+    for rate in args.rates:
+        parse_rate(rate)
+    if not 1 <= args.warmup < args.steps:
+        parser.error("need 1 ≤ --warmup < --steps")
+    reason = skip_reason(args.model)
+    if reason:
+        print(f"emulated_network: skipped: {reason}")
+        return 0
+    # SIGTERM must unwind through the `finally`s that remove the namespaces.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    from dpresearch.comm import NetworkModel
+
+    with tempfile.TemporaryDirectory(prefix="dpb-netns-") as tmp:
+        for index, rate in enumerate(args.rates):
+            out = Path(tmp) / f"rate{index}"
+            out.mkdir()
+            try:
+                with Link(rate, args.burst_us, args.queue_ms, index) as link:
+                    result = run_rate(link, args, out)
+            except Unavailable as exc:
+                print(f"emulated_network: skipped: {exc}")
+                return 0
+            cal = result["calibration"]
+            model = NetworkModel(cal["alpha_s"], link.bits / 8 / cal["overhead"])
+            nominal = NetworkModel(cal["alpha_s"], link.bits / 8)
+            rows = [
+                summarize(name, args.rounds, result, out, args, nominal, model)
+                for name in args.compressors
+            ]
+            report(link, cal, rows, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Compressor comparison on real images: ResNet-20 on the CIFAR-10 subset (issue 4, E).
+
+K=4 simulated synchronous workers × 32 images, Nesterov SGD, cosine schedule
+(`experiment=resnet20_cifar10_subset`), the same epochs for every compressor. Runs each case
+(skipping finished ones), then writes `results.md` and two plots into the output folder.
+
+    python experiments/compression_subset/run.py [--epochs 10] [--out runs/compression_subset]
+
+The subset holds 5085 training / 1017 test images: the numbers are NOT comparable to published
+full-CIFAR-10 results (see published_grace.csv for those, from a different setup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SUBSET = REPO.parent / "shared" / "data" / "cifar10-subset"
+
+# name: (compressor overrides, error feedback)
+CASES: dict[str, tuple[list[str], str]] = {
+    "identity (SGD)": (["compressor=identity"], "none"),
+    "top-k 1% + EF": (["compressor=topk", "compressor.ratio=0.01"], "ef14"),
+    "top-k 1%, no EF": (["compressor=topk", "compressor.ratio=0.01"], "none"),
+    "random-k 1% + EF": (["compressor=randomk", "compressor.ratio=0.01"], "ef14"),
+    "random-k 1%, no EF": (["compressor=randomk", "compressor.ratio=0.01"], "none"),
+    "QSGD s=7": (["compressor=qsgd"], "none"),
+    "scaled sign + EF (EF-signSGD)": (["compressor=sign"], "ef14"),
+    "scaled sign, no EF (signSGD)": (["compressor=sign"], "none"),
+    "majority vote (signum)": (["compressor=signum"], "none"),
+    "PowerSGD rank 2 + EF": (["compressor=powersgd", "compressor.rank=2"], "ef14"),
+}
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
+
+
+def run_case(name: str, epochs: float, out: Path) -> Path:
+    run_dir = out / slug(name)
+    if (run_dir / "summary.json").exists():
+        return run_dir
+    overrides, ef = CASES[name]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dpresearch.train",
+        "experiment=resnet20_cifar10_subset",
+        f"data.root={SUBSET}",
+        f"train.epochs={epochs}",
+        *overrides,
+        f"error_feedback={ef}",
+        "train.progress=false",
+        f"hydra.run.dir={run_dir}",
+    ]
+    print(f"== {name}: {' '.join(cmd[3:])}", flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO)
+    return run_dir
+
+
+def report(runs: dict[str, Path], out: Path) -> str:
+    from dpresearch.analysis import load_summaries, markdown_table, plot_curves
+
+    df = load_summaries(list(runs.values()))
+    df.insert(0, "case", list(runs))
+    dense = df.loc[df["case"] == "identity (SGD)", "comm/bytes_per_epoch"]
+    base = float(dense.iloc[0]) if len(dense) else float("nan")
+    df["MB/epoch"] = df["comm/bytes_per_epoch"] / 1e6
+    df["reduction"] = base / df["comm/bytes_per_epoch"]
+    df["modeled s/epoch (10GbE)"] = df["comm/modeled_s"] / df["epoch"]
+    table = markdown_table(
+        df,
+        [
+            "case",
+            "test/acc",
+            "best/test_acc",
+            "MB/epoch",
+            "reduction",
+            "modeled s/epoch (10GbE)",
+            "time/wall_s",
+        ],
+        {
+            "test/acc": ".3f",
+            "best/test_acc": ".3f",
+            "MB/epoch": ".2f",
+            "reduction": ".0f",
+            "modeled s/epoch (10GbE)": ".4f",
+            "time/wall_s": ".0f",
+        },
+    )
+    labelled = dict(zip(df["case"], df["run"], strict=True))
+    plot_curves(labelled, "epoch", "test/acc", out / "acc_vs_epoch.png")
+    plot_curves(labelled, "comm/bytes", "test/acc", out / "acc_vs_bytes.png", logx=True)
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=float, default=10)
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "compression_subset")
+    parser.add_argument("--only", nargs="*", default=list(CASES), choices=list(CASES))
+    args = parser.parse_args()
+    if not SUBSET.is_dir():
+        raise SystemExit(f"the CIFAR-10 subset is not at {SUBSET}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = {name: run_case(name, args.epochs, args.out) for name in args.only}
+    table = report(runs, args.out)
+    header = (
+        f"ResNet-20, CIFAR-10 subset (5085 train / 1017 test images), K=4 simulated sync "
+        f"workers × 32, {args.epochs:g} epochs. Bytes are per worker. NOT full CIFAR-10.\n\n"
+    )
+    (args.out / "results.md").write_text(header + table + "\n")
+    print(header + table)
+
+
+if __name__ == "__main__":
+    main()
