@@ -47,6 +47,16 @@ def _restore_torch_threads():
 
 
 @pytest.fixture
+def one_thread():
+    """Tiny tensors: one intra-op thread. On a loaded machine a 2-thread BLAS call waits a
+    scheduler tick (~16 ms) for its second thread, even for a 24×12 matmul."""
+    import torch
+
+    torch.set_num_threads(1)  # restored by _restore_torch_threads
+    yield
+
+
+@pytest.fixture
 def small_config() -> Callable[..., DictConfig]:
     """compose(SMALL + overrides)."""
     return lambda *overrides: compose_config(*SMALL, *overrides)

@@ -30,14 +30,7 @@ SHAPES = [(24, 12), (24,), (6, 4, 3, 3), (10, 24), (10,), (301,)]
 STEPS, SEED, WORLD = 20, 11, 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread. On a loaded machine a 2-thread BLAS call waits a
-    scheduler tick (~16 ms) for its second thread, even for a 24×12 matmul."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def layout_of(shapes):

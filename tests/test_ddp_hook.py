@@ -33,14 +33,7 @@ NET = NetworkModel.preset("10gbe")
 WORLD, STEPS, LR, SEED = 2, 5, 0.1, 3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread. On a loaded machine a 2-thread BLAS call waits a
-    scheduler tick (~16 ms) for its second thread, even for a 24×12 matmul."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # name: (compressor factory (seed, worker), error-feedback kwargs or None)
