@@ -72,3 +72,16 @@ def test_bad_input_gives_one_clear_line(tmp_path, args, fix):
     assert lines[0].startswith("error: ") and fix in lines[0]
     assert "Traceback" not in out.stdout + out.stderr
     assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "launcher,target",
+    [("parallel", "JoblibLauncher"), ("slurm", "SlurmLauncher")],
+)
+def test_sweep_launchers_compose(launcher, target):
+    """conf/hydra/launcher/: joblib (parallel local jobs) and submitit (SLURM)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith(target)
