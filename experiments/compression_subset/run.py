@@ -20,6 +20,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 SUBSET = REPO.parent / "shared" / "data" / "cifar10-subset"
 
+NO_MOMENTUM = ["optimizer.momentum=0.0", "optimizer.nesterov=false"]
+
 # name: (compressor overrides, error feedback)
 CASES: dict[str, tuple[list[str], str]] = {
     "identity (SGD)": (["compressor=identity"], "none"),
@@ -32,6 +34,21 @@ CASES: dict[str, tuple[list[str], str]] = {
     "scaled sign, no EF (signSGD)": (["compressor=sign"], "none"),
     "majority vote (signum)": (["compressor=signum"], "none"),
     "PowerSGD rank 2 + EF": (["compressor=powersgd", "compressor.rank=2"], "ef14"),
+    # Diagnostics: error feedback under heavy Nesterov momentum sends bursty residuals that the
+    # momentum amplifies; DGC's momentum correction (velocity kept and sparsified locally,
+    # optimizer momentum off) and plain SGD show EF's effect without that interaction.
+    "top-k 1% + EF, DGC momentum correction": (
+        ["compressor=topk", "compressor.ratio=0.01", *NO_MOMENTUM, "error_feedback.momentum=0.9"],
+        "ef14",
+    ),
+    "top-k 1% + EF, SGD without momentum": (
+        ["compressor=topk", "compressor.ratio=0.01", *NO_MOMENTUM],
+        "ef14",
+    ),
+    "top-k 1%, no EF, SGD without momentum": (
+        ["compressor=topk", "compressor.ratio=0.01", *NO_MOMENTUM],
+        "none",
+    ),
 }
 
 

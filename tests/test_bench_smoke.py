@@ -1,0 +1,88 @@
+"""The emulated-network benchmark: it skips cleanly where it cannot run, and (as root with
+iproute2) runs one tiny case and leaves no namespace behind."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "experiments" / "bench" / "emulated_network.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("emulated_network", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parse_rate() -> None:
+    bench = _load()
+    assert bench.parse_rate("100mbit") == 100e6
+    assert bench.parse_rate("1Gbit") == 1e9
+    assert bench.parse_rate("2.5gbit") == 2.5e9
+    with pytest.raises(ValueError, match="100mbit"):
+        bench.parse_rate("100MB/s")
+
+
+def test_skips_when_not_root(monkeypatch, capsys) -> None:
+    bench = _load()
+    monkeypatch.setattr(bench.os, "geteuid", lambda: 1000)
+    assert bench.main(["--model", "mlp"]) == 0
+    assert capsys.readouterr().out.strip() == (
+        "emulated_network: skipped: needs root (network namespaces and tc qdiscs)"
+    )
+
+
+def test_skips_without_iproute2(monkeypatch, capsys) -> None:
+    bench = _load()
+    monkeypatch.setattr(bench.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(bench.shutil, "which", lambda tool: None)
+    assert bench.main(["--model", "mlp"]) == 0
+    assert "skipped: `ip` (iproute2) is not installed" in capsys.readouterr().out
+
+
+def test_skips_when_namespaces_fail(monkeypatch, capsys) -> None:
+    bench = _load()
+    monkeypatch.setattr(bench.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(bench.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    calls: list[tuple[str, ...]] = []
+
+    def refuse(*cmd: str) -> str:
+        calls.append(cmd)
+        raise subprocess.CalledProcessError(1, cmd, "", "mount --make-shared failed: EPERM\n")
+
+    monkeypatch.setattr(bench, "_run", refuse)
+    assert bench.main(["--model", "mlp", "--floor-rate", ""]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("emulated_network: skipped: cannot create")
+    assert "EPERM" in out[0]
+    assert calls == [calls[0]] and calls[0][:3] == ("ip", "netns", "add")
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("ip") is None,
+    reason="needs root and iproute2",
+)
+def test_tiny_run_leaves_no_namespace() -> None:
+    cmd = [
+        sys.executable, str(SCRIPT), "--model", "mlp", "--rates", "100mbit", "--floor-rate", "",
+        "--steps", "4", "--warmup", "2", "--compressors", "identity",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    if "skipped:" in done.stdout:
+        pytest.skip(done.stdout.strip())
+    assert re.search(r"^   identity +5292\.1 ", done.stdout, re.MULTILINE), done.stdout
+    names = re.search(r"veth (\S+)↔(\S+)", done.stdout).groups()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in listed for name in names)
