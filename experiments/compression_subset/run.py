@@ -45,6 +45,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["compressor=topk", "compressor.ratio=0.01", *NO_MOMENTUM],
         "ef14",
     ),
+    "random-k 1% + EF, SGD without momentum": (
+        ["compressor=randomk", "compressor.ratio=0.01", *NO_MOMENTUM],
+        "ef14",
+    ),
     "top-k 1%, no EF, SGD without momentum": (
         ["compressor=topk", "compressor.ratio=0.01", *NO_MOMENTUM],
         "none",
