@@ -32,7 +32,13 @@ CASES: dict[str, tuple[list[str], str]] = {
     "QSGD s=7": (["compressor=qsgd"], "none"),
     "scaled sign + EF (EF-signSGD)": (["compressor=sign"], "ef14"),
     "scaled sign, no EF (signSGD)": (["compressor=sign"], "none"),
-    "majority vote (signum)": (["compressor=signum"], "none"),
+    "majority vote (signSGD), same lr 0.1": (["compressor=signum"], "none"),
+    # Signum (Bernstein et al. 2018): ±1 per coordinate needs a ~1000× smaller lr; momentum is
+    # applied locally before the vote (error_feedback.momentum), optimizer momentum off.
+    "Signum (lr 1e-4, local momentum 0.9)": (
+        ["compressor=signum", *NO_MOMENTUM, "optimizer.lr=1e-4", "error_feedback.momentum=0.9"],
+        "none",
+    ),
     "PowerSGD rank 2 + EF": (["compressor=powersgd", "compressor.rank=2"], "ef14"),
     # Diagnostics: error feedback under heavy Nesterov momentum sends bursty residuals that the
     # momentum amplifies; DGC's momentum correction (velocity kept and sparsified locally,
