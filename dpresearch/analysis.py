@@ -73,11 +73,20 @@ def plot_curves(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, run in runs.items():
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.get_cmap("tab20").colors
+    styles = ("-", "--", ":", "-.")
+    for i, (label, run) in enumerate(runs.items()):
         df = load_metrics(run)
         df = df[df[y].notna()] if y in df else df.iloc[0:0]
-        ax.plot(df[x], df[y], marker=".", label=label)
+        ax.plot(
+            df[x],
+            df[y],
+            marker=".",
+            label=label,
+            color=colors[i % len(colors)],
+            linestyle=styles[(i // len(colors)) % len(styles)],
+        )
     if logx:
         ax.set_xscale("log")
     ax.set_xlabel(x)

@@ -31,7 +31,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "random-k 1%, no EF": (["compressor=randomk", "compressor.ratio=0.01"], "none"),
     "QSGD s=7": (["compressor=qsgd"], "none"),
     "scaled sign + EF (EF-signSGD)": (["compressor=sign"], "ef14"),
-    "scaled sign, no EF (signSGD)": (["compressor=sign"], "none"),
+    "scaled sign, no EF": (["compressor=sign"], "none"),
     "majority vote (signSGD), same lr 0.1": (["compressor=signum"], "none"),
     # Signum (Bernstein et al. 2018): ±1 per coordinate needs a ~1000× smaller lr; momentum is
     # applied locally before the vote (error_feedback.momentum), optimizer momentum off.
@@ -54,6 +54,10 @@ CASES: dict[str, tuple[list[str], str]] = {
     "random-k 1% + EF, SGD without momentum": (
         ["compressor=randomk", "compressor.ratio=0.01", *NO_MOMENTUM],
         "ef14",
+    ),
+    "random-k 1%, no EF, SGD without momentum": (
+        ["compressor=randomk", "compressor.ratio=0.01", *NO_MOMENTUM],
+        "none",
     ),
     "top-k 1%, no EF, SGD without momentum": (
         ["compressor=topk", "compressor.ratio=0.01", *NO_MOMENTUM],
