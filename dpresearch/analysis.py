@@ -73,7 +73,7 @@ def plot_curves(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(10, 5))
     colors = plt.get_cmap("tab20").colors
     styles = ("-", "--", ":", "-.")
     for i, (label, run) in enumerate(runs.items()):
@@ -92,7 +92,7 @@ def plot_curves(
     ax.set_xlabel(x)
     ax.set_ylabel(y)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
