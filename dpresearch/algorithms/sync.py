@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from dpresearch.algorithms.base import Algorithm
+from dpresearch.algorithms.overlap import OverlappedGradientAverage
 from dpresearch.comm.base import Communicator
 from dpresearch.compress import build_reducer, param_layout
 from dpresearch.replicas import Replicas
@@ -29,7 +30,9 @@ class SyncSGD(Algorithm):
     """Gradient aggregation (compressed or not), then one optimizer step per worker.
 
     compressor / error_feedback: config nodes (`_target_`s) built once per local worker, seeded
-    by (`seed`, worker id); None means identity without error feedback.
+    by (`seed`, worker id); None means identity without error feedback. overlap: average
+    uncompressed gradients during backward where a process holds one worker (see
+    `overlap.py`); the result is the same as after backward.
     """
 
     def __init__(
@@ -44,6 +47,7 @@ class SyncSGD(Algorithm):
         granularity: str = "auto",
         bucket_mb: float = 25.0,
         collective: str = "auto",
+        overlap: bool = True,
     ) -> None:
         super().__init__(replicas, comm, optimizers)
         if buffers not in BUFFER_MODES:
@@ -60,13 +64,22 @@ class SyncSGD(Algorithm):
             bucket_mb=bucket_mb,
             collective=collective,
         )
+        # Uncompressed gradients on one-worker processes are averaged during backward.
+        self.overlap = (
+            OverlappedGradientAverage(replicas, comm, bucket_mb)
+            if overlap and self.reducer.passthrough and comm.can_overlap and replicas.num_local == 1
+            else None
+        )
 
     def before_forward(self, step: int) -> None:
         if self.buffer_mode == "broadcast" and self.replicas.buffers.shape[1] > 0:
             self.comm.broadcast(self.replicas.buffers, src=0)
 
     def after_backward(self, step: int) -> None:
-        self.reducer.reduce(self.replicas.grads, step)
+        if self.overlap is not None:
+            self.overlap.finish()
+        else:
+            self.reducer.reduce(self.replicas.grads, step)
         for opt in self.optimizers:
             opt.step()
 

@@ -24,6 +24,19 @@ from dpresearch.comm.network import NetworkModel
 REDUCTIONS = ("ring", "centralized")
 
 
+class PendingOp:
+    """A collective in flight: `wait()` blocks until it has finished (idempotent)."""
+
+    def __init__(self, finish) -> None:
+        self._finish = finish
+        self._done = False
+
+    def wait(self) -> None:
+        if not self._done:
+            self._finish()
+            self._done = True
+
+
 class Communicator(ABC):
     """Collectives over `world_size` workers; this process holds `local_workers`.
 
@@ -102,6 +115,18 @@ class Communicator(ABC):
 
     def barrier(self) -> None:
         """Block until every process has reached this point."""
+
+    @property
+    def can_overlap(self) -> bool:
+        """Whether `start_all_reduce_sum` really runs in the background (one worker per
+        process, ring reduction, not deterministic)."""
+        return False
+
+    def start_all_reduce_sum(self, x: Tensor, record: bool = True) -> PendingOp:
+        """Begin an in-place sum allreduce of `x` ([W, ...]); `wait()` on the result finishes
+        it. Here: done at once; communicators that can overlap return a running operation."""
+        self.all_reduce(x, op="sum", record=record)
+        return PendingOp(lambda: None)
 
     # -- implementation hooks ---------------------------------------------------------------
     @abstractmethod

@@ -363,6 +363,8 @@ def worker(spec: dict) -> None:
             "train.progress=false",
             "train.eval_every=100000",
             "train.save_model=false",
+            # Each collective is timed on its own: no overlap of the allreduce with backward.
+            "algorithm.overlap=false",
         ]
         dataset = prepare_data(compose(*base))
         comm_class = _communicator_class()
