@@ -33,50 +33,10 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-SUBSET = REPO.parent / "shared" / "data" / "cifar10-subset"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
+from bench_cases import COMPRESSORS, DEFAULT_COMPRESSORS, MODELS, REPO, SUBSET  # noqa: E402
+
 LOG_EVERY = 5
-
-MODELS: dict[str, list[str]] = {
-    "resnet20": ["data=cifar10", f"data.root={SUBSET}", "model=resnet20", "train.batch_size=32"],
-    "mlp": [
-        "data=synthetic",
-        "data.num_train=16384",
-        "data.num_features=256",
-        "model=mlp",
-        "model.hidden=[1024,1024]",
-        "train.batch_size=128",
-    ],
-}
-
-COMPRESSORS: dict[str, list[str]] = {
-    "identity": ["compressor=identity"],
-    "fp16": ["compressor=fp16"],
-    "bf16": ["compressor=bf16"],
-    "topk1%+ef14": ["compressor=topk", "compressor.ratio=0.01", "error_feedback=ef14"],
-    "randomk1%+ef14": ["compressor=randomk", "compressor.ratio=0.01", "error_feedback=ef14"],
-    "qsgd": ["compressor=qsgd"],
-    "terngrad": ["compressor=terngrad"],
-    "sign+ef14": ["compressor=sign", "error_feedback=ef14"],
-    # Signum as conf/compressor/signum.yaml prescribes: momentum before the vote, small lr.
-    "signum": [
-        "compressor=signum",
-        "error_feedback.momentum=0.9",
-        "optimizer.momentum=0",
-        "optimizer.lr=0.001",
-    ],
-    "powersgd-r2+ef14": ["compressor=powersgd", "compressor.rank=2", "error_feedback=ef14"],
-}
-DEFAULT_COMPRESSORS = [
-    "identity",
-    "fp16",
-    "topk1%+ef14",
-    "randomk1%+ef14",
-    "qsgd",
-    "sign+ef14",
-    "signum",
-    "powersgd-r2+ef14",
-]
 
 
 def compose(*overrides: str):
