@@ -38,11 +38,14 @@ def test_all_gather_broadcast_and_neighbor_exchange():
     b = stacked(3, 2)
     comm.broadcast(b, src=2)
     assert torch.equal(b, stacked(3, 2)[2].expand(3, 2))
-    ring_out = [[(i - 1) % 3, (i + 1) % 3] for i in range(3)]
-    got = comm.neighbor_exchange(stacked(3, 2), ring_out, ring_out)
-    assert torch.equal(got[0], stacked(3, 2)[[2, 1]])
+    ring = [[(i - 1) % 3, (i + 1) % 3] for i in range(3)]
+    comm.ledger.reset()
+    got = comm.neighbor_exchange(stacked(3, 2), ring, ring)
+    assert got.shape == (3, 2, 2)
+    assert torch.equal(got[0], stacked(3, 2)[[1, 2]])  # in-peers in ascending order
     op = comm.ledger.step_ops[-1]
     assert (op.kind, op.peers, op.nbytes) == ("p2p", 2, 2 * 4)
+    assert comm.ledger.bytes_sent == 2 * 2 * 4  # D bytes to each of 2 peers
 
 
 def test_allreduce_bytes_are_payload_size_per_worker():

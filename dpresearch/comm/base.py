@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
@@ -25,16 +27,55 @@ REDUCTIONS = ("ring", "centralized")
 
 
 class PendingOp:
-    """A collective in flight: `wait()` blocks until it has finished (idempotent)."""
+    """A collective in flight: `wait()` blocks until it has finished and returns its result
+    (None for in-place ops). Idempotent."""
 
-    def __init__(self, finish) -> None:
+    def __init__(self, finish: Callable[[], None], result: Any = None) -> None:
         self._finish = finish
+        self._result = result
         self._done = False
 
-    def wait(self) -> None:
+    def wait(self) -> Any:
         if not self._done:
             self._finish()
             self._done = True
+        return self._result
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """Who sends to whom in one neighbour exchange, normalised and checked.
+
+    out_peers[i] / in_peers[i]: ascending, without duplicates or i itself, for every one of the
+    K workers, with j ∈ out_peers[i] ⇔ i ∈ in_peers[j]. width: the largest in-degree (the P of
+    the `[W, P, ...]` result, the same on every process); max_out: the largest out-degree.
+    """
+
+    out_peers: tuple[tuple[int, ...], ...]
+    in_peers: tuple[tuple[int, ...], ...]
+    width: int
+    max_out: int
+
+    @classmethod
+    def build(
+        cls, out_peers: Sequence[Sequence[int]], in_peers: Sequence[Sequence[int]], k: int
+    ) -> ExchangePlan:
+        if len(out_peers) != k or len(in_peers) != k:
+            raise ValueError(f"out_peers and in_peers need one entry per worker ({k})")
+        outs = tuple(
+            tuple(sorted({int(j) for j in peers} - {i})) for i, peers in enumerate(out_peers)
+        )
+        ins = tuple(
+            tuple(sorted({int(j) for j in peers} - {i})) for i, peers in enumerate(in_peers)
+        )
+        edges_out = {(i, j) for i, peers in enumerate(outs) for j in peers}
+        edges_in = {(j, i) for i, peers in enumerate(ins) for j in peers}
+        if edges_out != edges_in or any(not 0 <= j < k for _, j in edges_out):
+            raise ValueError(
+                "inconsistent peers: j must be in out_peers[i] exactly when i is in in_peers[j]"
+            )
+        width = max((len(p) for p in ins), default=0)
+        return cls(outs, ins, width, max((len(p) for p in outs), default=0))
 
 
 class Communicator(ABC):
@@ -65,7 +106,8 @@ class Communicator(ABC):
         self.local_workers = list(local_workers)
         self.reduction = reduction
         self.deterministic = deterministic
-        self.ledger = CommLedger(network)
+        self.ledger = CommLedger(network, len(self.local_workers))
+        self._plans: dict[tuple, ExchangePlan] = {}
 
     @property
     def num_local(self) -> int:
@@ -104,14 +146,55 @@ class Communicator(ABC):
         out_peers: Sequence[Sequence[int]],
         in_peers: Sequence[Sequence[int]],
         record: bool = True,
-    ) -> list[Tensor]:
-        """Each worker i sends its row to every worker in `out_peers[i]` and receives from every
-        worker in `in_peers[i]` (both indexed by global worker id; they must be consistent:
-        j in out_peers[i] ⇔ i in in_peers[j]). Returns, per local worker, a `[len(in_peers), ...]`
-        tensor of the received rows in `in_peers` order."""
-        peers = max((len(out_peers[w]) for w in self.local_workers), default=0)
-        with self._timed(record, "p2p", x, peers=peers):
-            return self._neighbor_exchange(x, out_peers, in_peers)
+    ) -> Tensor:
+        """Each worker i sends its row to every worker in `out_peers[i]` and receives the row of
+        every worker in `in_peers[i]` (both lists given for all K workers, by global id;
+        duplicates and i itself are ignored, so a 2-worker ring's left = right peer is one
+        peer). Returns `[W, P, ...]`: row p of local worker w is the row of its p-th in-peer in
+        ascending id order, zeros beyond its in-degree; P is the largest in-degree of any
+        worker, the same on every process.
+
+        Bytes: a worker sending D bytes to p peers is charged p·D; receiving costs nothing.
+        """
+        return self.start_neighbor_exchange(x, out_peers, in_peers, record).wait()
+
+    def start_neighbor_exchange(
+        self,
+        x: Tensor,
+        out_peers: Sequence[Sequence[int]],
+        in_peers: Sequence[Sequence[int]],
+        record: bool = True,
+    ) -> PendingOp:
+        """`neighbor_exchange` begun in the background: `wait()` returns the `[W, P, ...]`
+        result. `x` must not change until then (the send may still be reading it)."""
+        self._check_rows(x)
+        plan = self.exchange_plan(out_peers, in_peers)
+        start = time.perf_counter()
+        received, finish = self._start_neighbor_exchange(x, plan)
+
+        def done() -> None:
+            finish()
+            if record:
+                self.ledger.add_measured(time.perf_counter() - start)
+                row_bytes = x[0].numel() * x.element_size()
+                sent = [row_bytes * len(plan.out_peers[w]) for w in self.local_workers]
+                op = CommOp("p2p", row_bytes, self.world_size, peers=plan.max_out)
+                self.ledger.record(op, sent)
+
+        return PendingOp(done, received)
+
+    def exchange_plan(
+        self, out_peers: Sequence[Sequence[int]], in_peers: Sequence[Sequence[int]]
+    ) -> ExchangePlan:
+        """The checked plan for these peer lists (cached: time-varying graphs repeat)."""
+        key = (tuple(map(tuple, out_peers)), tuple(map(tuple, in_peers)))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = ExchangePlan.build(out_peers, in_peers, self.world_size)
+            if len(self._plans) > 256:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
 
     def barrier(self) -> None:
         """Block until every process has reached this point."""
@@ -139,21 +222,26 @@ class Communicator(ABC):
     def _broadcast(self, x: Tensor, src: int) -> None: ...
 
     @abstractmethod
-    def _neighbor_exchange(
-        self, x: Tensor, out_peers: Sequence[Sequence[int]], in_peers: Sequence[Sequence[int]]
-    ) -> list[Tensor]: ...
+    def _start_neighbor_exchange(
+        self, x: Tensor, plan: ExchangePlan
+    ) -> tuple[Tensor, Callable[[], None]]:
+        """Begin the exchange; return the `[W, plan.width, ...]` result tensor (filled once the
+        returned finish function has run) and that function."""
 
     # -- accounting -------------------------------------------------------------------------
-    @contextmanager
-    def _timed(self, record: bool, kind: str, x: Tensor, peers: int = 0):
-        if x.shape[0] != self.num_local:
+    def _check_rows(self, x: Tensor) -> None:
+        if x.dim() == 0 or x.shape[0] != self.num_local:
             raise ValueError(
                 f"collective expects one row per local worker ({self.num_local}), "
                 f"got shape {tuple(x.shape)}"
             )
+
+    @contextmanager
+    def _timed(self, record: bool, kind: str, x: Tensor):
+        self._check_rows(x)
         start = time.perf_counter()
         yield
         if record:
             self.ledger.add_measured(time.perf_counter() - start)
             row_bytes = x[0].numel() * x.element_size()
-            self.ledger.record(CommOp(kind, row_bytes, self.world_size, peers))
+            self.ledger.record(CommOp(kind, row_bytes, self.world_size))

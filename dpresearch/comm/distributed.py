@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dpresearch.comm.base import Communicator, PendingOp
+from dpresearch.comm.base import Communicator, ExchangePlan, PendingOp
 from dpresearch.comm.ledger import CommOp
 from dpresearch.comm.network import NetworkModel
 
@@ -34,6 +34,7 @@ class DistributedCommunicator(Communicator):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         super().__init__(size, [rank], network, reduction, deterministic)
         self.group = group
+        self._p2p_ready = False
 
     def _global(self, worker: int) -> int:
         """Global rank of worker `worker` of the group (the id torch.distributed calls take)."""
@@ -57,27 +58,39 @@ class DistributedCommunicator(Communicator):
     def _broadcast(self, x: Tensor, src: int) -> None:
         dist.broadcast(x[0], src=self._global(src), group=self.group)
 
-    def _neighbor_exchange(
-        self, x: Tensor, out_peers: Sequence[Sequence[int]], in_peers: Sequence[Sequence[int]]
-    ) -> list[Tensor]:
+    def _start_neighbor_exchange(
+        self, x: Tensor, plan: ExchangePlan
+    ) -> tuple[Tensor, Callable[[], None]]:
+        if not self._p2p_ready:
+            # NCCL requires every rank of the group in the first batched P2P call unless a
+            # collective ran before it (pytorch#73960): a one-element allreduce guarantees that.
+            dist.all_reduce(x.new_zeros(1), group=self.group)
+            self._p2p_ready = True
         me = self.local_workers[0]
+        outs, ins = plan.out_peers[me], plan.in_peers[me]
         send = x[0].contiguous()
-        received = x.new_empty((len(in_peers[me]),) + tuple(x.shape[1:]))
-        # Sends and receives go out in ascending peer order on every rank, so matching pairs are
-        # posted in the same order on both sides (NCCL ignores tags).
+        received = x.new_zeros((1, plan.width) + tuple(x.shape[1:]))
+        # One send and at most one receive per peer (peers are deduplicated), posted in
+        # ascending peer order; for each pair the lower rank sends first and the higher rank
+        # receives first, so both sides post the matching operations in the same order (NCCL
+        # ignores tags; gloo matches in order).
         ops = []
-        for peer in sorted(set(out_peers[me]) | set(in_peers[me])):
-            if peer in out_peers[me]:
-                ops.append(dist.P2POp(dist.isend, send, self._global(peer), self.group))
-            for slot, src in enumerate(in_peers[me]):
-                if src == peer:
-                    ops.append(
-                        dist.P2POp(dist.irecv, received[slot], self._global(peer), self.group)
-                    )
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-        return [received]
+        for peer in sorted(set(outs) | set(ins)):
+            pair = []
+            if peer in outs:
+                pair.append(dist.P2POp(dist.isend, send, self._global(peer), self.group))
+            if peer in ins:
+                slot = received[0, ins.index(peer)]
+                recv = dist.P2POp(dist.irecv, slot, self._global(peer), self.group)
+                pair.insert(0 if me > peer else len(pair), recv)
+            ops.extend(pair)
+        requests = dist.batch_isend_irecv(ops) if ops else []
+
+        def finish() -> None:
+            for request in requests:
+                request.wait()
+
+        return received, finish
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from dpresearch.comm.base import Communicator
+from dpresearch.comm.base import Communicator, ExchangePlan
 from dpresearch.comm.network import NetworkModel
 
 
@@ -22,23 +22,40 @@ class SimulatedCommunicator(Communicator):
         deterministic: bool = False,
     ) -> None:
         super().__init__(world_size, range(world_size), network, reduction, deterministic)
+        self._gather_index: dict[tuple[ExchangePlan, torch.device], tuple[Tensor, Tensor]] = {}
 
     def _all_reduce_sum(self, x: Tensor) -> None:
         # Always worker order: `deterministic` changes nothing in-process.
         x.copy_(x.sum(dim=0, keepdim=True).expand_as(x))
 
     def _all_gather(self, x: Tensor) -> Tensor:
+        # A view would do for the result's values, but callers may write into x afterwards.
         return x.clone()
 
     def _broadcast(self, x: Tensor, src: int) -> None:
         x.copy_(x[src : src + 1].expand_as(x))
 
-    def _neighbor_exchange(
-        self, x: Tensor, out_peers: Sequence[Sequence[int]], in_peers: Sequence[Sequence[int]]
-    ) -> list[Tensor]:
-        return [
-            torch.stack([x[j] for j in in_peers[i]])
-            if in_peers[i]
-            else x.new_empty((0,) + x.shape[1:])
-            for i in self.local_workers
-        ]
+    def _start_neighbor_exchange(
+        self, x: Tensor, plan: ExchangePlan
+    ) -> tuple[Tensor, Callable[[], None]]:
+        index, missing = self._index_for(plan, x.device)
+        received = x[index]  # one gather: [K, P, ...]
+        if missing is not None:
+            received[missing] = 0
+        return received, lambda: None
+
+    def _index_for(self, plan: ExchangePlan, device: torch.device) -> tuple[Tensor, Tensor]:
+        """[K, P] source rows (padded with 0) and the mask of padded slots (None if none)."""
+        key = (plan, device)
+        if key not in self._gather_index:
+            k, width = self.world_size, plan.width
+            index = torch.zeros(k, width, dtype=torch.long)
+            missing = torch.ones(k, width, dtype=torch.bool)
+            for i, peers in enumerate(plan.in_peers):
+                index[i, : len(peers)] = torch.tensor(peers, dtype=torch.long)
+                missing[i, : len(peers)] = False
+            self._gather_index[key] = (
+                index.to(device),
+                missing.to(device) if bool(missing.any()) else None,
+            )
+        return self._gather_index[key]
