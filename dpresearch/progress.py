@@ -19,8 +19,30 @@ def format_progress(m: dict[str, Any], total_steps: int) -> str:
     parts.append(f"loss {m['train/loss']:.4f}")
     if "test/acc" in m:
         parts.append(f"test loss {m['test/loss']:.4f} acc {m['test/acc']:.4f}")
+    if "test/acc_local_mean" in m:
+        parts.append(
+            f"local acc mean {m['test/acc_local_mean']:.4f} min {m['test/acc_local_min']:.4f}"
+        )
+    if "gossip/consensus_distance" in m:
+        parts.append(f"consensus dist {m['gossip/consensus_distance']:.3g}")
     parts.append(f"lr {m['lr']:.4g}")
     parts.append(f"sent {_bytes(m['comm/bytes'])}")
     parts.append(f"modeled comm {m['comm/modeled_s']:.3f}s")
     parts.append(f"wall {m['time/wall_s']:.1f}s")
     return " | ".join(parts)
+
+
+def format_setup(setup: dict[str, Any]) -> str:
+    """One line per described component, e.g. the topology and its spectral facts."""
+    lines = []
+    for name, facts in setup.items():
+        if isinstance(facts, dict):
+            shown = ", ".join(f"{k}={_short(v)}" for k, v in facts.items())
+            lines.append(f"{name}: {shown}")
+        else:
+            lines.append(f"{name}: {_short(facts)}")
+    return "\n".join(lines)
+
+
+def _short(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)

@@ -24,7 +24,7 @@ from torch import nn
 from dpresearch.comm.base import Communicator
 from dpresearch.data.base import Dataset
 from dpresearch.optim import make_optimizer, set_lr
-from dpresearch.progress import format_progress
+from dpresearch.progress import format_progress, format_setup
 from dpresearch.replicas import Replicas
 from dpresearch.run_logger import NullLogger, RunLogger
 
@@ -93,6 +93,9 @@ class Trainer:
             RunLogger(run_dir, resolved, cfg.logger) if run_dir is not None else NullLogger()
         )
         self.loss_scale = float(tc.loss_scale) if tc.autocast == "fp16" else 1.0
+        self.setup = self.algorithm.describe()
+        if self.setup and comm.is_main_process and tc.progress:
+            print(format_setup(self.setup), flush=True)
         self.comm.ledger.reset()
 
     def _autocast(self):
@@ -107,27 +110,53 @@ class Trainer:
 
     # -- evaluation ---------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, float]:
-        """Test loss and accuracy of the consensus model over the whole test set."""
+    def evaluate(self) -> dict[str, float]:
+        """Test loss and accuracy of the consensus model over the whole test set; with an
+        algorithm whose workers hold different models, also the mean and the minimum of
+        every worker's own test accuracy."""
         params, buffers = self.algorithm.consensus()
         model = self.replicas.load_into(self.eval_model, params, buffers)
-        model.eval()
-        sums = torch.zeros(self.comm.num_local, 3, dtype=torch.float64, device=self.device)
         num_processes = self.comm.world_size // self.comm.num_local
         process_index = self.comm.local_workers[0] // self.comm.num_local
-        for x, y in self.data.test_batches(
-            self.cfg.train.eval_batch_size, process_index, num_processes
-        ):
+        sums = torch.zeros(self.comm.num_local, 3, dtype=torch.float64, device=self.device)
+        sums[0] = self._test_sums(model, process_index, num_processes)
+        self.comm.all_reduce(sums, op="sum", record=False)
+        loss, correct, count = sums[0].tolist()
+        result = {"test/loss": loss / count, "test/acc": correct / count}
+        if self.algorithm.evaluates_local_models:
+            # Each worker's model lives only where the worker does: it sees the whole test set.
+            accs = (
+                torch.stack([self._test_sums(m, 0, 1) for m in self.replicas.models])[:, 1:2]
+                / count
+            )
+            accs = self.comm.all_gather(accs, record=False)[:, 0]
+            result["test/acc_local_mean"] = accs.mean().item()
+            result["test/acc_local_min"] = accs.min().item()
+        return result
+
+    def _test_sums(self, model: nn.Module, part: int, parts: int) -> torch.Tensor:
+        """(summed loss, correct, count) of `model` on test shard `part` of `parts`."""
+        was_training = model.training
+        model.eval()
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for x, y in self.data.test_batches(self.cfg.train.eval_batch_size, part, parts):
             if self.cfg.train.channels_last and x.dim() == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
             with self._autocast():
                 out = model(x).float()
-            sums[0, 0] += F.cross_entropy(out, y, reduction="sum").double()
-            sums[0, 1] += (out.argmax(1) == y).sum().double()
-            sums[0, 2] += y.numel()
-        self.comm.all_reduce(sums, op="sum", record=False)
-        loss, correct, count = sums[0].tolist()
-        return loss / count, correct / count
+            sums[0] += F.cross_entropy(out, y, reduction="sum").double()
+            sums[1] += (out.argmax(1) == y).sum().double()
+            sums[2] += y.numel()
+        model.train(was_training)
+        return sums
+
+    def _bytes_per_worker(self) -> tuple[float, float]:
+        """(mean, max) over all K workers of the bytes each has sent (unrecorded gather)."""
+        mine = torch.tensor(
+            self.comm.ledger.bytes_by_worker, dtype=torch.float64, device=self.device
+        ).unsqueeze(1)
+        every = self.comm.all_gather(mine, record=False)
+        return every.mean().item(), every.max().item()
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -178,6 +207,7 @@ class Trainer:
                 comm.all_reduce(window, op="sum", record=False)
                 loss_sum, acc_sum, count = window[0].tolist()
                 window.zero_()
+                bytes_mean, bytes_max = self._bytes_per_worker()
                 last = {
                     "step": done,
                     "epoch": done / self.steps_per_epoch,
@@ -185,14 +215,16 @@ class Trainer:
                     "train/loss": loss_sum / count,
                     "train/acc": acc_sum / count,
                     "lr": self.optimizers[0].param_groups[0]["lr"],
-                    "comm/bytes": comm.ledger.bytes_sent,
+                    "comm/bytes": bytes_mean,
+                    "comm/bytes_max": bytes_max,
                     "comm/modeled_s": comm.ledger.modeled_s,
                     "time/compute_s": compute_s,
                     "time/comm_s": comm.ledger.measured_s,
                     "time/wall_s": time.perf_counter() - start,
                 }
+                last.update(self.algorithm.metrics())
                 if done % eval_every == 0 or is_last:
-                    last["test/loss"], last["test/acc"] = self.evaluate()
+                    last.update(self.evaluate())
                     best_acc = max(best_acc, last["test/acc"])
                     self.replicas.train()
                 self.logger.log(last)
@@ -206,9 +238,11 @@ class Trainer:
                 "steps_per_epoch": self.steps_per_epoch,
                 "total_steps": self.total_steps,
                 "num_params": self.replicas.num_params,
-                "comm/bytes_per_epoch": comm.ledger.bytes_sent
+                "comm/bytes_per_epoch": last["comm/bytes"]
                 / (self.total_steps / self.steps_per_epoch),
                 "comm/op_counts": dict(comm.ledger.op_counts),
+                "comm/ops": comm.ledger.op_table(),
+                **self.setup,
             }
         )
         if isinstance(self.logger, RunLogger) and tc.save_model:

@@ -22,6 +22,7 @@ RUNTIME_ARGS = {
     "algorithm": {"replicas", "comm", "optimizers"},
     "compressor": {"seed", "worker"},
     "error_feedback": {"inner"},
+    "topology": {"num_workers"},
 }
 OWN_KEYS = {"optimizer": {"exclude_bn_bias_from_weight_decay"}}
 
@@ -125,7 +126,27 @@ def validate(cfg: DictConfig) -> None:
     for group in RUNTIME_ARGS:
         check_target(group, cfg[group])
     check_compression(cfg)
+    check_algorithm(cfg)
     OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg)))
+
+
+def check_algorithm(cfg: DictConfig) -> None:
+    """The algorithm's own checks: a `check_config(cfg)` classmethod on its target, if any,
+    raising ValueError (e.g. a topology that cannot exist for `workers`)."""
+    check = getattr(get_object(cfg.algorithm._target_), "check_config", None)
+    if check is None:
+        return
+    try:
+        check(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc).strip().splitlines()[0]) from None
+    except Exception as exc:  # noqa: BLE001 - Hydra wraps constructor errors
+        cause = exc
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(cause, ValueError):
+            raise ConfigError(str(cause).strip().splitlines()[0]) from None
+        raise
 
 
 def _is_default(node: Any, target: str, **defaults: Any) -> bool:
@@ -149,7 +170,8 @@ def check_compression(cfg: DictConfig) -> None:
         if not idle:
             raise ConfigError(
                 f"{alg._target_.rsplit('.', 1)[-1]} does not use compressor/error_feedback; "
-                "use algorithm=sync, or leave compressor=identity error_feedback=none"
+                "use algorithm=sync (compressed gradients) or algorithm=choco (compressed "
+                "gossip), or leave compressor=identity error_feedback=none"
             )
         return
     try:

@@ -81,3 +81,28 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def torchrun_two_nodes(
+    cwd: Path, args: list[str], timeout: float = 240
+) -> tuple[list[int], list[str]]:
+    """Run `torchrun -m dpresearch.train args` as 2 "nodes" × 2 processes with a c10d rendezvous
+    on 127.0.0.1; returns each node's exit code and output."""
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    nodes = []
+    for node_rank in range(2):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node_rank),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", "dpresearch-test", "--max-restarts", "0",
+            "-m", "dpresearch.train", *args,
+        ]  # fmt: skip
+        nodes.append(
+            subprocess.Popen(
+                cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    outputs = [p.communicate(timeout=timeout)[0] for p in nodes]
+    return [p.returncode for p in nodes], outputs

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import SMALL, free_port, run_cli
+from conftest import SMALL, run_cli, torchrun_two_nodes
 
 
 def run_dirs(root):
@@ -19,47 +19,10 @@ def run_dirs(root):
 @pytest.mark.distributed
 def test_two_node_torchrun_writes_exactly_one_run_directory(tmp_path):
     """Acceptance C: 2 nodes × 2 processes, c10d rendezvous on 127.0.0.1."""
-    port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
-    nodes = []
-    for node_rank in range(2):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "2",
-            "--nproc-per-node",
-            "2",
-            "--node-rank",
-            str(node_rank),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{port}",
-            "--rdzv-id",
-            "dpresearch-test",
-            "--max-restarts",
-            "0",
-            "-m",
-            "dpresearch.train",
-            "backend=gloo",
-            "workers=4",
-            "train.steps=12",
-            *SMALL,
-        ]
-        nodes.append(
-            subprocess.Popen(
-                cmd,
-                cwd=tmp_path,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    outputs = [p.communicate(timeout=240)[0] for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], "\n".join(outputs)
+    codes, outputs = torchrun_two_nodes(
+        tmp_path, ["backend=gloo", "workers=4", "train.steps=12", *SMALL]
+    )
+    assert codes == [0, 0], "\n".join(outputs)
     dirs = run_dirs(tmp_path)
     assert len(dirs) == 1, dirs
     rows = [json.loads(ln) for ln in (dirs[0] / "metrics.jsonl").read_text().splitlines()]

@@ -10,6 +10,7 @@ asks which process a worker lives on: it only uses the communicator's stacked co
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,7 +20,13 @@ from dpresearch.replicas import Replicas
 
 
 class Algorithm(ABC):
-    """Base class; subclasses implement `after_backward` and may override the rest."""
+    """Base class; subclasses implement `after_backward` and may override the rest.
+
+    `evaluates_local_models`: the workers' models differ (gossip, local SGD between averages),
+    so evaluation also reports each worker's own model (`test/acc_local_mean`, `_min`).
+    """
+
+    evaluates_local_models: bool = False
 
     def __init__(
         self, replicas: Replicas, comm: Communicator, optimizers: list[torch.optim.Optimizer]
@@ -46,6 +53,16 @@ class Algorithm(ABC):
         self.comm.all_reduce(params, op="mean", record=False)
         self.comm.all_reduce(buffers, op="mean", record=False)
         return params[0], buffers[0]
+
+    def metrics(self) -> dict[str, float]:
+        """Extra metrics logged at every log step (same value on every process); may use
+        unrecorded collectives."""
+        return {}
+
+    def describe(self) -> dict[str, Any]:
+        """Facts about the run's set-up printed at the start and stored in summary.json
+        (e.g. the topology's spectral gap)."""
+        return {}
 
     def state_dict(self) -> dict:
         """Algorithm state to checkpoint (beyond replicas and optimizers)."""

@@ -47,6 +47,7 @@ class CommLedger:
     modeled_s: float = 0.0
     measured_s: float = 0.0
     op_counts: Counter = field(default_factory=Counter)
+    op_totals: Counter = field(default_factory=Counter)  # CommOp -> times recorded
     step_ops: list[CommOp] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -66,6 +67,7 @@ class CommLedger:
             self.bytes_by_worker[w] += int(nbytes)
         self.modeled_s += self.network.op_seconds(op)
         self.op_counts[op.kind] += 1
+        self.op_totals[op] += 1
         self.step_ops.append(op)
 
     def add_measured(self, seconds: float) -> None:
@@ -80,4 +82,10 @@ class CommLedger:
         self.bytes_by_worker = [0] * self.num_local
         self.modeled_s, self.measured_s = 0.0, 0.0
         self.op_counts.clear()
+        self.op_totals.clear()
         self.step_ops.clear()
+
+    def op_table(self) -> list[list]:
+        """Every distinct op with its count, `[kind, nbytes, group, peers, count]`, so a run
+        can be re-priced on any network afterwards (`NetworkModel.total_seconds`)."""
+        return [[op.kind, op.nbytes, op.group, op.peers, n] for op, n in self.op_totals.items()]

@@ -52,6 +52,16 @@ class NetworkModel:
             )
         return cls.from_units(*PRESETS[name])
 
+    def total_seconds(self, op_table: list[list]) -> float:
+        """Modeled seconds of a run's `comm/ops` table (`CommLedger.op_table`) on this
+        network: re-prices a finished run on another fabric."""
+        from dpresearch.comm.ledger import CommOp
+
+        return sum(
+            count * self.op_seconds(CommOp(kind, nbytes, group, peers))
+            for kind, nbytes, group, peers, count in op_table
+        )
+
     def op_seconds(self, op: CommOp) -> float:
         """Modeled duration of one collective (see the module docstring for the formulas)."""
         n, d, a, b = op.group, op.nbytes, self.latency_s, self.bandwidth_Bps

@@ -18,6 +18,14 @@ Aggregation algebra (`linear`):
 compressor that is a compress → one collective → decompress pipeline; a compressor with a
 multi-round protocol (PowerSGD: P round, then Q round) subclasses `Compressor` directly and
 writes its own.
+
+Codecs apart from the collective: a `SingleRoundCompressor` also offers `encode` (a worker's
+input → one wire row, laid out by a `WirePlan` built once per bucket) and `decode` (a wire row
+→ the decoded tensor). Synchronous aggregation is encode → allreduce/allgather → decode;
+compressed gossip (CHOCO-SGD) is encode → neighbour exchange → decode each received row and
+weight it by the mixing matrix. `gossip` says whether decoded messages may be combined with
+arbitrary weights that way (false for majority vote, whose aggregate is a vote, and for
+multi-round protocols).
 """
 
 from __future__ import annotations
@@ -55,6 +63,20 @@ class Chunk:
         return slice(self.offset, self.offset + self.numel)
 
 
+@dataclass(frozen=True)
+class WirePlan:
+    """One bucket's plan-time facts: its chunks and where each chunk's payload components sit
+    in a worker's wire row (`layout.size` elements of `layout.dtype`)."""
+
+    chunks: tuple[Chunk, ...]
+    layout: RowLayout
+
+    @property
+    def numel(self) -> int:
+        """Input elements the chunks cover (the bucket's length)."""
+        return max((ch.offset + ch.numel for ch in self.chunks), default=0)
+
+
 class Compressor(ABC):
     """Per-worker compressor. Subclasses set `linear` and implement `payload_bytes` and
     `aggregate`.
@@ -64,6 +86,7 @@ class Compressor(ABC):
     """
 
     linear: ClassVar[bool] = False
+    gossip: ClassVar[bool] = False
 
     def __init__(self, seed: int = 0, worker: int = 0) -> None:
         self.seed = int(seed)
@@ -117,6 +140,28 @@ class SingleRoundCompressor(Compressor):
     only on the payload, the chunk and the step — never on the sending worker's state — since a
     receiver decodes every worker's payload with its own instance.
     """
+
+    gossip: ClassVar[bool] = True
+
+    def wire_plan(
+        self, chunks: Sequence[Chunk], dtype: torch.dtype, linear: bool | None = None
+    ) -> WirePlan:
+        """The row layout for `chunks` of a `dtype` input. linear: lay the row out in the
+        payload's own dtype so rows can be summed (default: `self.linear`); else bytes."""
+        linear = self.linear if linear is None else linear
+        specs = [self.payload_spec(ch, dtype) for ch in chunks]
+        return WirePlan(tuple(chunks), RowLayout(specs, linear))
+
+    def encode(self, x: Tensor, plan: WirePlan, step: int, wire: Tensor) -> None:
+        """Compress the 1-D bucket `x` into the wire row `wire` (`plan.layout.size` elements of
+        `plan.layout.dtype`). Must not modify `x`."""
+        for i, ch in enumerate(plan.chunks):
+            plan.layout.write(wire, i, self.compress(x[ch.slice], ch, step))
+
+    def decode(self, wire: Tensor, plan: WirePlan, step: int, out: Tensor) -> None:
+        """Decode one wire row (any worker's) into the 1-D `out` of the bucket's length."""
+        for i, ch in enumerate(plan.chunks):
+            self.decompress(plan.layout.read(wire, i), ch, step, out[ch.slice])
 
     @abstractmethod
     def payload_spec(self, chunk: Chunk, dtype: torch.dtype) -> Spec:
@@ -175,16 +220,16 @@ class SingleRoundCompressor(Compressor):
                 "allreduce; use collective=allgather (or auto)"
             )
         linear = lead.linear if collective == "auto" else collective == "allreduce"
-        dtype = rows[0].dtype
-        layout = RowLayout([lead.payload_spec(ch, dtype) for ch in chunks], linear)
+        plan = lead.wire_plan(chunks, rows[0].dtype, linear)
+        layout = plan.layout
         wire = scratch("wire.rows", (len(rows), layout.size), layout.dtype, rows[0].device)
         for w, (worker, row) in enumerate(zip(workers, rows, strict=True)):
-            for i, ch in enumerate(chunks):
-                layout.write(wire[w], i, worker.compress(row[ch.slice], ch, step))
-                if local is not None:
-                    # Decode from the wire bytes, not from the compressor's tensors: EF must
-                    # subtract exactly what the receivers will see.
-                    lead.decompress(layout.read(wire[w], i), ch, step, local[w][ch.slice])
+            assert isinstance(worker, SingleRoundCompressor)
+            worker.encode(row, plan, step, wire[w])
+            if local is not None:
+                # Decode from the wire bytes, not from the compressor's tensors: EF must
+                # subtract exactly what the receivers will see.
+                lead.decode(wire[w], plan, step, local[w])
         count = comm.world_size
         if linear:
             comm.all_reduce(wire, op="sum")

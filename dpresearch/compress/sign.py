@@ -75,7 +75,11 @@ class MajorityVote(SingleRoundCompressor):
     1-bit vote back. The aggregate has unit magnitude: pair it with a small learning rate.
 
     Wire bytes per chunk of d entries: ⌈d/8⌉ (signs packed 8 per byte).
+
+    Not a gossip codec: its aggregate is a vote, not a weighted sum of decoded messages.
     """
+
+    gossip = False
 
     def payload_spec(self, chunk: Chunk, dtype: torch.dtype) -> Spec:
         return [(torch.uint8, packed_size(chunk.numel, 1))]

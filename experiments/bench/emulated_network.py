@@ -270,7 +270,7 @@ def _communicator_class():
             self.ops: list[tuple[str, int, float, float]] = []  # kind, bytes, measured s, wait s
 
         @contextmanager
-        def _timed(self, record: bool, kind: str, x: Any, peers: int = 0) -> Iterator[None]:
+        def _timed(self, record: bool, kind: str, x: Any) -> Iterator[None]:
             # `_timed` wraps every collective, so this is the one place to sync and observe.
             wait = 0.0
             if record and self.barrier_first:
@@ -278,7 +278,7 @@ def _communicator_class():
                 dist.barrier()
                 wait = time.perf_counter() - start
             before = self.ledger.measured_s
-            with super()._timed(record, kind, x, peers):
+            with super()._timed(record, kind, x):
                 yield
             if record:
                 nbytes = x[0].numel() * x.element_size()

@@ -1,0 +1,233 @@
+"""Decentralized training: workers average with their graph neighbours instead of everyone.
+
+`Gossip` is the base of the gossip algorithms (D-PSGD here, CHOCO-SGD in `choco.py`, SGP in
+`sgp.py`). It owns the communication graph (a `Topology` built for K workers from the
+`topology` config node), the per-step mixing weights of the local workers, the weighted sum
+they apply to what they receive, the consensus-distance metric and the evaluation of every
+worker's own model beside the average model x̄.
+
+Conventions shared by every gossip algorithm:
+- Row i of the mixing matrix W(t) holds the weights worker i gives to itself and to its
+  in-peers: x_i ← Σ_j w_ij x_j, added self first, then in-peers in ascending id order, with
+  separate multiply and add (no fused kernels), so the result is bit-identical on K simulated
+  workers and on K processes.
+- BatchNorm statistics and other float buffers are mixed like the parameters, with the same
+  weights, every step (`mix_buffers=true`), and travel uncompressed.
+- Optimizer state (momentum) stays local.
+- `consensus()` is the average model x̄ = (1/K) Σ_i x_i (unrecorded traffic); it is what
+  `test/acc` evaluates. `test/acc_local_mean` / `test/acc_local_min` evaluate each worker's own
+  model (`eval_local_models=true`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch import Tensor
+
+from dpresearch.algorithms.base import Algorithm
+from dpresearch.comm.base import Communicator, PendingOp
+from dpresearch.comm.topology import Topology
+from dpresearch.replicas import Replicas
+
+ORDERS = ("combine_then_adapt", "adapt_then_combine")
+
+
+def build_topology(topology: Mapping[str, Any], num_workers: int) -> Topology:
+    """The topology of the config node `topology` for `num_workers` workers."""
+    return instantiate(topology, num_workers=num_workers)
+
+
+class Gossip(Algorithm):
+    """Base class: graph, mixing weights, neighbour averaging, consensus metrics.
+
+    topology: the `topology` config node (a `_target_` taking `num_workers`).
+    mix_buffers: average float buffers (BatchNorm statistics) with the neighbours' every step.
+    eval_local_models: at evaluation points also evaluate every worker's own model.
+    """
+
+    evaluates_local_models = True
+
+    def __init__(
+        self,
+        replicas: Replicas,
+        comm: Communicator,
+        optimizers: list[torch.optim.Optimizer],
+        topology: Mapping[str, Any] | None = None,
+        mix_buffers: bool = True,
+        eval_local_models: bool = True,
+    ) -> None:
+        super().__init__(replicas, comm, optimizers)
+        node = topology or {"_target_": "dpresearch.comm.topology.Ring"}
+        self.topology = build_topology(node, comm.world_size)
+        self.check_topology(self.topology)
+        self.mix_buffers = mix_buffers
+        self.evaluates_local_models = eval_local_models
+        self._weights: dict[int, tuple[Tensor, Tensor]] = {}
+
+    # -- configuration checks (before any worker starts) --------------------------------------
+    @classmethod
+    def check_config(cls, cfg: DictConfig) -> None:
+        """Raise ValueError (one line naming the fix) for a configuration this algorithm cannot
+        run: a topology impossible for `workers`, or one whose weights the algorithm cannot
+        use."""
+        if cfg.workers < 2:
+            raise ValueError(f"workers={cfg.workers}: gossip needs at least 2 workers")
+        node = cfg.algorithm.get("topology") or {"_target_": "dpresearch.comm.topology.Ring"}
+        topology = build_topology(node, cfg.workers)
+        cls.check_topology(topology)
+
+    @classmethod
+    def check_topology(cls, topology: Topology) -> None:
+        """Mean-preserving averaging needs a doubly stochastic W(t)."""
+        if not topology.is_doubly_stochastic:
+            raise ValueError(
+                f"topology={topology.name} with weights={topology.weights} is not doubly "
+                "stochastic, so averaging would drift from the mean; set "
+                "topology.weights=metropolis, or use algorithm=sgp (push-sum) for this graph"
+            )
+
+    def describe(self) -> dict[str, Any]:
+        return {"topology": self.topology.describe()}
+
+    # -- mixing ---------------------------------------------------------------------------------
+    def peers(self, step: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """(out_peers, in_peers) of every worker at `step`."""
+        return self.topology.out_peers(step), self.topology.in_peers(step)
+
+    def local_weights(self, step: int, matrix: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(self weights [W], in-peer weights [W, P]) of the local workers at `step`, in the
+        parameters' dtype; P is the largest in-degree, padded with zeros. `matrix`: weights
+        other than the mixing matrix (e.g. push-sum's); not cached."""
+        phase = step % self.topology.period
+        if matrix is None and phase in self._weights:
+            return self._weights[phase]
+        w = self.topology.mixing_matrix(step) if matrix is None else matrix
+        ins = self.topology.in_peers(step)
+        width = max((len(p) for p in ins), default=0)
+        own = torch.empty(self.comm.num_local, dtype=torch.float64)
+        peer = torch.zeros(self.comm.num_local, width, dtype=torch.float64)
+        for row, i in enumerate(self.comm.local_workers):
+            own[row] = w[i, i]
+            for slot, j in enumerate(ins[i]):
+                peer[row, slot] = w[i, j]
+        dtype, device = self.replicas.params.dtype, self.replicas.params.device
+        result = (own.to(device, dtype), peer.to(device, dtype))
+        if matrix is None:
+            self._weights[phase] = result
+        return result
+
+    def start_exchange(self, x: Tensor, step: int, record: bool = True) -> PendingOp:
+        """Send every local row to its out-peers at `step`; `wait()` gives `[W, P, ...]`."""
+        outs, ins = self.peers(step)
+        return self.comm.start_neighbor_exchange(x, outs, ins, record=record)
+
+    @staticmethod
+    def weighted_sum(
+        own: Tensor, received: Tensor, own_w: Tensor, peer_w: Tensor, out: Tensor
+    ) -> Tensor:
+        """out[w] = own_w[w]·own[w] + Σ_p peer_w[w, p]·received[w, p], self first, then slots in
+        order; separate multiply and add, so every backend rounds identically."""
+        shape = (-1,) + (1,) * (own.dim() - 1)
+        torch.mul(own, own_w.view(shape), out=out)
+        if received.shape[1]:
+            term = torch.empty_like(out)
+            for p in range(received.shape[1]):
+                torch.mul(received[:, p], peer_w[:, p].view(shape), out=term)
+                out.add_(term)
+        return out
+
+    def gossip_average(self, x: Tensor, step: int, received: Tensor | None = None) -> None:
+        """In place: x_i ← Σ_j w_ij x_j over the graph of `step` (exchanging x unless the
+        received rows are given)."""
+        if received is None:
+            received = self.start_exchange(x, step).wait()
+        own_w, peer_w = self.local_weights(step)
+        mixed = self.weighted_sum(x, received, own_w, peer_w, torch.empty_like(x))
+        x.copy_(mixed)
+
+    def mix_float_buffers(self, step: int) -> None:
+        if self.mix_buffers and self.replicas.buffers.shape[1] > 0:
+            self.gossip_average(self.replicas.buffers, step)
+
+    # -- metrics ----------------------------------------------------------------------------------
+    def models(self) -> Tensor:
+        """The `[W, D]` parameter rows the workers evaluate (and whose spread is measured)."""
+        return self.replicas.params
+
+    def metrics(self) -> dict[str, float]:
+        """`gossip/consensus_distance`: Ξ² = (1/K) Σ_i ‖x_i − x̄‖² (unrecorded traffic)."""
+        x = self.models().double()
+        mean = x.clone()
+        self.comm.all_reduce(mean, op="mean", record=False)
+        sq = (x - mean).pow(2).sum(dim=1, keepdim=True)
+        self.comm.all_reduce(sq, op="sum", record=False)
+        return {"gossip/consensus_distance": sq[0, 0].item() / self.comm.world_size}
+
+
+class DPSGD(Gossip):
+    """D-PSGD (Lian et al., NeurIPS 2017), with optional periodic global averaging
+    (Gossip-PGA, Chen et al., ICML 2021).
+
+    order="combine_then_adapt" (Lian et al.):  x_{t+1} = Σ_j w_ij x_j^t − η·u_i(g_i(x_i^t)),
+      the gradient taken at the pre-mixing point, so the exchange of x_t runs while the
+      forward/backward at x_t computes (`overlap=true`; real on processes).
+    order="adapt_then_combine":  x_{t+1} = Σ_j w_ij (x_j^t − η·u_j), the local step first —
+      CHOCO-SGD's step semantics (CHOCO with the identity compressor and γ = 1 is exactly this).
+    u is the local optimizer's update (momentum stays local; with combine_then_adapt, weight
+    decay is taken at the mixed point, where the optimizer steps).
+    global_average_every=H: every H steps all workers average exactly (one allreduce of the
+    parameters and buffers), after the gossip step.
+    """
+
+    def __init__(
+        self,
+        replicas: Replicas,
+        comm: Communicator,
+        optimizers: list[torch.optim.Optimizer],
+        topology: Mapping[str, Any] | None = None,
+        order: str = "combine_then_adapt",
+        overlap: bool = True,
+        global_average_every: int | None = None,
+        mix_buffers: bool = True,
+        eval_local_models: bool = True,
+    ) -> None:
+        super().__init__(replicas, comm, optimizers, topology, mix_buffers, eval_local_models)
+        if order not in ORDERS:
+            raise ValueError(f"algorithm.order={order}; choose one of: {', '.join(ORDERS)}")
+        if global_average_every is not None and global_average_every < 1:
+            raise ValueError(
+                f"algorithm.global_average_every={global_average_every}: must be >= 1 or null"
+            )
+        self.order = order
+        self.overlap = overlap and order == "combine_then_adapt"
+        self.global_average_every = global_average_every
+        self._pending: PendingOp | None = None
+
+    def before_forward(self, step: int) -> None:
+        if self.overlap:
+            self._pending = self.start_exchange(self.replicas.params, step)
+
+    def after_backward(self, step: int) -> None:
+        params = self.replicas.params
+        if self.order == "combine_then_adapt":
+            received = self._pending.wait() if self._pending is not None else None
+            self._pending = None
+            self.gossip_average(params, step, received)
+            self._step_optimizers()
+        else:
+            self._step_optimizers()
+            self.gossip_average(params, step)
+        self.mix_float_buffers(step)
+        if self.global_average_every and (step + 1) % self.global_average_every == 0:
+            self.comm.all_reduce(params, op="mean")
+            if self.mix_buffers and self.replicas.buffers.shape[1] > 0:
+                self.comm.all_reduce(self.replicas.buffers, op="mean")
+
+    def _step_optimizers(self) -> None:
+        for opt in self.optimizers:
+            opt.step()

@@ -1,0 +1,296 @@
+"""Decentralized training (issue 7): gossip alone contracts at the spectral rate and keeps the
+mean (B); every worker's parameters agree between K simulated workers and K gloo processes (C);
+CHOCO with the identity compressor and γ = 1 is D-PSGD, D-PSGD on the complete graph is exact
+averaging (D); small rings finish on gloo (E); bad gossip input fails before any worker
+starts."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import REPO, SMALL, compose_config, free_port, run_cli, torchrun_two_nodes
+from test_equivalence import TOL, max_diff, run_ours
+
+from dpresearch.algorithms.gossip import DPSGD
+from dpresearch.comm.distributed import DistributedCommunicator
+from dpresearch.comm.network import NetworkModel
+from dpresearch.comm.simulated import SimulatedCommunicator
+from dpresearch.launch import network_model
+from dpresearch.models.mlp import MLP
+from dpresearch.replicas import Replicas
+from dpresearch.train import train
+from dpresearch.trainer import Trainer
+from dpresearch.validate import ConfigError, validate
+
+NET = NetworkModel.preset("1gbe")
+STEPS = 20
+COMMON = [*SMALL, "seed=3", "optimizer.momentum=0.9", f"train.steps={STEPS}", "train.batch_size=16"]
+
+
+# -- B: gossip alone ----------------------------------------------------------------------------
+def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference (0 for empty tensors, e.g. a model without buffers)."""
+    return (a - b).abs().max().item() if a.numel() else 0.0
+
+
+def spread(x: torch.Tensor) -> float:
+    return (x - x.mean(0)).double().pow(2).sum(1).mean().item()
+
+
+@pytest.mark.parametrize(
+    "topology, k",
+    [("Ring", 8), ("Torus", 16), ("Exponential", 16), ("OnePeerExponential", 16)],
+)
+def test_gossip_alone_keeps_the_mean_and_contracts_at_the_spectral_rate(topology, k):
+    torch.manual_seed(0)
+    replicas = Replicas(MLP(4, (6,), hidden=[5]), k, torch.device("cpu"))
+    replicas.params.copy_(torch.randn_like(replicas.params))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.0) for m in replicas.models]
+    comm = SimulatedCommunicator(k, NET)
+    algorithm = DPSGD(
+        replicas, comm, optimizers, {"_target_": f"dpresearch.comm.topology.{topology}"}
+    )
+    gap = algorithm.topology.spectral_gap
+    period = algorithm.topology.period
+    mean0, xi0 = replicas.params.double().mean(0), spread(replicas.params)
+    for step in range(30 * period):
+        replicas.zero_grad()
+        algorithm.before_forward(step)
+        algorithm.after_backward(step)
+        assert (replicas.params.double().mean(0) - mean0).abs().max() < 1e-6
+        if (step + 1) % period == 0:  # time-varying graphs: δ is per period
+            rounds = (step + 1) // period
+            assert spread(replicas.params) <= (1 - gap) ** (2 * rounds) * xi0 * (1 + 1e-6) + 1e-12
+    assert spread(replicas.params) < 0.5 * xi0  # it really contracted
+
+
+def test_consensus_distance_metric_is_the_definition(small_config):
+    trainer = Trainer(
+        small_config("workers=4", "algorithm=dpsgd"),
+        SimulatedCommunicator(4, NET),
+        torch.device("cpu"),
+        None,
+    )
+    trainer.replicas.params.add_(torch.randn_like(trainer.replicas.params))
+    x = trainer.replicas.params.double()
+    expected = (x - x.mean(0)).pow(2).sum(1).mean().item()
+    got = trainer.algorithm.metrics()["gossip/consensus_distance"]
+    assert got == pytest.approx(expected, rel=1e-9)
+
+
+# -- C: simulated ≡ gloo, every worker ------------------------------------------------------------
+CASES = {
+    "dpsgd_ring2": (2, ["algorithm=dpsgd"]),
+    "dpsgd_ring3": (3, ["algorithm=dpsgd"]),
+    "dpsgd_ring4": (4, ["algorithm=dpsgd", "model.batch_norm=true"]),
+    "choco_topk4": (
+        4,
+        ["algorithm=choco", "compressor=topk", "compressor.ratio=0.1", "algorithm.gamma=0.3"],
+    ),
+    "choco_sign4": (
+        4,
+        ["algorithm=choco", "compressor=sign", "algorithm.gamma=0.4", "model.batch_norm=true"],
+    ),
+    "sgp4": (4, ["algorithm=sgp", "topology=one_peer_exponential"]),
+    "sgp_star4": (
+        4,
+        ["algorithm=sgp", "topology=star", "topology.weights=uniform", "model.batch_norm=true"],
+    ),
+}
+
+
+def case_config(name: str, *extra: str):
+    k, overrides = CASES[name]
+    return compose_config(*COMMON, f"workers={k}", *overrides, *extra)
+
+
+def simulated_rows(name: str, *extra: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    return simulated(case_config(name, *extra))
+
+
+def simulated(cfg) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Every worker's parameters and buffers after `cfg`'s run on K simulated workers."""
+    torch.set_num_threads(1)
+    comm = SimulatedCommunicator(
+        cfg.workers, network_model(cfg), deterministic=cfg.comm.deterministic
+    )
+    trainer = Trainer(cfg, comm, torch.device("cpu"), None)
+    summary = trainer.run()
+    return trainer.replicas.params.clone(), trainer.replicas.buffers.clone(), summary
+
+
+def _gloo_worker(rank: int, world: int, port: int, out: str, names: list[str]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    results = {}
+    for name in names:
+        cfg = case_config(name)
+        comm = DistributedCommunicator(network_model(cfg))
+        trainer = Trainer(cfg, comm, torch.device("cpu"), None)
+        summary = trainer.run()
+        results[name] = (
+            trainer.replicas.params[0].clone(),
+            trainer.replicas.buffers[0].clone(),
+            summary,
+        )
+    torch.save(results, f"{out}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_worker_matches_between_simulated_and_gloo(tmp_path, world):
+    names = [n for n, (k, _) in CASES.items() if k == world]
+    torch.multiprocessing.spawn(
+        _gloo_worker, args=(world, free_port(), str(tmp_path), names), nprocs=world, join=True
+    )
+    real = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for name in names:
+        params, buffers, summary = simulated_rows(name)
+        assert spread(params) > 1e-8, name  # the workers' models really differ
+        for rank in range(world):
+            got_params, got_buffers, got_summary = real[rank][name]
+            assert gap(got_params, params[rank]) <= TOL, (name, rank)
+            assert gap(got_buffers, buffers[rank]) <= TOL, (name, rank)
+        # Bytes: the ledger of the sender, the same K-wide mean and max on every process.
+        assert real[0][name][2]["comm/bytes"] == summary["comm/bytes"], name
+        assert real[0][name][2]["comm/bytes_max"] == summary["comm/bytes_max"], name
+        distance = summary["gossip/consensus_distance"]
+        assert real[0][name][2]["gossip/consensus_distance"] == pytest.approx(distance, rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_deterministic_mode_is_bit_identical(tmp_path):
+    """With comm.deterministic=true every sum is in worker order: bit for bit (here the
+    gossip sums already are; the flag must not change that)."""
+    cfg_args = ["algorithm=dpsgd", "comm.deterministic=true", "backend.threads=1"]
+    sim = run_ours(lambda *o: compose_config(*SMALL, *o), tmp_path, "sim", "workers=3", *cfg_args)
+    gloo = run_ours(
+        lambda *o: compose_config(*SMALL, *o),
+        tmp_path,
+        "gloo",
+        "workers=3",
+        *cfg_args,
+        "backend=gloo",
+    )
+    assert max_diff(sim, gloo) == 0.0
+
+
+@pytest.mark.distributed
+def test_dpsgd_under_torchrun_two_nodes_matches_simulated(tmp_path):
+    """Acceptance C: 2 nodes × 2 processes (c10d rendezvous on 127.0.0.1), D-PSGD on a ring."""
+    args = ["algorithm=dpsgd", "workers=4", "backend.threads=1", *SMALL, "train.steps=12"]
+    codes, outputs = torchrun_two_nodes(tmp_path, ["backend=gloo", *args, "hydra.run.dir=run"])
+    assert codes == [0, 0], "\n".join(outputs)
+    expected = tmp_path / "sim"
+    train(compose_config(*args), expected)
+    assert (
+        max_diff(
+            torch.load(tmp_path / "run" / "model_final.pt"), torch.load(expected / "model_final.pt")
+        )
+        <= TOL
+    )
+    real = json.loads((tmp_path / "run" / "summary.json").read_text())
+    sim = json.loads((expected / "summary.json").read_text())
+    assert real["gossip/consensus_distance"] == pytest.approx(
+        sim["gossip/consensus_distance"], rel=1e-5
+    )
+    assert real["comm/bytes"] == sim["comm/bytes"] > 0
+
+
+# -- D: equal algorithms -------------------------------------------------------------------------
+def test_choco_identity_gamma_one_equals_dpsgd_adapt_then_combine():
+    model = ("workers=4", "model.batch_norm=true")
+    choco, choco_buf, _ = simulated(
+        compose_config(*COMMON, *model, "algorithm=choco", "algorithm.gamma=1.0")
+    )
+    dpsgd, dpsgd_buf, _ = simulated(
+        compose_config(*COMMON, *model, "algorithm=dpsgd", "algorithm.order=adapt_then_combine")
+    )
+    assert spread(dpsgd) > 1e-8
+    assert gap(choco, dpsgd) <= TOL
+    assert gap(choco_buf, dpsgd_buf) <= TOL
+
+
+def test_dpsgd_on_the_complete_graph_is_exact_averaging():
+    args = ("topology=complete", "topology.weights=uniform", "algorithm.order=adapt_then_combine")
+    gossip, gossip_buf, _ = simulated_rows("dpsgd_ring4", *args)
+    averaged, averaged_buf, _ = simulated_rows(
+        "dpsgd_ring4", "algorithm=local_sgd", "algorithm.period=1"
+    )
+    assert spread(gossip) < 1e-12
+    assert gap(gossip, averaged) <= TOL
+    assert gap(gossip_buf, averaged_buf) <= TOL
+
+
+# -- E: small rings on gloo through the command line ---------------------------------------------
+@pytest.mark.distributed
+@pytest.mark.parametrize("k", [2, 3])
+def test_small_rings_finish_on_gloo(tmp_path, k):
+    start = time.perf_counter()
+    result = run_cli(
+        [
+            "algorithm=dpsgd",
+            f"workers={k}",
+            "backend=gloo",
+            *SMALL,
+            "train.steps=10",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=REPO,
+        timeout=90,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert time.perf_counter() - start < 60
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["topology"]["num_workers"] == k
+    assert summary["topology"]["degree_max"] == (1 if k == 2 else 2)
+
+
+# -- bad input -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args, fix",
+    [
+        (["algorithm=dpsgd", "topology=torus", "workers=7"], "topology=ring"),
+        (["algorithm=choco", "algorithm.gamma=0"], "algorithm.gamma=0"),
+        (["algorithm=choco", "algorithm.gamma=-1"], "algorithm.gamma=-1"),
+        (["algorithm=dpsgd", "topology=star", "topology.weights=uniform"], "algorithm=sgp"),
+        (["algorithm=choco", "compressor=powersgd"], "compressor=topk"),
+        (["algorithm=choco", "compressor=signum"], "compressor=topk"),
+        (["algorithm=choco", "compressor=topk", "error_feedback=ef14"], "error_feedback=none"),
+        (["algorithm=choco", "topology=one_peer_exponential"], "static topology"),
+        (["algorithm=dpsgd", "workers=1"], "at least 2 workers"),
+        (["algorithm=dpsgd", "compressor=topk"], "algorithm=choco"),
+    ],
+)
+def test_bad_gossip_input_is_one_line_naming_the_fix(args, fix):
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(*SMALL, *args))
+    assert "\n" not in str(info.value)
+    assert fix in str(info.value)
+
+
+def test_bad_topology_on_the_command_line_exits_2_before_any_worker(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        [
+            "algorithm=dpsgd",
+            "topology=torus",
+            "workers=5",
+            "backend=gloo",
+            *SMALL,
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: topology=torus"), result.stderr
