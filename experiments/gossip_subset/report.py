@@ -49,9 +49,7 @@ def write_report(selected: dict, grid: dict, args, published: list[dict]) -> Non
         for (lr, gamma), run_dir in runs.items():
             if selected[(case, "iid")] == run_dir:
                 chosen[case] = (lr, gamma)
-    rows = [
-        _row(case, part, run_dir, *chosen[case]) for (case, part), run_dir in selected.items()
-    ]
+    rows = [_row(case, part, run_dir, *chosen[case]) for (case, part), run_dir in selected.items()]
     table = pd.DataFrame(rows).sort_values(["data", "method"], kind="stable")
     formats = {
         "test acc (x̄)": ".3f",
@@ -66,7 +64,10 @@ def write_report(selected: dict, grid: dict, args, published: list[dict]) -> Non
     }
     main = markdown_table(table, list(table.columns), formats)
     grid_rows = [
-        {**_row(case, "iid", run_dir, lr, gamma), "selected": "✓" if chosen[case] == (lr, gamma) else ""}
+        {
+            **_row(case, "iid", run_dir, lr, gamma),
+            "selected": "✓" if chosen[case] == (lr, gamma) else "",
+        }
         for case, runs in grid.items()
         for (lr, gamma), run_dir in runs.items()
     ]
@@ -81,9 +82,7 @@ def write_report(selected: dict, grid: dict, args, published: list[dict]) -> Non
         plot_curves(runs, "epoch", "test/acc", out / f"acc_vs_epoch_{name}.png")
         plot_curves(runs, "comm/bytes", "test/acc", out / f"acc_vs_bytes_{name}.png", logx=True)
         gossip = {c: r for c, r in runs.items() if "allreduce" not in c}
-        plot_curves(
-            gossip, "epoch", "gossip/consensus_distance", out / f"consensus_{name}.png"
-        )
+        plot_curves(gossip, "epoch", "gossip/consensus_distance", out / f"consensus_{name}.png")
 
     lines = [
         "# Gossip vs allreduce — ResNet-20, CIFAR-10 subset (NOT full CIFAR-10)",
@@ -116,16 +115,25 @@ def write_report(selected: dict, grid: dict, args, published: list[dict]) -> Non
         "",
         "## Plots",
         "",
-        *[
-            f"![{p.stem}]({p.name})"
-            for p in sorted(out.glob("*.png"))
-        ],
+        *[f"![{p.stem}]({p.name})" for p in sorted(out.glob("*.png"))],
         "",
     ]
     if published:
         pub = pd.DataFrame(published)
-        cols = [c for c in ("paper", "model", "workers", "topology", "partition", "method",
-                            "compression", "test_acc") if c in pub]
+        cols = [
+            c
+            for c in (
+                "paper",
+                "model",
+                "workers",
+                "topology",
+                "partition",
+                "method",
+                "compression",
+                "test_acc",
+            )
+            if c in pub
+        ]
         lines += [
             "## Published numbers (full CIFAR-10, other models and schedules — orientation only)",
             "",

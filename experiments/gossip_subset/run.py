@@ -103,10 +103,10 @@ def main() -> None:
     grid: dict[str, dict[tuple[float, float | None], Path]] = {}
     for case in args.only:
         gammas = CASES[case][1] or [None]
-        grid[case] = {
-            (lr, g): run(case, "iid", lr, g, args) for lr in args.lrs for g in gammas
-        }
-    chosen = {case: min(runs, key=lambda s: final_train_loss(runs[s])) for case, runs in grid.items()}
+        grid[case] = {(lr, g): run(case, "iid", lr, g, args) for lr in args.lrs for g in gammas}
+    chosen = {
+        case: min(runs, key=lambda s: final_train_loss(runs[s])) for case, runs in grid.items()
+    }
     selected = {}
     for case, (lr, gamma) in chosen.items():
         selected[(case, "iid")] = grid[case][(lr, gamma)]
