@@ -41,7 +41,11 @@ __all__ = ["InjectedFailure", "Trainer", "worker_seed"]
 
 
 class Trainer:
-    """Builds everything from `cfg` for the workers this process holds and runs the loop."""
+    """Builds everything from `cfg` for the workers this process holds and runs the loop.
+
+    algorithm_target / algorithm_kwargs: instantiate the `algorithm` node as another class,
+    with extra arguments (the asynchronous server process runs the server half of its
+    algorithm, `asynchrony.remote.RemoteServer`)."""
 
     def __init__(
         self,
@@ -50,6 +54,8 @@ class Trainer:
         device: torch.device,
         run_dir: Path | None,
         dataset: Dataset | None = None,
+        algorithm_target: str | None = None,
+        algorithm_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.cfg, self.comm, self.device = cfg, comm, device
         k, tc = cfg.workers, cfg.train
@@ -81,8 +87,11 @@ class Trainer:
         lr_scale = float(k) if tc.lr_scaling == "linear" else 1.0
         self.optimizers = [make_optimizer(cfg.optimizer, m, lr_scale) for m in self.replicas.models]
         self.base_lr = self.optimizers[0].param_groups[0]["lr"]
+        extra = dict(algorithm_kwargs or {})
+        if algorithm_target is not None:
+            extra["_target_"] = algorithm_target
         self.algorithm: Algorithm = instantiate(
-            cfg.algorithm, replicas=self.replicas, comm=comm, optimizers=self.optimizers
+            cfg.algorithm, replicas=self.replicas, comm=comm, optimizers=self.optimizers, **extra
         )
         # One epoch = every worker's shard once: K × worker_steps gradients in all.
         self.gradients_per_step = self.algorithm.gradients_per_step
