@@ -16,9 +16,10 @@ logging and the run directory are the simulator's, measured on real arrivals. Wo
 scaled by the speed model), push, until the server answers "stop".
 
 Failure: a worker process that dies makes the launcher stop the job (torch's elastic agent, as
-for every multi-process run); independently, the server stops with an error naming the silent
-workers when no push arrives for `async.timeout_s` seconds, or when the transport reports a
-lost peer.
+for every multi-process run). Independently, the server stops with an error naming the worker
+when one it has released stays silent for `async.timeout_s` seconds of the server's listening
+time (time spent waiting for pushes; its own evaluation and logging do not count), which also
+catches a hung worker, or when the transport reports a lost peer.
 """
 
 from __future__ import annotations
@@ -154,9 +155,10 @@ class RemoteServer(Algorithm):
         self.gradient = torch.empty_like(self.server.params)
         self.read_version = [0] * k
         self.pushed_bytes = [0] * k
-        self.computing = set()  # workers holding parameters, still to push
+        self.computing: set[int] = set()  # workers holding parameters, still to push
         self._window = [0.0, 0.0, 0]
-        self.timeout = timedelta(seconds=opts.timeout_s)
+        self.listened = 0.0  # seconds spent waiting for pushes
+        self.released_at = [0.0] * k  # `listened` when each worker was last released
         for w in self.protocol.begin():
             self._release(w)
 
@@ -181,25 +183,41 @@ class RemoteServer(Algorithm):
             self.pull.field(buf, "params").copy_(self.server.params)
             self.pull.field(buf, "buffers").copy_(self.server.buffers)
             self.read_version[worker] = self.server.version
+            self.released_at[worker] = self.listened
             self.computing.add(worker)
         self._sends[worker] = dist.isend(buf, dst=worker + 1, group=self.group)
 
     def _receive(self) -> int:
-        """Block until the next push arrives (from any worker) and return its worker."""
+        """Block until the next push arrives (from any worker) and return its worker; raise
+        `WorkerLost` if a computing worker has been silent for `timeout_s` of listening."""
+        limit = self.options.timeout_s
+        deadline = min((self.released_at[w] + limit for w in self.computing), default=None)
+        wait = max(0.05, deadline - self.listened) if deadline is not None else limit
         work = dist.irecv(self.inbox, src=None, group=self.group)
+        start = time.monotonic()
         try:
-            work.wait(self.timeout)
+            work.wait(timedelta(seconds=wait))
         except RuntimeError as exc:
-            silent = sorted(self.computing)
-            raise WorkerLost(
-                f"no push from workers {silent} within async.timeout_s="
-                f"{self.options.timeout_s:g}s or a worker connection was lost ({exc}); "
-                "a worker process died or hangs"
-            ) from None
+            self.listened += time.monotonic() - start
+            raise WorkerLost(self._lost_message(str(exc).splitlines()[0])) from None
+        self.listened += time.monotonic() - start
         source = work._source_rank()
         if self.group is not None:
             source = dist.get_group_rank(self.group, source)
-        return source - 1
+        worker = source - 1
+        late = (w for w in self.computing if self.listened - self.released_at[w] > limit)
+        if any(w != worker for w in late):
+            raise WorkerLost(self._lost_message("the others kept pushing"))
+        return worker
+
+    def _lost_message(self, detail: str) -> str:
+        limit = self.options.timeout_s
+        silent = sorted(w for w in self.computing if self.listened - self.released_at[w] >= limit)
+        return (
+            f"worker(s) {silent or sorted(self.computing)} sent no gradient for "
+            f"async.timeout_s={limit:g}s ({detail}): a worker process died or hangs; "
+            "raise async.timeout_s if its gradients are legitimately that slow"
+        )
 
     def after_backward(self, step: int) -> None:
         w = self._receive()
