@@ -333,3 +333,13 @@ def test_bad_async_input_on_the_command_line(tmp_path):
     assert not Path(tmp_path / "outputs").exists() or not any(
         (tmp_path / "outputs").rglob("*.jsonl")
     )
+
+
+def test_tau_histogram_becomes_a_wandb_histogram():
+    from dpresearch.run_logger import wandb_value
+
+    assert wandb_value("async/staleness_mean", 2.5) == 2.5
+    small = wandb_value("async/tau_histogram", [3, 0, 5])
+    assert small.histogram == [3, 0, 5] and small.bins[0] == -0.5 and small.bins[-1] == 2.5
+    wide = wandb_value("async/tau_histogram", [1] * 1030)
+    assert len(wide.histogram) <= 512 and sum(wide.histogram) == 1030
