@@ -10,6 +10,7 @@ simply walks its own sequence faster.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -61,14 +62,16 @@ class WorkerCompute:
         self.cursors = [0] * len(self.workers)
         self._epochs = [-1] * len(self.workers)
         self._indices: list[Tensor] = [torch.empty(0, dtype=torch.long)] * len(self.workers)
+        # Per row, since the last `drain`: (loss, correct predictions, batch size) per batch.
+        self._stats: list[list[tuple[Tensor, Tensor, int]]] = [[] for _ in self.workers]
 
     def autocast(self):
-        """Mixed precision for the forward pass (and, through autograd, the backward)."""
-        return torch.autocast(
-            self.device.type,
-            dtype=self.autocast_dtype or torch.bfloat16,
-            enabled=self.autocast_dtype is not None,
-        )
+        """Mixed precision for the forward pass (and, through autograd, the backward); without
+        it a null context (building a disabled `torch.autocast` costs more than a small
+        model's loss)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def next_batch(self, row: int) -> tuple[Tensor, Tensor]:
         """Inputs and targets of local row `row`'s next batch; advances its cursor."""
@@ -85,10 +88,10 @@ class WorkerCompute:
             x = x.contiguous(memory_format=torch.channels_last)
         return x, y
 
-    def run(self, rows: Sequence[int], window: Tensor) -> None:
+    def run(self, rows: Sequence[int]) -> None:
         """Forward/backward of each row in `rows` on its next batch, on the parameters its
         replica holds; gradients are *accumulated* into the rows of `replicas.grads` (zero them
-        first). Adds (loss, accuracy, 1) of each batch to `window[row]`."""
+        first). Each batch's loss and accuracy are kept for `drain`."""
         models = self.replicas.models
         for w in rows:
             x, y = self.next_batch(w)
@@ -97,9 +100,8 @@ class WorkerCompute:
                 loss = F.cross_entropy(out, y)
             (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
             with torch.no_grad():
-                window[w, 0] += loss.double()
-                window[w, 1] += (out.argmax(1) == y).double().mean()
-                window[w, 2] += 1
+                # Reduced at `drain`: per batch, as few small ops as possible.
+                self._stats[w].append((loss.detach(), (out.argmax(1) == y).sum(), y.shape[0]))
         if self.loss_scale != 1.0:
             grads = self.replicas.grads
             if len(rows) == grads.shape[0]:
@@ -107,3 +109,20 @@ class WorkerCompute:
             else:
                 for w in rows:
                     grads[w].div_(self.loss_scale)
+
+    def drain(self, window: Tensor) -> None:
+        """Write into the float64 `window` ([W, 3]) each row's summed batch loss, summed batch
+        accuracy and batch count since the last call (sums in float64, batch after batch), and
+        start anew."""
+        window.zero_()
+        for w, stats in enumerate(self._stats):
+            if not stats:
+                continue
+            losses = torch.stack([s[0] for s in stats]).double().tolist()
+            correct = torch.stack([s[1] for s in stats]).tolist()
+            loss_sum = acc_sum = 0.0
+            for loss, hits, (_, _, n) in zip(losses, correct, stats, strict=True):
+                loss_sum += loss
+                acc_sum += hits / n
+            window[w, 0], window[w, 1], window[w, 2] = loss_sum, acc_sum, float(len(stats))
+            stats.clear()

@@ -117,6 +117,8 @@ class Trainer:
         self.logger = (
             RunLogger(run_dir, resolved, cfg.logger) if run_dir is not None else NullLogger()
         )
+        self._fail_worker, self._fail_at_step = cfg.debug.fail_worker, cfg.debug.fail_at_step
+        self._grad_rows = list(self.replicas.grads.unbind(0))
         self.setup = self.algorithm.describe()
         if self.setup and comm.is_main_process and tc.progress:
             print(format_setup(self.setup), flush=True)
@@ -182,6 +184,7 @@ class Trainer:
         last: dict[str, Any] = {}
         best_acc = 0.0
         self.replicas.train()
+        log_every = tc.log_every
         for step in range(self.total_steps):
             plan = self.algorithm.plan(step)
             multiplier = self.schedule(step)
@@ -190,7 +193,7 @@ class Trainer:
             step_start, comm_before = time.perf_counter(), comm.ledger.measured_s
             self.algorithm.before_forward(step)
             self._prepare_rows(plan)
-            self.compute.run(plan.workers, window)
+            self.compute.run(plan.workers)
             self._maybe_fail(step)
             self.algorithm.after_backward(step)
             step_comm = comm.ledger.measured_s - comm_before
@@ -198,10 +201,10 @@ class Trainer:
 
             done = step + 1
             is_last = done == self.total_steps
-            if done % tc.log_every == 0 or done % eval_every == 0 or is_last:
+            if done % log_every == 0 or done % eval_every == 0 or is_last:
+                self.compute.drain(window)
                 comm.all_reduce(window, op="sum", record=False)
                 loss_sum, acc_sum, count = window[0].tolist()
-                window.zero_()
                 bytes_mean, bytes_max = self._bytes_per_worker()
                 last = {
                     "step": done,
@@ -248,16 +251,15 @@ class Trainer:
 
     def _prepare_rows(self, plan: StepPlan) -> None:
         """Load the planned reads into their rows and zero the planned gradient rows."""
-        params, grads = self.replicas.params, self.replicas.grads
+        params = self.replicas.params
         for w, source in plan.reads.items():
             params[w].copy_(source)
-        if len(plan.workers) == grads.shape[0]:
+        if len(plan.workers) == self.replicas.num_local:
             self.replicas.zero_grad()
         else:
             for w in plan.workers:
-                grads[w].zero_()
+                self._grad_rows[w].zero_()
 
     def _maybe_fail(self, step: int) -> None:
-        dbg = self.cfg.debug
-        if dbg.fail_at_step == step and dbg.fail_worker in self.comm.local_workers:
-            raise InjectedFailure(f"injected failure on worker {dbg.fail_worker} at step {step}")
+        if step == self._fail_at_step and self._fail_worker in self.comm.local_workers:
+            raise InjectedFailure(f"injected failure on worker {self._fail_worker} at step {step}")

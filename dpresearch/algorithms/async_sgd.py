@@ -16,9 +16,12 @@ Fixed-delay mode (`async.delay=τ`): step t is computed by worker t mod K on x_{
 at once: x_{V+1} = x_V − η·g(x_{V−τ}).
 
 Simulated time (`time/simulated_s`) is the arrival time of the step's push; in fixed-delay mode
-it advances by compute_s / K per step. `comm/bytes` is what each worker pushed (gradient
-message and float buffers; a pull is sent by the server and charged to nobody), recorded as one
-point-to-point op per push.
+it advances by compute_s / K per step. Pushes are point-to-point messages, not collectives, so
+the algorithm keeps their accounting itself (per push, an O(K) ledger record would cost more
+than a small model's step) and reports it under the usual keys: `comm/bytes` (mean over workers
+of what each pushed: gradient message and float buffers; a pull is sent by the server and
+charged to nobody), `comm/bytes_max`, `comm/modeled_s` (link seconds of all pushes), and, in
+summary.json, `comm/ops` with one "p2p" row, so `NetworkModel.total_seconds` re-prices it.
 """
 
 from __future__ import annotations
@@ -123,8 +126,10 @@ class AsyncSGD(Algorithm):
             transfer_seconds(network, self.pull_bytes),
             transfer_seconds(network, self.push_bytes),
         )
-        self._push_op = CommOp("p2p", self.push_bytes, k, peers=1)
-        self._sent = [[self.push_bytes * (j == w) for j in range(k)] for w in range(k)]
+        self._has_buffers = buffers.shape[1] > 0
+        # Row views made once: selecting a row is a dispatched op, and this runs every push.
+        self._params, self._grads = list(params.unbind(0)), list(replicas.grads.unbind(0))
+        self._buffers = list(buffers.unbind(0))
         self._plans = [StepPlan((w,)) for w in range(k)]
         self.read_version = [0] * k
         self.pushes = [0] * k  # gradients each worker has pushed: its codec step
@@ -205,14 +210,13 @@ class AsyncSGD(Algorithm):
         return StepPlan((w,), {w: self.history[read % self.history.shape[0]]})
 
     def after_backward(self, step: int) -> None:
-        w, replicas = self._worker, self.replicas
+        w = self._worker
         count = self.pushes[w]
         self.pushes[w] = count + 1
         self.steps += 1
-        _, gradient = self.push.encode(w, replicas.grads[w], count)
-        self.comm.ledger.record(self._push_op, self._sent[w])
+        _, gradient = self.push.encode(w, self._grads[w], count)
         released = self.server.push(
-            w, gradient, self.read_version[w], replicas.params[w], replicas.buffers[w]
+            w, gradient, self.read_version[w], self._params[w], self._buffers[w]
         )
         if self.history is not None:
             version = self.server.version
@@ -223,9 +227,9 @@ class AsyncSGD(Algorithm):
 
     def _start(self, worker: int) -> None:
         """`worker` pulls the server's state now and starts its next gradient."""
-        self.replicas.params[worker].copy_(self.server.params)
-        if self.replicas.buffers.shape[1]:
-            self.replicas.buffers[worker].copy_(self.server.buffers)
+        self._params[worker].copy_(self.server.params)
+        if self._has_buffers:
+            self._buffers[worker].copy_(self.server.buffers)
         self.read_version[worker] = self.server.version
         self.clock.start(worker)
 
@@ -242,6 +246,7 @@ class AsyncSGD(Algorithm):
     def metrics(self) -> dict[str, float]:
         stats = self.server.stats
         return {
+            **push_accounting(self.pushes, self.push_bytes, self.clock.push_s),
             **stats.window(),
             **stats.totals(),
             "async/updates": self.server.version,
@@ -249,7 +254,26 @@ class AsyncSGD(Algorithm):
         }
 
     def summary(self) -> dict[str, Any]:
-        out = {**self.server.stats.summary(), "async/updates": self.server.version}
-        if self.protocol.name == "ssp":
-            out["async/ssp_max_ahead"] = self.protocol.max_ahead
-        return out
+        return run_summary(self.server, self.protocol, self.pushes, self.push_bytes)
+
+
+def push_accounting(pushes: list[int], push_bytes: int, push_s: float) -> dict[str, float]:
+    """`comm/bytes` (mean over workers), `comm/bytes_max` and `comm/modeled_s` of the pushes
+    made so far (`pushes[w]` by worker w)."""
+    return {
+        "comm/bytes": sum(pushes) * push_bytes / len(pushes),
+        "comm/bytes_max": float(max(pushes) * push_bytes),
+        "comm/modeled_s": sum(pushes) * push_s,
+    }
+
+
+def run_summary(
+    server: ParameterServer, protocol: Protocol, pushes: list[int], push_bytes: int
+) -> dict[str, Any]:
+    """End-of-run facts: the τ histogram and counts, and the pushes as an op table."""
+    out: dict[str, Any] = {**server.stats.summary(), "async/updates": server.version}
+    if protocol.name == "ssp":
+        out["async/ssp_max_ahead"] = protocol.max_ahead
+    out["comm/op_counts"] = {"p2p": sum(pushes)}
+    out["comm/ops"] = [["p2p", push_bytes, len(pushes), 1, sum(pushes)]]
+    return out

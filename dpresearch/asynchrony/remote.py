@@ -36,6 +36,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import Tensor
 
+from dpresearch.algorithms.async_sgd import push_accounting, run_summary, transfer_seconds
 from dpresearch.algorithms.base import Algorithm, StepPlan
 from dpresearch.asynchrony.options import AsyncOptions
 from dpresearch.asynchrony.protocol import Protocol
@@ -149,12 +150,14 @@ class RemoteServer(Algorithm):
             bucket_mb,
         )
         self.pull, self.push_format = formats(params, buffers, self.codec)
+        self.push_bytes = self.push_format.size - HEADER_BYTES
+        self.push_s = transfer_seconds(comm.ledger.network, self.push_bytes)
         self.outbox = [self.pull.new() for _ in range(k)]  # what each worker last read
         self._sends: list[Any] = [None] * k
         self.inbox = self.push_format.new()
         self.gradient = torch.empty_like(self.server.params)
         self.read_version = [0] * k
-        self.pushed_bytes = [0] * k
+        self.pushes = [0] * k
         self.computing: set[int] = set()  # workers holding parameters, still to push
         self._window = [0.0, 0.0, 0]
         self.listened = 0.0  # seconds spent waiting for pushes
@@ -227,7 +230,7 @@ class RemoteServer(Algorithm):
         self._window[0] += loss
         self._window[1] += acc
         self._window[2] += 1
-        self.pushed_bytes[w] += self.push_format.size - HEADER_BYTES
+        self.pushes[w] += 1
         device = self.server.params.device
         wire = self.push_format.field(self.inbox, "wire").to(device)
         gradient = self.codec.decode(wire, count, self.gradient)
@@ -261,8 +264,7 @@ class RemoteServer(Algorithm):
         return {
             "train/loss": loss / count if count else float("nan"),
             "train/acc": acc / count if count else float("nan"),
-            "comm/bytes": sum(self.pushed_bytes) / self.k,
-            "comm/bytes_max": float(max(self.pushed_bytes)),
+            **push_accounting(self.pushes, self.push_bytes, self.push_s),
             **stats.window(),
             **stats.totals(),
             "async/updates": self.server.version,
@@ -276,17 +278,14 @@ class RemoteServer(Algorithm):
                 "protocol": opts.protocol,
                 "workers": self.k,
                 "lr_policy": opts.lr_policy,
-                "push_bytes": self.push_format.size - HEADER_BYTES,
+                "push_bytes": self.push_bytes,
                 "pull_bytes": self.pull.size - HEADER_BYTES,
                 "inject_delay": opts.inject_delay,
             }
         }
 
     def summary(self) -> dict[str, Any]:
-        out = {**self.server.stats.summary(), "async/updates": self.server.version}
-        if self.protocol.name == "ssp":
-            out["async/ssp_max_ahead"] = self.protocol.max_ahead
-        return out
+        return run_summary(self.server, self.protocol, self.pushes, self.push_bytes)
 
 
 # -- a worker --------------------------------------------------------------------------------
@@ -351,13 +350,13 @@ def run_worker(cfg: DictConfig, worker: int, device: torch.device, group) -> Non
         replicas.params[0].copy_(pull.field(inbox, "params"))
         replicas.buffers[0].copy_(pull.field(inbox, "buffers"))
         replicas.zero_grad()
-        window.zero_()
-        compute.run([0], window)
+        compute.run([0])
         if cfg.debug.fail_worker == worker and cfg.debug.fail_at_step == count:
             raise InjectedFailure(f"injected failure on worker {worker} at its gradient {count}")
         if opts.inject_delay > 0:
             time.sleep(opts.inject_delay * speed.relative(worker))
         wire, _ = codec.encode(0, replicas.grads[0], count)
+        compute.drain(window)
         loss, acc, _ = window[0].tolist()
         push.header(outbox)[:] = torch.tensor([version, count, loss, acc], dtype=torch.float64)
         push.field(outbox, "wire").copy_(wire.reshape(-1))

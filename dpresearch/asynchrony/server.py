@@ -66,20 +66,17 @@ class ParameterServer:
         self.delay_compensation = float(delay_compensation)
         self.version = 0
         self.stats = StalenessStats(protocol.workers)
+        self.params: Tensor = self.replica.params[0]  # the server's flat parameter row [D]
+        self.buffers: Tensor = self.replica.buffers[0]
+        self._total = self.replica.grads[0]  # the open group's sum, then the applied gradient
         self._group: list[tuple[int, int]] = []  # (worker, τ) of the open group
         self._term = torch.empty_like(self.params) if self.delay_compensation else None
-
-    @property
-    def params(self) -> Tensor:
-        """The server's flat parameter row `[D]`."""
-        return self.replica.params[0]
-
-    @property
-    def buffers(self) -> Tensor:
-        return self.replica.buffers[0]
+        self._multiplier: float | None = None
 
     def set_lr(self, multiplier: float) -> None:
-        set_lr(self.optimizer, self.base_lrs, multiplier)
+        if multiplier != self._multiplier:
+            set_lr(self.optimizer, self.base_lrs, multiplier)
+            self._multiplier = multiplier
 
     @property
     def lr(self) -> float:
@@ -112,7 +109,7 @@ class ParameterServer:
         return released
 
     def _add(self, grad: Tensor, factor: float, x_read: Tensor | None) -> None:
-        total = self.replica.grads[0]
+        total = self._total
         if self._term is not None:
             if x_read is None:
                 raise ValueError("delay compensation needs the parameters the worker read")
@@ -128,7 +125,7 @@ class ParameterServer:
 
     def _apply(self) -> None:
         if len(self._group) > 1:
-            self.replica.grads[0].div_(len(self._group))
+            self._total.div_(len(self._group))
         self.optimizer.step()
         self.version += 1
         for worker, tau in self._group:
