@@ -343,3 +343,22 @@ def test_tau_histogram_becomes_a_wandb_histogram():
     assert small.histogram == [3, 0, 5] and small.bins[0] == -0.5 and small.bins[-1] == 2.5
     wide = wandb_value("async/tau_histogram", [1] * 1030)
     assert len(wide.histogram) <= 512 and sum(wide.histogram) == 1030
+
+
+def test_torchrun_world_is_workers_plus_the_server(monkeypatch):
+    from dpresearch.validate import process_count
+
+    cfg = compose_config(*SMALL, ASYNC, "backend=gloo", "workers=4")
+    assert process_count(cfg) == 5 and process_count(compose_config(*SMALL, "workers=4")) == 4
+    for name, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "x",
+        "MASTER_PORT": "1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    validate(cfg)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="pass workers=3"):
+        validate(cfg)
