@@ -76,7 +76,10 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.backend.timeout_s))
     try:
         comm = DistributedCommunicator(
-            network_model(cfg), cfg.comm.reduction, deterministic=cfg.comm.deterministic
+            network_model(cfg),
+            cfg.comm.reduction,
+            deterministic=cfg.comm.deterministic,
+            p2p_schedule=cfg.comm.p2p_schedule,
         )
         writer_dir = run_dir if comm.is_main_process else None
         summary = Trainer(cfg, comm, device, writer_dir).run()

@@ -93,7 +93,7 @@ def final_train_loss(run_dir: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=float, default=6)
-    parser.add_argument("--lrs", type=float, nargs="+", default=[0.05, 0.1, 0.2])
+    parser.add_argument("--lrs", type=float, nargs="+", default=[0.1, 0.2])
     parser.add_argument("--eval-every", type=int, default=38, help="steps (19 per epoch)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "gossip_subset")
     parser.add_argument("--results", type=Path, default=HERE / "results")
