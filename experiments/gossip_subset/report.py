@@ -46,7 +46,9 @@ def _row(case: str, partition: str, run_dir: Path) -> dict:
     return row
 
 
-def write_report(selected: dict, grid: dict, args, published: list[dict]) -> None:
+def write_report(
+    selected: dict, grid: dict, args, published: list[dict], diagnostics: dict | None = None
+) -> None:
     """Write results.md (selected settings, the whole lr/γ grid, published numbers) and the
     plots into `args.results`."""
     import pandas as pd
@@ -150,8 +152,46 @@ def write_report(selected: dict, grid: dict, args, published: list[dict]) -> Non
             "",
         ]
     lines += ["## Checks (computed)", "", *checks(table), ""]
+    if diagnostics:
+        diag = pd.DataFrame(
+            [{**_row(name, "iid", run_dir)} for name, run_dir in diagnostics.items()]
+        )
+        lines += [
+            "## Diagnostics (extra runs, not part of the selection)",
+            "",
+            markdown_table(diag, list(diag.columns), formats),
+            "",
+            "Consensus distance Ξ² along training (IID, selected settings and diagnostics):",
+            "",
+            consensus_table(
+                {c: d for (c, p), d in selected.items() if p == "iid" and "allreduce" not in c}
+                | diagnostics
+            ),
+            "",
+        ]
     (out / "results.md").write_text("\n".join(lines))
     print("\n".join(lines))
+
+
+def consensus_table(runs: dict[str, Path]) -> str:
+    """Ξ² and training loss at every logged step where the first run logged them."""
+    import pandas as pd
+
+    from dpresearch.analysis import load_metrics
+
+    frames = []
+    for name, run_dir in runs.items():
+        m = load_metrics(run_dir).set_index("step")
+        frames.append(
+            pd.DataFrame(
+                {
+                    f"{name}: Ξ²": m["gossip/consensus_distance"].map("{:.3g}".format),
+                    f"{name}: loss": m["train/loss"].map("{:.2f}".format),
+                }
+            )
+        )
+    df = pd.concat(frames, axis=1).reset_index()
+    return markdown_table(df, list(df.columns))
 
 
 def checks(table) -> list[str]:
