@@ -96,7 +96,10 @@ def _train(cfg: DictConfig, run_dir: Path | None, device: torch.device) -> dict[
     from dpresearch.trainer import Trainer
 
     comm = DistributedCommunicator(
-        network_model(cfg), cfg.comm.reduction, deterministic=cfg.comm.deterministic
+        network_model(cfg),
+        cfg.comm.reduction,
+        deterministic=cfg.comm.deterministic,
+        p2p_schedule=cfg.comm.p2p_schedule,
     )
     writer_dir = run_dir if comm.is_main_process else None
     return Trainer(cfg, comm, device, writer_dir).run()

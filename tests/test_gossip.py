@@ -294,3 +294,30 @@ def test_bad_topology_on_the_command_line_exits_2_before_any_worker(tmp_path):
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: topology=torus"), result.stderr
+
+
+# -- configs, re-pricing, CUDA --------------------------------------------------------------------
+def test_choco_experiment_selects_the_choco_algorithm():
+    cfg = compose_config("experiment=choco_resnet20_cifar10")
+    validate(cfg)
+    assert cfg.algorithm._target_.endswith("ChocoSGD") and cfg.algorithm.gamma == 0.45
+    assert cfg.topology._target_.endswith("Ring") and cfg.workers == 8
+
+
+def test_a_finished_run_reprices_on_any_network_exactly():
+    """summary.json's `comm/ops` re-priced on the run's own network gives its modeled time."""
+    cfg = case_config("dpsgd_ring4", "network=1gbe")
+    _, _, summary = simulated(cfg)
+    assert summary["comm/ops"]
+    own = NetworkModel.preset("1gbe").total_seconds(summary["comm/ops"])
+    assert own == pytest.approx(summary["comm/modeled_s"], rel=1e-12)
+    faster = NetworkModel.preset("10gbe").total_seconds(summary["comm/ops"])
+    assert faster < own
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["dpsgd_ring4", "choco_topk4", "sgp4"])
+def test_simulated_gossip_on_cuda_matches_the_cpu(name):
+    cpu, _, _ = simulated_rows(name)
+    gpu, _, _ = simulated_rows(name, "train.device=cuda")
+    assert gap(gpu.cpu(), cpu) <= 1e-4  # cuDNN/cuBLAS round differently from the CPU
