@@ -49,7 +49,7 @@ CIFAR_METHODS: dict[str, tuple[list[str], list[float]]] = {
 
 
 def slug(text: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in text.lower()).strip("_")
+    return "".join(c if c.isascii() and c.isalnum() else "_" for c in text.lower()).strip("_")
 
 
 def cifar_run(method: str, lr: float, args) -> Path:
