@@ -186,7 +186,7 @@ class Trainer:
         self.replicas.train()
         log_every = tc.log_every
         for step in range(self.total_steps):
-            plan = self.algorithm.plan(step)
+            plan = self.algorithm.plan_step(step)
             multiplier = self.schedule(step)
             self.algorithm.set_lr(multiplier)
 
