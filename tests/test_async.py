@@ -362,3 +362,17 @@ def test_torchrun_world_is_workers_plus_the_server(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match="pass workers=3"):
         validate(cfg)
+
+
+def test_overhead_benchmark_runs(tmp_path, one_thread):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "bench" / "async_overhead.py"
+    spec = importlib.util.spec_from_file_location("async_overhead", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "overhead.json"
+    args = ["--rounds", "1", "--updates", "200", "--workers", "8", "--features", "64"]
+    assert bench.main([*args, "--batch", "16", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert 0 < result["core_s"] < result["run_s"] and 0 < result["outside_fraction"] < 1
