@@ -207,8 +207,8 @@ def checks(table) -> list[str]:
         gap = 100 * (sync["test acc (x̄)"] - ring["test acc (x̄)"])
         verdict = "holds" if gap <= 3 else "does not hold"
         out.append(
-            f"- {part}: D-PSGD ring is {gap:+.1f} points below allreduce "
-            f"(expected within 3 on IID: {verdict})."
+            f"- {part}: allreduce − D-PSGD ring = {gap:+.1f} points "
+            f"(expected ≤ 3 on IID: {verdict})."
         )
         if "CHOCO sign (ring)" in rows.index:
             choco = rows.loc["CHOCO sign (ring)"]
@@ -216,8 +216,8 @@ def checks(table) -> list[str]:
             ratio = ring["MB/epoch/worker"] / choco["MB/epoch/worker"]
             verdict = "holds" if gap <= 5 and ratio >= 20 else "does not hold"
             out.append(
-                f"- {part}: CHOCO sign is {gap:+.1f} points below D-PSGD ring with "
-                f"{ratio:.1f}× fewer bytes (expected within 5 points at ≥ 20×: {verdict})."
+                f"- {part}: D-PSGD ring − CHOCO sign = {gap:+.1f} points, with "
+                f"{ratio:.1f}× fewer bytes for CHOCO (expected ≤ 5 points at ≥ 20×: {verdict})."
             )
     return out
 
