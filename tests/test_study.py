@@ -133,3 +133,16 @@ def test_local_launcher_runs_a_point_as_a_subprocess(tmp_path, capsys):
     assert (tmp_path / "results" / "results.md").exists()
     assert study_main(["status", str(path), "--out", str(out)]) == 0
     assert "1 finished" in capsys.readouterr().out
+
+
+def test_hydra_launcher_runs_the_seeds_as_one_multirun(tmp_path, capsys):
+    path = write_study(tmp_path, lrs=[0.1], seeds=[0, 1], cases={"dense": []})
+    out = tmp_path / "out"
+    assert study_main(["run", str(path), "--out", str(out), "--launcher", "hydra"]) == 0
+    assert "2 finished" in capsys.readouterr().out
+    log = (out / "runs" / "dense" / "lr0.1" / "launcher.log").read_text()
+    assert (
+        log.count("dpresearch.train -m ") == 1 and "seed=0,1" in log and "Launching 2 jobs" in log
+    )
+    for seed in (0, 1):
+        assert (out / "runs" / "dense" / "lr0.1" / f"seed{seed}" / "summary.json").exists()
