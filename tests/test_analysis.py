@@ -245,3 +245,21 @@ def test_final_table_as_wandb_table(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     report = load_report([write_fixture(tmp_path / "runs")], ReportSpec())
     assert log_table(report.table, report.columns, project="test", group="fixture")
+
+
+def test_metrics_of_many_runs_load_in_one_frame(tmp_path):
+    lines = {
+        "a": ['{"step": 1, "x": 1, "phase": "warm"}', '{"step": 2, "x": "nan", "y": 0.5}'],
+        "b": ['{"step": 1, "x": 1.5, "phase": 3}', '{"step": 2, "x": "-inf"}', '{"step": 3, "x'],
+        "c": [],
+    }
+    for name, rows in lines.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(rows))
+    df = load_metrics_many([tmp_path / n for n in lines])
+    assert df["run"].astype(str).tolist() == [str(tmp_path / r) for r in "aabb"]
+    assert df["step"].tolist() == [1, 2, 1, 2]  # b's torn last line is dropped
+    assert df["x"].iloc[0] == 1 and df["x"].iloc[2] == 1.5
+    assert df["x"].iloc[[1, 3]].isna().all()  # non-finite values read as missing
+    assert df["y"].iloc[1] == 0.5 and df["y"].isna().sum() == 3
+    assert df["phase"].tolist()[::2] == ["warm", 3]  # a type clash falls back, loses nothing
