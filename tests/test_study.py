@@ -6,13 +6,14 @@ import json
 
 import pytest
 import yaml
-from conftest import SMALL
+from conftest import REPO, SMALL, compose_config
 
 from dpresearch.study import StudyError, load_study, run_study
 from dpresearch.study.__main__ import main as study_main
 from dpresearch.study.launcher import run_inprocess
 from dpresearch.study.report import report_study
 from dpresearch.trainer import InjectedFailure
+from dpresearch.validate import validate
 
 TINY = {
     "name": "tiny",
@@ -148,3 +149,12 @@ def test_hydra_launcher_runs_the_seeds_as_one_multirun(tmp_path, capsys):
     )
     for seed in (0, 1):
         assert (out / "runs" / "dense" / "lr0.1" / f"seed{seed}" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("path", sorted(REPO.glob("experiments/*/study.yaml")), ids=str)
+def test_shipped_studies_compose_and_validate(path):
+    """Every case of every study in experiments/ is a valid configuration (not run)."""
+    study = load_study(path)
+    for case in study.cases:
+        point = next(p for p in study.points([case.name]))
+        validate(compose_config(*point.overrides))

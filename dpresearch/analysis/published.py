@@ -69,4 +69,7 @@ def join_published(table, published: Published, on: str):
     out = table.assign(_key=table[on].astype(str)).join(grouped, on="_key").drop(columns="_key")
     unmatched = sorted(set(grouped.index) - set(table[on].astype(str)))
     notes = [f"published rows matching no {on}: {', '.join(unmatched)}"] if unmatched else []
+    keyless = int(frame[published.key].isna().sum())
+    if keyless:
+        notes.append(f"{keyless} published rows have no {published.key} and match nothing")
     return out, notes

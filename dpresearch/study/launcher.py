@@ -212,9 +212,13 @@ def run_study(
             "wait for it or stop it first"
         )
     if dry_run:
-        log(f"== study {study.name}: dry run")
+        log(f"== study {study.name}: {len(states)} points")
+        by_case: dict[str, dict[str, int]] = {}
         for point, state in states:
-            log(f"   {point.id}: {state}")
+            counts = by_case.setdefault(point.case, {})
+            counts[state] = counts.get(state, 0) + 1
+        for case, counts in by_case.items():
+            log(f"   {case}: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
         return {p.id: {"case": p.case, "lr": p.lr, "seed": p.seed, "status": state}
                 for p, state in states}  # fmt: skip
     (out / "runs").mkdir(parents=True, exist_ok=True)
