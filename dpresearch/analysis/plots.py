@@ -40,10 +40,11 @@ def group_curves(metrics, groups: Mapping[str, Sequence[str]], x: str, y: str):
     group then step."""
     require_columns(metrics.columns, ["step", x, y], "metric")
     label_of = {str(run): label for label, runs in groups.items() for run in runs}
-    rows = metrics[["run", "step", x, y]].copy()
-    rows["group"] = rows["run"].astype(str).map(label_of)
-    rows = rows[rows["group"].notna() & rows[y].notna() & rows[x].notna()]
-    curves = rows.groupby(["group", "step"], sort=False).agg(
+    rows = metrics.loc[metrics[y].notna() & metrics[x].notna(), ["run", "step", x, y]]
+    # on a categorical `run` this maps each category once, not every row
+    rows = rows.assign(group=rows["run"].map(lambda run: label_of.get(str(run))))
+    rows = rows[rows["group"].notna()]
+    curves = rows.groupby(["group", "step"], sort=False, observed=True).agg(
         x=(x, "mean"), y=(y, "mean"), y_std=(y, "std"), n=(y, "size")
     )
     return curves.reset_index().sort_values(["group", "step"], kind="stable")

@@ -18,6 +18,7 @@ import io
 import json
 import math
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -120,10 +121,15 @@ def _complete_lines(blob: bytes) -> bytes:
         return blob[: cut + 1]
 
 
+_NON_FINITE = (b': "nan"', b': "inf"', b': "-inf"')
+
+
 def _sanitize(blob: bytes) -> bytes:
     # Arrow's JSON reader takes neither NaN literals nor overflowing numbers: missing instead.
-    for token in (b'"nan"', b'"inf"', b'"-inf"'):
-        blob = blob.replace(b": " + token, b": null")
+    # Searching is cheap, replacing copies: only the files that hold such values are rewritten.
+    for token in _NON_FINITE:
+        if token in blob:
+            blob = blob.replace(token, b": null")
     return blob
 
 
@@ -131,7 +137,7 @@ def _parse(blob: bytes):
     """One pandas frame from JSON lines (pyarrow when installed, pandas otherwise)."""
     import pandas as pd
 
-    if not blob.strip():
+    if re.search(rb"\S", blob) is None:  # (strip() would copy the whole blob)
         return pd.DataFrame()
     try:
         import pyarrow as pa
@@ -162,15 +168,15 @@ def load_metrics_many(runs: Sequence[str | Path]):
     blobs, counts = [], []
     for run in runs:
         path = Path(run) / "metrics.jsonl"
-        blob = _complete_lines(path.read_bytes()) if path.exists() else b""
+        blob = _sanitize(_complete_lines(path.read_bytes())) if path.exists() else b""
         blobs.append(blob)
         counts.append(blob.count(b"\n"))
     try:
-        df = _parse(_sanitize(b"".join(blobs)))
+        df = _parse(b"".join(blobs))
     except (ValueError, ArithmeticError, TypeError):
         # A column whose type changes between runs (a metric logged as a number in one run and
         # as text in another): parse run by run and let pandas reconcile.
-        frames = [_parse(_sanitize(b)) for b in blobs]
+        frames = [_parse(b) for b in blobs]
         df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     labels = [str(r) for r in runs]
     codes = np.repeat(np.arange(len(labels)), counts)
