@@ -187,7 +187,7 @@ def test_report_excludes_and_reports_failed_runs(tmp_path):
     assert table.loc["A", "published top1"] == "91.5" and table.loc["A", "ref"] == "1"
     assert sorted(report.failed["status"]) == ["diverged", "unfinished"]
     assert any("matching no case: C" in n for n in report.notes)
-    out = write_report(report, tmp_path / "out")
+    out = write_report(report, tmp_path / "out", plot_kinds=("png", "pdf"))
     text = out.read_text()
     assert "lowest mean final `train/loss`" in text
     assert "## Runs that did not finish" in text and "diverged" in text
@@ -202,6 +202,7 @@ def test_report_excludes_and_reports_failed_runs(tmp_path):
         "test_acc_vs_epoch.png",
         "train_loss_vs_comm_bytes.png",
         "test_acc_vs_modeled_s_1gbe.png",
+        "test_acc_vs_epoch.pdf",
     ):
         assert (tmp_path / "out" / name).stat().st_size > 0, name
     assert len((tmp_path / "out" / "runs.csv").read_text().splitlines()) == 17
@@ -263,3 +264,13 @@ def test_metrics_of_many_runs_load_in_one_frame(tmp_path):
     assert df["x"].iloc[[1, 3]].isna().all()  # non-finite values read as missing
     assert df["y"].iloc[1] == 0.5 and df["y"].isna().sum() == 3
     assert df["phase"].tolist()[::2] == ["warm", 3]  # a type clash falls back, loses nothing
+
+
+def test_recorded_status_wins_over_inference(tmp_path):
+    write_run(tmp_path / "a", lr=0.1, seed=0, accs=ramp(0.5), final_loss=0.3, status="interrupted")
+    write_run(tmp_path / "b", lr=0.1, seed=1, accs=ramp(0.5), final_loss=float("nan"))
+    write_run(tmp_path / "c", lr=0.1, seed=2, accs=ramp(0.5), final_loss=0.3)
+    runs = load_summaries(find_runs([tmp_path]))
+    assert runs["status"].tolist() == ["interrupted", "diverged", "finished"]
+    agg = aggregate(runs, ["cfg.optimizer.lr"], ["test/acc"])
+    assert agg.loc[0, "n"] == 1 and agg.loc[0, "excluded"] == "1 diverged, 1 interrupted"

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dpresearch.analysis.errors import AnalysisError, require_columns
-from dpresearch.analysis.runs import FINISHED
+from dpresearch.analysis.runs import FINISHED, STATUSES
 
 VALIDATION_METRICS = ("val/acc", "valid/acc", "validation/acc", "val/loss", "valid/loss")
 TRAIN_METRIC = "train/loss"
@@ -66,8 +66,9 @@ def choose_selection(columns: Sequence[str], metric: str | None = None) -> Selec
 
 
 def _excluded_text(statuses) -> str:
-    counts = statuses[statuses != FINISHED].value_counts()
-    return ", ".join(f"{n} {status}" for status, n in counts.items())
+    counts = statuses[statuses != FINISHED].value_counts().to_dict()
+    order = sorted(counts, key=lambda s: (STATUSES.index(s) if s in STATUSES else 99, s))
+    return ", ".join(f"{counts[s]} {s}" for s in order)
 
 
 def aggregate(

@@ -177,9 +177,8 @@ def build_report(runs, metrics, spec: ReportSpec) -> Report:
     runs = _with_last_step(runs, metrics)
     failed = runs[runs["status"] != FINISHED]
     counts = runs["status"].value_counts()
-    notes.insert(
-        0, f"{len(runs)} runs: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES if s in counts)
-    )
+    order = [*(s for s in STATUSES if s in counts), *sorted(set(counts.index) - set(STATUSES))]
+    notes.insert(0, f"{len(runs)} runs: " + ", ".join(f"{counts[s]} {s}" for s in order))
     if not failed.empty:
         notes.insert(
             1,

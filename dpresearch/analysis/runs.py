@@ -75,8 +75,8 @@ def infer_status(summary: dict[str, Any] | None) -> str:
     """The run's status from its summary (None: no summary.json) — see the module docstring."""
     if summary is None:
         return "unfinished"
-    if summary.get("status") in STATUSES:
-        return str(summary["status"])
+    if isinstance(summary.get("status"), str) and summary["status"]:
+        return summary["status"]  # as the trainer recorded it (finished, diverged, …)
     loss = summary.get("train/loss")
     return "diverged" if loss is not None and not _finite(loss) else FINISHED
 
