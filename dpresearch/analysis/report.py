@@ -350,7 +350,8 @@ def describe(report: Report) -> list[str]:
     if spec.target is not None:
         net = spec.network or "each run's own network"
         lines.append(
-            f"**Time to accuracy:** first logged step with `{spec.target_metric}` ≥ "
+            f"**Time to accuracy:** first logged step with `{spec.target_metric}` "
+            f"{'≤' if 'loss' in spec.target_metric else '≥'} "
             f"{spec.target:g}: epochs, MB per worker, modeled communication seconds on {net} "
             "(the run's operations re-priced; per-step values scaled by the ratio of the "
             "re-priced total to the logged one, exact when every step sends the same "
