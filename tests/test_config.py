@@ -51,7 +51,7 @@ def test_cfg_job_prints_composed_config(tmp_path):
 @pytest.mark.parametrize(
     "args,fix",
     [
-        (["algorithm=foo"], "choose one of: local_sgd, sync"),
+        (["algorithm=foo"], "choose one of: choco, dpsgd, local_sgd, sgp, sync"),
         (["not_a_key=1"], "not a config key"),
         (["workers=0"], "set workers=1 or more"),
         (["workers=abc"], "could not be converted to Integer"),

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import SMALL, run_cli, torchrun_two_nodes
+from conftest import SMALL, cli_env, run_cli, torchrun_two_nodes
 
 
 def run_dirs(root):
@@ -104,7 +103,7 @@ def test_wandb_offline_writes_local_run(tmp_path):
 
 
 def test_default_run_needs_no_network_or_account(tmp_path):
-    env_free = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")}
+    env_free = {k: v for k, v in cli_env().items() if not k.startswith("WANDB")}
     out = subprocess.run(
         [sys.executable, "-m", "dpresearch.train", "train.steps=3", *SMALL],
         cwd=tmp_path,
