@@ -37,6 +37,12 @@ FLAGS_LEFT_TO_HYDRA = {
     "--config-path", "-cp", "--config-dir", "-cd", "--experimental-rerun", *HYDRA_FLAGS_THAT_EXIT
 }  # fmt: skip
 MULTIRUN_FLAGS = {"--multirun", "-m"}
+# Hydra modes, of which one command line may hold one.
+MODE_FLAGS = {
+    "--run": "--run", "-r": "--run", "--multirun": "-m", "-m": "-m", "--cfg": "--cfg",
+    "-c": "--cfg", "--info": "--info", "-i": "--info", "--shell-completion": "-sc",
+    "-sc": "-sc",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,15 @@ class CommandLine:
 
 
 def parse_command_line(argv: list[str]) -> CommandLine:
+    """Raises `ConfigError` for a command line asking Hydra for two modes at once."""
+    modes = sorted(
+        {MODE_FLAGS[a.split("=", 1)[0]] for a in argv if a.split("=", 1)[0] in MODE_FLAGS}
+    )
+    if len(modes) > 1:
+        raise ConfigError(
+            f"{' and '.join(modes)} cannot be combined; e.g. check a sweep's settings with "
+            "--cfg hydra, without -m"
+        )
     overrides: list[str] = []
     multirun, runs, checkable, config_name = False, True, True, "config"
     args = iter(argv)

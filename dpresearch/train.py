@@ -133,7 +133,7 @@ def _check_before_hydra(argv: list[str]) -> list[str]:
     from dpresearch.cli_check import compose_command_line, parse_command_line, task_config
     from dpresearch.run_dir import claim_run_dir
 
-    cmd = parse_command_line(argv)
+    cmd = parse_command_line(argv)  # raises for impossible flag combinations
     if not cmd.checkable:
         return argv
     composed = compose_command_line(cmd, CONF_DIR)
