@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -145,6 +146,7 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
         max_restarts=0,
         monitor_interval=0.2,
         start_method="spawn",
+        **_elastic_signals(),
     )
     container = OmegaConf.to_container(cfg, resolve=True)
     if cfg.train.progress:
@@ -156,7 +158,6 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     heartbeat_s = cfg.backend.get("heartbeat_s")
     with contextlib.ExitStack() as stack:
         stack.enter_context(_spawnable_start_method())
-        stack.enter_context(_environment(_elastic_signals()))
         stack.enter_context(_environment({LAUNCHED_AT_ENV: str(time.time())}))
         watchdog = None
         if heartbeat_s:
@@ -176,13 +177,16 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
 
 
 def _elastic_signals() -> dict[str, str]:
-    """The signals torch's elastic agent turns into a stop: all of its default ones, but not
-    SIGHUP when this process ignores it (started under `nohup`), as a simulated run would."""
-    if os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE") or not hasattr(signal, "SIGHUP"):
+    """`LaunchConfig` settings for the signals torch's elastic agent turns into a stop: all of
+    its default ones, but not SIGHUP when this process ignores it (started under `nohup`), as a
+    simulated run would. (Older torch without the setting: its defaults.)"""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if "signals_to_handle" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
         return {}
-    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
-        return {}
-    return {"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGQUIT"}
+    if not hasattr(signal, "SIGHUP") or signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+        return {}  # (getsignal gives an int 1 for an inherited SIG_IGN, hence `!=`)
+    return {"signals_to_handle": "SIGTERM,SIGINT,SIGQUIT"}
 
 
 @contextlib.contextmanager
