@@ -57,7 +57,12 @@ def test_parallel_launcher_runs_a_gloo_sweep_with_labelled_output(tmp_path):
         assert json.loads((directory / "summary.json").read_text())["total_steps"] == 4
     for job in (0, 1):
         assert f"[{job}] run directory: {sweep}/{job}-" in out.stdout
+        assert f"[{job}] gloo: starting 2 worker processes" in out.stdout
+        assert f"[{job}] gloo: 2 processes started and connected in " in out.stdout
         assert f"[{job}] step 4/4" in out.stdout  # printed by the job's gloo worker 0
+    for directory in started.values():  # train.log holds what the run printed, workers too
+        log = (directory / "train.log").read_text()
+        assert log.startswith("run directory: ") and "step 4/4" in log
 
 
 @pytest.mark.slow
