@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -83,38 +84,39 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         if run_dir is not None:
             print(f"run directory: {run_dir}", flush=True)
         try:
-            with contextlib.ExitStack() as stack:
+            what = f"sweep point {run_dir}" if multirun else ""
+            claim = claim_run_dir(run_dir, what=what) if run_dir else contextlib.nullcontext()
+            with claim:
                 if run_dir is not None:
-                    what = f"sweep point {run_dir}" if multirun else ""
-                    stack.enter_context(claim_run_dir(run_dir, what=what))
                     write_provenance(run_dir, overrides)
                 if cfg.logger.wandb:
                     with open_dict(cfg):
                         cfg.logger.name, cfg.logger.group = default_names(cfg, hc)
                 summary = train(cfg, run_dir, overrides)
-        except ConfigError as exc:
-            _fail(f"error: {exc}", 2, multirun)
-        except WorkerFrozen as exc:
-            _fail(f"error: {exc}", 1, multirun)
+        except (ConfigError, WorkerFrozen) as exc:
+            _fail(f"error: {exc}", 2 if isinstance(exc, ConfigError) else 1, multirun)
         except Exception as exc:
-            from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-            if not isinstance(exc, ChildFailedError):
-                if not multirun:
-                    raise
-                import traceback
-
-                traceback.print_exc()
-                _fail(f"error: {type(exc).__name__}: {_first_line(exc)}", 1, multirun)
-            # The report holds the failed worker's own traceback; the launcher's frames add nothing.
-            print(exc.format_msg(), file=sys.stderr)
-            _fail(f"error: worker process failed; the job was stopped ({exc.name})", 1, multirun)
+            if not (multirun or _is_worker_failure(exc)):
+                raise  # a bug: Hydra shows its traceback
+            _fail(_crash_line(exc), 1, multirun)
     return summary.get("test/acc")
 
 
-def _first_line(exc: BaseException) -> str:
+def _is_worker_failure(exc: BaseException) -> bool:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    return isinstance(exc, ChildFailedError)
+
+
+def _crash_line(exc: BaseException) -> str:
+    """Print what there is to read about a crash (the failed worker's own traceback; the
+    launcher's frames add nothing), and return the one line that ends the run."""
+    if _is_worker_failure(exc):
+        print(exc.format_msg(), file=sys.stderr)
+        return f"error: worker process failed; the job was stopped ({exc.name})"
+    traceback.print_exception(exc)
     lines = str(exc).strip().splitlines()
-    return lines[0] if lines else ""
+    return f"error: {type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def _fail(line: str, status: int, multirun: bool) -> None:
