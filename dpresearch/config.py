@@ -74,10 +74,14 @@ class NetworkConfig:
 class CommConfig:
     """`reduction`: "ring" allreduce or "centralized" (parameter server on worker 0).
     `deterministic`: add sums in worker order on every backend, so simulated and multi-process
-    runs agree bit for bit (see `Communicator`)."""
+    runs agree bit for bit (see `Communicator`). `p2p_schedule`: how real ranks post a
+    neighbour exchange — `by_distance` (one ring distance at a time: no pair sends both ways at
+    once, which gloo serialises), `one_batch`, or `auto` (by distance for gloo across machines,
+    one batch otherwise; see `comm.distributed.default_p2p_schedule`)."""
 
     reduction: str = "ring"
     deterministic: bool = False
+    p2p_schedule: str = "auto"
 
 
 @dataclass

@@ -98,7 +98,10 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
         )
     try:
         comm = DistributedCommunicator(
-            network_model(cfg), cfg.comm.reduction, deterministic=cfg.comm.deterministic
+            network_model(cfg),
+            cfg.comm.reduction,
+            deterministic=cfg.comm.deterministic,
+            p2p_schedule=cfg.comm.p2p_schedule,
         )
         writer_dir = run_dir if comm.is_main_process else None
         summary = Trainer(cfg, comm, device, writer_dir).run()

@@ -155,6 +155,11 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
         )
     if cfg.comm.reduction not in ("ring", "centralized"):
         raise ConfigError(f"comm.reduction={cfg.comm.reduction}; choose one of: ring, centralized")
+    if cfg.comm.p2p_schedule not in ("auto", "by_distance", "one_batch"):
+        raise ConfigError(
+            f"comm.p2p_schedule={cfg.comm.p2p_schedule}; choose one of: auto, by_distance, "
+            "one_batch"
+        )
     if cfg.network.bandwidth_gbit <= 0 or cfg.network.latency_us < 0:
         raise ConfigError("network.bandwidth_gbit must be > 0 and network.latency_us >= 0")
     if cfg.logger.mode is not None and cfg.logger.mode not in ("online", "offline", "disabled"):

@@ -1,7 +1,8 @@
 """Neighbour exchange (issue 7, item 2; acceptance E): stacked `[W, P, ...]` results, peers
 deduplicated, bytes charged to senders only, and the same result on gloo processes as in one
 process — on rings of 2, 3 and 4 workers (the 2-worker ring used to hang), a directed graph
-and an irregular one."""
+and an irregular one, with both point-to-point schedules (one batch, one ring distance at a
+time)."""
 
 from __future__ import annotations
 
@@ -78,9 +79,14 @@ def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    comm = DistributedCommunicator(NET)
     results = {}
-    for name, (outs, ins) in graphs(world).items():
+    for schedule, name, (outs, ins) in [
+        (schedule, name, graph)
+        for schedule in ("one_batch", "by_distance")
+        for name, graph in graphs(world).items()
+    ]:
+        comm = DistributedCommunicator(NET, p2p_schedule=schedule)
+        name = f"{name}/{schedule}"
         x = rows(world)[rank : rank + 1]
         comm.ledger.reset()
         results[name] = (comm.neighbor_exchange(x, outs, ins), list(comm.ledger.bytes_by_worker))
@@ -101,7 +107,11 @@ def test_gloo_exchange_equals_simulated(tmp_path, world):
         _gloo_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True
     )
     assert time.perf_counter() - start < 60  # acceptance E: no hang on small rings
-    for name, (outs, ins) in graphs(world).items():
+    for name, (outs, ins) in [
+        (f"{name}/{schedule}", graph)
+        for schedule in ("one_batch", "by_distance")
+        for name, graph in graphs(world).items()
+    ]:
         sim = SimulatedCommunicator(world, NET)
         expected = sim.neighbor_exchange(rows(world), outs, ins)
         doubled = torch.stack([expected * 2, expected * 3])
@@ -112,3 +122,20 @@ def test_gloo_exchange_equals_simulated(tmp_path, world):
             assert sent == [sim.ledger.bytes_by_worker[rank]], (name, rank)
             started, _ = torch.load(tmp_path / f"rank{rank}.pt")[name + "_started"]
             assert torch.equal(started[:, 0], doubled[:, rank]), (name, rank)
+
+
+@pytest.mark.parametrize(
+    "backend, local, world, expected",
+    [
+        ("gloo", "2", "4", "by_distance"),  # two machines
+        ("gloo", "4", "4", "one_batch"),  # one machine: loopback is CPU-bound
+        ("gloo", "", "", "one_batch"),  # not under a launcher
+        ("nccl", "2", "4", "one_batch"),  # NCCL does not couple the two directions
+    ],
+)
+def test_automatic_p2p_schedule(monkeypatch, backend, local, world, expected):
+    from dpresearch.comm.distributed import default_p2p_schedule
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    assert default_p2p_schedule(backend) == expected

@@ -124,7 +124,7 @@ class ChocoSGD(Gossip):
         delta = (params - x_hat).to(params.dtype)
         for w, codec in enumerate(self.codecs):
             codec.encode(delta[w], plan, step, self.wire[w])
-        received = self.start_exchange(self.wire, step).wait()
+        received = self.start_exchange(self.wire, step, "wire").wait()
         own_w, peer_w = self.local_weights(step)
         in_degree = [len(self.topology.in_peers(step)[i]) for i in self.comm.local_workers]
         decoded, term = torch.empty_like(params[0]), torch.empty_like(s[0])

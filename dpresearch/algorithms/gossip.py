@@ -68,6 +68,7 @@ class Gossip(Algorithm):
         self.mix_buffers = mix_buffers
         self.evaluates_local_models = eval_local_models
         self._weights: dict[int, tuple[Tensor, Tensor]] = {}
+        self._workspace: dict[str, Tensor] = {}
 
     # -- configuration checks (before any worker starts) --------------------------------------
     @classmethod
@@ -121,38 +122,52 @@ class Gossip(Algorithm):
             self._weights[phase] = result
         return result
 
-    def start_exchange(self, x: Tensor, step: int, record: bool = True) -> PendingOp:
-        """Send every local row to its out-peers at `step`; `wait()` gives `[W, P, ...]`."""
+    def workspace(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        """A buffer kept across steps (a fresh multi-megabyte tensor every step costs page
+        faults); its contents are whatever the last user left."""
+        buf = self._workspace.get(name)
+        if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != like.dtype:
+            buf = self._workspace[name] = like.new_empty(shape)
+        return buf
+
+    def start_exchange(
+        self, x: Tensor, step: int, name: str = "params", record: bool = True
+    ) -> PendingOp:
+        """Send every local row to its out-peers at `step`; `wait()` gives `[W, P, ...]`, held
+        in the workspace buffer `name` (valid until the next exchange under that name)."""
         outs, ins = self.peers(step)
-        return self.comm.start_neighbor_exchange(x, outs, ins, record=record)
+        width = self.comm.exchange_plan(outs, ins).width
+        out = self.workspace(f"recv.{name}", (x.shape[0], width, *x.shape[1:]), x)
+        return self.comm.start_neighbor_exchange(x, outs, ins, record=record, out=out)
 
     @staticmethod
     def weighted_sum(
-        own: Tensor, received: Tensor, own_w: Tensor, peer_w: Tensor, out: Tensor
+        own: Tensor, received: Tensor, own_w: Tensor, peer_w: Tensor, out: Tensor, term: Tensor
     ) -> Tensor:
         """out[w] = own_w[w]·own[w] + Σ_p peer_w[w, p]·received[w, p], self first, then slots in
-        order; separate multiply and add, so every backend rounds identically."""
+        order; separate multiply and add, so every backend rounds identically. `out` may be
+        `own` (in place); `term` is scratch of own's shape."""
         shape = (-1,) + (1,) * (own.dim() - 1)
         torch.mul(own, own_w.view(shape), out=out)
-        if received.shape[1]:
-            term = torch.empty_like(out)
-            for p in range(received.shape[1]):
-                torch.mul(received[:, p], peer_w[:, p].view(shape), out=term)
-                out.add_(term)
+        for p in range(received.shape[1]):
+            torch.mul(received[:, p], peer_w[:, p].view(shape), out=term)
+            out.add_(term)
         return out
 
-    def gossip_average(self, x: Tensor, step: int, received: Tensor | None = None) -> None:
-        """In place: x_i ← Σ_j w_ij x_j over the graph of `step` (exchanging x unless the
-        received rows are given)."""
+    def gossip_average(
+        self, x: Tensor, step: int, received: Tensor | None = None, name: str = "params"
+    ) -> None:
+        """In place: x_i ← Σ_j w_ij x_j over the graph of `step` (exchanging x under the
+        workspace name `name` unless the received rows are given)."""
         if received is None:
-            received = self.start_exchange(x, step).wait()
+            received = self.start_exchange(x, step, name).wait()
         own_w, peer_w = self.local_weights(step)
-        mixed = self.weighted_sum(x, received, own_w, peer_w, torch.empty_like(x))
-        x.copy_(mixed)
+        term = self.workspace(f"term.{name}", tuple(x.shape), x)
+        self.weighted_sum(x, received, own_w, peer_w, x, term)
 
     def mix_float_buffers(self, step: int) -> None:
         if self.mix_buffers and self.replicas.buffers.shape[1] > 0:
-            self.gossip_average(self.replicas.buffers, step)
+            self.gossip_average(self.replicas.buffers, step, name="buffers")
 
     # -- metrics ----------------------------------------------------------------------------------
     def models(self) -> Tensor:

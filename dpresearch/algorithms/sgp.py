@@ -64,15 +64,15 @@ class SGP(Gossip):
         share = self._share(step)
         weight = self.ps_weight
         d = params.shape[1]
-        message = torch.empty(params.shape[0], d + 1, dtype=params.dtype, device=params.device)
+        message = self.workspace("message", (params.shape[0], d + 1), params)
         torch.mul(params, weight, out=message[:, :d])
         message[:, d:] = weight
         message.mul_(share)
-        total = self._push(message, step)
+        total = self._push(message, step, "params")
         new_weight = total[:, d:].clone()
         if self.mix_buffers and self.replicas.buffers.shape[1] > 0:
             buffers = self.replicas.buffers
-            pushed = self._push(buffers * weight * share, step)
+            pushed = self._push(buffers * weight * share, step, "buffers")
             torch.div(pushed, new_weight, out=buffers)
         torch.div(total[:, :d], new_weight, out=params)
         self.ps_weight.copy_(new_weight)
@@ -84,15 +84,17 @@ class SGP(Gossip):
         params = self.replicas.params
         return torch.tensor(own, dtype=params.dtype, device=params.device).unsqueeze(1)
 
-    def _push(self, message: Tensor, step: int) -> Tensor:
-        """Σ of the kept share and the received shares (already scaled by their senders)."""
-        received = self.start_exchange(message, step).wait()
+    def _push(self, message: Tensor, step: int, name: str) -> Tensor:
+        """In place: `message` becomes the Σ of the kept share and the received shares
+        (already scaled by their senders)."""
+        received = self.start_exchange(message, step, name).wait()
         ones = torch.ones(message.shape[0], dtype=message.dtype, device=message.device)
         present = torch.zeros(received.shape[:2], dtype=message.dtype, device=message.device)
         ins = self.topology.in_peers(step)
         for row, i in enumerate(self.comm.local_workers):
             present[row, : len(ins[i])] = 1
-        return self.weighted_sum(message, received, ones, present, torch.empty_like(message))
+        term = self.workspace(f"term.{name}", tuple(message.shape), message)
+        return self.weighted_sum(message, received, ones, present, message, term)
 
     def consensus(self) -> tuple[Tensor, Tensor]:
         numerators = self.replicas.params * self.ps_weight

@@ -146,6 +146,7 @@ class Communicator(ABC):
         out_peers: Sequence[Sequence[int]],
         in_peers: Sequence[Sequence[int]],
         record: bool = True,
+        out: Tensor | None = None,
     ) -> Tensor:
         """Each worker i sends its row to every worker in `out_peers[i]` and receives the row of
         every worker in `in_peers[i]` (both lists given for all K workers, by global id;
@@ -155,8 +156,10 @@ class Communicator(ABC):
         worker, the same on every process.
 
         Bytes: a worker sending D bytes to p peers is charged p·D; receiving costs nothing.
+        `out`: a `[W, P, ...]` tensor to receive into (reused buffers spare the page faults of
+        a fresh multi-megabyte tensor every step); allocated if None.
         """
-        return self.start_neighbor_exchange(x, out_peers, in_peers, record).wait()
+        return self.start_neighbor_exchange(x, out_peers, in_peers, record, out).wait()
 
     def start_neighbor_exchange(
         self,
@@ -164,13 +167,20 @@ class Communicator(ABC):
         out_peers: Sequence[Sequence[int]],
         in_peers: Sequence[Sequence[int]],
         record: bool = True,
+        out: Tensor | None = None,
     ) -> PendingOp:
         """`neighbor_exchange` begun in the background: `wait()` returns the `[W, P, ...]`
-        result. `x` must not change until then (the send may still be reading it)."""
+        result. Neither `x` nor `out` may be touched until then (the send may still be
+        reading x, the receives writing out)."""
         self._check_rows(x)
         plan = self.exchange_plan(out_peers, in_peers)
+        shape = (x.shape[0], plan.width) + tuple(x.shape[1:])
+        if out is None:
+            out = x.new_empty(shape)
+        elif tuple(out.shape) != shape or out.dtype != x.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {shape}")
         start = time.perf_counter()
-        received, finish = self._start_neighbor_exchange(x, plan)
+        received, finish = self._start_neighbor_exchange(x, plan, out)
 
         def done() -> None:
             finish()
@@ -223,10 +233,11 @@ class Communicator(ABC):
 
     @abstractmethod
     def _start_neighbor_exchange(
-        self, x: Tensor, plan: ExchangePlan
+        self, x: Tensor, plan: ExchangePlan, out: Tensor
     ) -> tuple[Tensor, Callable[[], None]]:
-        """Begin the exchange; return the `[W, plan.width, ...]` result tensor (filled once the
-        returned finish function has run) and that function."""
+        """Begin the exchange into `out` (`[W, plan.width, ...]`, contents undefined: slots
+        past a worker's in-degree must be zeroed); return it, filled once the returned finish
+        function has run, and that function."""
 
     # -- accounting -------------------------------------------------------------------------
     def _check_rows(self, x: Tensor) -> None:

@@ -36,13 +36,14 @@ class SimulatedCommunicator(Communicator):
         x.copy_(x[src : src + 1].expand_as(x))
 
     def _start_neighbor_exchange(
-        self, x: Tensor, plan: ExchangePlan
+        self, x: Tensor, plan: ExchangePlan, out: Tensor
     ) -> tuple[Tensor, Callable[[], None]]:
         index, missing = self._index_for(plan, x.device)
-        received = x[index]  # one gather: [K, P, ...]
+        # one gather: [K, P, ...]
+        torch.index_select(x, 0, index.view(-1), out=out.view((-1,) + tuple(x.shape[1:])))
         if missing is not None:
-            received[missing] = 0
-        return received, lambda: None
+            out[missing] = 0
+        return out, lambda: None
 
     def _index_for(self, plan: ExchangePlan, device: torch.device) -> tuple[Tensor, Tensor]:
         """[K, P] source rows (padded with 0) and the mask of padded slots (None if none)."""

@@ -5,14 +5,19 @@ alternating rounds; one torch thread per process on both sides):
 
 1. `--loopback` (no privileges): the training step time of D-PSGD on a ring vs synchronous
    allreduce, K gloo processes on this machine (`python -m dpresearch.train backend=gloo`),
-   the same model and data, rounds alternating sync / D-PSGD. The ratio is D-PSGD / sync.
+   the same model and data, rounds alternating sync / D-PSGD. A step's time is taken inside the
+   step (`time/compute_s` + `time/comm_s` between consecutive log rows, every step logged), so
+   neither side pays for logging (gossip's consensus-distance metric is a model-sized
+   allreduce). The ratio is D-PSGD / sync.
 
 2. Emulated network (root): K network namespaces, each with one veth into a bridge held by a
    hub namespace; both ends of every veth are shaped by `tc tbf rate R`, so every worker has a
    full-duplex link of R bit/s to a non-blocking switch. Payloads of `--sizes` MB travel as
    (a) a ring allreduce (`Communicator.all_reduce`, what sync SGD does with the gradient) and
    (b) a ring neighbour exchange (`Communicator.neighbor_exchange`, what D-PSGD does with the
-   model: D bytes to each of 2 peers), each op preceded by an untimed barrier (the
+   model: D bytes to each of 2 peers), posted one ring distance at a time (`by_distance`, the
+   default across machines) and (c) in one batch (`one_batch`); each op preceded by an
+   untimed barrier (the
    barrier-isolated regime: the op starts with every rank present). Modeled: `network=custom`
    with α measured through gloo on the same link (median 4-byte op: allreduce ÷ 2(K−1) and
    neighbour exchange ÷ 1, fitted separately and printed) and B = R/8/f, f = 1514/1448 (an
@@ -66,9 +71,12 @@ def loopback(args: argparse.Namespace) -> dict:
                 cmd = [sys.executable, "-m", "dpresearch.train", *base, *cases[name],
                        f"hydra.run.dir={run_dir}"]  # fmt: skip
                 subprocess.run(cmd, check=True, cwd=REPO, capture_output=True)
-                rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().split()]
-                walls = [row["time/wall_s"] for row in rows]
-                steps = [b - a for a, b in zip(walls[:-1], walls[1:], strict=True)]
+                text = (run_dir / "metrics.jsonl").read_text()
+                rows = [json.loads(line) for line in text.splitlines()]
+                # Time inside the step (compute + comm), not between log rows: logging adds
+                # metric traffic (gossip's consensus distance is a model-sized allreduce).
+                inside = [row["time/compute_s"] + row["time/comm_s"] for row in rows]
+                steps = [b - a for a, b in zip(inside[:-1], inside[1:], strict=True)]
                 per_case[name] += steps[args.warmup :]
                 print(
                     f"round {r} {name}: median step {statistics.median(steps) * 1e3:.1f} ms",
@@ -160,7 +168,8 @@ def worker(spec: dict) -> None:
         "gloo", init_method=f"tcp://{spec['master']}:{PORT}", rank=rank, world_size=k
     )
     try:
-        comm = DistributedCommunicator(NetworkModel(1e-5, 1e9))
+        comm = DistributedCommunicator(NetworkModel(1e-5, 1e9), p2p_schedule="by_distance")
+        batched = DistributedCommunicator(NetworkModel(1e-5, 1e9), p2p_schedule="one_batch")
         ring = [[(i - 1) % k, (i + 1) % k] for i in range(k)]
 
         def allreduce(x):
@@ -168,6 +177,9 @@ def worker(spec: dict) -> None:
 
         def exchange(x):
             return comm.neighbor_exchange(x, ring, ring, record=False)
+
+        def exchange_one_batch(x):
+            return batched.neighbor_exchange(x, ring, ring, record=False)
 
         def timed(fn, x, reps: int) -> list[float]:
             times = []
@@ -180,17 +192,21 @@ def worker(spec: dict) -> None:
 
         tiny = torch.zeros(1, 1)
         exchange(tiny)  # warm-up: connections and the first batched P2P call
+        exchange_one_batch(tiny)
         alpha_ar = statistics.median(timed(allreduce, tiny, 100)) / (2 * (k - 1))
         alpha_p2p = statistics.median(timed(exchange, tiny, 100))
         result = {"alpha_allreduce_s": alpha_ar, "alpha_p2p_s": alpha_p2p, "ops": {}}
         for size in spec["sizes"]:
             x = torch.zeros(1, round(size * 1e6) // 4)
-            runs: dict[str, list[float]] = {"allreduce": [], "ring exchange": []}
+            ops = {
+                "allreduce": allreduce,
+                "ring exchange": exchange,
+                "ring exchange 1 batch": exchange_one_batch,
+            }
+            runs: dict[str, list[float]] = {name: [] for name in ops}
             for rep in range(spec["reps"]):
-                order = ["allreduce", "ring exchange"][:: 1 if rep % 2 == 0 else -1]
-                for name in order:
-                    fn = allreduce if name == "allreduce" else exchange
-                    runs[name] += timed(fn, x, 1)
+                for name in list(ops)[:: 1 if rep % 2 == 0 else -1]:
+                    runs[name] += timed(ops[name], x, 1)
             result["ops"][str(size)] = runs
         if rank == 0:
             Path(spec["out"]).write_text(json.dumps(result))
@@ -225,16 +241,18 @@ def emulated(args: argparse.Namespace) -> dict:
             raise RuntimeError("a rank failed:\n" + "\n".join(log[-2000:] for log in logs))
         result = json.loads(out.read_text())
     bandwidth = parse_rate(args.rate) / 8 / FRAME_OVERHEAD
+    p2p = NetworkModel(result["alpha_p2p_s"], bandwidth)
     models = {
         "allreduce": NetworkModel(result["alpha_allreduce_s"], bandwidth),
-        "ring exchange": NetworkModel(result["alpha_p2p_s"], bandwidth),
+        "ring exchange": p2p,
+        "ring exchange 1 batch": p2p,
     }
     print(
         f"\nemulated switch: {k} gloo ranks, tbf {args.rate} on both ends of every link; "
         f"α fitted: allreduce {result['alpha_allreduce_s'] * 1e6:.0f} µs, neighbour exchange "
         f"{result['alpha_p2p_s'] * 1e6:.0f} µs; B = {bandwidth / 1e6:.2f} MB/s"
     )
-    print(f"{'MB':>6} {'op':>14} {'measured ms (p10, p90)':>34} {'modeled ms':>11} {'ratio':>6}")
+    print(f"{'MB':>6} {'op':>22} {'measured ms (p10, p90)':>34} {'modeled ms':>11} {'ratio':>6}")
     table = []
     for size, runs in result["ops"].items():
         nbytes = round(float(size) * 1e6) // 4 * 4
@@ -247,7 +265,7 @@ def emulated(args: argparse.Namespace) -> dict:
             modeled = models[name].op_seconds(op)
             fig = spread(times)
             ratio = fig["median"] / modeled
-            print(f"{size:>6} {name:>14} {fmt(fig):>34} {modeled * 1e3:>11.1f} {ratio:>6.2f}")
+            print(f"{size:>6} {name:>22} {fmt(fig):>34} {modeled * 1e3:>11.1f} {ratio:>6.2f}")
             table.append({"size_mb": float(size), "op": name, **fig, "modeled": modeled,
                           "ratio": ratio})  # fmt: skip
     return {"calibration": {k: v for k, v in result.items() if k != "ops"}, "ops": table}
