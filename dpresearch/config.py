@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
 
 
 @dataclass
@@ -134,6 +135,18 @@ class Config:
     topology: Any = None
 
 
+def schema() -> DictConfig:
+    """`Config` plus the typed `async` node (`AsyncOptions`), which cannot be a dataclass field:
+    `async` is a Python keyword."""
+    from dpresearch.asynchrony.options import AsyncOptions
+
+    node = OmegaConf.structured(Config)
+    OmegaConf.set_struct(node, False)
+    node["async"] = OmegaConf.structured(AsyncOptions)
+    OmegaConf.set_struct(node, True)
+    return node
+
+
 def register_configs() -> None:
     """Make the schema available to `conf/config.yaml` as `base_config`."""
-    ConfigStore.instance().store(name="base_config", node=Config)
+    ConfigStore.instance().store(name="base_config", node=schema())

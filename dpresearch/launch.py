@@ -74,18 +74,24 @@ def run_simulated(cfg: DictConfig, run_dir: Path | None, dataset: Any = None) ->
     return Trainer(cfg, comm, torch.device(device_name), run_dir, dataset).run()
 
 
-def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
-    """Run this process as one torch.distributed worker (environment set by the launcher)."""
-    import torch.distributed as dist
+def process_device(cfg: DictConfig) -> torch.device:
+    """The device this launched process computes on (its own GPU for NCCL, else the CPU)."""
+    from dpresearch.comm.distributed import default_device_for
 
-    from dpresearch.comm.distributed import DistributedCommunicator, default_device_for
-    from dpresearch.trainer import Trainer
+    return default_device_for(cfg.backend.name, int(os.environ["LOCAL_RANK"]))
+
+
+def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
+    """Run this process as one torch.distributed process (environment set by the launcher):
+    one worker of the training loop, or — for an algorithm with its own `run_process`
+    classmethod (the asynchronous parameter server) — whatever part it gives this rank."""
+    import torch.distributed as dist
+    from hydra.utils import get_object
 
     backend = cfg.backend.name
-    local_rank = int(os.environ["LOCAL_RANK"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     torch.set_num_threads(threads_per_process(cfg, local_world))
-    device = default_device_for(backend, local_rank)
+    device = process_device(cfg)
     if backend == "nccl":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.backend.timeout_s))
@@ -97,19 +103,28 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
             flush=True,
         )
     try:
-        comm = DistributedCommunicator(
-            network_model(cfg),
-            cfg.comm.reduction,
-            deterministic=cfg.comm.deterministic,
-            p2p_schedule=cfg.comm.p2p_schedule,
-        )
-        writer_dir = run_dir if comm.is_main_process else None
-        summary = Trainer(cfg, comm, device, writer_dir).run()
+        own = getattr(get_object(cfg.algorithm._target_), "run_process", None)
+        summary = own(cfg, run_dir) if own is not None else _train(cfg, run_dir, device)
         # Leave together: a rank that exits while a peer still uses the gloo pair can abort it.
         dist.barrier()
         return summary
     finally:
         dist.destroy_process_group()
+
+
+def _train(cfg: DictConfig, run_dir: Path | None, device: torch.device) -> dict[str, Any]:
+    """This process as worker `rank` of the training loop (rank 0 writes `run_dir`)."""
+    from dpresearch.comm.distributed import DistributedCommunicator
+    from dpresearch.trainer import Trainer
+
+    comm = DistributedCommunicator(
+        network_model(cfg),
+        cfg.comm.reduction,
+        deterministic=cfg.comm.deterministic,
+        p2p_schedule=cfg.comm.p2p_schedule,
+    )
+    writer_dir = run_dir if comm.is_main_process else None
+    return Trainer(cfg, comm, device, writer_dir).run()
 
 
 @record
@@ -128,7 +143,8 @@ def _worker_entry(cfg_container: dict, run_dir: str | None) -> dict[str, Any]:
 
 
 def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
-    """Start K worker processes on this machine; return worker 0's summary.
+    """Start the K worker processes (`validate.process_count`) on this machine; return rank 0's
+    summary.
 
     Raises torch's `ChildFailedError` (which carries the failed worker's traceback) if any
     worker fails, or `WorkerFrozen` if the watchdog killed a silent one; the others are stopped
@@ -138,11 +154,12 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from dpresearch.heartbeat import Watchdog
+    from dpresearch.validate import process_count
 
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=cfg.workers,
+        nproc_per_node=process_count(cfg),
         run_id=str(uuid.uuid4()),
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",

@@ -25,6 +25,10 @@ def format_progress(m: dict[str, Any], total_steps: int) -> str:
         )
     if "gossip/consensus_distance" in m:
         parts.append(f"consensus dist {m['gossip/consensus_distance']:.3g}")
+    if "async/staleness_mean" in m:
+        parts.append(f"τ mean {m['async/staleness_mean']:.2f} max {m['async/staleness_max']:.0f}")
+    if "time/simulated_s" in m:
+        parts.append(f"simulated {m['time/simulated_s']:.2f}s")
     parts.append(f"lr {m['lr']:.4g}")
     parts.append(f"sent {_bytes(m['comm/bytes'])}")
     parts.append(f"modeled comm {m['comm/modeled_s']:.3f}s")

@@ -31,6 +31,24 @@ class NullLogger:
         pass
 
 
+WANDB_MAX_BINS = 512  # wandb.Histogram's limit
+
+
+def wandb_value(key: str, value: Any) -> Any:
+    """What W&B gets for a summary entry: a list under a key ending in `_histogram` (counts of
+    the integers 0, 1, 2, …, e.g. `async/tau_histogram`) becomes a `wandb.Histogram`, with
+    neighbouring integers merged when there are more than W&B's 512 bins."""
+    if not (key.endswith("_histogram") and isinstance(value, list) and value):
+        return value
+    import numpy as np
+    import wandb
+
+    width = -(-len(value) // WANDB_MAX_BINS)
+    counts = np.add.reduceat(np.asarray(value, dtype=np.int64), np.arange(0, len(value), width))
+    edges = np.arange(len(counts) + 1, dtype=np.float64) * width - 0.5
+    return wandb.Histogram(np_histogram=(counts.tolist(), edges.tolist()))
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
@@ -115,6 +133,6 @@ class RunLogger(NullLogger):
         )
         self._metrics.close()
         if self._wandb is not None:
-            self._wandb.summary.update(summary)
+            self._wandb.summary.update({k: wandb_value(k, v) for k, v in summary.items()})
             self._wandb.finish()
             self._wandb = None

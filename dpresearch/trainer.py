@@ -1,10 +1,12 @@
 """The training loop, the same for every algorithm and every worker layout.
 
-Per step: each local worker takes its shard of the global batch (the partitioner decides which
-examples), runs forward and backward into its row of the flat gradient buffer, then the
-algorithm does what it does between backward and the next forward. Evaluation and the final
-checkpoint use the algorithm's consensus model; the test set is split across processes and the
-sums combined, so evaluation costs each process 1/P of the test set.
+Per step: the algorithm plans which local workers compute and on which parameters
+(`Algorithm.plan`; lockstep algorithms: all of them, on their own), receives the schedule's lr
+multiplier, and each planned worker runs forward and backward on its own next batch into its
+row of the flat gradient buffer (`compute.WorkerCompute`); then the algorithm does what it does
+between backward and the next forward. Evaluation and the final checkpoint use the algorithm's
+consensus model; the test set is split across processes and the sums combined, so evaluation
+costs each process 1/P of the test set.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from dpresearch.algorithms.base import Algorithm, StepPlan
 from dpresearch.comm.base import Communicator
+from dpresearch.compute import WorkerCompute, worker_seed
 from dpresearch.data.base import Dataset
-from dpresearch.optim import make_optimizer, set_lr
+from dpresearch.optim import make_optimizer
 from dpresearch.progress import format_progress, format_setup
 from dpresearch.replicas import Replicas
 from dpresearch.run_logger import NullLogger, RunLogger
@@ -33,13 +37,15 @@ class InjectedFailure(RuntimeError):
     """Raised by `debug.fail_worker` / `debug.fail_at_step` to test failure handling."""
 
 
-def worker_seed(seed: int, worker: int) -> int:
-    """Seed of worker `worker`'s own generator (augmentation, sampling in compressors)."""
-    return (seed * 1_000_003 + 7919 * (worker + 1)) % (2**63 - 1)
+__all__ = ["InjectedFailure", "Trainer", "worker_seed"]
 
 
 class Trainer:
-    """Builds everything from `cfg` for the workers this process holds and runs the loop."""
+    """Builds everything from `cfg` for the workers this process holds and runs the loop.
+
+    algorithm_target / algorithm_kwargs: instantiate the `algorithm` node as another class,
+    with extra arguments (the asynchronous server process runs the server half of its
+    algorithm, `asynchrony.remote.RemoteServer`)."""
 
     def __init__(
         self,
@@ -48,6 +54,8 @@ class Trainer:
         device: torch.device,
         run_dir: Path | None,
         dataset: Dataset | None = None,
+        algorithm_target: str | None = None,
+        algorithm_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.cfg, self.comm, self.device = cfg, comm, device
         k, tc = cfg.workers, cfg.train
@@ -56,14 +64,14 @@ class Trainer:
             dataset.to(device) if dataset is not None else instantiate(cfg.data, device=str(device))
         )
         self.partitioner = self.data.make_partitioner(k, cfg.seed)
-        self.steps_per_epoch = self.partitioner.samples_per_worker // tc.batch_size
-        if self.steps_per_epoch < 1:
+        # Batches in one pass of a worker over its shard.
+        worker_steps = self.partitioner.samples_per_worker // tc.batch_size
+        if worker_steps < 1:
             raise ValueError(
                 f"train.batch_size={tc.batch_size} is larger than the "
                 f"{self.partitioner.samples_per_worker} examples each of {k} workers holds; "
                 "lower train.batch_size or workers"
             )
-        self.total_steps = tc.steps or max(1, math.ceil(tc.epochs * self.steps_per_epoch))
 
         torch.manual_seed(cfg.seed)
         model: nn.Module = instantiate(
@@ -78,35 +86,43 @@ class Trainer:
 
         lr_scale = float(k) if tc.lr_scaling == "linear" else 1.0
         self.optimizers = [make_optimizer(cfg.optimizer, m, lr_scale) for m in self.replicas.models]
-        self.base_lrs = [[g["lr"] for g in opt.param_groups] for opt in self.optimizers]
+        self.base_lr = self.optimizers[0].param_groups[0]["lr"]
+        extra = dict(algorithm_kwargs or {})
+        if algorithm_target is not None:
+            extra["_target_"] = algorithm_target
+        self.algorithm: Algorithm = instantiate(
+            cfg.algorithm, replicas=self.replicas, comm=comm, optimizers=self.optimizers, **extra
+        )
+        # One epoch = every worker's shard once: K × worker_steps gradients in all.
+        self.gradients_per_step = self.algorithm.gradients_per_step
+        self.steps_per_epoch = max(1, round(worker_steps * k / self.gradients_per_step))
+        self.total_steps = tc.steps or max(1, math.ceil(tc.epochs * self.steps_per_epoch))
         self.schedule = instantiate(
             cfg.schedule, steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps
         )
-        self.algorithm = instantiate(
-            cfg.algorithm, replicas=self.replicas, comm=comm, optimizers=self.optimizers
+        self.compute = WorkerCompute(
+            self.data,
+            self.partitioner,
+            self.replicas,
+            comm.local_workers,
+            tc.batch_size,
+            worker_steps,
+            cfg.seed,
+            device,
+            tc.channels_last,
+            tc.autocast,
+            tc.loss_scale,
         )
-        self.generators = [
-            torch.Generator().manual_seed(worker_seed(cfg.seed, w)) for w in comm.local_workers
-        ]
         resolved = OmegaConf.to_container(cfg, resolve=True)
         self.logger = (
             RunLogger(run_dir, resolved, cfg.logger) if run_dir is not None else NullLogger()
         )
-        self.loss_scale = float(tc.loss_scale) if tc.autocast == "fp16" else 1.0
+        self._fail_worker, self._fail_at_step = cfg.debug.fail_worker, cfg.debug.fail_at_step
+        self._grad_rows = list(self.replicas.grads.unbind(0))
         self.setup = self.algorithm.describe()
         if self.setup and comm.is_main_process and tc.progress:
             print(format_setup(self.setup), flush=True)
         self.comm.ledger.reset()
-
-    def _autocast(self):
-        """Mixed precision for the forward pass (and, through autograd, the backward)."""
-        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-        enabled = self.cfg.train.autocast in dtypes
-        return torch.autocast(
-            self.device.type,
-            dtype=dtypes.get(self.cfg.train.autocast, torch.bfloat16),
-            enabled=enabled,
-        )
 
     # -- evaluation ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -142,7 +158,7 @@ class Trainer:
         for x, y in self.data.test_batches(self.cfg.train.eval_batch_size, part, parts):
             if self.cfg.train.channels_last and x.dim() == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
-            with self._autocast():
+            with self.compute.autocast():
                 out = model(x).float()
             sums[0] += F.cross_entropy(out, y, reduction="sum").double()
             sums[1] += (out.argmax(1) == y).sum().double()
@@ -160,61 +176,43 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        cfg, tc, comm = self.cfg, self.cfg.train, self.comm
-        k, batch = cfg.workers, tc.batch_size
+        tc, comm = self.cfg.train, self.comm
+        batch = tc.batch_size
         eval_every = tc.eval_every or self.steps_per_epoch
         window = torch.zeros(comm.num_local, 3, dtype=torch.float64, device=self.device)
         compute_s, start = 0.0, time.perf_counter()
         last: dict[str, Any] = {}
         best_acc = 0.0
-        indices: list[torch.Tensor] = []
         self.replicas.train()
+        log_every = tc.log_every
         for step in range(self.total_steps):
-            epoch, pos = divmod(step, self.steps_per_epoch)
-            if pos == 0:
-                indices = [self.partitioner.epoch_indices(w, epoch) for w in comm.local_workers]
+            plan = self.algorithm.plan(step)
             multiplier = self.schedule(step)
-            for opt, bases in zip(self.optimizers, self.base_lrs, strict=True):
-                set_lr(opt, bases, multiplier)
+            self.algorithm.set_lr(multiplier)
 
             step_start, comm_before = time.perf_counter(), comm.ledger.measured_s
             self.algorithm.before_forward(step)
-            self.replicas.zero_grad()
-            for w, model in enumerate(self.replicas.models):
-                x, y = self.data.train_batch(
-                    indices[w][pos * batch : (pos + 1) * batch], self.generators[w]
-                )
-                if tc.channels_last and x.dim() == 4:
-                    x = x.contiguous(memory_format=torch.channels_last)
-                with self._autocast():
-                    out = model(x)
-                    loss = F.cross_entropy(out, y)
-                (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
-                with torch.no_grad():
-                    window[w, 0] += loss.double()
-                    window[w, 1] += (out.argmax(1) == y).double().mean()
-                    window[w, 2] += 1
+            self._prepare_rows(plan)
+            self.compute.run(plan.workers)
             self._maybe_fail(step)
-            if self.loss_scale != 1.0:
-                self.replicas.grads.div_(self.loss_scale)
             self.algorithm.after_backward(step)
             step_comm = comm.ledger.measured_s - comm_before
             compute_s += time.perf_counter() - step_start - step_comm
 
             done = step + 1
             is_last = done == self.total_steps
-            if done % tc.log_every == 0 or done % eval_every == 0 or is_last:
+            if done % log_every == 0 or done % eval_every == 0 or is_last:
+                self.compute.drain(window)
                 comm.all_reduce(window, op="sum", record=False)
                 loss_sum, acc_sum, count = window[0].tolist()
-                window.zero_()
                 bytes_mean, bytes_max = self._bytes_per_worker()
                 last = {
                     "step": done,
                     "epoch": done / self.steps_per_epoch,
-                    "samples": done * k * batch,
-                    "train/loss": loss_sum / count,
-                    "train/acc": acc_sum / count,
-                    "lr": self.optimizers[0].param_groups[0]["lr"],
+                    "samples": done * self.gradients_per_step * batch,
+                    "train/loss": loss_sum / count if count else math.nan,
+                    "train/acc": acc_sum / count if count else math.nan,
+                    "lr": self.base_lr * multiplier,
                     "comm/bytes": bytes_mean,
                     "comm/bytes_max": bytes_max,
                     "comm/modeled_s": comm.ledger.modeled_s,
@@ -243,6 +241,7 @@ class Trainer:
                 "comm/op_counts": dict(comm.ledger.op_counts),
                 "comm/ops": comm.ledger.op_table(),
                 **self.setup,
+                **self.algorithm.summary(),
             }
         )
         if isinstance(self.logger, RunLogger) and tc.save_model:
@@ -250,7 +249,17 @@ class Trainer:
         self.logger.finish(summary)
         return summary
 
+    def _prepare_rows(self, plan: StepPlan) -> None:
+        """Load the planned reads into their rows and zero the planned gradient rows."""
+        params = self.replicas.params
+        for w, source in plan.reads.items():
+            params[w].copy_(source)
+        if len(plan.workers) == self.replicas.num_local:
+            self.replicas.zero_grad()
+        else:
+            for w in plan.workers:
+                self._grad_rows[w].zero_()
+
     def _maybe_fail(self, step: int) -> None:
-        dbg = self.cfg.debug
-        if dbg.fail_at_step == step and dbg.fail_worker in self.comm.local_workers:
-            raise InjectedFailure(f"injected failure on worker {dbg.fail_worker} at step {step}")
+        if step == self._fail_at_step and self._fail_worker in self.comm.local_workers:
+            raise InjectedFailure(f"injected failure on worker {self._fail_worker} at step {step}")

@@ -59,6 +59,16 @@ def check_target(group: str, node: Any) -> None:
         raise ConfigError(not_an_option_message(f"{group}.{unknown[0]}", target, params))
 
 
+def process_count(cfg: DictConfig) -> int:
+    """Processes a gloo/nccl run of `cfg` starts: `workers`, unless the algorithm's class says
+    otherwise through a `num_processes(workers)` classmethod (e.g. a parameter server)."""
+    try:
+        count = getattr(get_object(cfg.algorithm._target_), "num_processes", None)
+    except Exception:  # noqa: BLE001 - a bad target is reported by check_target
+        count = None
+    return int(count(cfg.workers)) if count is not None else int(cfg.workers)
+
+
 def not_an_option_message(key: str, target: str, params: Any) -> str:
     """One line for a plug-in key its `_target_` does not take (`params`: its parameters)."""
     group, _, leaf = key.partition(".")
@@ -85,7 +95,7 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
                 "backend=nccl needs CUDA GPUs but none is visible; "
                 "use backend=gloo (CPU processes) or backend=simulated"
             )
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.workers))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", process_count(cfg)))
         if torch.cuda.device_count() < local:
             raise ConfigError(
                 f"backend=nccl puts one worker per GPU: {local} workers here but only "
@@ -98,11 +108,12 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
             f"train.device={cfg.train.device} but no GPU is visible; use train.device=cpu"
         )
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        world = int(os.environ["WORLD_SIZE"])
-        if world != cfg.workers:
+        world, expected = int(os.environ["WORLD_SIZE"]), process_count(cfg)
+        if world != expected:
+            fix = cfg.workers + world - expected
             raise ConfigError(
-                f"torchrun started {world} processes but workers={cfg.workers}; "
-                f"pass workers={world}"
+                f"torchrun started {world} processes but workers={cfg.workers} needs "
+                f"{expected}; pass workers={fix}"
             )
         if backend == "simulated":
             raise ConfigError(

@@ -1,22 +1,55 @@
 """The algorithm contract.
 
 An algorithm receives the local replicas (gradients already in `replicas.grads` after each
-worker's backward), the communicator and one optimizer per local worker. The trainer calls
-`before_forward(step)` and `after_backward(step)` every step and `consensus()` whenever it needs
-the single model the run stands for (evaluation, the final checkpoint). An algorithm never
-asks which process a worker lives on: it only uses the communicator's stacked collectives.
+worker's backward), the communicator and one optimizer per local worker. Every step the trainer
+asks it for a `StepPlan` (`plan(step)`: which local workers compute, and on which parameters),
+hands it the schedule's learning-rate multiplier (`set_lr`), calls `before_forward(step)`, runs
+forward/backward for the planned workers only, each on its own next batch, and calls
+`after_backward(step)`. It calls `consensus()` whenever it needs the single model the run stands
+for (evaluation, the final checkpoint). An algorithm never asks which process a worker lives
+on: it only uses the communicator's stacked collectives.
+
+The defaults are lockstep data parallelism: every local worker computes every step on its own
+parameters, every optimizer's lr is base × multiplier, and one step consumes one batch per
+worker. An asynchronous algorithm overrides `plan` (one worker per step, chosen by its event
+queue, possibly on a stale snapshot), `set_lr` (its server optimizer) and `gradients_per_step`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from dpresearch.comm.base import Communicator
+from dpresearch.optim import set_lr
 from dpresearch.replicas import Replicas
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the trainer runs in one step.
+
+    workers: the local worker rows (0 … W−1, ascending, no repeats) that run forward and
+    backward this step, each on its own next batch (a data cursor per worker), with the
+    gradient landing in its row of `replicas.grads`. Rows not listed keep their parameters and
+    gradients untouched.
+    reads: parameters a planned worker computes on instead of its row's current ones (e.g. a
+    stale snapshot): row w's parameters are overwritten with `reads[w]` (a `[D]` tensor the
+    algorithm owns; copied at once, so it may change afterwards) before the forward pass.
+    """
+
+    workers: tuple[int, ...]
+    reads: Mapping[int, Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def every(cls, num_local: int) -> StepPlan:
+        """Lockstep: every local worker on its own parameters."""
+        return cls(tuple(range(num_local)))
 
 
 class Algorithm(ABC):
@@ -36,6 +69,24 @@ class Algorithm(ABC):
         self.replicas = replicas
         self.comm = comm
         self.optimizers = optimizers
+        self.base_lrs = [[g["lr"] for g in opt.param_groups] for opt in optimizers]
+        self._lockstep = StepPlan.every(replicas.num_local)
+
+    @property
+    def gradients_per_step(self) -> int:
+        """Worker gradients (batches) one step consumes across all K workers; the trainer
+        converts `train.epochs` into steps with it. Lockstep: K."""
+        return self.comm.world_size
+
+    def plan(self, step: int) -> StepPlan:
+        """The workers that compute at `step` and what they read (default: all, their own)."""
+        return self._lockstep
+
+    def set_lr(self, multiplier: float) -> None:
+        """Apply the schedule's multiplier for the coming step: by default every optimizer's
+        groups get base lr × `multiplier`."""
+        for opt, bases in zip(self.optimizers, self.base_lrs, strict=True):
+            set_lr(opt, bases, multiplier)
 
     def before_forward(self, step: int) -> None:
         """Called before the workers' forward passes of `step`."""
@@ -62,6 +113,10 @@ class Algorithm(ABC):
     def describe(self) -> dict[str, Any]:
         """Facts about the run's set-up printed at the start and stored in summary.json
         (e.g. the topology's spectral gap)."""
+        return {}
+
+    def summary(self) -> dict[str, Any]:
+        """Facts known only at the end of the run (e.g. a histogram), added to summary.json."""
         return {}
 
     def state_dict(self) -> dict:

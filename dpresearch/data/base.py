@@ -58,10 +58,12 @@ class Dataset:
         self, indices: Tensor, generator: torch.Generator | None = None
     ) -> tuple[Tensor, Tensor]:
         """Inputs and targets of the training examples at `indices`."""
-        indices = indices.to(self.train_targets.device)
+        if indices.device != self.train_targets.device:
+            indices = indices.to(self.train_targets.device)
+        # index_select, not x[indices]: the same rows, several times faster on CPUs.
         return (
-            self.transform_train(self.train_inputs[indices], generator),
-            self.train_targets[indices],
+            self.transform_train(self.train_inputs.index_select(0, indices), generator),
+            self.train_targets.index_select(0, indices),
         )
 
     def test_batches(

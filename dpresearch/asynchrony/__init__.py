@@ -1,0 +1,19 @@
+"""Asynchronous training: a parameter server and K workers that push gradients computed on
+the parameters they last pulled, so an update may use a gradient τ versions old.
+
+Pieces, one job each:
+- `options.py`: the `async` config node (schema and one-line checks);
+- `speed.py`: seeded per-worker compute-time models (constant, exponential, lognormal, uniform,
+  fixed slowdowns, transient stragglers);
+- `protocol.py`: when the server applies gradients and which workers may start computing
+  (asgd, ssp, softsync, sync);
+- `staleness.py`: staleness-aware learning rates and the τ statistics;
+- `server.py`: the server's model and optimizer, applying pushes by protocol and policy;
+- `push.py`: what a worker sends (its gradient, or a compressed one with its own
+  error-feedback memory);
+- `clock.py`: the simulated clock, an event queue of push arrivals;
+- `remote.py`: the real mode, a server process and worker processes exchanging point-to-point
+  messages over torch.distributed.
+
+The simulated algorithm itself is `dpresearch.algorithms.async_sgd.AsyncSGD`.
+"""

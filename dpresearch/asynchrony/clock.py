@@ -1,0 +1,44 @@
+"""The simulated clock: an event queue of push arrivals.
+
+A worker released at time t pulls the parameters (the server's state at t; the transfer takes
+`pull_s`), computes its gradient (the speed model's draw) and pushes it (`push_s`); the push
+reaches the server at
+
+    t + pull_s + compute + push_s,
+
+where the server applies it at once and releases workers per protocol, all in that instant (a
+worker's push and its next pull are one event). Transfers are priced by the network model as
+one point-to-point message each, α + bytes/B, per worker (the server's link is not a shared
+bottleneck). Arrivals at the same time are taken in worker-id order, so the event order is a
+pure function of the configuration.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from dpresearch.asynchrony.speed import SpeedModel
+
+
+class EventClock:
+    """Pending arrivals of in-flight workers and the simulated time `now`."""
+
+    def __init__(self, speed: SpeedModel, pull_s: float, push_s: float) -> None:
+        self.speed, self.pull_s, self.push_s = speed, pull_s, push_s
+        self.now = 0.0
+        self._heap: list[tuple[float, int]] = []
+
+    def start(self, worker: int) -> None:
+        """`worker` pulls at `now` and starts its next gradient."""
+        arrival = self.now + self.pull_s + self.speed.draw(worker) + self.push_s
+        heapq.heappush(self._heap, (arrival, worker))
+
+    def next_arrival(self) -> int:
+        """Advance `now` to the earliest pending arrival and return its worker."""
+        if not self._heap:
+            raise RuntimeError("no worker is computing: the protocol released nobody")
+        self.now, worker = heapq.heappop(self._heap)
+        return worker
+
+    def __len__(self) -> int:
+        return len(self._heap)

@@ -1,0 +1,144 @@
+"""The `async` config node: its schema and the checks that run before any worker starts.
+
+`async` is a Python keyword, so the node is read as `cfg["async"]` and reaches the algorithm as
+its `options` argument (`options: ${async}` in `conf/algorithm/async_sgd.yaml`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+PROTOCOLS = ("asgd", "ssp", "softsync", "sync")
+SPEEDS = ("constant", "exponential", "lognormal", "uniform")
+LR_POLICIES = ("constant", "inverse", "delay_adaptive", "drop")
+
+
+@dataclass
+class AsyncOptions:
+    """Asynchronous training (`algorithm=async_sgd`).
+
+    protocol: "asgd" (the server applies each gradient on arrival), "ssp" (stale-synchronous,
+    Ho et al. 2013: a worker that has pushed more than `max_staleness` gradients beyond the
+    slowest worker's count waits before starting the next one), "softsync" (Zhang et al. 2016:
+    the server applies the mean of every `softsync_c` gradients) or "sync" (a barrier each
+    round: synchronous SGD whose round lasts as long as the slowest worker).
+    delay: fixed-delay mode (overrides the simulator): step t applies g(x_{t−delay}) computed by
+    worker t mod K, i.e. x_{t+1} = x_t − η·g(x_{t−τ}) with τ = min(t, delay).
+    speed: compute-time model, mean `compute_s` seconds per gradient: "constant",
+    "exponential", "lognormal" (coefficient of variation `cv`) or "uniform" (mean 1, `cv`);
+    times `slowdown` on the workers in `slow_workers`, and times `straggler_factor` with
+    probability `straggler_prob` on any one gradient.
+    lr_policy: "constant", "inverse" (η/max(1, τ), Zhang et al. 2016), "delay_adaptive"
+    (η·K/max(K, τ), Mishchenko et al. 2022) or "drop" (gradients with τ > `tau_max` are
+    discarded); `delay_compensation` = λ > 0 adds DC-ASGD's λ·g⊙g⊙(x_now − x_read)
+    (Zheng et al. 2017).
+    inject_delay: real mode only: each worker sleeps this many seconds per gradient, scaled by
+    its speed model's draw ÷ compute_s (so slow workers and stragglers are slow for real).
+    timeout_s: real mode: the server stops with an error when no push arrives for this long.
+    """
+
+    protocol: str = "asgd"
+    max_staleness: int | None = None
+    softsync_c: int | None = None
+    delay: int | None = None
+    speed: str = "constant"
+    compute_s: float = 0.1
+    cv: float = 0.5
+    slow_workers: list[int] = field(default_factory=list)
+    slowdown: float = 1.0
+    straggler_prob: float = 0.0
+    straggler_factor: float = 10.0
+    lr_policy: str = "constant"
+    tau_max: int | None = None
+    delay_compensation: float = 0.0
+    inject_delay: float = 0.0
+    timeout_s: float = 120.0
+
+    @classmethod
+    def from_node(cls, node: Mapping[str, Any] | None) -> AsyncOptions:
+        """Options from a config node (or a plain mapping); missing keys take the defaults."""
+        node = node or {}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(node) - known)
+        if unknown:
+            raise ValueError(f"async.{unknown[0]} is not an option; valid: {', '.join(known)}")
+        values = {k: node[k] for k in node}
+        if "slow_workers" in values:
+            values["slow_workers"] = [int(w) for w in values["slow_workers"] or []]
+        return cls(**values)
+
+
+def _choose(key: str, value: str, options: tuple[str, ...]) -> str:
+    return f"async.{key}={value} is not an option; choose one of: {', '.join(options)}"
+
+
+def check_options(opts: AsyncOptions, workers: int) -> None:
+    """Raise ValueError, one line naming the fix, for options that cannot run on `workers`."""
+    if opts.protocol not in PROTOCOLS:
+        raise ValueError(_choose("protocol", opts.protocol, PROTOCOLS))
+    if opts.protocol == "ssp":
+        if opts.max_staleness is None:
+            raise ValueError(
+                "async.protocol=ssp needs async.max_staleness=s (how many gradients a worker "
+                "may run ahead of the slowest), e.g. async.max_staleness=4"
+            )
+        if opts.max_staleness < 0:
+            raise ValueError(f"async.max_staleness={opts.max_staleness}: must be >= 0")
+    if opts.protocol == "softsync" and (opts.softsync_c is None or opts.softsync_c < 1):
+        raise ValueError(
+            "async.protocol=softsync needs async.softsync_c >= 1 (gradients per update; "
+            f"Zhang et al.'s n-softsync: c = K/n), e.g. async.softsync_c={max(1, workers // 2)}"
+        )
+    if opts.delay is not None:
+        if opts.delay < 0:
+            raise ValueError(
+                f"async.delay={opts.delay}: the fixed delay τ must be >= 0 "
+                "(or null for the event simulator)"
+            )
+        if opts.protocol != "asgd":
+            raise ValueError(
+                f"async.delay fixes τ and replaces the protocol; drop async.delay or set "
+                f"async.protocol=asgd (it is {opts.protocol})"
+            )
+    if opts.speed not in SPEEDS:
+        raise ValueError(_choose("speed", opts.speed, SPEEDS))
+    if not opts.compute_s > 0:
+        raise ValueError(f"async.compute_s={opts.compute_s}: the mean compute time must be > 0")
+    if opts.speed in ("lognormal", "uniform") and not opts.cv > 0:
+        raise ValueError(f"async.cv={opts.cv}: async.speed={opts.speed} needs a cv > 0")
+    if opts.speed == "uniform" and opts.cv > 1 / math.sqrt(3):
+        raise ValueError(
+            f"async.cv={opts.cv}: a uniform time with mean 1 stays positive only for "
+            "cv <= 0.577 (1/√3); lower async.cv or use async.speed=lognormal"
+        )
+    bad = [w for w in opts.slow_workers if not 0 <= w < workers]
+    if bad:
+        raise ValueError(
+            f"async.slow_workers has worker {bad[0]}, but workers are 0..{workers - 1}"
+        )
+    if not opts.slowdown > 0:
+        raise ValueError(f"async.slowdown={opts.slowdown}: must be > 0 (4 = four times slower)")
+    if not 0.0 <= opts.straggler_prob <= 1.0:
+        raise ValueError(f"async.straggler_prob={opts.straggler_prob}: must be in [0, 1]")
+    if not opts.straggler_factor > 0:
+        raise ValueError(f"async.straggler_factor={opts.straggler_factor}: must be > 0")
+    if opts.lr_policy not in LR_POLICIES:
+        raise ValueError(_choose("lr_policy", opts.lr_policy, LR_POLICIES))
+    if opts.lr_policy == "drop" and opts.tau_max is None:
+        raise ValueError(
+            "async.lr_policy=drop needs async.tau_max (gradients with τ > τ_max are "
+            "discarded), e.g. async.tau_max=16"
+        )
+    if opts.tau_max is not None and opts.tau_max < 0:
+        raise ValueError(f"async.tau_max={opts.tau_max}: must be >= 0")
+    if opts.delay_compensation < 0:
+        raise ValueError(
+            f"async.delay_compensation={opts.delay_compensation}: λ must be >= 0 (0 = off)"
+        )
+    if opts.inject_delay < 0:
+        raise ValueError(f"async.inject_delay={opts.inject_delay}: seconds must be >= 0")
+    if not opts.timeout_s > 0:
+        raise ValueError(f"async.timeout_s={opts.timeout_s}: must be > 0")

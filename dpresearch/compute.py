@@ -1,0 +1,128 @@
+"""Forward and backward of local workers, each on its own next batch.
+
+Each local worker has a data cursor: its n-th computation takes batch n of its own sequence —
+epoch n // steps_per_epoch, position n % steps_per_epoch within the indices the partitioner
+gives it for that epoch (a pure function of seed, worker and epoch) — and draws augmentation
+from its own generator. When every worker computes every step (lockstep algorithms) every
+cursor equals the global step. An asynchronous worker that computes more often than another
+simply walks its own sequence faster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dpresearch.data.base import Dataset
+from dpresearch.data.partition import Partitioner
+from dpresearch.replicas import Replicas
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def worker_seed(seed: int, worker: int) -> int:
+    """Seed of worker `worker`'s own generator (augmentation, sampling in compressors)."""
+    return (seed * 1_000_003 + 7919 * (worker + 1)) % (2**63 - 1)
+
+
+class WorkerCompute:
+    """Runs forward/backward for local rows of `replicas` into their rows of `replicas.grads`.
+
+    workers: the global id of each local row (the partitioner's worker index).
+    steps_per_epoch: batches in one pass of a worker over its shard.
+    autocast: None, "bf16" or "fp16"; with fp16 the loss is multiplied by `loss_scale` and the
+    computed gradient rows divided by it again.
+    """
+
+    def __init__(
+        self,
+        data: Dataset,
+        partitioner: Partitioner,
+        replicas: Replicas,
+        workers: Sequence[int],
+        batch_size: int,
+        steps_per_epoch: int,
+        seed: int,
+        device: torch.device,
+        channels_last: bool = False,
+        autocast: str | None = None,
+        loss_scale: float = 1.0,
+    ) -> None:
+        self.data, self.partitioner, self.replicas = data, partitioner, replicas
+        self.workers = list(workers)
+        self.batch_size, self.steps_per_epoch = batch_size, steps_per_epoch
+        self.device, self.channels_last = device, channels_last
+        self.autocast_dtype = AUTOCAST_DTYPES.get(autocast or "")
+        self.loss_scale = float(loss_scale) if autocast == "fp16" else 1.0
+        self.generators = [torch.Generator().manual_seed(worker_seed(seed, w)) for w in workers]
+        self.cursors = [0] * len(self.workers)
+        self._epochs = [-1] * len(self.workers)
+        self._indices: list[Tensor] = [torch.empty(0, dtype=torch.long)] * len(self.workers)
+        # Per row, since the last `drain`: (loss, correct predictions, batch size) per batch.
+        self._stats: list[list[tuple[Tensor, Tensor, int]]] = [[] for _ in self.workers]
+
+    def autocast(self):
+        """Mixed precision for the forward pass (and, through autograd, the backward); without
+        it a null context (building a disabled `torch.autocast` costs more than a small
+        model's loss)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def next_batch(self, row: int) -> tuple[Tensor, Tensor]:
+        """Inputs and targets of local row `row`'s next batch; advances its cursor."""
+        epoch, pos = divmod(self.cursors[row], self.steps_per_epoch)
+        self.cursors[row] += 1
+        if self._epochs[row] != epoch:
+            self._indices[row] = self.partitioner.epoch_indices(self.workers[row], epoch)
+            self._epochs[row] = epoch
+        b = self.batch_size
+        x, y = self.data.train_batch(
+            self._indices[row][pos * b : (pos + 1) * b], self.generators[row]
+        )
+        if self.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x, y
+
+    def run(self, rows: Sequence[int]) -> None:
+        """Forward/backward of each row in `rows` on its next batch, on the parameters its
+        replica holds; gradients are *accumulated* into the rows of `replicas.grads` (zero them
+        first). Each batch's loss and accuracy are kept for `drain`."""
+        models = self.replicas.models
+        for w in rows:
+            x, y = self.next_batch(w)
+            with self.autocast():
+                out = models[w](x)
+                loss = F.cross_entropy(out, y)
+            (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
+            with torch.no_grad():
+                # Reduced at `drain`: per batch, as few small ops as possible.
+                self._stats[w].append((loss.detach(), (out.argmax(1) == y).sum(), y.shape[0]))
+        if self.loss_scale != 1.0:
+            grads = self.replicas.grads
+            if len(rows) == grads.shape[0]:
+                grads.div_(self.loss_scale)
+            else:
+                for w in rows:
+                    grads[w].div_(self.loss_scale)
+
+    def drain(self, window: Tensor) -> None:
+        """Write into the float64 `window` ([W, 3]) each row's summed batch loss, summed batch
+        accuracy and batch count since the last call (sums in float64, batch after batch), and
+        start anew."""
+        window.zero_()
+        for w, stats in enumerate(self._stats):
+            if not stats:
+                continue
+            losses = torch.stack([s[0] for s in stats]).double().tolist()
+            correct = torch.stack([s[1] for s in stats]).tolist()
+            loss_sum = acc_sum = 0.0
+            for loss, hits, (_, _, n) in zip(losses, correct, stats, strict=True):
+                loss_sum += loss
+                acc_sum += hits / n
+            window[w, 0], window[w, 1], window[w, 2] = loss_sum, acc_sum, float(len(stats))
+            stats.clear()
