@@ -85,9 +85,11 @@ class Frozen:
     pid: int
     silent_s: float
 
-    def message(self, heartbeat_s: float) -> str:
+    def message(self, heartbeat_s: float, who: str = "worker") -> str:
+        """One line; `who` names what a rank is (`worker`, or `rank` where ranks are not
+        workers, e.g. beside a parameter server)."""
         return (
-            f"worker {self.rank} (pid {self.pid}) showed no sign of life for "
+            f"{who} {self.rank} (pid {self.pid}) showed no sign of life for "
             f"{self.silent_s:.0f} s (stopped or frozen; backend.heartbeat_s={heartbeat_s:g}); "
             "it was killed and the job stopped"
         )

@@ -156,10 +156,11 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     from dpresearch.heartbeat import Watchdog
     from dpresearch.validate import process_count
 
+    processes = process_count(cfg)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=process_count(cfg),
+        nproc_per_node=processes,
         run_id=str(uuid.uuid4()),
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
@@ -171,7 +172,7 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     container = OmegaConf.to_container(cfg, resolve=True)
     if cfg.train.progress:
         print(
-            f"{cfg.backend.name}: starting {cfg.workers} worker processes on this machine "
+            f"{cfg.backend.name}: starting {processes} worker processes on this machine "
             "(each imports torch and joins the rendezvous; this takes a while)",
             flush=True,
         )
@@ -191,7 +192,8 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
             )
         except ChildFailedError as exc:
             if watchdog is not None and watchdog.frozen is not None:
-                raise WorkerFrozen(watchdog.frozen.message(heartbeat_s)) from exc
+                who = "worker" if processes == cfg.workers else "rank"  # ranks are workers?
+                raise WorkerFrozen(watchdog.frozen.message(heartbeat_s, who)) from exc
             raise
     return results[0]
 
