@@ -92,13 +92,14 @@ def test_resnet20_topk_counts_gradient_bytes_only():
 
     ledger = comm.ledger
     assert ledger.bytes_by_worker == [steps * per_step] * 4
-    assert summary["comm/bytes"] == steps * per_step
-    # The BatchNorm broadcast: worker 0 sends, the receivers are charged nothing.
+    assert summary["comm/bytes"] == summary["comm/bytes_max"] == steps * per_step
+    # The BatchNorm broadcast: worker 0 sends, the receivers are charged nothing (the logged
+    # figure is the mean over the 4 workers).
     assert ledger.bytes_of("buffers") == [steps * buffer_bytes, 0, 0, 0]
-    assert summary["comm/bytes_buffers"] == steps * buffer_bytes
-    # Metric reduction at each of the 3 logs; evaluation once at the end.
-    assert ledger.bytes_of("metrics") == [steps * 3 * 8] * 4
-    assert ledger.bytes_of("eval")[0] > 0 and summary["comm/bytes_eval"] > 0
+    assert summary["comm/bytes_buffers"] == steps * buffer_bytes / 4
+    # Logging (loss sums, byte counters) at each of the 3 logs; evaluation once at the end.
+    assert min(ledger.bytes_of("metrics")) > 0 and summary["comm/bytes_metrics"] > 0
+    assert min(ledger.bytes_of("eval")) > 0 and summary["comm/bytes_eval"] > 0
     # Modeled time: the gradient allgathers and the buffer broadcasts, nothing else.
     priced = [op for op in ledger.step_ops if op.purpose in ("algorithm", "buffers")]
     assert {op.kind for op in priced} == {"allgather", "broadcast"}

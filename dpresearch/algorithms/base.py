@@ -106,8 +106,8 @@ class Algorithm(ABC):
         return params[0], buffers[0]
 
     def metrics(self) -> dict[str, float]:
-        """Extra metrics logged at every log step (same value on every process); may use
-        unrecorded collectives."""
+        """Extra metrics logged at every log step (same value on every process); collectives
+        here pass `record="metrics"`."""
         return {}
 
     def describe(self) -> dict[str, Any]:
