@@ -49,7 +49,13 @@ def global_rank() -> int:
 
 
 def network_model(cfg: DictConfig) -> NetworkModel:
-    return NetworkModel.from_units(cfg.network.latency_us, cfg.network.bandwidth_gbit)
+    net = cfg.network
+    return NetworkModel.from_units(
+        net.latency_us,
+        net.bandwidth_gbit,
+        net.get("message_overhead_us", 0.0),
+        net.get("allgather_factor", 1.0),
+    )
 
 
 def threads_per_process(cfg: DictConfig, local_processes: int) -> int:

@@ -173,6 +173,10 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
         )
     if cfg.network.bandwidth_gbit <= 0 or cfg.network.latency_us < 0:
         raise ConfigError("network.bandwidth_gbit must be > 0 and network.latency_us >= 0")
+    if cfg.network.message_overhead_us < 0 or cfg.network.allgather_factor <= 0:
+        raise ConfigError(
+            "network.message_overhead_us must be >= 0 and network.allgather_factor > 0"
+        )
     if cfg.logger.mode is not None and cfg.logger.mode not in ("online", "offline", "disabled"):
         raise ConfigError(
             f"logger.mode={cfg.logger.mode}; choose one of: online, offline, disabled"

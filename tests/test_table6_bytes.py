@@ -5,8 +5,8 @@ worker's 3,125 images make 24 full batches; the trainer drops the partial one, a
 DistributedSampler with drop_last does). No training: bytes depend on the parameter shapes and
 the step count only. Counted as the paper's code counts (`bits_communicated` in epfml/powersgd
 paper-code): the payload one worker hands to the collectives for the gradients — BatchNorm
-buffer broadcasts are not gradients and are left out (the trainer's `comm/bytes` today
-includes them: +0.88 MiB per epoch, hence its 1023.9 / 32.9 / 8.4 MiB). The paper's "MB" is
+buffer broadcasts are not gradients and are left out, as the trainer's `comm/bytes` leaves
+them out (they are `comm/bytes_buffers`: 0.88 MiB per epoch from worker 0). The paper's "MB" is
 2^20 bytes: SGD's 1023 matches only in MiB (1072.7 in 10^6 bytes).
 
 PowerSGD: our formula — conv kernels as out × (in·k·k) matrices, r·(m + c) floats over the two

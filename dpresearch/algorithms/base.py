@@ -98,16 +98,16 @@ class Algorithm(ABC):
 
     def consensus(self) -> tuple[Tensor, Tensor]:
         """The (flat params, flat float buffers) of the model the run stands for, identical on
-        every process: by default the average over all workers (unrecorded traffic)."""
+        every process: by default the average over all workers (recorded as "eval" traffic)."""
         params = self.replicas.params.clone()
         buffers = self.replicas.buffers.clone()
-        self.comm.all_reduce(params, op="mean", record=False)
-        self.comm.all_reduce(buffers, op="mean", record=False)
+        self.comm.all_reduce(params, op="mean", record="eval")
+        self.comm.all_reduce(buffers, op="mean", record="eval")
         return params[0], buffers[0]
 
     def metrics(self) -> dict[str, float]:
-        """Extra metrics logged at every log step (same value on every process); may use
-        unrecorded collectives."""
+        """Extra metrics logged at every log step (same value on every process); collectives
+        here pass `record="metrics"`."""
         return {}
 
     def describe(self) -> dict[str, Any]:

@@ -153,7 +153,7 @@ class ChocoSGD(Gossip):
     def metrics(self) -> dict[str, float]:
         out = super().metrics()
         err = (self.replicas.params - self.x_hat).double().pow(2).sum(dim=1, keepdim=True)
-        self.comm.all_reduce(err, op="sum", record=False)
+        self.comm.all_reduce(err, op="sum", record="metrics")
         # How far the public copies x̂ trail the models: what compression has not yet delivered.
         out["gossip/x_hat_error"] = err[0, 0].item() / self.comm.world_size
         return out

@@ -109,10 +109,12 @@ def write_report(
         "",
         "Columns: `test acc (x̄)` is the averaged model's accuracy; `local acc mean/min` over "
         "the 8 workers' own models; `Ξ² final` the consensus distance (1/K)Σ‖x_i − x̄‖² at the "
-        "end; `MB/epoch/worker` the bytes one worker hands to the network (`comm/bytes`: a "
-        "gossip message to p peers counts p times; sync's BatchNorm buffer broadcasts "
-        "included); modeled seconds re-price the recorded operations on each network preset "
-        "(α-β model; gossip: α + p·D/B per exchange on the busiest worker).",
+        "end; `MB/epoch/worker` the algorithm's bytes one worker hands to the network "
+        "(`comm/bytes`: a gossip message to p peers counts p times; BatchNorm buffer traffic, "
+        "sync's broadcast and gossip's buffer mixing, is `comm/bytes_buffers` and not "
+        "included); modeled seconds re-price the recorded operations of the steps, buffers "
+        "included, on each network preset (α-β model; gossip: α + p·D/B per exchange on the "
+        "busiest worker).",
         "",
         "## Selected settings",
         "",
