@@ -194,6 +194,7 @@ class Trainer:
         best_acc = 0.0
         self.replicas.train()
         log_every = tc.log_every
+        algorithm_metrics: dict[str, Any] = {}
         for step in range(self.total_steps):
             plan = self.algorithm.plan(step)
             multiplier = self.schedule(step)
@@ -225,7 +226,8 @@ class Trainer:
                     "comm/modeled_s": comm.ledger.modeled_s,
                     **clock.metrics(),
                 }
-                last.update(self.algorithm.metrics())
+                algorithm_metrics = self.algorithm.metrics()
+                last.update(algorithm_metrics)
                 if done % eval_every == 0 or is_last:
                     last.update(self.evaluate())
                     best_acc = max(best_acc, last["test/acc"])
@@ -246,6 +248,8 @@ class Trainer:
                 "comm/op_counts": dict(comm.ledger.op_counts),
                 "comm/ops": comm.ledger.op_table(),
                 **self._bytes_per_worker(),  # the final evaluation's traffic included
+                # an algorithm that accounts its own traffic (asynchronous pushes) keeps it
+                **{k: v for k, v in algorithm_metrics.items() if k.startswith("comm/")},
                 **self.setup,
                 **self.algorithm.summary(),
             }
