@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def remember_command(argv: Sequence[str]) -> None:
     """Record the user's command line for this process and the processes it starts."""
-    os.environ.setdefault(COMMAND_ENV, shlex.join(argv))
+    os.environ[COMMAND_ENV] = shlex.join(argv)
 
 
 def _git(*args: str) -> str | None:

@@ -16,6 +16,7 @@ import torch
 from conftest import SHARED, run_cli
 
 import dpresearch.train as entry
+from dpresearch.provenance import COMMAND_ENV
 
 SUBSET = SHARED / "data" / "cifar10-subset"
 SYNTHETIC_SMALL = ["data.num_train=256", "data.num_test=64"]
@@ -97,6 +98,7 @@ def run_main(args: list[str], tmp_path: Path, monkeypatch, capsys) -> tuple[int,
         raise AssertionError("the checks passed: this input was accepted")
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(COMMAND_ENV, raising=False)  # main() records its command line there
     monkeypatch.setattr(entry, "_hydra_main", hydra_started)
     monkeypatch.setattr(sys, "argv", ["dpresearch.train", *args])
     with pytest.raises(SystemExit) as stopped:
