@@ -20,7 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 class TrainConfig:
     """The loop. `batch_size` is per worker; the global batch is `workers × batch_size`.
 
-    `steps` (if set) overrides `epochs`; `eval_every` is in steps (null: at every epoch end);
+    Run length: `train.steps=N` runs N steps and wins over the configured `epochs` (so a short
+    smoke run is just `train.steps=6`); to train by epochs where a config sets `steps`, pass
+    `train.steps=null train.epochs=E`. Giving both `train.steps` and `train.epochs` on one command
+    line, or `train.epochs` while `steps` is set, is rejected. `eval_every` is in steps (null: at
+    every epoch end);
     `lr_scaling`: "linear" multiplies the optimizer's lr by the number of workers (Goyal et al.),
     "none" leaves it. `channels_last`: NHWC inputs and conv weights (faster convolutions on
     GPUs). `autocast`: null, "bf16" or "fp16" mixed-precision forward/backward; fp16 multiplies
@@ -47,20 +51,29 @@ class BackendConfig:
     """How workers are placed: `simulated` (all in this process), `gloo` (CPU processes) or
     `nccl` (one GPU per process). `threads`: torch threads per process (null: cores ÷ local
     processes; simulated: torch's default). Matrix products round differently with different
-    thread counts, so bit-level comparisons across backends fix it (e.g. 1)."""
+    thread counts, so bit-level comparisons across backends fix it (e.g. 1). `timeout_s`: how
+    long a collective may wait for a peer. `heartbeat_s`: a worker process started by this
+    machine's launcher that shows no sign of life for this long (stopped, frozen) ends the job
+    with one line naming it (null: no watchdog; torchrun jobs rely on `timeout_s`)."""
 
     name: str = "simulated"
     threads: int | None = None
     timeout_s: float = 600.0
+    heartbeat_s: float | None = 60.0
 
 
 @dataclass
 class NetworkConfig:
-    """The α-β network model pricing every recorded collective (`comm/modeled_s`)."""
+    """The α-β network model pricing every recorded collective (`comm/modeled_s`).
+    `message_overhead_us`: host overhead per message (added to α); `allgather_factor`:
+    multiplies allgather's bandwidth term (see `dpresearch/comm/network.py`; 0 and 1: an
+    ideal fabric)."""
 
     name: str = "10gbe"
     latency_us: float = 20.0
     bandwidth_gbit: float = 10.0
+    message_overhead_us: float = 0.0
+    allgather_factor: float = 1.0
 
 
 @dataclass
@@ -81,16 +94,21 @@ class CommConfig:
 class LoggerConfig:
     """Local files are always written; `wandb=true` adds Weights & Biases (rank 0 only).
 
-    `mode`: online / offline / disabled; null takes WANDB_MODE, else "online".
+    `mode`: online / offline / disabled; null takes WANDB_MODE, else "online". An online start
+    that fails (no network, no API key, no answer within `init_timeout_s`) falls back to offline
+    with one warning line. `name` (null: derived from the run, e.g. `sync-topk-w8-s0`) and
+    `group` (null: the sweep, or the `experiment=` study) label the run in W&B.
     """
 
     wandb: bool = False
     mode: str | None = None
     project: str = "dpresearch"
     entity: str | None = None
+    name: str | None = None
     group: str | None = None
     job_type: str | None = None
     tags: list[str] = field(default_factory=list)
+    init_timeout_s: float = 30.0
 
 
 @dataclass

@@ -3,14 +3,23 @@
 - simulated: all K workers in this process.
 - gloo / nccl on one machine: K worker processes started with torch's elastic launcher (the
   engine under torchrun); if any worker fails, the agent stops the others and the job fails
-  with that worker's traceback.
+  with that worker's traceback. A worker that stops showing signs of life for
+  `backend.heartbeat_s` (stopped, frozen) is killed by a watchdog and the job fails naming it
+  (`WorkerFrozen`). Started under `nohup` (SIGHUP ignored), the job keeps ignoring SIGHUP.
 - under torchrun (its environment variables present): this process *is* one worker.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import multiprocessing
 import os
+import signal
+import tempfile
+import time
 import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,6 +31,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from dpresearch.comm.network import NetworkModel
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+HEARTBEAT_ENV = "DPRESEARCH_HEARTBEAT_DIR"
+LAUNCHED_AT_ENV = "DPRESEARCH_LAUNCHED_AT"
+
+
+class WorkerFrozen(RuntimeError):
+    """A local worker process went silent for `backend.heartbeat_s`; the message names it."""
 
 
 def under_torchrun() -> bool:
@@ -34,7 +49,13 @@ def global_rank() -> int:
 
 
 def network_model(cfg: DictConfig) -> NetworkModel:
-    return NetworkModel.from_units(cfg.network.latency_us, cfg.network.bandwidth_gbit)
+    net = cfg.network
+    return NetworkModel.from_units(
+        net.latency_us,
+        net.bandwidth_gbit,
+        net.get("message_overhead_us", 0.0),
+        net.get("allgather_factor", 1.0),
+    )
 
 
 def threads_per_process(cfg: DictConfig, local_processes: int) -> int:
@@ -80,6 +101,13 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     if backend == "nccl":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.backend.timeout_s))
+    if dist.get_rank() == 0 and cfg.train.progress and LAUNCHED_AT_ENV in os.environ:
+        took = time.time() - float(os.environ[LAUNCHED_AT_ENV])
+        print(
+            f"{backend}: {dist.get_world_size()} processes started and connected in {took:.1f} s; "
+            "loading the data, building the model",
+            flush=True,
+        )
     try:
         own = getattr(get_object(cfg.algorithm._target_), "run_process", None)
         summary = own(cfg, run_dir) if own is not None else _train(cfg, run_dir, device)
@@ -108,8 +136,16 @@ def _train(cfg: DictConfig, run_dir: Path | None, device: torch.device) -> dict[
 @record
 def _worker_entry(cfg_container: dict, run_dir: str | None) -> dict[str, Any]:
     """Entry point of a process started by `launch_local` (must be importable: spawn)."""
+    from dpresearch.console import worker_output
+    from dpresearch.heartbeat import Heartbeat
+
     cfg = OmegaConf.create(cfg_container)
-    return run_as_worker(cfg, Path(run_dir) if run_dir else None)
+    beats = os.environ.get(HEARTBEAT_ENV)
+    with worker_output():
+        if not beats:
+            return run_as_worker(cfg, Path(run_dir) if run_dir else None)
+        with Heartbeat(Path(beats), int(os.environ["RANK"]), cfg.backend.heartbeat_s):
+            return run_as_worker(cfg, Path(run_dir) if run_dir else None)
 
 
 def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
@@ -117,23 +153,96 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     summary.
 
     Raises torch's `ChildFailedError` (which carries the failed worker's traceback) if any
-    worker fails; the others are stopped at once.
+    worker fails, or `WorkerFrozen` if the watchdog killed a silent one; the others are stopped
+    at once.
     """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from dpresearch.heartbeat import Watchdog
     from dpresearch.validate import process_count
 
+    processes = process_count(cfg)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=process_count(cfg),
+        nproc_per_node=processes,
         run_id=str(uuid.uuid4()),
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
         max_restarts=0,
         monitor_interval=0.2,
         start_method="spawn",
+        **_elastic_signals(),
     )
     container = OmegaConf.to_container(cfg, resolve=True)
-    results = elastic_launch(config, _worker_entry)(container, str(run_dir) if run_dir else None)
+    if cfg.train.progress:
+        print(
+            f"{cfg.backend.name}: starting {processes} worker processes on this machine "
+            "(each imports torch and joins the rendezvous; this takes a while)",
+            flush=True,
+        )
+    heartbeat_s = cfg.backend.get("heartbeat_s")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_spawnable_start_method())
+        stack.enter_context(_environment({LAUNCHED_AT_ENV: str(time.time())}))
+        watchdog = None
+        if heartbeat_s:
+            beats = stack.enter_context(tempfile.TemporaryDirectory(prefix="dpresearch-beats-"))
+            stack.enter_context(_environment({HEARTBEAT_ENV: beats}))
+            watchdog = Watchdog(Path(beats), heartbeat_s)
+            stack.callback(watchdog.stop)
+        try:
+            results = elastic_launch(config, _worker_entry)(
+                container, str(run_dir) if run_dir else None
+            )
+        except ChildFailedError as exc:
+            if watchdog is not None and watchdog.frozen is not None:
+                who = "worker" if processes == cfg.workers else "rank"  # ranks are workers?
+                raise WorkerFrozen(watchdog.frozen.message(heartbeat_s, who)) from exc
+            raise
     return results[0]
+
+
+def _elastic_signals() -> dict[str, str]:
+    """`LaunchConfig` settings for the signals torch's elastic agent turns into a stop: all of
+    its default ones, but not SIGHUP when this process ignores it (started under `nohup`), as a
+    simulated run would. (Older torch without the setting: its defaults.)"""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if "signals_to_handle" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        return {}
+    if not hasattr(signal, "SIGHUP") or signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+        return {}  # (getsignal gives an int 1 for an inherited SIG_IGN, hence `!=`)
+    return {"signals_to_handle": "SIGTERM,SIGINT,SIGQUIT"}
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables (inherited by the workers) for the duration."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _spawnable_start_method() -> Iterator[None]:
+    """A process pool's own start method (joblib's `loky`, in a parallel sweep's job) is not
+    one a spawned worker knows, and multiprocessing hands it down: it fails with "cannot find
+    context for 'loky'". Use `spawn`'s for the launch and restore the pool's afterwards."""
+    current = multiprocessing.get_start_method(allow_none=True)
+    if current is None or current in multiprocessing.get_all_start_methods():
+        yield
+        return
+    multiprocessing.set_start_method("spawn", force=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(current, force=True)

@@ -7,9 +7,12 @@ logged.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +55,25 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+@contextlib.contextmanager
+def _quiet_wandb() -> Iterator[None]:
+    """W&B's own start-up chatter off (its errors come back as exceptions; we print one line)."""
+    saved = os.environ.get("WANDB_SILENT")
+    os.environ["WANDB_SILENT"] = "true"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("WANDB_SILENT", None)
+        else:
+            os.environ["WANDB_SILENT"] = saved
+
+
 class RunLogger(NullLogger):
     """Writes `config.yaml`, `metrics.jsonl` and `summary.json` into `run_dir`; mirrors
-    metrics to W&B when `logger_cfg.wandb` is true."""
+    metrics to W&B when `logger_cfg.wandb` is true. An online W&B start that fails (no network,
+    no API key, no answer within `logger_cfg.init_timeout_s`) falls back to offline with one
+    warning line: the run never fails for W&B's sake."""
 
     def __init__(self, run_dir: Path, resolved_cfg: dict[str, Any], logger_cfg: Any) -> None:
         self.run_dir = Path(run_dir)
@@ -71,17 +90,37 @@ class RunLogger(NullLogger):
             raise ValueError(f"logger.mode={mode!r}; choose one of: {', '.join(WANDB_MODES)}")
         import wandb
 
-        return wandb.init(
+        fields = dict(
             project=logger_cfg.project,
             entity=logger_cfg.entity,
+            name=logger_cfg.get("name"),
             group=logger_cfg.group,
             job_type=logger_cfg.job_type,
             tags=list(logger_cfg.tags) or None,
             config=resolved_cfg,
             dir=str(self.run_dir),
-            mode=mode,
             reinit="finish_previous",
         )
+        if mode != "online":
+            return wandb.init(mode=mode, **fields)
+        timeout = float(logger_cfg.get("init_timeout_s", 30.0))
+        try:
+            with _quiet_wandb():
+                run = wandb.init(
+                    mode="online", settings=wandb.Settings(init_timeout=timeout), **fields
+                )
+        except Exception as exc:  # noqa: BLE001 - whatever W&B's reason, the run goes on
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            print(
+                f"warning: W&B online start failed ({reason}); logging offline to "
+                f"{self.run_dir / 'wandb'} (upload later with `wandb sync`)",
+                file=sys.stderr,
+                flush=True,
+            )
+            with _quiet_wandb():
+                return wandb.init(mode="offline", settings=wandb.Settings(silent=True), **fields)
+        print(f"W&B: {run.url}", flush=True)
+        return run
 
     def log(self, metrics: dict[str, Any]) -> None:
         self._metrics.write(json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n")

@@ -1,74 +1,163 @@
 """Entry point: `python -m dpresearch.train [overrides]` (console script `dpresearch-train`).
 
-Composes the Hydra config, validates it, and launches the workers: in this process
+Composes the Hydra config, checks it, and launches the workers: in this process
 (`backend=simulated`), as K local processes (`backend=gloo|nccl`), or — when torchrun started
-this process — as one worker of a multi-node job. Every configuration error is reported as one
-line naming the fix, before any worker starts.
+this process — as one worker of a multi-node job.
+
+Before Hydra starts, a single run is checked whole (`preflight`: configuration, data, a build of
+every component) and its run directory claimed (`run_dir`): every bad input is one `error:`
+line and exit status 2, with no run directory created and no worker started. A sweep (`-m`) is
+checked point by point by the `dpresearch` sweeper, which runs the good points, and exits
+non-zero listing the bad ones. Each run's directory gets `provenance.json`, and its `train.log`
+holds what the run printed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, open_dict
 
 from dpresearch.config import register_configs
 from dpresearch.launch import (
+    WorkerFrozen,
     global_rank,
     launch_local,
     run_as_worker,
     run_simulated,
     under_torchrun,
 )
-from dpresearch.validate import ConfigError, prepare_data, validate
+from dpresearch.preflight import preflight
+from dpresearch.validate import ConfigError, forget_data
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 register_configs()
 
 
-def train(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
-    """Validate `cfg` and run it; returns worker 0's summary (metrics at the end of training).
+class PointFailed(RuntimeError):
+    """A sweep point that failed; the message is its one line (the sweeper lists them)."""
+
+
+def train(cfg: DictConfig, run_dir: Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Check `cfg` and run it; returns worker 0's summary (metrics at the end of training).
 
     `run_dir` is where the writing process puts config.yaml, metrics.jsonl, summary.json and
-    model_final.pt (None: write nothing). Raises `ConfigError` for a configuration that cannot
+    model_final.pt (None: write nothing). `overrides` are the command line's, for the checks
+    that depend on what the user set. Raises `ConfigError` for a configuration that cannot
     run.
     """
-    validate(cfg)
+    dataset = preflight(cfg, overrides)
     if under_torchrun():
+        forget_data()
         return run_as_worker(cfg, run_dir if global_rank() == 0 else None)
-    dataset = prepare_data(cfg)
     if cfg.backend.name == "simulated":
         return run_simulated(cfg, run_dir, dataset)
+    forget_data()  # each worker process loads its own copy
     return launch_local(cfg, run_dir)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _hydra_main(cfg: DictConfig) -> float | None:
-    writes = not under_torchrun() or global_rank() == 0
-    run_dir = Path(HydraConfig.get().runtime.output_dir) if writes else None
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from dpresearch.console import job_output
+    from dpresearch.provenance import write_provenance
+    from dpresearch.run_dir import claim_run_dir
+    from dpresearch.wandb_names import default_names
 
-    try:
-        summary = train(cfg, run_dir)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except ChildFailedError as exc:
-        # The report holds the failed worker's own traceback; the launcher's frames add nothing.
-        print(exc.format_msg(), file=sys.stderr)
-        print(f"error: worker process failed; the job was stopped ({exc.name})", file=sys.stderr)
-        sys.exit(1)
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    writes = not under_torchrun() or global_rank() == 0
+    run_dir = Path(hc.runtime.output_dir) if writes else None
+    overrides = list(hc.overrides.task)
+    parallel = multirun and not hc.launcher._target_.endswith("BasicLauncher")
+    label = f"[{hc.job.num}] " if parallel else ""
+    log_path = run_dir / f"{hc.job.name}.log" if run_dir is not None else None
+    with job_output(log_path, label):
+        if run_dir is not None:
+            print(f"run directory: {run_dir}", flush=True)
+        try:
+            what = f"sweep point {run_dir}" if multirun else ""
+            claim = claim_run_dir(run_dir, what=what) if run_dir else contextlib.nullcontext()
+            with claim:
+                if run_dir is not None:
+                    write_provenance(run_dir, overrides)
+                if cfg.logger.wandb:
+                    with open_dict(cfg):
+                        cfg.logger.name, cfg.logger.group = default_names(cfg, hc)
+                summary = train(cfg, run_dir, overrides)
+        except (ConfigError, WorkerFrozen) as exc:
+            _fail(f"error: {exc}", 2 if isinstance(exc, ConfigError) else 1, multirun)
+        except Exception as exc:
+            if not (multirun or _is_worker_failure(exc)):
+                raise  # a bug: Hydra shows its traceback
+            _fail(_crash_line(exc), 1, multirun)
     return summary.get("test/acc")
 
 
+def _is_worker_failure(exc: BaseException) -> bool:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    return isinstance(exc, ChildFailedError)
+
+
+def _crash_line(exc: BaseException) -> str:
+    """Print what there is to read about a crash (the failed worker's own traceback; the
+    launcher's frames add nothing), and return the one line that ends the run."""
+    if _is_worker_failure(exc):
+        print(exc.format_msg(), file=sys.stderr)
+        return f"error: worker process failed; the job was stopped ({exc.name})"
+    traceback.print_exception(exc)
+    lines = str(exc).strip().splitlines()
+    return f"error: {type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _fail(line: str, status: int, multirun: bool) -> None:
+    """Print the run's one error line; end the process (a single run) or the point (a sweep,
+    which goes on with its other points)."""
+    print(line, file=sys.stderr, flush=True)
+    if multirun:
+        raise PointFailed(line.removeprefix("error: "))
+    sys.exit(status)
+
+
+def _check_before_hydra(argv: list[str]) -> list[str]:
+    """Check the command line and, for a single run, the whole run and its directory, before
+    Hydra creates anything; returns the arguments to hand Hydra (the run directory pinned, as
+    the default one holds the time). Raises `ConfigError`."""
+    from dpresearch.cli_check import compose_command_line, parse_command_line, task_config
+    from dpresearch.run_dir import claim_run_dir
+
+    cmd = parse_command_line(argv)  # raises for impossible flag combinations
+    if not cmd.checkable:
+        return argv
+    composed = compose_command_line(cmd, CONF_DIR)
+    if not cmd.runs or cmd.multirun:
+        return argv  # the sweeper checks each point
+    preflight(task_config(composed), cmd.overrides)
+    if under_torchrun() and global_rank() != 0:
+        return argv
+    run_dir = Path(str(composed.hydra.run.dir)).resolve()
+    claim_run_dir(run_dir)  # held until this process ends
+    pinned = [a for a in argv if a.split("=", 1)[0].lstrip("+") != "hydra.run.dir"]
+    return [*pinned, f"hydra.run.dir={_quote(str(run_dir))}"]
+
+
+def _quote(value: str) -> str:
+    """A Hydra override value holding `value` verbatim."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 def main() -> None:
-    """Console entry: report composition errors in one line, then hand over to Hydra."""
-    from dpresearch.cli_check import composition_error
+    """Console entry: check everything that can be checked before Hydra, then hand over."""
+    from dpresearch.provenance import remember_command
 
     if not CONF_DIR.is_dir():
         print(
@@ -76,19 +165,33 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(2)
-    message = composition_error(sys.argv[1:], CONF_DIR)
-    if message:
-        print(f"error: {message}", file=sys.stderr)
+    remember_command([Path(sys.executable).name, "-m", "dpresearch.train", *sys.argv[1:]])
+    try:
+        args = _check_before_hydra(sys.argv[1:])
+    except ConfigError as exc:
+        # Under torchrun every process checks; one line per machine is enough.
+        if _local_rank() == 0:
+            print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM during a download
+        print("error: interrupted before the run started; nothing was written", file=sys.stderr)
+        sys.exit(128 + getattr(exc, "signum", 2))
     if under_torchrun() and global_rank() != 0:
         # Only global rank 0 may write: keep Hydra's output directory and log files away.
-        sys.argv += [
+        args += [
             "hydra.output_subdir=null",
             "hydra.run.dir=.",
             "hydra/job_logging=disabled",
             "hydra/hydra_logging=disabled",
         ]
+    sys.argv = [sys.argv[0], *args]
     _hydra_main()
+
+
+def _local_rank() -> int:
+    import os
+
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +24,14 @@ from torch import nn
 
 from dpresearch.algorithms.base import Algorithm, StepPlan
 from dpresearch.comm.base import Communicator
+from dpresearch.comm.ledger import ALGORITHM, EVAL, METRICS
 from dpresearch.compute import WorkerCompute, worker_seed
 from dpresearch.data.base import Dataset
 from dpresearch.optim import make_optimizer
 from dpresearch.progress import format_progress, format_setup
 from dpresearch.replicas import Replicas
 from dpresearch.run_logger import NullLogger, RunLogger
+from dpresearch.timing import LoopClock
 
 
 class InjectedFailure(RuntimeError):
@@ -136,7 +137,7 @@ class Trainer:
         process_index = self.comm.local_workers[0] // self.comm.num_local
         sums = torch.zeros(self.comm.num_local, 3, dtype=torch.float64, device=self.device)
         sums[0] = self._test_sums(model, process_index, num_processes)
-        self.comm.all_reduce(sums, op="sum", record=False)
+        self.comm.all_reduce(sums, op="sum", record=EVAL)
         loss, correct, count = sums[0].tolist()
         result = {"test/loss": loss / count, "test/acc": correct / count}
         if self.algorithm.evaluates_local_models:
@@ -145,7 +146,7 @@ class Trainer:
                 torch.stack([self._test_sums(m, 0, 1) for m in self.replicas.models])[:, 1:2]
                 / count
             )
-            accs = self.comm.all_gather(accs, record=False)[:, 0]
+            accs = self.comm.all_gather(accs, record=EVAL)[:, 0]
             result["test/acc_local_mean"] = accs.mean().item()
             result["test/acc_local_min"] = accs.min().item()
         return result
@@ -166,13 +167,21 @@ class Trainer:
         model.train(was_training)
         return sums
 
-    def _bytes_per_worker(self) -> tuple[float, float]:
-        """(mean, max) over all K workers of the bytes each has sent (unrecorded gather)."""
+    def _bytes_per_worker(self) -> dict[str, float]:
+        """`comm/bytes`, `comm/bytes_max`: the mean and the max over all K workers of the
+        algorithm's bytes each has sent; `comm/bytes_<purpose>`: the mean over all K workers
+        for every other purpose recorded (buffers, eval, metrics, ...). One gather, recorded
+        as metrics traffic; every process records the same purposes, so the rows line up."""
+        ledger = self.comm.ledger
+        purposes = [ALGORITHM] + sorted(p for p in ledger.bytes_by_purpose if p != ALGORITHM)
         mine = torch.tensor(
-            self.comm.ledger.bytes_by_worker, dtype=torch.float64, device=self.device
-        ).unsqueeze(1)
-        every = self.comm.all_gather(mine, record=False)
-        return every.mean().item(), every.max().item()
+            [ledger.bytes_of(p) for p in purposes], dtype=torch.float64, device=self.device
+        ).T.contiguous()
+        every = self.comm.all_gather(mine, record=METRICS)  # [K, purposes]
+        mean = every.mean(0).tolist()
+        result = {"comm/bytes": mean[0], "comm/bytes_max": every[:, 0].max().item()}
+        result.update({f"comm/bytes_{p}": m for p, m in zip(purposes[1:], mean[1:], strict=True)})
+        return result
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -180,32 +189,32 @@ class Trainer:
         batch = tc.batch_size
         eval_every = tc.eval_every or self.steps_per_epoch
         window = torch.zeros(comm.num_local, 3, dtype=torch.float64, device=self.device)
-        compute_s, start = 0.0, time.perf_counter()
+        clock = LoopClock(comm.ledger)
         last: dict[str, Any] = {}
         best_acc = 0.0
         self.replicas.train()
         log_every = tc.log_every
+        algorithm_metrics: dict[str, Any] = {}
         for step in range(self.total_steps):
-            plan = self.algorithm.plan_step(step)
+            plan = self.algorithm.plan(step)
             multiplier = self.schedule(step)
             self.algorithm.set_lr(multiplier)
 
-            step_start, comm_before = time.perf_counter(), comm.ledger.measured_s
+            clock.step_begins()
             self.algorithm.before_forward(step)
             self._prepare_rows(plan)
             self.compute.run(plan.workers)
             self._maybe_fail(step)
             self.algorithm.after_backward(step)
-            step_comm = comm.ledger.measured_s - comm_before
-            compute_s += time.perf_counter() - step_start - step_comm
+            clock.step_ends()
 
             done = step + 1
             is_last = done == self.total_steps
             if done % log_every == 0 or done % eval_every == 0 or is_last:
                 self.compute.drain(window)
-                comm.all_reduce(window, op="sum", record=False)
+                comm.all_reduce(window, op="sum", record=METRICS)
                 loss_sum, acc_sum, count = window[0].tolist()
-                bytes_mean, bytes_max = self._bytes_per_worker()
+                bytes_sent = self._bytes_per_worker()
                 last = {
                     "step": done,
                     "epoch": done / self.steps_per_epoch,
@@ -213,14 +222,12 @@ class Trainer:
                     "train/loss": loss_sum / count if count else math.nan,
                     "train/acc": acc_sum / count if count else math.nan,
                     "lr": self.base_lr * multiplier,
-                    "comm/bytes": bytes_mean,
-                    "comm/bytes_max": bytes_max,
+                    **bytes_sent,
                     "comm/modeled_s": comm.ledger.modeled_s,
-                    "time/compute_s": compute_s,
-                    "time/comm_s": comm.ledger.measured_s,
-                    "time/wall_s": time.perf_counter() - start,
+                    **clock.metrics(),
                 }
-                last.update(self.algorithm.metrics())
+                algorithm_metrics = self.algorithm.metrics()
+                last.update(algorithm_metrics)
                 if done % eval_every == 0 or is_last:
                     last.update(self.evaluate())
                     best_acc = max(best_acc, last["test/acc"])
@@ -240,6 +247,9 @@ class Trainer:
                 / (self.total_steps / self.steps_per_epoch),
                 "comm/op_counts": dict(comm.ledger.op_counts),
                 "comm/ops": comm.ledger.op_table(),
+                **self._bytes_per_worker(),  # the final evaluation's traffic included
+                # an algorithm that accounts its own traffic (asynchronous pushes) keeps it
+                **{k: v for k, v in algorithm_metrics.items() if k.startswith("comm/")},
                 **self.setup,
                 **self.algorithm.summary(),
             }

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
+import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from hydra.utils import get_object
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 BACKENDS = ("simulated", "gloo", "nccl")
 LR_SCALINGS = ("none", "linear")
+PARTITIONS = ("iid", "dirichlet")
+# Optimizer hyper-parameters that torch requires to be non-negative numbers.
+NON_NEGATIVE_OPTIMIZER_KEYS = ("lr", "momentum", "weight_decay", "dampening", "eps")
 
 # Arguments the trainer supplies at instantiation, per plug-in group.
 RUNTIME_ARGS = {
@@ -50,11 +56,7 @@ def check_target(group: str, node: Any) -> None:
         return
     unknown = [k for k in keys if k not in params]
     if unknown:
-        allowed = sorted(set(params) - RUNTIME_ARGS.get(group, set()) - {"self"})
-        raise ConfigError(
-            f"{group}.{unknown[0]} is not an option of {target}; valid options: "
-            + ", ".join(allowed)
-        )
+        raise ConfigError(not_an_option_message(f"{group}.{unknown[0]}", target, params))
 
 
 def process_count(cfg: DictConfig) -> int:
@@ -67,8 +69,21 @@ def process_count(cfg: DictConfig) -> int:
     return int(count(cfg.workers)) if count is not None else int(cfg.workers)
 
 
-def validate(cfg: DictConfig) -> None:
-    """Raise `ConfigError` for any configuration that would fail once workers are running."""
+def not_an_option_message(key: str, target: str, params: Any) -> str:
+    """One line for a plug-in key its `_target_` does not take (`params`: its parameters)."""
+    group, _, leaf = key.partition(".")
+    allowed = sorted(set(params) - RUNTIME_ARGS.get(group, set()) - {"self", "kw", "kwargs"})
+    close = difflib.get_close_matches(leaf, allowed, n=1, cutoff=0.6)
+    hint = f"did you mean {group}.{close[0]}? " if close else ""
+    return f"{key} is not an option of {target}; {hint}valid options: {', '.join(allowed)}"
+
+
+def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
+    """Raise `ConfigError` for any configuration that would fail once workers are running, or
+    that would run silently other than asked. `overrides` are the command line's (Hydra's
+    `key=value` strings); they tell which keys the user set (see `check_run_length`). Needs no
+    data and builds nothing; `preflight.preflight` adds the checks that do."""
+    check_schema_keys(cfg)
     if cfg.workers < 1:
         raise ConfigError(f"workers={cfg.workers}: need at least 1 worker; set workers=1 or more")
     backend = cfg.backend.name
@@ -112,8 +127,31 @@ def validate(cfg: DictConfig) -> None:
         )
     if cfg.train.steps is None and cfg.train.epochs <= 0:
         raise ConfigError(f"train.epochs={cfg.train.epochs}: must be positive")
+    check_run_length(cfg, overrides)
     if cfg.train.log_every < 1:
         raise ConfigError(f"train.log_every={cfg.train.log_every}: must be at least 1")
+    if cfg.train.eval_every is not None and cfg.train.eval_every < 1:
+        raise ConfigError(
+            f"train.eval_every={cfg.train.eval_every}: must be at least 1 "
+            "(or null: evaluate at every epoch end)"
+        )
+    if cfg.train.eval_batch_size < 1:
+        raise ConfigError(f"train.eval_batch_size={cfg.train.eval_batch_size}: must be at least 1")
+    if cfg.backend.threads is not None and cfg.backend.threads < 1:
+        raise ConfigError(
+            f"backend.threads={cfg.backend.threads}: must be at least 1 "
+            "(or null: the cores divided among this machine's processes)"
+        )
+    if cfg.backend.timeout_s <= 0:
+        raise ConfigError(
+            f"backend.timeout_s={cfg.backend.timeout_s}: must be > 0 seconds "
+            "(how long a collective waits for a peer)"
+        )
+    if cfg.backend.heartbeat_s is not None and cfg.backend.heartbeat_s <= 0:
+        raise ConfigError(
+            f"backend.heartbeat_s={cfg.backend.heartbeat_s}: must be > 0 seconds "
+            "(or null: no watchdog)"
+        )
     if cfg.train.autocast not in (None, "bf16", "fp16"):
         raise ConfigError(f"train.autocast={cfg.train.autocast}; choose one of: null, bf16, fp16")
     if (
@@ -135,15 +173,148 @@ def validate(cfg: DictConfig) -> None:
         )
     if cfg.network.bandwidth_gbit <= 0 or cfg.network.latency_us < 0:
         raise ConfigError("network.bandwidth_gbit must be > 0 and network.latency_us >= 0")
+    if cfg.network.message_overhead_us < 0 or cfg.network.allgather_factor <= 0:
+        raise ConfigError(
+            "network.message_overhead_us must be >= 0 and network.allgather_factor > 0"
+        )
     if cfg.logger.mode is not None and cfg.logger.mode not in ("online", "offline", "disabled"):
         raise ConfigError(
             f"logger.mode={cfg.logger.mode}; choose one of: online, offline, disabled"
         )
+    if cfg.logger.init_timeout_s <= 0:
+        raise ConfigError(f"logger.init_timeout_s={cfg.logger.init_timeout_s}: must be > 0")
     for group in RUNTIME_ARGS:
         check_target(group, cfg[group])
+    check_data_options(cfg.data)
+    check_optimizer_values(cfg.optimizer)
+    check_schedule_values(cfg.schedule)
     check_compression(cfg)
     check_algorithm(cfg)
     OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg)))
+
+
+def unknown_key_message(key: str, candidates: Sequence[str]) -> str:
+    """One line for a key that the schema does not have, suggesting the closest ones."""
+    parent, _, leaf = key.rpartition(".")
+    close = difflib.get_close_matches(leaf, list(candidates), n=2, cutoff=0.6)
+    guess = " or ".join(f"{parent + '.' if parent else ''}{c}" for c in close)
+    hint = f"did you mean {guess}? " if guess else ""
+    return f"{key} is not a config key; {hint}list the keys with --cfg job"
+
+
+def _schema() -> DictConfig:
+    """The registered structured schema (`base_config`), whatever nodes it holds."""
+    from hydra.core.config_store import ConfigStore
+
+    return ConfigStore.instance().load("base_config.yaml").node
+
+
+def check_schema_keys(cfg: DictConfig) -> None:
+    """Every key of a typed section (`train`, `backend`, ... and the top level) is in the schema:
+    `+train.stepz=5` adds a key the framework would silently ignore."""
+
+    def walk(node: DictConfig, schema: DictConfig, prefix: str) -> None:
+        for key in node:
+            if prefix == "" and key == "hydra":
+                continue
+            if key not in schema:
+                raise ConfigError(unknown_key_message(f"{prefix}{key}", list(schema)))
+            sub, sub_schema = node[key], schema[key]
+            if isinstance(sub, DictConfig) and isinstance(sub_schema, DictConfig):
+                walk(sub, sub_schema, f"{prefix}{key}.")
+
+    walk(cfg, _schema(), "")
+
+
+def _given(overrides: Sequence[str]) -> dict[str, Any]:
+    """key → value of the plain `key=value` overrides (sweeps and unparsable ones left out)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    given: dict[str, Any] = {}
+    parser = OverridesParser.create()
+    for text in overrides:
+        try:
+            (override,) = parser.parse_overrides([text])
+        except Exception:  # noqa: BLE001 - composition has already judged the syntax
+            continue
+        if not override.is_sweep_override() and not override.is_delete():
+            given[override.key_or_group] = override.value()
+    return given
+
+
+def check_run_length(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """`train.steps` wins over `train.epochs`, so setting `train.epochs` on the command line
+    while steps is set (on the same line, or by the config) would be ignored: reject it."""
+    given = _given(overrides)
+    epochs = given.get("train.epochs")
+    if epochs is None or cfg.train.steps is None:
+        return
+    if given.get("train.steps") is not None:
+        raise ConfigError(
+            f"train.steps={cfg.train.steps} and train.epochs={epochs} are both given; pass one: "
+            "train.steps=N runs N steps, train.epochs=E runs E epochs"
+        )
+    raise ConfigError(
+        f"train.epochs={epochs} would be ignored: train.steps={cfg.train.steps} is set by the "
+        "config; add train.steps=null to train by epochs"
+    )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value)
+    return json.dumps(value).replace(" ", "") if isinstance(value, list) else str(value)
+
+
+def check_data_options(node: Any) -> None:
+    """The partition options every `Dataset` takes, and the download deadline."""
+    partition = node.get("partition", "iid")
+    if partition not in PARTITIONS:
+        raise ConfigError(f"data.partition={partition}; choose one of: {', '.join(PARTITIONS)}")
+    alpha = node.get("alpha", 1.0)
+    if not _is_number(alpha) or alpha <= 0:
+        raise ConfigError(
+            f"data.alpha={_show(alpha)}: the Dirichlet concentration must be a number > 0 "
+            "(0.1: few classes per worker; 100: nearly iid)"
+        )
+    deadline = node.get("download_timeout_s", 1.0)
+    if not _is_number(deadline) or deadline <= 0:
+        raise ConfigError(f"data.download_timeout_s={_show(deadline)}: must be > 0 seconds")
+
+
+def check_optimizer_values(node: Any) -> None:
+    """The hyper-parameters torch would reject mid-start, named by their key."""
+    for key in NON_NEGATIVE_OPTIMIZER_KEYS:
+        if key in node and (not _is_number(node[key]) or node[key] < 0):
+            raise ConfigError(f"optimizer.{key}={_show(node[key])}: must be a number >= 0")
+    if "betas" in node:
+        betas = node.betas
+        values = list(betas) if isinstance(betas, ListConfig) else None
+        if (
+            values is None
+            or len(values) != 2
+            or not all(_is_number(b) and 0 <= b < 1 for b in values)
+        ):
+            raise ConfigError(
+                f"optimizer.betas={_show(betas)}: must be two numbers in [0, 1), e.g. [0.9,0.999]"
+            )
+
+
+def check_schedule_values(node: Any) -> None:
+    """Milestones and warm-up, whose errors would otherwise surface at the first step."""
+    if "milestones" in node:
+        milestones = node.milestones
+        if not isinstance(milestones, ListConfig) or not all(_is_number(m) for m in milestones):
+            raise ConfigError(
+                f"schedule.milestones={_show(milestones)}: must be a list of epochs, e.g. [150,250]"
+            )
+    for key in ("warmup_epochs", "warmup_from", "gamma"):
+        if key in node and (not _is_number(node[key]) or node[key] < 0):
+            raise ConfigError(f"schedule.{key}={_show(node[key])}: must be a number >= 0")
 
 
 def check_algorithm(cfg: DictConfig) -> None:
@@ -204,17 +375,34 @@ def check_compression(cfg: DictConfig) -> None:
         raise ConfigError(str(exc)) from None
 
 
+# The data set `prepare_data` loaded last, keyed by its resolved node: checking a run and then
+# running it in this process (simulated runs, sequential sweeps) reads the files once.
+_LOADED: dict[str, Any] = {}
+
+
 def prepare_data(cfg: DictConfig):
     """Load (and, with `data.download=true`, fetch) the data set once, before any worker starts,
     so a missing or corrupt data set is one line here rather than K tracebacks later. Returns
-    the data set on the CPU."""
+    the data set on the CPU; the same node again returns the same object (call
+    `forget_data()` to drop it)."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
+    key = json.dumps(OmegaConf.to_container(cfg.data, resolve=True), sort_keys=True)
+    if key in _LOADED:
+        return _LOADED[key]
     try:
-        return instantiate(cfg.data, device="cpu")
+        dataset = instantiate(cfg.data, device="cpu")
     except InstantiationException as exc:
         cause = exc.__cause__ or exc
         if isinstance(cause, (OSError, ValueError, ConnectionError, ImportError)):
             raise ConfigError(str(cause).strip().splitlines()[0]) from None
         raise
+    _LOADED.clear()
+    _LOADED[key] = dataset
+    return dataset
+
+
+def forget_data() -> None:
+    """Drop the data set `prepare_data` keeps (e.g. before worker processes load their own)."""
+    _LOADED.clear()

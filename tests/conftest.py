@@ -68,11 +68,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cli_env(**extra: str) -> dict[str, str]:
+    """This environment for a CLI subprocess, importing this checkout's package whatever its
+    working directory (an editable install elsewhere would otherwise win)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path, **extra)
+
+
 def run_cli(
     args: list[str], cwd: Path, timeout: float = 120, module: str = "dpresearch.train"
 ) -> subprocess.CompletedProcess:
     """Run `python -m <module> args` in `cwd`; returns the completed process (text output)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled", HYDRA_FULL_ERROR="0")
+    env = cli_env(WANDB_MODE="disabled", HYDRA_FULL_ERROR="0")
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=cwd,
@@ -89,7 +96,7 @@ def torchrun_two_nodes(
     """Run `torchrun -m dpresearch.train args` as 2 "nodes" × 2 processes with a c10d rendezvous
     on 127.0.0.1; returns each node's exit code and output."""
     port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    env = cli_env(WANDB_MODE="disabled")
     nodes = []
     for node_rank in range(2):
         cmd = [

@@ -105,7 +105,7 @@ def drive(algorithm: AsyncSGD, steps: int) -> list[int]:
     """Run `steps` pushes as the trainer would; returns the order of the pushing workers."""
     order = []
     for step in range(steps):
-        plan = algorithm.plan_step(step)
+        plan = algorithm.plan(step)
         for w, source in plan.reads.items():
             algorithm.replicas.params[w].copy_(source)
         algorithm.set_lr(1.0)
@@ -268,14 +268,14 @@ def test_same_seed_same_events_and_parameters(small_config, one_thread):
         )  # fmt: skip
         trainer = Trainer(cfg, SimulatedCommunicator(5, NetworkModel.preset("1gbe")), CPU, None)
         order: list[int] = []
-        plan = trainer.algorithm.plan_step
+        plan = trainer.algorithm.plan
 
         def recording(step):
             result = plan(step)
             order.extend(result.workers)
             return result
 
-        trainer.algorithm.plan_step = recording
+        trainer.algorithm.plan = recording
         summary = trainer.run()
         return order, trainer.algorithm.server.params.clone(), summary
 

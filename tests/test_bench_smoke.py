@@ -86,3 +86,59 @@ def test_tiny_run_leaves_no_namespace() -> None:
     names = re.search(r"veth (\S+)↔(\S+)", done.stdout).groups()
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(name in listed for name in names)
+
+
+def _load_fit():
+    spec = importlib.util.spec_from_file_location("network_fit", SCRIPT.parent / "network_fit.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["network_fit"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fit_recovers_a_per_message_overhead() -> None:
+    """Cases built from a known overhead give it back; zero-residual cases give zero."""
+    from dpresearch.comm.ledger import CommOp
+    from dpresearch.comm.network import NetworkModel
+
+    fit = _load_fit()
+    base = NetworkModel(1e-4, 1e7, 0.0, 1.25)
+    truth = NetworkModel(1e-4, 1e7, 2e-3, 1.25)
+    shapes = {
+        "dense": [CommOp("allreduce", 1_000_000, 2)],
+        "sparse": [CommOp("allgather", 300, 2)] * 65 + [CommOp("broadcast", 5504, 2)],
+    }
+    cases = [fit.Case(n, fit.modeled(truth, ops), tuple(ops)) for n, ops in shapes.items()]
+    assert fit.fit_message_overhead(cases, base) == pytest.approx(2e-3)
+    exact = [fit.Case(n, fit.modeled(base, ops), tuple(ops)) for n, ops in shapes.items()]
+    assert fit.fit_message_overhead(exact, base) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_step_figures_and_ops_per_step() -> None:
+    fit = _load_fit()
+    rows = [
+        {"time/comm_s": 0.1 * s, "time/comm_overlapped_s": 0.05 * s, "time/compute_s": s,
+         "comm/modeled_s": 0.2 * s, "comm/bytes": 10 * s}
+        for s in range(1, 5)
+    ]  # fmt: skip
+    figures = fit.step_figures(rows, 2, 4)
+    assert len(figures) == 2
+    assert figures[0]["busy"] == pytest.approx(0.15)
+    assert figures[0]["step"] == pytest.approx(1.1)
+    assert figures[0]["bytes"] == 10
+    ops = fit.ops_per_step([["allgather", 8, 2, 0], ["broadcast", 4, 2, 0]] * 3, 3)
+    assert [op.kind for op in ops] == ["allgather", "broadcast"]
+    with pytest.raises(ValueError, match="different ops"):
+        fit.ops_per_step([["allgather", 8, 2, 0], ["allgather", 9, 2, 0]], 2)
+
+
+def test_peer_wait_is_the_union_of_waits() -> None:
+    fit = _load_fit()
+    # one step, three calls: two overlapping background waits, one synchronous call on time
+    mine = [["allreduce", 4, 0, 0, 1.0, 1.0], ["allreduce", 4, 0, 0, 1.5, 1.5],
+            ["broadcast", 4, 0.1, 0, 3.0, 3.1]]  # fmt: skip
+    peer = [["allreduce", 4, 0, 0, 2.0, 2.0], ["allreduce", 4, 0, 0, 2.5, 2.5],
+            ["broadcast", 4, 0.1, 0, 2.9, 3.1]]  # fmt: skip
+    assert fit.peer_wait(mine, peer, 0, 1) == [pytest.approx(1.5)]  # [1, 2] ∪ [1.5, 2.5]
+    with pytest.raises(ValueError, match="different collectives"):
+        fit.peer_wait(mine, peer[:2], 0, 1)

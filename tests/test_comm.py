@@ -135,3 +135,36 @@ def test_collective_rejects_wrong_row_count():
     comm = SimulatedCommunicator(4, NET)
     with pytest.raises(ValueError, match="one row per local worker"):
         comm.all_reduce(torch.zeros(3, 2))
+
+
+def test_message_overhead_and_allgather_factor_extend_the_model():
+    """Both terms default to the ideal fabric; set, the overhead is paid once per message (as
+    α is) and the factor scales only allgather's bandwidth term."""
+    a, b, n, d, o = 1e-4, 1e8, 4, 40_000, 2e-3
+    ideal = NetworkModel(a, b)
+    gloo = NetworkModel(a, b, overhead_s=o, allgather_factor=1.25)
+    units = NetworkModel.from_units(100.0, 0.8)
+    assert (units.overhead_s, units.allgather_factor) == (0.0, 1.0)
+    messages = {"allreduce": 6, "allreduce_ps": 2, "broadcast": 2}
+    for kind, count in messages.items():
+        op = CommOp(kind, d, n)
+        assert ideal.messages(op) == count
+        assert gloo.op_seconds(op) == pytest.approx(ideal.op_seconds(op) + count * o)
+    ag = CommOp("allgather", d, n)
+    assert gloo.op_seconds(ag) == pytest.approx(3 * (a + o) + 1.25 * 3 * d / b)
+    p2p = CommOp("p2p", d, n, peers=2)
+    assert gloo.op_seconds(p2p) == pytest.approx(a + o + 2 * d / b)
+    assert gloo.op_seconds(CommOp("allgather", d, 1)) == 0.0  # alone: no message
+
+
+def test_network_config_reaches_the_model():
+    from conftest import compose_config
+
+    from dpresearch.launch import network_model
+
+    cfg = compose_config(
+        "network=custom", "network.message_overhead_us=150", "network.allgather_factor=1.3"
+    )
+    net = network_model(cfg)
+    assert net.overhead_s == pytest.approx(150e-6) and net.allgather_factor == 1.3
+    assert network_model(compose_config("network=1gbe")) == NetworkModel.preset("1gbe")

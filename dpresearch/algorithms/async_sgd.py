@@ -200,7 +200,7 @@ class AsyncSGD(Algorithm):
     def set_lr(self, multiplier: float) -> None:
         self.server.set_lr(multiplier)
 
-    def plan_step(self, step: int) -> StepPlan:
+    def plan(self, step: int) -> StepPlan:
         if self.history is None:
             self._worker = self.clock.next_arrival()
             return self._plans[self._worker]

@@ -2,7 +2,7 @@
 
 An algorithm receives the local replicas (gradients already in `replicas.grads` after each
 worker's backward), the communicator and one optimizer per local worker. Every step the trainer
-asks it for a `StepPlan` (`plan_step(step)`: which local workers compute, and on which parameters),
+asks it for a `StepPlan` (`plan(step)`: which local workers compute, and on which parameters),
 hands it the schedule's learning-rate multiplier (`set_lr`), calls `before_forward(step)`, runs
 forward/backward for the planned workers only, each on its own next batch, and calls
 `after_backward(step)`. It calls `consensus()` whenever it needs the single model the run stands
@@ -11,7 +11,7 @@ on: it only uses the communicator's stacked collectives.
 
 The defaults are lockstep data parallelism: every local worker computes every step on its own
 parameters, every optimizer's lr is base × multiplier, and one step consumes one batch per
-worker. An asynchronous algorithm overrides `plan_step` (one worker per step, chosen by its event
+worker. An asynchronous algorithm overrides `plan` (one worker per step, chosen by its event
 queue, possibly on a stale snapshot), `set_lr` (its server optimizer) and `gradients_per_step`.
 """
 
@@ -78,9 +78,8 @@ class Algorithm(ABC):
         converts `train.epochs` into steps with it. Lockstep: K."""
         return self.comm.world_size
 
-    def plan_step(self, step: int) -> StepPlan:
-        """The workers that compute at `step` and what they read (default: all, their own).
-        (Not `plan`: subclasses use that name for their own state, e.g. CHOCO's wire plan.)"""
+    def plan(self, step: int) -> StepPlan:
+        """The workers that compute at `step` and what they read (default: all, their own)."""
         return self._lockstep
 
     def set_lr(self, multiplier: float) -> None:
@@ -99,16 +98,16 @@ class Algorithm(ABC):
 
     def consensus(self) -> tuple[Tensor, Tensor]:
         """The (flat params, flat float buffers) of the model the run stands for, identical on
-        every process: by default the average over all workers (unrecorded traffic)."""
+        every process: by default the average over all workers (recorded as "eval" traffic)."""
         params = self.replicas.params.clone()
         buffers = self.replicas.buffers.clone()
-        self.comm.all_reduce(params, op="mean", record=False)
-        self.comm.all_reduce(buffers, op="mean", record=False)
+        self.comm.all_reduce(params, op="mean", record="eval")
+        self.comm.all_reduce(buffers, op="mean", record="eval")
         return params[0], buffers[0]
 
     def metrics(self) -> dict[str, float]:
-        """Extra metrics logged at every log step (same value on every process); may use
-        unrecorded collectives."""
+        """Extra metrics logged at every log step (same value on every process); collectives
+        here pass `record="metrics"`."""
         return {}
 
     def describe(self) -> dict[str, Any]:

@@ -84,7 +84,7 @@ class ChocoSGD(Gossip):
             for ch in bucket.chunks
         ]
         params = replicas.params
-        self.plan = lead.wire_plan(chunks, params.dtype)
+        self.wire_plan = lead.wire_plan(chunks, params.dtype)
         if state_dtype not in STATE_DTYPES:
             raise ValueError(
                 f"algorithm.state_dtype={state_dtype}; choose one of: {', '.join(STATE_DTYPES)}"
@@ -92,7 +92,7 @@ class ChocoSGD(Gossip):
         dtype = STATE_DTYPES[state_dtype]
         self.x_hat = torch.zeros_like(params, dtype=dtype)
         self.s = torch.zeros_like(params, dtype=dtype)
-        layout = self.plan.layout
+        layout = self.wire_plan.layout
         self.wire = torch.empty(
             comm.num_local, layout.size, dtype=layout.dtype, device=params.device
         )
@@ -120,7 +120,7 @@ class ChocoSGD(Gossip):
     def after_backward(self, step: int) -> None:
         for opt in self.optimizers:
             opt.step()
-        params, x_hat, s, plan = self.replicas.params, self.x_hat, self.s, self.plan
+        params, x_hat, s, plan = self.replicas.params, self.x_hat, self.s, self.wire_plan
         delta = (params - x_hat).to(params.dtype)
         for w, codec in enumerate(self.codecs):
             codec.encode(delta[w], plan, step, self.wire[w])
@@ -153,7 +153,7 @@ class ChocoSGD(Gossip):
     def metrics(self) -> dict[str, float]:
         out = super().metrics()
         err = (self.replicas.params - self.x_hat).double().pow(2).sum(dim=1, keepdim=True)
-        self.comm.all_reduce(err, op="sum", record=False)
+        self.comm.all_reduce(err, op="sum", record="metrics")
         # How far the public copies x̂ trail the models: what compression has not yet delivered.
         out["gossip/x_hat_error"] = err[0, 0].item() / self.comm.world_size
         return out

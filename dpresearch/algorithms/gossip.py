@@ -12,9 +12,10 @@ Conventions shared by every gossip algorithm:
   separate multiply and add (no fused kernels), so the result is bit-identical on K simulated
   workers and on K processes.
 - BatchNorm statistics and other float buffers are mixed like the parameters, with the same
-  weights, every step (`mix_buffers=true`), and travel uncompressed.
+  weights, every step (`mix_buffers=true`), and travel uncompressed (recorded as "buffers"
+  traffic, apart from the algorithm's `comm/bytes`).
 - Optimizer state (momentum) stays local.
-- `consensus()` is the average model x̄ = (1/K) Σ_i x_i (unrecorded traffic); it is what
+- `consensus()` is the average model x̄ = (1/K) Σ_i x_i ("eval" traffic); it is what
   `test/acc` evaluates. `test/acc_local_mean` / `test/acc_local_min` evaluate each worker's own
   model (`eval_local_models=true`).
 """
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from dpresearch.algorithms.base import Algorithm
 from dpresearch.comm.base import Communicator, PendingOp
+from dpresearch.comm.ledger import BUFFERS, METRICS
 from dpresearch.comm.topology import Topology
 from dpresearch.replicas import Replicas
 
@@ -131,10 +133,13 @@ class Gossip(Algorithm):
         return buf
 
     def start_exchange(
-        self, x: Tensor, step: int, name: str = "params", record: bool = True
+        self, x: Tensor, step: int, name: str = "params", record: bool | str = True
     ) -> PendingOp:
         """Send every local row to its out-peers at `step`; `wait()` gives `[W, P, ...]`, held
-        in the workspace buffer `name` (valid until the next exchange under that name)."""
+        in the workspace buffer `name` (valid until the next exchange under that name). The
+        exchange named "buffers" (BatchNorm statistics) is recorded as buffers traffic."""
+        if record is True and name == BUFFERS:
+            record = BUFFERS
         outs, ins = self.peers(step)
         width = self.comm.exchange_plan(outs, ins).width
         out = self.workspace(f"recv.{name}", (x.shape[0], width, *x.shape[1:]), x)
@@ -175,12 +180,12 @@ class Gossip(Algorithm):
         return self.replicas.params
 
     def metrics(self) -> dict[str, float]:
-        """`gossip/consensus_distance`: Ξ² = (1/K) Σ_i ‖x_i − x̄‖² (unrecorded traffic)."""
+        """`gossip/consensus_distance`: Ξ² = (1/K) Σ_i ‖x_i − x̄‖² ("metrics" traffic)."""
         x = self.models().double()
         mean = x.clone()
-        self.comm.all_reduce(mean, op="mean", record=False)
+        self.comm.all_reduce(mean, op="mean", record=METRICS)
         sq = (x - mean).pow(2).sum(dim=1, keepdim=True)
-        self.comm.all_reduce(sq, op="sum", record=False)
+        self.comm.all_reduce(sq, op="sum", record=METRICS)
         return {"gossip/consensus_distance": sq[0, 0].item() / self.comm.world_size}
 
 
@@ -241,7 +246,7 @@ class DPSGD(Gossip):
         if self.global_average_every and (step + 1) % self.global_average_every == 0:
             self.comm.all_reduce(params, op="mean")
             if self.mix_buffers and self.replicas.buffers.shape[1] > 0:
-                self.comm.all_reduce(self.replicas.buffers, op="mean")
+                self.comm.all_reduce(self.replicas.buffers, op="mean", record=BUFFERS)
 
     def _step_optimizers(self) -> None:
         for opt in self.optimizers:

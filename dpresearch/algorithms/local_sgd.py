@@ -2,8 +2,9 @@
 
 Every worker steps its own optimizer on its own gradient; every `period` steps the parameters
 are averaged over all workers. Floating-point buffers (BatchNorm statistics) are averaged with
-them by default (`average_buffers`). Optimizer state (momentum) stays local by default —
-the choice of Lin et al.'s local SGD — or is averaged too with `average_optimizer_state=true`.
+them by default (`average_buffers`; recorded as "buffers" traffic, apart from `comm/bytes`).
+Optimizer state (momentum) stays local by default — the choice of Lin et al.'s local SGD — or
+is averaged too with `average_optimizer_state=true`.
 `period=1` with plain SGD is synchronous SGD; a period longer than the run gives K independent
 workers.
 """
@@ -42,7 +43,7 @@ class LocalSGD(Algorithm):
         if (step + 1) % self.period == 0:
             self.comm.all_reduce(self.replicas.params, op="mean")
             if self.average_buffers and self.replicas.buffers.shape[1] > 0:
-                self.comm.all_reduce(self.replicas.buffers, op="mean")
+                self.comm.all_reduce(self.replicas.buffers, op="mean", record="buffers")
             if self.average_optimizer_state:
                 self._average_optimizer_state()
 

@@ -100,9 +100,9 @@ class SGP(Gossip):
         numerators = self.replicas.params * self.ps_weight
         weights = self.ps_weight.clone()
         buffers = self.replicas.buffers * self.ps_weight
-        self.comm.all_reduce(numerators, op="mean", record=False)
-        self.comm.all_reduce(weights, op="mean", record=False)
-        self.comm.all_reduce(buffers, op="mean", record=False)
+        self.comm.all_reduce(numerators, op="mean", record="eval")
+        self.comm.all_reduce(weights, op="mean", record="eval")
+        self.comm.all_reduce(buffers, op="mean", record="eval")
         return numerators[0] / weights[0], buffers[0] / weights[0]
 
     def state_dict(self) -> dict:

@@ -5,7 +5,8 @@ The gradient exchange is a `CompressedReducer` built from the `compressor` and
 `error_feedback` nodes: linear payloads are allreduced, the others allgathered and decoded.
 With the identity compressor this is exactly what torch DDP computes. BatchNorm buffers follow
 DDP's default (`broadcast_buffers=True`): before every forward, worker 0's buffers are copied to
-all workers, so the running statistics are worker 0's; `buffers="local"` keeps each worker's
+all workers, so the running statistics are worker 0's (recorded as "buffers" traffic, charged to
+worker 0, not as the algorithm's `comm/bytes`); `buffers="local"` keeps each worker's
 own (DDP with `broadcast_buffers=False`) and evaluates with worker 0's.
 """
 
@@ -73,7 +74,7 @@ class SyncSGD(Algorithm):
 
     def before_forward(self, step: int) -> None:
         if self.buffer_mode == "broadcast" and self.replicas.buffers.shape[1] > 0:
-            self.comm.broadcast(self.replicas.buffers, src=0)
+            self.comm.broadcast(self.replicas.buffers, src=0, record="buffers")
 
     def after_backward(self, step: int) -> None:
         if self.overlap is not None:
@@ -92,5 +93,5 @@ class SyncSGD(Algorithm):
     def consensus(self) -> tuple[Tensor, Tensor]:
         # Parameters are identical on every worker; the buffers are worker 0's.
         buffers = self.replicas.buffers.clone()
-        self.comm.broadcast(buffers, src=0, record=False)
+        self.comm.broadcast(buffers, src=0, record="eval")
         return self.replicas.params[0].clone(), buffers[0]

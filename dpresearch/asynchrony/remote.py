@@ -169,7 +169,7 @@ class RemoteServer(Algorithm):
     def gradients_per_step(self) -> int:
         return 1
 
-    def plan_step(self, step: int) -> StepPlan:
+    def plan(self, step: int) -> StepPlan:
         return StepPlan(())
 
     def set_lr(self, multiplier: float) -> None:

@@ -4,9 +4,12 @@ Tensors are *stacked*: row `w` of a `[W, ...]` tensor belongs to local worker
 `local_workers[w]`. The same algorithm code then runs on K simulated workers in one process
 (W = K) and on K torch.distributed ranks (W = 1).
 
-Every op takes `record=True`: the bytes each worker handed to the collective are written to
-the ledger (`comm/bytes`) and priced by the network model (`comm/modeled_s`). Metric and
-evaluation traffic passes `record=False`, so the accounting holds only the algorithm's bytes.
+Every op takes `record: bool | str = True`, the purpose of its traffic: True is the
+algorithm's own payload (gradients, models, gossip messages; `comm/bytes`), a string names
+another purpose ("buffers", "eval", "metrics", ...; `comm/bytes_<purpose>`), False records
+nothing. The ledger keeps the bytes each sending worker handed to the collective per purpose,
+prices them with the network model (`comm/modeled_s`) and keeps the time each collective was in
+flight and the time its caller was blocked on it (see `ledger.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 from torch import Tensor
 
-from dpresearch.comm.ledger import CommLedger, CommOp
+from dpresearch.comm.ledger import ALGORITHM, CommLedger, CommOp, purpose_of
 from dpresearch.comm.network import NetworkModel
 
 REDUCTIONS = ("ring", "centralized")
@@ -119,7 +122,7 @@ class Communicator(ABC):
         return 0 in self.local_workers
 
     # -- collectives ------------------------------------------------------------------------
-    def all_reduce(self, x: Tensor, op: str = "mean", record: bool = True) -> None:
+    def all_reduce(self, x: Tensor, op: str = "mean", record: bool | str = True) -> None:
         """In place: every row becomes the sum (op="sum") or mean (op="mean") over all K
         workers' rows."""
         if op not in ("sum", "mean"):
@@ -130,14 +133,14 @@ class Communicator(ABC):
         if op == "mean":
             x.div_(self.world_size)
 
-    def all_gather(self, x: Tensor, record: bool = True) -> Tensor:
+    def all_gather(self, x: Tensor, record: bool | str = True) -> Tensor:
         """Every worker's row, `[K, ...]` in worker order (the same for all local workers)."""
         with self._timed(record, "allgather", x):
             return self._all_gather(x)
 
-    def broadcast(self, x: Tensor, src: int = 0, record: bool = True) -> None:
-        """In place: every row becomes worker `src`'s row."""
-        with self._timed(record, "broadcast", x):
+    def broadcast(self, x: Tensor, src: int = 0, record: bool | str = True) -> None:
+        """In place: every row becomes worker `src`'s row. Bytes: charged to `src` alone."""
+        with self._timed(record, "broadcast", x, src=src):
             self._broadcast(x, src)
 
     def neighbor_exchange(
@@ -145,7 +148,7 @@ class Communicator(ABC):
         x: Tensor,
         out_peers: Sequence[Sequence[int]],
         in_peers: Sequence[Sequence[int]],
-        record: bool = True,
+        record: bool | str = True,
         out: Tensor | None = None,
     ) -> Tensor:
         """Each worker i sends its row to every worker in `out_peers[i]` and receives the row of
@@ -166,13 +169,16 @@ class Communicator(ABC):
         x: Tensor,
         out_peers: Sequence[Sequence[int]],
         in_peers: Sequence[Sequence[int]],
-        record: bool = True,
+        record: bool | str = True,
         out: Tensor | None = None,
     ) -> PendingOp:
         """`neighbor_exchange` begun in the background: `wait()` returns the `[W, P, ...]`
         result. Neither `x` nor `out` may be touched until then (the send may still be
-        reading x, the receives writing out)."""
+        reading x, the receives writing out). Time: in flight from here until the backend
+        reports completion (or, where it cannot, until `wait()` returns); exposed: the time
+        spent in `wait()`."""
         self._check_rows(x)
+        purpose = purpose_of(record)
         plan = self.exchange_plan(out_peers, in_peers)
         shape = (x.shape[0], plan.width) + tuple(x.shape[1:])
         if out is None:
@@ -181,17 +187,10 @@ class Communicator(ABC):
             raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {shape}")
         start = time.perf_counter()
         received, finish = self._start_neighbor_exchange(x, plan, out)
-
-        def done() -> None:
-            finish()
-            if record:
-                self.ledger.add_measured(time.perf_counter() - start)
-                row_bytes = x[0].numel() * x.element_size()
-                sent = [row_bytes * len(plan.out_peers[w]) for w in self.local_workers]
-                op = CommOp("p2p", row_bytes, self.world_size, peers=plan.max_out)
-                self.ledger.record(op, sent)
-
-        return PendingOp(done, received)
+        row_bytes = x[0].numel() * x.element_size()
+        sent = [row_bytes * len(plan.out_peers[w]) for w in self.local_workers]
+        op = CommOp("p2p", row_bytes, self.world_size, plan.max_out, purpose or ALGORITHM)
+        return PendingOp(self._accounted(purpose, start, finish, op, sent), received)
 
     def exchange_plan(
         self, out_peers: Sequence[Sequence[int]], in_peers: Sequence[Sequence[int]]
@@ -215,7 +214,7 @@ class Communicator(ABC):
         process, ring reduction, not deterministic)."""
         return False
 
-    def start_all_reduce_sum(self, x: Tensor, record: bool = True) -> PendingOp:
+    def start_all_reduce_sum(self, x: Tensor, record: bool | str = True) -> PendingOp:
         """Begin an in-place sum allreduce of `x` ([W, ...]); `wait()` on the result finishes
         it. Here: done at once; communicators that can overlap return a running operation."""
         self.all_reduce(x, op="sum", record=record)
@@ -234,10 +233,11 @@ class Communicator(ABC):
     @abstractmethod
     def _start_neighbor_exchange(
         self, x: Tensor, plan: ExchangePlan, out: Tensor
-    ) -> tuple[Tensor, Callable[[], None]]:
+    ) -> tuple[Tensor, Callable[[], float | None]]:
         """Begin the exchange into `out` (`[W, plan.width, ...]`, contents undefined: slots
         past a worker's in-degree must be zeroed); return it, filled once the returned finish
-        function has run, and that function."""
+        function has run, and that function, which blocks until the exchange is done and
+        returns when it completed (`time.perf_counter()`) if the backend knows, else None."""
 
     # -- accounting -------------------------------------------------------------------------
     def _check_rows(self, x: Tensor) -> None:
@@ -248,11 +248,39 @@ class Communicator(ABC):
             )
 
     @contextmanager
-    def _timed(self, record: bool, kind: str, x: Tensor):
+    def _timed(self, record: bool | str, kind: str, x: Tensor, src: int | None = None):
+        """Wrap a synchronous collective on `x`: in flight and blocked for the call's
+        duration; every local worker charged its row, or only `src` for a broadcast."""
         self._check_rows(x)
+        purpose = purpose_of(record)
         start = time.perf_counter()
         yield
-        if record:
-            self.ledger.add_measured(time.perf_counter() - start)
+        if purpose is not None:
+            end = time.perf_counter()
+            self.ledger.add_time((start, end), (start, end))
             row_bytes = x[0].numel() * x.element_size()
-            self.ledger.record(CommOp(kind, row_bytes, self.world_size))
+            sent = None if src is None else [row_bytes * (w == src) for w in self.local_workers]
+            self.ledger.record(CommOp(kind, row_bytes, self.world_size, purpose=purpose), sent)
+
+    def _accounted(
+        self,
+        purpose: str | None,
+        start: float,
+        finish: Callable[[], float | None],
+        op: CommOp,
+        sent: Sequence[int] | None = None,
+    ) -> Callable[[], None]:
+        """The `PendingOp` finish function of a collective launched at `start`: runs `finish`
+        (which blocks until done and may return the completion time), then records `op`, in
+        flight from `start` to its completion and blocked for the time spent waiting."""
+
+        def done() -> None:
+            wait_start = time.perf_counter()
+            completed = finish()
+            wait_end = time.perf_counter()
+            if purpose is not None:
+                end = wait_end if completed is None else min(completed, wait_end)
+                self.ledger.add_time((start, max(start, end)), (wait_start, wait_end))
+                self.ledger.record(op, sent)
+
+        return done

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dpresearch.comm.base import Communicator, ExchangePlan, PendingOp
-from dpresearch.comm.ledger import CommOp
+from dpresearch.comm.ledger import CommOp, purpose_of
 from dpresearch.comm.network import NetworkModel
 
 
@@ -68,7 +68,7 @@ class DistributedCommunicator(Communicator):
 
     def _start_neighbor_exchange(
         self, x: Tensor, plan: ExchangePlan, out: Tensor
-    ) -> tuple[Tensor, Callable[[], None]]:
+    ) -> tuple[Tensor, Callable[[], float | None]]:
         if not self._p2p_ready:
             # NCCL requires every rank of the group in the first batched P2P call unless a
             # collective ran before it (pytorch#73960): a one-element allreduce guarantees that.
@@ -85,7 +85,7 @@ class DistributedCommunicator(Communicator):
             rounds = [[op for ops in rounds for op in ops]]
         requests = dist.batch_isend_irecv(rounds[0]) if rounds and rounds[0] else []
 
-        def finish() -> None:
+        def finish() -> None:  # gloo's point-to-point work has no future: completion unknown
             for request in requests:
                 request.wait()
             for ops in rounds[1:]:
@@ -127,22 +127,24 @@ class DistributedCommunicator(Communicator):
     def can_overlap(self) -> bool:
         return self.reduction == "ring" and not self.deterministic
 
-    def start_all_reduce_sum(self, x: Tensor, record: bool = True) -> PendingOp:
+    def start_all_reduce_sum(self, x: Tensor, record: bool | str = True) -> PendingOp:
         if not self.can_overlap:
             return super().start_all_reduce_sum(x, record)
+        purpose = purpose_of(record)
         start = time.perf_counter()
         work = dist.all_reduce(x[0], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        completed: list[float] = []
+        if not x.is_cuda:
+            # gloo completes the future on its own thread when the data has arrived; NCCL's
+            # would complete at kernel launch, so there the completion is seen at wait().
+            work.get_future().add_done_callback(lambda _: completed.append(time.perf_counter()))
 
-        def finish() -> None:
+        def finish() -> float | None:
             work.wait()
-            if record:
-                # Measured: launch to completion, which overlaps the backward pass.
-                self.ledger.add_measured(time.perf_counter() - start)
-                self.ledger.record(
-                    CommOp("allreduce", x[0].numel() * x.element_size(), self.world_size)
-                )
+            return completed[0] if completed else None
 
-        return PendingOp(finish)
+        op = CommOp("allreduce", x[0].numel() * x.element_size(), self.world_size)
+        return PendingOp(self._accounted(purpose, start, finish, op))
 
 
 P2P_SCHEDULES = ("auto", "by_distance", "one_batch")

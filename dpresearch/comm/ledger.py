@@ -1,11 +1,25 @@
-"""Byte accounting: every collective records what left each worker.
+"""Byte and time accounting: every recorded collective says what left each worker, and why.
 
-`comm/bytes` in the metrics comes from these records — the size of the tensors each worker
-handed to the network (values, indices, scales, padding: whatever the payload holds) — never a
-formula. A collective counts its payload once per worker; a point-to-point send of D bytes to p
-peers counts p·D for the sender (an exponential graph is not as cheap as a ring), and a
-receiver is charged nothing for what it only received. The network model turns the same records
-into modeled seconds.
+Bytes. `comm/bytes` in the metrics comes from these records — the size of the tensors each
+worker handed to the network (values, indices, scales, padding: whatever the payload holds) —
+never a formula. A collective counts its payload once per sending worker; a broadcast charges
+its source only; a point-to-point send of D bytes to p peers counts p·D for the sender (an
+exponential graph is not as cheap as a ring). A receiver is charged nothing for what it only
+received.
+
+Purposes. Every record carries a purpose: "algorithm" (gradients, models, gossip messages: what
+`comm/bytes` counts), "buffers" (BatchNorm statistics kept in step), "eval" (evaluation's
+consensus model and sums), "metrics" (the logged training loss and accuracy), or any other name
+an algorithm chooses. Bytes are kept per purpose and per local worker. The network model prices
+every record; `modeled_s` sums the purposes that are part of training steps (all but
+`OFF_STEP_PURPOSES`), since buffer broadcasts are real traffic of the step while evaluation and
+logging traffic are not the method's cost.
+
+Time. The communicator reports, for each recorded collective, the interval it was in flight
+(launch → completion) and the interval the calling thread was blocked on it. `exposed_s` sums
+the blocked time (what a step actually waited for); `busy_s` is the length of the union of all
+those intervals (the time some collective was in flight); `overlapped_s = busy_s − exposed_s`
+is communication hidden behind computation.
 """
 
 from __future__ import annotations
@@ -15,6 +29,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dpresearch.comm.network import NetworkModel
+
+ALGORITHM = "algorithm"
+BUFFERS = "buffers"
+EVAL = "eval"
+METRICS = "metrics"
+# Traffic outside the training steps: recorded and priced, but not in `modeled_s`.
+OFF_STEP_PURPOSES = frozenset({EVAL, METRICS})
+
+
+def purpose_of(record: bool | str) -> str | None:
+    """The purpose a collective's `record` argument names: True → "algorithm", a non-empty
+    string → itself, False → None (not recorded)."""
+    if record is True:
+        return ALGORITHM
+    if record is False or record is None:
+        return None
+    if isinstance(record, str) and record:
+        return record
+    raise ValueError(f"record={record!r}: pass True, False or a purpose name")
 
 
 @dataclass(frozen=True)
@@ -27,62 +60,135 @@ class CommOp:
     group: number of workers taking part.
     peers: for "p2p", the largest number of peers any worker sent its row to (the round ends
     when the busiest link is done).
+    purpose: why it was sent (see the module docstring).
     """
 
     kind: str
     nbytes: int
     group: int
     peers: int = 0
+    purpose: str = ALGORITHM
 
 
 @dataclass
 class CommLedger:
-    """Cumulative bytes per local worker, modeled and measured seconds, and the ops of the
-    current step. `num_local`: how many workers this process holds (their ids are the
-    communicator's `local_workers`, in that order)."""
+    """Cumulative bytes per purpose per local worker, modeled seconds per purpose, measured
+    time, and the ops of the current step. `num_local`: how many workers this process holds
+    (their ids are the communicator's `local_workers`, in that order)."""
 
     network: NetworkModel
     num_local: int = 1
-    bytes_by_worker: list[int] = field(default_factory=list)
-    modeled_s: float = 0.0
-    measured_s: float = 0.0
+    bytes_by_purpose: dict[str, list[int]] = field(default_factory=dict)
+    modeled_by_purpose: dict[str, float] = field(default_factory=dict)
+    exposed_s: float = 0.0
     op_counts: Counter = field(default_factory=Counter)
     op_totals: Counter = field(default_factory=Counter)  # CommOp -> times recorded
+    purpose_op_counts: Counter = field(default_factory=Counter)
     step_ops: list[CommOp] = field(default_factory=list)
+    _busy_closed: float = 0.0
+    _frontier: tuple[float, float] | None = None
+    _pending: list[tuple[float, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not self.bytes_by_worker:
-            self.bytes_by_worker = [0] * self.num_local
+        self.bytes_by_purpose.setdefault(ALGORITHM, [0] * self.num_local)
+
+    # -- bytes -------------------------------------------------------------------------------
+    @property
+    def bytes_by_worker(self) -> list[int]:
+        """The algorithm's bytes sent by each local worker."""
+        return self.bytes_by_purpose[ALGORITHM]
 
     @property
     def bytes_sent(self) -> int:
-        """Bytes sent by the first local worker (every worker's, for collectives)."""
+        """The algorithm's bytes sent by the first local worker."""
         return self.bytes_by_worker[0]
 
+    def bytes_of(self, purpose: str) -> list[int]:
+        """Bytes each local worker sent for `purpose` (zeros if never recorded)."""
+        return list(self.bytes_by_purpose.get(purpose, [0] * self.num_local))
+
+    @property
+    def modeled_s(self) -> float:
+        """Modeled seconds of the training steps' traffic (every purpose but evaluation and
+        metrics)."""
+        return sum(s for p, s in self.modeled_by_purpose.items() if p not in OFF_STEP_PURPOSES)
+
     def record(self, op: CommOp, sent_by_worker: Sequence[int] | None = None) -> None:
-        """Record `op`. `sent_by_worker`: bytes each local worker sent (default: `op.nbytes`
-        each, the case of every collective)."""
+        """Record `op` under `op.purpose`. `sent_by_worker`: bytes each local worker sent
+        (default: `op.nbytes` each, the case of allreduce and allgather)."""
         sent = sent_by_worker if sent_by_worker is not None else [op.nbytes] * self.num_local
+        if len(sent) != self.num_local:
+            raise ValueError(f"sent_by_worker needs {self.num_local} entries, got {len(sent)}")
+        totals = self.bytes_by_purpose.setdefault(op.purpose, [0] * self.num_local)
         for w, nbytes in enumerate(sent):
-            self.bytes_by_worker[w] += int(nbytes)
-        self.modeled_s += self.network.op_seconds(op)
-        self.op_counts[op.kind] += 1
-        self.op_totals[op] += 1
+            totals[w] += int(nbytes)
+        self.modeled_by_purpose[op.purpose] = self.modeled_by_purpose.get(
+            op.purpose, 0.0
+        ) + self.network.op_seconds(op)
+        if op.purpose == ALGORITHM:
+            self.op_counts[op.kind] += 1
+        self.purpose_op_counts[(op.purpose, op.kind)] += 1
+        if op.purpose not in OFF_STEP_PURPOSES:  # what `modeled_s` prices
+            self.op_totals[op] += 1
         self.step_ops.append(op)
 
-    def add_measured(self, seconds: float) -> None:
-        self.measured_s += seconds
+    # -- time --------------------------------------------------------------------------------
+    def add_time(self, in_flight: tuple[float, float], blocked: tuple[float, float]) -> None:
+        """One collective was in flight over `in_flight` and its caller blocked over `blocked`
+        (perf_counter seconds; equal intervals for a synchronous call)."""
+        self.exposed_s += max(0.0, blocked[1] - blocked[0])
+        self._pending.append(in_flight)
+        if blocked != in_flight:
+            self._pending.append(blocked)
+        if len(self._pending) > 512:
+            self._merge()
 
+    @property
+    def measured_s(self) -> float:
+        """Seconds callers were blocked in recorded collectives (= `exposed_s`)."""
+        return self.exposed_s
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds during which at least one recorded collective was in flight."""
+        self._merge()
+        frontier = self._frontier[1] - self._frontier[0] if self._frontier else 0.0
+        return self._busy_closed + frontier
+
+    @property
+    def overlapped_s(self) -> float:
+        """Seconds collectives were in flight while no caller waited for them."""
+        return max(0.0, self.busy_s - self.exposed_s)
+
+    def _merge(self) -> None:
+        # Intervals arrive when their op is waited for, so a batch may be out of order but
+        # rarely reaches back before the last merged one; an interval that does is merged into
+        # the frontier (a slight overestimate) rather than kept forever.
+        for start, end in sorted(self._pending):
+            if self._frontier is None:
+                self._frontier = (start, end)
+            elif start <= self._frontier[1]:
+                self._frontier = (min(start, self._frontier[0]), max(end, self._frontier[1]))
+            else:
+                self._busy_closed += self._frontier[1] - self._frontier[0]
+                self._frontier = (start, end)
+        self._pending.clear()
+
+    # -- steps -------------------------------------------------------------------------------
     def end_step(self) -> list[CommOp]:
         """Return and clear the ops recorded since the last call."""
         ops, self.step_ops = self.step_ops, []
         return ops
 
     def reset(self) -> None:
-        self.bytes_by_worker = [0] * self.num_local
-        self.modeled_s, self.measured_s = 0.0, 0.0
+        self.bytes_by_purpose = {ALGORITHM: [0] * self.num_local}
+        self.modeled_by_purpose = {}
+        self.exposed_s = 0.0
+        self._busy_closed, self._frontier = 0.0, None
+        self._pending.clear()
         self.op_counts.clear()
         self.op_totals.clear()
+        self.purpose_op_counts.clear()
         self.step_ops.clear()
 
     def op_table(self) -> list[list]:

@@ -12,6 +12,19 @@ D bytes per worker:
 
 A group of one worker costs nothing. The presets are nominal figures for common fabrics; pass
 `network=custom network.latency_us=... network.bandwidth_gbit=...` for your own.
+
+Two optional terms make the model predict a CPU cluster's gloo rather than an ideal fabric
+(both off by default; `experiments/bench/emulated_network.py` measures them on a shaped link):
+
+- `overhead_s` (`network.message_overhead_us`), o: host overhead per message, added to α in
+  every formula above (a ring allreduce pays 2(n−1)·o, an allgather (n−1)·o, a broadcast
+  ⌈log₂ n⌉·o). α stays the fabric's latency; o is the software's: waking gloo's threads and
+  processing TCP on a busy CPU, which in training costs milliseconds per message where a
+  tight loop on an idle CPU measures tens of microseconds. It dominates small payloads.
+- `allgather_factor` (`network.allgather_factor`): multiplies the allgather bandwidth term.
+  gloo's TCP allgather achieves about 70–80% of the link in each direction (a sender waits for
+  the receiver's ready notification, which queues behind the receiver's own outgoing data),
+  i.e. a factor ≈ 1.25–1.4; its ring allreduce is not affected.
 """
 
 from __future__ import annotations
@@ -35,14 +48,28 @@ PRESETS: dict[str, tuple[float, float]] = {
 
 @dataclass(frozen=True)
 class NetworkModel:
-    """α-β model: `latency_s` per message, `bandwidth_Bps` bytes per second per link."""
+    """α-β model: `latency_s` per message, `bandwidth_Bps` bytes per second per link, plus
+    host `overhead_s` per message and `allgather_factor` on allgather's bandwidth term."""
 
     latency_s: float
     bandwidth_Bps: float
+    overhead_s: float = 0.0
+    allgather_factor: float = 1.0
 
     @classmethod
-    def from_units(cls, latency_us: float, bandwidth_gbit: float) -> NetworkModel:
-        return cls(latency_s=latency_us * 1e-6, bandwidth_Bps=bandwidth_gbit * 1e9 / 8)
+    def from_units(
+        cls,
+        latency_us: float,
+        bandwidth_gbit: float,
+        message_overhead_us: float = 0.0,
+        allgather_factor: float = 1.0,
+    ) -> NetworkModel:
+        return cls(
+            latency_s=latency_us * 1e-6,
+            bandwidth_Bps=bandwidth_gbit * 1e9 / 8,
+            overhead_s=message_overhead_us * 1e-6,
+            allgather_factor=allgather_factor,
+        )
 
     @classmethod
     def preset(cls, name: str) -> NetworkModel:
@@ -64,17 +91,27 @@ class NetworkModel:
 
     def op_seconds(self, op: CommOp) -> float:
         """Modeled duration of one collective (see the module docstring for the formulas)."""
-        n, d, a, b = op.group, op.nbytes, self.latency_s, self.bandwidth_Bps
-        if n <= 1:
+        n, d, b = op.group, op.nbytes, self.bandwidth_Bps
+        a = self.latency_s + self.overhead_s
+        if n <= 1 or (op.kind == "p2p" and not op.peers):
             return 0.0
-        if op.kind == "allreduce":
+        return self._seconds(op.kind, n, d, a, b, op.peers)
+
+    def messages(self, op: CommOp) -> int:
+        """Message rounds of `op`: how many times its formula charges α (and o)."""
+        if op.group <= 1 or (op.kind == "p2p" and not op.peers):
+            return 0
+        return round(self._seconds(op.kind, op.group, 0, 1.0, 1.0, op.peers))
+
+    def _seconds(self, kind: str, n: int, d: int, a: float, b: float, peers: int) -> float:
+        if kind == "allreduce":
             return 2 * (n - 1) * a + 2 * (n - 1) / n * d / b
-        if op.kind == "allreduce_ps":
+        if kind == "allreduce_ps":
             return 2 * a + 2 * (n - 1) * d / b
-        if op.kind == "allgather":
-            return (n - 1) * a + (n - 1) * d / b
-        if op.kind == "broadcast":
+        if kind == "allgather":
+            return (n - 1) * a + self.allgather_factor * (n - 1) * d / b
+        if kind == "broadcast":
             return math.ceil(math.log2(n)) * (a + d / b)
-        if op.kind == "p2p":
-            return a + op.peers * d / b if op.peers else 0.0
-        raise ValueError(f"no cost formula for collective kind {op.kind!r}")
+        if kind == "p2p":
+            return a + peers * d / b
+        raise ValueError(f"no cost formula for collective kind {kind!r}")

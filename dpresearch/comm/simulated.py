@@ -37,7 +37,7 @@ class SimulatedCommunicator(Communicator):
 
     def _start_neighbor_exchange(
         self, x: Tensor, plan: ExchangePlan, out: Tensor
-    ) -> tuple[Tensor, Callable[[], None]]:
+    ) -> tuple[Tensor, Callable[[], float | None]]:
         index, missing = self._index_for(plan, x.device)
         # one gather: [K, P, ...]
         torch.index_select(x, 0, index.view(-1), out=out.view((-1,) + tuple(x.shape[1:])))

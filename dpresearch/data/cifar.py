@@ -27,6 +27,7 @@ from torch import Tensor
 
 from dpresearch.data.base import Dataset
 from dpresearch.data.download import CIFAR10_ARCHIVE, CIFAR100_ARCHIVE, Archive, ensure_extracted
+from dpresearch.data.verify import verify_files
 
 IMAGE_SHAPE = (3, 32, 32)
 
@@ -154,17 +155,23 @@ class CifarDataset(Dataset):
         augment: bool = True,
         url: str | None = None,
         md5: str | None = None,
+        download_timeout_s: float | None = 1800.0,
+        verify: bool = True,
     ) -> CifarDataset:
-        """Read the data set under `root` (downloading it first if `download` and it is absent;
-        `url`/`md5` override the official archive) and place it on `device`.
+        """Read the data set under `root` (downloading it first if `download` and it is absent,
+        within `download_timeout_s`; `url`/`md5` override the official archive) and place it on
+        `device`. With `verify`, every file is checked against its MD5 first, once
+        (`data.verify.verify_files`).
 
         `subset=N` keeps the first N training images in file order (the test split is kept
         whole); `partition`/`alpha` are for `make_partitioner`. Missing data raises
-        FileNotFoundError, unreadable data ValueError, each with a one-line fix."""
+        FileNotFoundError, unreadable or altered data ValueError, each with a one-line fix."""
         layout = cls.LAYOUT
         name = layout.archive.name
         if download:
-            folder = ensure_extracted(root, layout.archive, url=url, md5=md5)
+            folder = ensure_extracted(
+                root, layout.archive, url=url, md5=md5, deadline_s=download_timeout_s
+            )
         else:
             folder = Path(root).expanduser() / layout.archive.folder
             if not folder.is_dir():
@@ -174,6 +181,8 @@ class CifarDataset(Dataset):
                 )
         if subset is not None and subset < 1:
             raise ValueError(f"data.subset={subset} must be a positive number of images or null")
+        if verify:
+            verify_files(folder, layout.archive.files, name)
 
         images, labels = [], []
         for filename in layout.train_files:

@@ -19,6 +19,11 @@ class MLP(nn.Module):
         batch_norm: bool = False,
     ) -> None:
         super().__init__()
+        if any(not isinstance(h, int) or h < 1 for h in hidden):
+            raise ValueError(
+                f"model.hidden={list(hidden)}: every hidden width must be an integer >= 1 "
+                "(use model=logreg for no hidden layer)"
+            )
         layers: list[nn.Module] = [nn.Flatten()]
         width = math.prod(input_shape)
         for h in hidden:

@@ -110,7 +110,7 @@ def simulate(
     server = algorithm.server
     step, next_point = 0, 0.0
     while True:
-        plan = algorithm.plan_step(step)
+        plan = algorithm.plan(step)
         now = algorithm.simulated_s
         if now >= next_point or now > budget_s:
             t = min(now, budget_s)

@@ -7,16 +7,23 @@ per benchmark — one process group, the data set loaded once — and each run i
 `Trainer` loop on a `DistributedCommunicator`, exactly what `python -m dpresearch.train
 backend=gloo workers=2 backend.threads=1` runs in each worker.
 
-Per run, step time = (wall clock at step N − at step `--warmup`) / (N − warmup), from the
-`time/wall_s` that rank 0 logs every 5 steps (the final evaluation is logged after the clock
-is read). Rounds alternate the order of the compressors (forward, reversed, ...) so drift on a
-shared machine hits all alike. The table gives, per compressor, the median step time over
-rounds and the median over rounds of its ratio to identity's step time in the same round (the
-range in brackets). `comm` is the time rank 0 spent inside the recorded collectives
-(`time/comm_s`): on loopback mostly the wait for the slower rank, not transfer. Usage:
+Every row is timed the same way (see `bench_timing.py`): a step is the trainer's step region
+(batch, forward, backward, compression, communication, optimizer; not logging), read from the
+`time/compute_s + time/comm_s` rank 0 logs every 5 steps; a run's step time is the median
+over those 5-step blocks after `--warmup` steps. Rounds alternate the order of the compressors
+(forward, reversed, ...) so drift on a shared machine hits all alike. The table gives, per
+compressor, the median step time over rounds and the median over rounds of its ratio to
+identity's step time in the same round (the range in brackets). `exposed` is the
+communication the step waited for (`time/comm_s`; on loopback mostly the wait for the slower
+rank, not transfer) and `overlap` the communication hidden behind backward
+(`time/comm_overlapped_s`), per step: identity without error feedback overlaps its bucketed
+allreduce with backward as in training (`--no-overlap` turns that off for every row), the
+compressors cannot. Each run is printed when it finishes and the results are rewritten to the
+JSON file (`--json`) after each. Usage:
 
     python experiments/bench/compressor_step_time.py [--rounds 5] [--steps 30] [--warmup 5]
-        [--models resnet20 mlp] [--compressors identity fp16 ...]
+        [--models resnet20 mlp] [--compressors identity fp16 ...] [--no-overlap]
+        [--json runs/bench/compressor_step_time.json]
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from bench_cases import COMPRESSORS, DEFAULT_COMPRESSORS, MODELS, REPO, SUBSET  # noqa: E402
+from bench_timing import Results, default_json, logged_block_times  # noqa: E402
 
 LOG_EVERY = 5
 
@@ -50,18 +58,22 @@ def compose(*overrides: str):
 
 
 def run_stats(metrics: Path, warmup: int) -> dict[str, float]:
-    """Per-step wall time, measured comm and bytes between step `warmup` and the last step."""
+    """Median step time over 5-step blocks, and per-step exposed and overlapped comm and
+    bytes (algorithm, buffers) between step `warmup` and the last step."""
     rows = {row["step"]: row for row in map(json.loads, metrics.open())}
     first, last = rows[warmup], rows[max(rows)]
     n = last["step"] - warmup
-    return {
-        key: (last[metric] - first[metric]) / n
+    stats = {
+        key: (last.get(metric, 0) - first.get(metric, 0)) / n
         for key, metric in (
-            ("step", "time/wall_s"),
             ("comm", "time/comm_s"),
+            ("overlap", "time/comm_overlapped_s"),
             ("bytes", "comm/bytes"),
+            ("bytes_buffers", "comm/bytes_buffers"),
         )
     }
+    stats["step"] = statistics.median(logged_block_times(metrics, LOG_EVERY, warmup))
+    return stats
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
@@ -74,7 +86,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    results: list[dict] = []
+    results = Results(Path(out), "compressor_step_time", vars(args)) if rank == 0 else None
     try:
         for model in args.models:
             base = [
@@ -87,6 +99,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
                 "train.progress=false",
                 "train.eval_every=100000",
                 "train.save_model=false",
+                f"algorithm.overlap={args.overlap}",
             ]
             dataset = prepare_data(compose(*base))
             for r in range(args.rounds):
@@ -98,12 +111,17 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
                     with tempfile.TemporaryDirectory() as tmp:
                         run_dir = Path(tmp) if rank == 0 else None
                         Trainer(cfg, comm, torch.device("cpu"), run_dir, dataset).run()
-                        if rank == 0:
+                        if results is not None:
                             stats = run_stats(Path(tmp) / "metrics.jsonl", args.warmup)
-                            results.append({"model": model, "round": r, "name": name, **stats})
+                            results.add(model=model, round=r, name=name, **stats)
+                            print(
+                                f"[{model} round {r + 1}/{args.rounds}] {name}: step "
+                                f"{stats['step'] * 1e3:.1f} ms, exposed comm "
+                                f"{stats['comm'] * 1e3:.2f} ms, overlapped "
+                                f"{stats['overlap'] * 1e3:.2f} ms",
+                                flush=True,
+                            )
                     dist.barrier()
-        if rank == 0:
-            Path(out).write_text(json.dumps(results))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -112,7 +130,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
 def table(results: list[dict], models: Sequence[str], compressors: Sequence[str]) -> None:
     print(
         f"\n{'model':9} {'compressor':17} {'KB/step':>8} {'step ms':>8} {'× identity':>10} "
-        f"{'(range)':>13} {'comm ms':>8}"
+        f"{'(range)':>13} {'exposed':>8} {'overlap':>8}"
     )
     for model in models:
         runs = [r for r in results if r["model"] == model]
@@ -125,8 +143,13 @@ def table(results: list[dict], models: Sequence[str], compressors: Sequence[str]
                 f"{model:9} {name:17} {mine[0]['bytes'] / 1e3:8.1f} {step * 1e3:8.1f} "
                 f"{statistics.median(ratios):10.3f} "
                 f"{f'[{min(ratios):.2f}–{max(ratios):.2f}]':>13} "
-                f"{statistics.median(r['comm'] for r in mine) * 1e3:8.2f}"
+                f"{statistics.median(r['comm'] for r in mine) * 1e3:8.2f} "
+                f"{statistics.median(r['overlap'] for r in mine) * 1e3:8.2f}"
             )
+    print(
+        "KB/step: comm/bytes (the algorithm's payload; the BatchNorm broadcast is apart); "
+        "exposed, overlap: ms of communication per step waited for / hidden behind backward"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -138,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--compressors", nargs="+", default=DEFAULT_COMPRESSORS, choices=list(COMPRESSORS)
     )
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--json", type=Path, default=None, help="results file")
     args = parser.parse_args(argv)
     if args.warmup % LOG_EVERY or args.steps % LOG_EVERY or not 0 < args.warmup < args.steps:
         parser.error(f"--warmup and --steps: multiples of {LOG_EVERY}, 0 < warmup < steps")
@@ -150,10 +175,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "results.json")
-        torch.multiprocessing.spawn(_worker, args=(args, port, out), nprocs=2)
-        results = json.loads(Path(out).read_text())
+    out = args.json or default_json("compressor_step_time")
+    args.json = str(out)
+    print(f"results: {out}", flush=True)
+    torch.multiprocessing.spawn(_worker, args=(args, port, str(out)), nprocs=2)
+    results = json.loads(Path(out).read_text())["measurements"]
     print(
         f"gloo × 2 processes on loopback, 1 thread each; {args.steps - args.warmup} timed steps "
         f"after {args.warmup} per run, {args.rounds} alternating rounds"

@@ -1,24 +1,31 @@
-"""Benchmark: the α-β network model against a real, shaped link (issue 4).
+"""Benchmark: the α-β network model against a real, shaped link (issues 4 and 11).
 
 Setup. Two network namespaces joined by a veth pair; each end's egress is shaped with
 `tc qdisc add dev <veth> root tbf rate R burst b latency l`, so each direction is a full-duplex
 link of R bit/s, as on switched Ethernet. Rank 0 of a 2-worker gloo job runs in one namespace,
 rank 1 in the other; the pair is started once per rate and trains every compressor in turn
 (ResNet-20 on the CIFAR-10 subset, batch 32 per worker, one thread each), `--steps` steps per
-compressor of which the first `--warmup` are dropped. A control pass on a 100 Gbit tbf link
-(`--floor-rate`) gives each compressor's `floor`: the comm time that is not transmission.
+compressor of which the first `--warmup` are dropped, in two regimes (`--regimes`):
 
-Measured comm = the time rank 0 spends inside the recorded collectives (`time/comm_s`: gradient
-collectives and the BatchNorm-buffer broadcast; compression and decompression run outside
-them). With `--barrier` (default) an untimed `dist.barrier()` precedes every recorded collective,
-so the collective starts with both ranks present: otherwise rank 0's figure also holds the wait
-for a slower rank 1 (two processes on a shared CPU; 2–40 ms per step here), which no network
-model predicts. That wait is reported apart (`wait`); `--no-barrier` measures the stock loop.
+- isolated: an untimed `dist.barrier()` precedes every recorded collective and overlap is off,
+  so each collective starts with both ranks present and is timed alone — the link model's own
+  claim. Measured comm = the time rank 0 spends inside the recorded collectives (gradient
+  collectives and the BatchNorm-buffer broadcast; compression runs outside them); the barrier
+  time is reported apart (`wait`: the slower rank's lead).
+- training: the stock loop, as `comm/*` and `time/*` metrics see it (identity overlaps its
+  bucketed allreduce with backward). busy = exposed + overlapped comm (`time/comm_s +
+  time/comm_overlapped_s`: the communication paid, hidden or not). Of it, `skew` is the time
+  rank 0 had a collective started and waited for rank 1 to start it too — both ranks log each
+  call's start on the host's shared monotonic clock — which is compute imbalance between the
+  ranks, not network; in-op = busy − skew is what a link model predicts.
+
+A control pass on a 100 Gbit tbf link (`--floor-rate`) gives each compressor's `floor` (the
+comm time that is not transmission) and a first estimate of the per-message overhead.
 
 Modeled comm = `comm/modeled_s` of `network=custom` with parameters measured once per link,
 before the jobs, through gloo itself (the header of each table prints them):
 - α = median time of a 4-byte gloo allreduce / 2 (a 2-worker ring allreduce is two message
-  rounds, which the model charges 2α): 55–85 µs here, nearly all software (gloo, TCP, veth);
+  rounds, which the model charges 2α): 55–120 µs here, nearly all software (gloo, TCP, veth);
   tbf adds no delay to an empty queue.
 - B = R/8/f bytes/s. tbf charges L2 frames: a 1514-byte frame carries 1448 payload bytes (MTU
   1500; Ethernet 14 + IP 20 + TCP 32 with timestamps), so f ≥ 1.046; ACKs ride on the opposite
@@ -32,7 +39,8 @@ before the jobs, through gloo itself (the header of each table prints them):
   after an idle gap (each step's compute) b bytes leave at veth speed, so an op of D bytes takes
   about (D − b)/B, and payloads under b (12.5 KB at 100 Mbit, 125 KB at 1 Gbit) cost ~α alone.
 
-Findings (why ratios leave 0.8–1.25, with the evidence this script prints), over four runs:
+Findings, isolated regime (why ratios leave 0.8–1.25, with the evidence this script prints), over
+four runs before issue 11 and two after:
 - Bandwidth-bound allreduce meets the model: identity and fp16 at 100 Mbit 1.04–1.09. At 1 Gbit
   their transfer still matches (p10.r 0.85–0.93, below 1 by the burst) but the mean ratio is
   1.3–1.9: the per-step CPU floor of a few ms (next point) is a large share of 5–9 ms.
@@ -59,13 +67,35 @@ Findings (why ratios leave 0.8–1.25, with the evidence this script prints), ov
   agree at both rates (at most one swapped pair) because ResNet-20 on one CPU thread is
   compute-bound (~130–170 ms compute vs ≤ 100 ms comm): step rankings mostly order compute.
 
+The gloo terms (`network.allgather_factor`, `network.message_overhead_us`, see
+`dpresearch/comm/network.py`): the allgather factor is B over what 1 MiB allgathers achieve in
+the calibration (1.13–1.49 over six runs at 100 Mbit); the per-message overhead o is fitted
+(`network_fit.fit_message_overhead`: least squares on in-op/model − 1 over the compressors) on
+the control link (`ctl`) and on the shaped link itself (`fit`: on round 0, judged on the other
+rounds when `--rounds` > 1). The table prints the `network=custom ...` line of each fit.
+
+Findings, training regime at 100 Mbit (`--rates 100mbit --regimes training --rounds 3`, CPU
+92–95% contended, steps 0.4–1 s): busy comm is 1.3–8× even the fitted model (`busy.r`); most of
+the excess is skew, 6–60 ms per step (rank 0 waiting for rank 1's compute: 2 processes on 2
+loaded cores), which the compressed methods, whose comm is a few ms, show most. in-op against
+the base model is 1.2–1.6 for the bandwidth-bound (identity, fp16, QSGD) and 2.7–5.5 for the
+rest: each message costs ~3 ms of host time under this load (a woken gloo thread waits for a
+CPU), against α ≈ 0.1 ms in a tight loop. With o = 2.8 ms fitted on round 0 and the allgather
+factor 1.18, in-op / model on rounds 1–2 is identity 1.01, fp16 1.07, top-k 1.12, random-k
+0.94, QSGD 0.98, sign 1.28, signum 1.00, PowerSGD 0.93. o moves with the machine's load: the
+control link, measured minutes earlier, gave 2.0–6.0 ms over three runs, so the `ctl`
+prediction was 0.48–0.91 in that run and 0.78–2.14 in another; α and B are properties of the
+link, o of the hosts.
+
 The benchmark creates its namespaces under unique names and always removes them. It exits 0
 with one `skipped:` line where it cannot run (not root, no `ip`/`tc`, no namespaces, no tbf,
-no CIFAR subset). Usage (as root; ~3 min for the defaults):
+no CIFAR subset). Usage (as root; ~15 min for the defaults on a loaded 2-core VM; each
+measured table is printed as its link finishes and written to `--json`):
 
     python experiments/bench/emulated_network.py [--rates 100mbit 1gbit] [--steps 30]
         [--warmup 5] [--compressors identity fp16 ...] [--model resnet20|mlp] [--rounds 1]
-        [--burst-us 1000] [--floor-rate 100gbit|''] [--no-barrier] [--keep DIR]
+        [--regimes isolated training] [--burst-us 1000] [--floor-rate 100gbit|'']
+        [--keep DIR] [--analyse DIR] [--json PATH]
 """
 
 from __future__ import annotations
@@ -89,6 +119,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
 from bench_cases import COMPRESSORS, DEFAULT_COMPRESSORS, MODELS, REPO, SUBSET  # noqa: E402
+from bench_timing import Results, default_json  # noqa: E402
+from network_fit import (  # noqa: E402
+    Case,
+    fit_message_overhead,
+    modeled,
+    ops_per_step,
+    peer_wait,
+    step_figures,
+)
 
 PORT = 29500  # inside our own namespace: nothing else listens there
 
@@ -257,42 +296,59 @@ def calibrate(dev: str, reps: int = 200, big: int = 1 << 20, big_reps: int = 10)
 
 
 def _communicator_class():
-    """A DistributedCommunicator that keeps every recorded op and, if asked, starts each with
-    an untimed barrier (a factory, so that only the workers import torch.distributed)."""
+    """A DistributedCommunicator that logs the training steps' synchronous ops and, if asked,
+    starts each with an untimed barrier (a factory, so that only the workers import
+    torch.distributed)."""
     import torch.distributed as dist
 
     from dpresearch.comm.distributed import DistributedCommunicator
+    from dpresearch.comm.ledger import OFF_STEP_PURPOSES, purpose_of
 
     class LoggingCommunicator(DistributedCommunicator):
         def __init__(self, network: Any, barrier: bool) -> None:
             super().__init__(network)
             self.barrier_first = barrier
-            self.ops: list[tuple[str, int, float, float]] = []  # kind, bytes, measured s, wait s
+            # kind, bytes, measured s, barrier wait s, start and end (perf_counter: both ranks
+            # share the host's monotonic clock, so their starts show who waited for whom)
+            self.ops: list[tuple[str, int, float, float, float, float]] = []
 
         @contextmanager
-        def _timed(self, record: bool, kind: str, x: Any) -> Iterator[None]:
-            # `_timed` wraps every collective, so this is the one place to sync and observe.
+        def _timed(self, record: bool | str, kind: str, x: Any, **kw: Any) -> Iterator[None]:
+            # `_timed` wraps every synchronous collective: the one place to sync and observe.
+            purpose = purpose_of(record)
+            in_step = purpose is not None and purpose not in OFF_STEP_PURPOSES
             wait = 0.0
-            if record and self.barrier_first:
+            if in_step and self.barrier_first:
                 start = time.perf_counter()
                 dist.barrier()
                 wait = time.perf_counter() - start
-            before = self.ledger.measured_s
-            with super()._timed(record, kind, x):
+            before, start = self.ledger.exposed_s, time.perf_counter()
+            with super()._timed(record, kind, x, **kw):
                 yield
-            if record:
+            if in_step:
                 nbytes = x[0].numel() * x.element_size()
-                self.ops.append((kind, nbytes, self.ledger.measured_s - before, wait))
+                measured = self.ledger.exposed_s - before
+                self.ops.append((kind, nbytes, measured, wait, start, time.perf_counter()))
+
+        def start_all_reduce_sum(self, x: Any, record: bool | str = True) -> Any:
+            # A background bucket (training regime): logged at launch, for `peer_wait`.
+            purpose = purpose_of(record)
+            if self.can_overlap and purpose is not None and purpose not in OFF_STEP_PURPOSES:
+                start, nbytes = time.perf_counter(), x[0].numel() * x.element_size()
+                self.ops.append(("allreduce", nbytes, 0.0, 0.0, start, start))
+            return super().start_all_reduce_sum(x, record)
 
     return LoggingCommunicator
 
 
 def worker(spec: dict) -> None:
     """One rank: calibrate the link, then train every job of `spec` in turn; rank 0 writes
-    metrics.jsonl per job and both write `rank<r>.json` (calibration, per-job op logs)."""
+    metrics.jsonl per job and both write `rank<r>.json` (calibration, per-job op logs and the
+    ops each step priced)."""
     import torch
     import torch.distributed as dist
 
+    from dpresearch.comm.ledger import OFF_STEP_PURPOSES
     from dpresearch.launch import network_model
     from dpresearch.trainer import Trainer
     from dpresearch.validate import prepare_data, validate
@@ -319,20 +375,25 @@ def worker(spec: dict) -> None:
             "train.progress=false",
             "train.eval_every=100000",
             "train.save_model=false",
-            # Each collective is timed on its own: no overlap of the allreduce with backward.
-            "algorithm.overlap=false",
         ]
         dataset = prepare_data(compose(*base))
         comm_class = _communicator_class()
         result: dict[str, Any] = {"calibration": cal, "jobs": {}}
-        for job, overrides in spec["jobs"]:
-            cfg = compose(*base, *overrides)
+        for job, regime, overrides in spec["jobs"]:
+            # isolated: each collective starts with both ranks present, none overlaps backward;
+            # training: the stock loop (identity's buckets overlap backward, as in training).
+            cfg = compose(*base, *overrides, f"algorithm.overlap={regime == 'training'}")
             validate(cfg)
-            comm = comm_class(network_model(cfg), spec["barrier"])
+            comm = comm_class(network_model(cfg), barrier=regime == "isolated")
             run_dir = out / job if rank == 0 else None
             Trainer(cfg, comm, torch.device("cpu"), run_dir, dataset).run()
             dist.barrier()
-            result["jobs"][job] = comm.ops
+            priced = [
+                (op.kind, op.nbytes, op.group, op.peers)
+                for op in comm.ledger.step_ops
+                if op.purpose not in OFF_STEP_PURPOSES
+            ]
+            result["jobs"][job] = {"ops": comm.ops, "priced": priced}
         # a drop costs a TCP retransmission, which no α-β model prices
         result["drops"] = tbf_counter(spec["dev"], "drops")
         (out / f"rank{rank}.json").write_text(json.dumps(result))
@@ -346,8 +407,9 @@ def run_rate(link: Link, args: argparse.Namespace, out: Path) -> dict:
     """Start both ranks in their namespaces, wait for them, return rank 0's results."""
     jobs = []
     for r in range(args.rounds):
-        order = args.compressors if r % 2 == 0 else args.compressors[::-1]
-        jobs += [(f"{name}@{r}", COMPRESSORS[name]) for name in order]
+        for regime in args.regimes:
+            order = args.compressors if r % 2 == 0 else args.compressors[::-1]
+            jobs += [(f"{regime}/{name}@{r}", regime, COMPRESSORS[name]) for name in order]
     procs, logs = [], []
     try:
         for rank in range(2):
@@ -358,7 +420,6 @@ def run_rate(link: Link, args: argparse.Namespace, out: Path) -> dict:
                 "rate_bits": link.bits,
                 "model": args.model,
                 "steps": args.steps,
-                "barrier": args.barrier,
                 "jobs": jobs,
                 "out": str(out),
             }
@@ -389,31 +450,43 @@ def run_rate(link: Link, args: argparse.Namespace, out: Path) -> dict:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    return load_result(out)
+
+
+def load_result(out: Path) -> dict:
+    """Rank 0's results for one link, with rank 1's op logs and drops added."""
     result = json.loads((out / "rank0.json").read_text())
-    result["drops"] += json.loads((out / "rank1.json").read_text())["drops"]
+    peer = json.loads((out / "rank1.json").read_text())
+    result["drops"] += peer["drops"]
+    result["peer_jobs"] = peer["jobs"]
     return result
 
 
-def summarize(name: str, result: dict, out: Path, args: argparse.Namespace, model: Any,
-              nominal: Any) -> dict:  # fmt: skip
-    """Per-step means of one compressor over its timed steps (all rounds pooled), and the
-    measured and modeled seconds of its ops by collective kind."""
+def job_rows(out: Path, job: str) -> list[dict]:
+    return [json.loads(line) for line in (out / job / "metrics.jsonl").open()]
+
+
+def summarize_isolated(
+    name: str, result: dict, out: Path, args: argparse.Namespace, model: Any, nominal: Any
+) -> dict:
+    """Per-step means of one compressor in the isolated regime over its timed steps (rounds
+    pooled), from the op log, and the measured and modeled seconds by collective kind."""
     from dpresearch.comm import CommOp
 
     steps: list[dict[str, float]] = []
     kinds: dict[str, list[float]] = {}
     for r in range(args.rounds):
-        job = f"{name}@{r}"
-        ops = result["jobs"][job]
+        job = f"isolated/{name}@{r}"
+        ops = result["jobs"][job]["ops"]
         per_step = len(ops) // args.steps
         assert per_step * args.steps == len(ops), "ops differ between steps"
-        rows = [json.loads(line) for line in (out / job / "metrics.jsonl").open()]
-        walls = [0.0] + [row["time/wall_s"] for row in rows]
+        rows = job_rows(out, job)
+        figures = step_figures(rows, args.warmup, args.steps)
         modeled_here = 0.0
-        for s in range(args.warmup, args.steps):
+        for s, step in zip(range(args.warmup, args.steps), figures, strict=True):
             fig = dict.fromkeys(("comm", "model", "nominal", "grad", "grad_model", "wait"), 0.0)
             fig["bytes"] = 0.0
-            for kind, nbytes, measured, wait in ops[s * per_step : (s + 1) * per_step]:
+            for kind, nbytes, measured, wait, *_ in ops[s * per_step : (s + 1) * per_step]:
                 op = CommOp(kind, nbytes, 2)
                 priced = model.op_seconds(op)
                 fig["comm"] += measured
@@ -428,7 +501,7 @@ def summarize(name: str, result: dict, out: Path, args: argparse.Namespace, mode
                 totals[0] += measured
                 totals[1] += priced
                 totals[2] += 1
-            fig["step"] = walls[s + 1] - walls[s]
+            fig["step"] = step["step"]
             modeled_here += fig["model"]
             steps.append(fig)
         # the trainer's own cumulative `comm/modeled_s` must agree with the pricing here
@@ -439,6 +512,34 @@ def summarize(name: str, result: dict, out: Path, args: argparse.Namespace, mode
     summary["comm_p10"] = statistics.quantiles([f["comm"] for f in steps], n=10)[0]
     summary["compressor"] = name
     summary["kinds"] = kinds
+    return summary
+
+
+def summarize_training(
+    name: str, result: dict, out: Path, args: argparse.Namespace, rounds: Sequence[int]
+) -> dict:
+    """Per-step means of one compressor in the training regime over `rounds`, from the
+    trainer's own metrics, and the ops one step prices."""
+    from dpresearch.comm import NetworkModel
+
+    steps: list[dict[str, float]] = []
+    ops = None
+    for r in rounds:
+        job = f"training/{name}@{r}"
+        figures = step_figures(job_rows(out, job), args.warmup, args.steps)
+        mine, peer = result["jobs"][job]["ops"], result["peer_jobs"][job]["ops"]
+        waits = peer_wait(mine, peer, args.warmup, args.steps)
+        for fig, wait in zip(figures, waits, strict=True):
+            fig["skew"] = wait
+            fig["in_op"] = fig["busy"] - wait  # the part a link model can predict
+        steps += figures
+        ops = ops_per_step(result["jobs"][job]["priced"], args.steps)
+    summary: dict[str, Any] = {key: statistics.fmean(f[key] for f in steps) for key in steps[0]}
+    summary["busy_p10"] = statistics.quantiles([f["busy"] for f in steps], n=10)[0]
+    summary["compressor"] = name
+    summary["rounds"] = list(rounds)
+    summary["ops"] = tuple(ops)
+    summary["messages"] = sum(NetworkModel(1.0, 1.0).messages(op) for op in ops)
     return summary
 
 
@@ -461,15 +562,7 @@ def cpu_stall_s() -> float | None:
     return int(some.rsplit("total=", 1)[1]) / 1e6
 
 
-def report(
-    link: Link,
-    cal: dict,
-    rows: list[dict],
-    args: argparse.Namespace,
-    floor: dict[str, float],
-    pressure: float | None,
-    drops: int,
-) -> None:
+def report_header(link: Link, cal: dict, pressure: float | None, drops: int) -> None:
     bps = link.bits / 8 / cal["overhead"]
     print(f"\n== {link.rate}: {link.describe()}")
     if pressure is not None:
@@ -483,10 +576,13 @@ def report(
         f"allreduce, {cal['allgather_1MiB_Bps'] / 1e6:.2f} MB/s by allgather (B implied by "
         f"the model's formulas)"
     )
+
+
+def report_isolated(rows: list[dict], args: argparse.Namespace, floor: dict[str, float]) -> None:
     print(
-        f"   per step: mean over {args.steps - args.warmup} steps × {args.rounds} round(s) after "
-        f"{args.warmup} warm-up; times in ms; barrier before collectives "
-        f"{'on' if args.barrier else 'off (wait is inside comm)'}"
+        f"\n   -- isolated regime (untimed barrier before each collective, no overlap): per "
+        f"step, mean over {args.steps - args.warmup} steps × {args.rounds} round(s) after "
+        f"{args.warmup} warm-up; times in ms"
     )
     head = (
         f"   {'compressor':17} {'KB/step':>8} {'comm':>8} {'model':>8} {'ratio':>6} "
@@ -507,7 +603,7 @@ def report(
         "   broadcast; p10.r: 10th percentile of per-step comm / model; nom.r: comm / the model\n"
         "   with B = R/8; floor: comm on the control link"
         f" ({args.floor_rate or 'not run'}); wait: barrier\n"
-        "   time before the collectives (the slower rank's lead); step: wall time per step"
+        "   time before the collectives (the slower rank's lead); step: the step region's time"
     )
     pooled: dict[str, list[float]] = {}
     for r in rows:
@@ -516,9 +612,13 @@ def report(
             acc[0], acc[1], acc[2] = acc[0] + measured, acc[1] + priced, acc[2] + n
     parts = [f"{k} {m / p:.2f} ({n} ops)" for k, (m, p, n) in sorted(pooled.items())]
     print(f"   measured/modeled by collective, all compressors: {', '.join(parts)}")
+    print_rankings(rows, lambda r: r["comm"], lambda r: r["model"])
+
+
+def print_rankings(rows: Sequence[dict], comm, model_comm) -> None:
     for what, measured, predicted in (
-        ("comm", lambda r: r["comm"], lambda r: r["model"]),
-        ("step", lambda r: r["step"], lambda r: r["step"] - r["comm"] + r["model"]),
+        ("comm", comm, model_comm),
+        ("step", lambda r: r["step"], lambda r: r["step"] - comm(r) + model_comm(r)),
     ):
         a, b = ranking(rows, measured), ranking(rows, predicted)
         pairs = ", ".join(f"{x}/{y}" for x, y in swapped_pairs(a, b)) or "none"
@@ -528,6 +628,58 @@ def report(
     print("   (model step = measured step − measured comm + modeled comm)")
 
 
+def report_training(
+    rows: list[dict],
+    args: argparse.Namespace,
+    models: dict[str, Any],
+    notes: dict[str, str],
+    floor: dict[str, float],
+) -> None:
+    """The training regime's table: the measured communication, split into the wait for the
+    other rank (skew) and the rest (in-op), against the base model and the models with the
+    fitted gloo terms (`models`: column label → NetworkModel)."""
+    print(
+        f"\n   -- training regime (the stock loop: no barrier, identity overlaps backward): per "
+        f"step, mean over {args.steps - args.warmup} steps × {len(rows[0]['rounds'])} round(s); "
+        "ms"
+    )
+    head = (
+        f"   {'compressor':17} {'KB/step':>8} {'msgs':>4} {'exposed':>8} {'overlap':>7} "
+        f"{'busy':>7} {'skew':>7} {'in-op':>7} {'floor':>6} "
+        + " ".join(f"{label:>7} {label + '.r':>6}" for label in models)
+        + f" {'busy.r':>6} {'step':>6}"
+    )
+    print(head)
+    print("   " + "-" * (len(head) - 3))
+    for r in rows:
+        cols = []
+        for net in models.values():
+            predicted = modeled(net, r["ops"])
+            cols.append(f"{predicted * 1e3:7.2f} {r['in_op'] / predicted:6.2f}")
+        best = modeled(list(models.values())[-1], r["ops"])
+        print(
+            f"   {r['compressor']:17} {r['bytes'] / 1e3:8.1f} {r['messages']:4d} "
+            f"{r['exposed'] * 1e3:8.2f} {r['overlapped'] * 1e3:7.2f} {r['busy'] * 1e3:7.2f} "
+            f"{r['skew'] * 1e3:7.2f} {r['in_op'] * 1e3:7.2f} "
+            f"{floor.get(r['compressor'], math.nan) * 1e3:6.2f} "
+            + " ".join(cols)
+            + f" {r['busy'] / best:6.2f} {r['step'] * 1e3:6.0f}"
+        )
+    print(
+        "   exposed: time/comm_s; overlap: time/comm_overlapped_s; busy = exposed + overlap\n"
+        "   (communication paid, hidden or not); skew: of busy, the time rank 0 waited inside\n"
+        "   synchronous collectives for rank 1 to arrive (both ranks' call starts on the shared\n"
+        "   clock): compute imbalance, not network; in-op = busy − skew, what a link model\n"
+        "   predicts; <m>.r = in-op / <m> (target 0.8–1.25); busy.r = busy / the last model;\n"
+        "   msgs: message rounds per step (what α and o are charged for); floor: in-op on the\n"
+        "   control link. Models:"
+    )
+    for label, note in notes.items():
+        print(f"     {label}: {note}")
+    last = list(models.values())[-1]
+    print_rankings(rows, lambda r: r["in_op"], lambda r: modeled(last, r["ops"]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", nargs="+", default=["100mbit", "1gbit"])
@@ -535,6 +687,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--compressors", nargs="+", default=DEFAULT_COMPRESSORS, choices=list(COMPRESSORS)
     )
     parser.add_argument("--model", default="resnet20", choices=list(MODELS))
+    parser.add_argument(
+        "--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES),
+        help="isolated: barrier before each collective, no overlap; training: the stock loop",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=1, help="passes over the compressors")
@@ -542,12 +698,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--floor-rate",
         default="100gbit",
-        help="rate of the control link giving the `floor` column ('' to skip)",
+        help="rate of the control link giving the `floor` column and the fitted per-message "
+        "overhead ('' to skip)",
     )
     parser.add_argument("--queue-ms", type=float, default=50.0, help="tbf latency (queue limit)")
-    parser.add_argument("--barrier", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per rate")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per rate")
     parser.add_argument("--keep", help="keep run directories and op logs in this folder")
+    parser.add_argument(
+        "--analyse",
+        metavar="DIR",
+        help="print the tables of a run kept with --keep DIR (same settings), measuring nothing",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="results file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -557,6 +719,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parse_rate(rate)
     if not 1 <= args.warmup < args.steps:
         parser.error("need 1 ≤ --warmup < --steps")
+    if args.analyse:
+        return measure(args)
     reason = skip_reason(args.model)
     if reason:
         print(f"emulated_network: skipped: {reason}")
@@ -569,40 +733,155 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+REGIMES = ("isolated", "training")
+
+
 def measure(args: argparse.Namespace) -> int:
-    """Run the control link (if any) and every rate; print one table per rate."""
+    """Run the control link (if any) and every rate; print the tables of each rate."""
     from dpresearch.comm import NetworkModel
 
-    floor: dict[str, float] = {}
+    floors: dict[str, dict[str, float]] = {}
+    control_overhead: float | None = None
     rates = ([args.floor_rate] if args.floor_rate else []) + args.rates
+    path = args.json or default_json("emulated_network")
+    results: Results | None = None  # created once a link is up (a skip writes nothing)
     with tempfile.TemporaryDirectory(prefix="dpb-netns-") as tmp:
         for index, rate in enumerate(rates):
-            out = Path(args.keep or tmp) / f"rate{index}-{rate}"
-            out.mkdir(parents=True, exist_ok=bool(args.keep))
-            stalled, start = cpu_stall_s(), time.monotonic()
-            try:
-                with Link(rate, args.burst_us, args.queue_ms, index) as link:
-                    result = run_rate(link, args, out)
-            except Unavailable as exc:
-                print(f"emulated_network: skipped: {exc}")
-                return 0
             pressure = None
-            if stalled is not None:
-                pressure = (cpu_stall_s() - stalled) / (time.monotonic() - start)
+            if args.analyse:  # the tables of a run kept with --keep, measuring nothing
+                out = Path(args.analyse) / f"rate{index}-{rate}"
+                link, result = Link(rate, args.burst_us, args.queue_ms, index), load_result(out)
+            else:
+                out = Path(args.keep or tmp) / f"rate{index}-{rate}"
+                out.mkdir(parents=True, exist_ok=bool(args.keep))
+                stalled, start = cpu_stall_s(), time.monotonic()
+                try:
+                    with Link(rate, args.burst_us, args.queue_ms, index) as link:
+                        result = run_rate(link, args, out)
+                except Unavailable as exc:
+                    print(f"emulated_network: skipped: {exc}")
+                    return 0
+                if stalled is not None:
+                    pressure = (cpu_stall_s() - stalled) / (time.monotonic() - start)
+            if results is None:
+                settings = {k: str(v) for k, v in vars(args).items()}
+                results = Results(path, "emulated_network", settings)
             cal = result["calibration"]
-            model = NetworkModel(cal["alpha_s"], link.bits / 8 / cal["overhead"])
+            bandwidth = link.bits / 8 / cal["overhead"]
+            model = NetworkModel(cal["alpha_s"], bandwidth)
             nominal = NetworkModel(cal["alpha_s"], link.bits / 8)
-            rows = [summarize(name, result, out, args, model, nominal) for name in args.compressors]
-            if args.floor_rate and index == 0:
-                floor = {r["compressor"]: r["comm"] for r in rows}
+            # gloo's allgather: the B its 1 MiB allgathers achieved, against the link's
+            factor = bandwidth / cal["allgather_1MiB_Bps"]
+            record: dict[str, Any] = {"rate": rate, "calibration": cal, "drops": result["drops"]}
+            isolated = training = []
+            if "isolated" in args.regimes:
+                isolated = [
+                    summarize_isolated(name, result, out, args, model, nominal)
+                    for name in args.compressors
+                ]
+                record["isolated"] = [_jsonable(r) for r in isolated]
+            is_control = bool(args.floor_rate) and index == 0
+            fit_rows: list[dict] = []
+            if "training" in args.regimes:
+                # Shaped links: the overhead fitted on round 0 is judged on the other rounds.
+                held_out = args.rounds > 1 and not is_control
+                judged = range(1, args.rounds) if held_out else range(args.rounds)
+                training = [
+                    summarize_training(name, result, out, args, judged) for name in args.compressors
+                ]
+                fit_rows = training
+                if held_out:
+                    fit_rows = [
+                        summarize_training(name, result, out, args, [0])
+                        for name in args.compressors
+                    ]
+                record["training"] = [_jsonable(r) for r in training]
+            if is_control:
+                floors = {
+                    "isolated": {r["compressor"]: r["comm"] for r in isolated},
+                    "training": {r["compressor"]: r["in_op"] for r in training},
+                }
+                if training:
+                    fitted = NetworkModel(model.latency_s, model.bandwidth_Bps, 0.0, factor)
+                    cases = [Case(r["compressor"], r["in_op"], r["ops"]) for r in training]
+                    control_overhead = fit_message_overhead(cases, fitted)
+                    record["message_overhead_s"] = control_overhead
                 print(
-                    f"floor: measured comm per step on a {rate} tbf link (α = "
-                    f"{cal['alpha_s'] * 1e6:.1f} µs): "
-                    + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in floor.items())
+                    f"control link {rate} (α = {cal['alpha_s'] * 1e6:.1f} µs): comm per step "
+                    + ", ".join(
+                        f"{regime} {k} {v * 1e3:.2f} ms"
+                        for regime, values in floors.items()
+                        for k, v in values.items()
+                    )
+                    + (
+                        f"; fitted per-message overhead {control_overhead * 1e6:.0f} µs"
+                        if control_overhead is not None
+                        else ""
+                    ),
+                    flush=True,
                 )
+                results.add(**record)
                 continue
-            report(link, cal, rows, args, floor, pressure, result["drops"])
+            report_header(link, cal, pressure, result["drops"])
+            if isolated:
+                report_isolated(isolated, args, floors.get("isolated", {}))
+            if training:
+                models, notes, fits = training_models(
+                    fit_rows, model, factor, control_overhead, args.rounds > 1
+                )
+                record["fits"] = fits
+                report_training(training, args, models, notes, floors.get("training", {}))
+            results.add(**record)
+    print(f"\nresults: {path}")
     return 0
+
+
+def training_models(
+    fit_rows: Sequence[dict],
+    model: Any,
+    factor: float,
+    control_overhead: float | None,
+    held_out: bool,
+) -> tuple[dict[str, Any], dict[str, str], dict[str, float]]:
+    """The models the training table compares against: the base α-β model, and with gloo's
+    allgather factor plus a per-message overhead fitted on the control link (`ctl`: measured
+    at another time, under whatever load the machine had then) and on this link (`fit`: on
+    `fit_rows`, round 0 when the table shows the other rounds, else in sample)."""
+    from dpresearch.comm import NetworkModel
+
+    a, b = model.latency_s, model.bandwidth_Bps
+    models = {"base": model}
+    notes = {"base": f"α-β as the trainer prices it (α = {a * 1e6:.1f} µs, B = {b / 1e6:.2f} MB/s)"}
+    fits = {"allgather_factor": factor}
+    config = (
+        f"network=custom network.latency_us={a * 1e6:.1f} "
+        f"network.bandwidth_gbit={b * 8 / 1e9:.4f} network.allgather_factor={factor:.2f}"
+    )
+    if control_overhead is not None:
+        models["ctl"] = NetworkModel(a, b, control_overhead, factor)
+        notes["ctl"] = (
+            f"+ allgather factor {factor:.2f} (calibration) + per-message overhead "
+            f"{control_overhead * 1e6:.0f} µs fitted on the control link, i.e. "
+            f"{config} network.message_overhead_us={control_overhead * 1e6:.0f}"
+        )
+        fits["message_overhead_s_control"] = control_overhead
+    cases = [Case(r["compressor"], r["in_op"], r["ops"]) for r in fit_rows]
+    here = fit_message_overhead(cases, NetworkModel(a, b, 0.0, factor))
+    models["fit"] = NetworkModel(a, b, here, factor)
+    sample = "round 0; the table shows the other rounds" if held_out else "in sample"
+    notes["fit"] = (
+        f"+ allgather factor {factor:.2f} + per-message overhead {here * 1e6:.0f} µs fitted on "
+        f"this link ({sample}), i.e. {config} network.message_overhead_us={here * 1e6:.0f}"
+    )
+    fits["message_overhead_s_here"] = here
+    return models, notes, fits
+
+
+def _jsonable(row: dict) -> dict:
+    out = {k: v for k, v in row.items() if k not in ("ops", "kinds")}
+    if "ops" in row:
+        out["messages"] = row["messages"]
+    return out
 
 
 if __name__ == "__main__":

@@ -6,6 +6,11 @@ K=4 simulated synchronous workers × 32 images, Nesterov SGD, cosine schedule
 
     python experiments/compression_subset/run.py [--epochs 10] [--out runs/compression_subset]
 
+Bytes: `MB/epoch` is `comm/bytes_per_epoch`, the algorithm's counter (`comm/bytes`): the
+compressed gradient payload one worker sends. BatchNorm buffer broadcasts are counted apart
+(`comm/bytes_buffers`) and not in it; `modeled s/epoch` (`comm/modeled_s`) prices both, since
+the broadcast is real traffic of every step.
+
 The subset holds 5085 training / 1017 test images: the numbers are NOT comparable to published
 full-CIFAR-10 results (see published_grace.csv for those, from a different setup).
 """
@@ -141,7 +146,9 @@ def main() -> None:
     table = report(runs, args.out)
     header = (
         f"ResNet-20, CIFAR-10 subset (5085 train / 1017 test images), K=4 simulated sync "
-        f"workers × 32, {args.epochs:g} epochs. Bytes are per worker. NOT full CIFAR-10.\n\n"
+        f"workers × 32, {args.epochs:g} epochs. NOT full CIFAR-10.\n"
+        "MB/epoch: `comm/bytes` (the algorithm's gradient payload per worker, BatchNorm buffer "
+        "broadcasts excluded); modeled s/epoch: `comm/modeled_s` (gradients and buffers).\n\n"
     )
     (args.out / "results.md").write_text(header + table + "\n")
     print(header + table)

@@ -109,10 +109,12 @@ def write_report(
         "",
         "Columns: `test acc (x̄)` is the averaged model's accuracy; `local acc mean/min` over "
         "the 8 workers' own models; `Ξ² final` the consensus distance (1/K)Σ‖x_i − x̄‖² at the "
-        "end; `MB/epoch/worker` the bytes one worker hands to the network (`comm/bytes`: a "
-        "gossip message to p peers counts p times; sync's BatchNorm buffer broadcasts "
-        "included); modeled seconds re-price the recorded operations on each network preset "
-        "(α-β model; gossip: α + p·D/B per exchange on the busiest worker).",
+        "end; `MB/epoch/worker` the algorithm's bytes one worker hands to the network "
+        "(`comm/bytes`: a gossip message to p peers counts p times; BatchNorm buffer traffic, "
+        "sync's broadcast and gossip's buffer mixing, is `comm/bytes_buffers` and not "
+        "included); modeled seconds re-price the recorded operations of the steps, buffers "
+        "included, on each network preset (α-β model; gossip: α + p·D/B per exchange on the "
+        "busiest worker).",
         "",
         "## Selected settings",
         "",
@@ -207,8 +209,8 @@ def checks(table) -> list[str]:
         gap = 100 * (sync["test acc (x̄)"] - ring["test acc (x̄)"])
         verdict = "holds" if gap <= 3 else "does not hold"
         out.append(
-            f"- {part}: D-PSGD ring is {gap:+.1f} points below allreduce "
-            f"(expected within 3 on IID: {verdict})."
+            f"- {part}: allreduce − D-PSGD ring = {gap:+.1f} points "
+            f"(expected ≤ 3 on IID: {verdict})."
         )
         if "CHOCO sign (ring)" in rows.index:
             choco = rows.loc["CHOCO sign (ring)"]
@@ -216,8 +218,8 @@ def checks(table) -> list[str]:
             ratio = ring["MB/epoch/worker"] / choco["MB/epoch/worker"]
             verdict = "holds" if gap <= 5 and ratio >= 20 else "does not hold"
             out.append(
-                f"- {part}: CHOCO sign is {gap:+.1f} points below D-PSGD ring with "
-                f"{ratio:.1f}× fewer bytes (expected within 5 points at ≥ 20×: {verdict})."
+                f"- {part}: D-PSGD ring − CHOCO sign = {gap:+.1f} points, with "
+                f"{ratio:.1f}× fewer bytes for CHOCO (expected ≤ 5 points at ≥ 20×: {verdict})."
             )
     return out
 

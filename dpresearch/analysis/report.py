@@ -1,0 +1,424 @@
+"""From run directories to a study's tables, plots and `results.md`.
+
+`build_report` loads every run (finished or not), aggregates seeds per case and tuned setting,
+selects the best setting per case on a stated metric, adds time-to-accuracy and published
+numbers; `write_report` writes the tables (markdown, LaTeX, CSV), every run's row (`runs.csv`,
+with its status), the plots and `results.md`. Nothing is dropped silently: runs that did not
+finish are listed with their status and counted in each row's `excluded` column; runs sharing
+a case and a seed are named in the notes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dpresearch.analysis.aggregate import (
+    Selection,
+    aggregate,
+    choose_selection,
+    duplicate_seed_notes,
+    select_best,
+)
+from dpresearch.analysis.errors import AnalysisError, require_columns
+from dpresearch.analysis.published import Published, join_published
+from dpresearch.analysis.runs import FINISHED, STATUSES, find_runs, load_metrics_many
+from dpresearch.analysis.runs import load_summaries as load_runs_frame
+from dpresearch.analysis.timing import add_modeled_time, modeled_column, time_to_accuracy
+
+DEFAULT_METRICS = ("test/acc", "best/test_acc", "train/loss")
+DEFAULT_TUNE = ("cfg.optimizer.lr",)
+MB = 1e6
+
+
+@dataclass
+class ReportSpec:
+    """What to compute. `by`: the keys that define a case (None: `case` when a study launched
+    the runs, else every run alone). `tune`: keys selected over within a case when they vary
+    there. `select`: the selection metric (`name[:min|max]`; None: validation metric, else
+    final training loss). `target`: time-to-accuracy target on `target_metric`. `network`:
+    preset the modeled seconds are re-priced on (None: each run's own network)."""
+
+    by: Sequence[str] | None = None
+    tune: Sequence[str] | None = None
+    seed_key: str = "cfg.seed"
+    select: str | None = None
+    metrics: Sequence[str] | None = None
+    target: float | None = None
+    target_metric: str = "test/acc"
+    network: str | None = None
+    include_failed: bool = False
+    published: Published | None = None
+    title: str = "Results"
+
+
+@dataclass
+class Report:
+    spec: ReportSpec
+    by: list[str]
+    tune: list[str]
+    selection: Selection | None
+    runs: Any  # one row per run (pandas)
+    metrics: Any  # one row per logged step of every run
+    grid: Any  # one row per case × tuned setting (None without tuning)
+    table: Any  # one row per case: the selected setting
+    columns: list[str]  # shown columns of `table`
+    grid_columns: list[str]
+    failed: Any  # runs that did not finish
+    groups: dict[str, list[str]]  # plot label → runs (the selected setting's averaged runs)
+    notes: list[str] = field(default_factory=list)
+
+
+def _derive(runs) -> list[str]:
+    """Add MB columns for the byte counters; return the derived metric names."""
+    derived = []
+    for src, dst in (
+        ("comm/bytes_per_epoch", "MB/epoch"),
+        ("comm/bytes", "MB"),
+        ("tta/bytes", "tta/MB"),
+    ):
+        if src in runs:
+            import pandas as pd
+
+            runs[dst] = pd.to_numeric(runs[src], errors="coerce") / MB
+            derived.append(dst)
+    return derived
+
+
+def _tuned_keys(runs, by: list[str], tune: Sequence[str] | None) -> list[str]:
+    if tune is not None:
+        require_columns(runs.columns, tune, "tuning key")
+        return list(tune)
+    candidates = [k for k in DEFAULT_TUNE if k in runs]
+    return [
+        k for k in candidates if (runs.groupby(by, dropna=False)[k].nunique(dropna=False) > 1).any()
+    ]
+
+
+def build_report(runs, metrics, spec: ReportSpec) -> Report:
+    """The report of `runs` (`load_summaries`) and their steps (`load_metrics_many`)."""
+    import pandas as pd
+
+    if runs.empty:
+        raise AnalysisError("no run directories found")
+    runs = runs.copy()
+    notes: list[str] = []
+    by = list(spec.by) if spec.by else (["case"] if "case" in runs else ["run"])
+    require_columns(runs.columns, by, "--by column")
+    tune = [k for k in _tuned_keys(runs, by, spec.tune) if k not in by]
+    metrics = add_modeled_time(metrics, runs, spec.network)
+    wanted = list(spec.metrics) if spec.metrics else [m for m in DEFAULT_METRICS if m in runs]
+    require_columns(runs.columns, wanted, "metric")
+
+    tta_cols: list[str] = []
+    if spec.target is not None:
+        tta = time_to_accuracy(metrics, spec.target_metric, spec.target, spec.network)
+        runs = runs.merge(tta, on="run", how="left")
+        tta_cols = [c for c in tta.columns if c not in ("run", "tta/bytes")]
+    derived = _derive(runs)
+    tta_cols += ["tta/MB"] if "tta/MB" in runs else []
+    costs = [c for c in derived if c == "MB/epoch"] if not spec.metrics else []
+
+    selection = None
+    if tune:
+        selection = choose_selection(list(runs.columns), spec.select)
+    values = list(
+        dict.fromkeys([*wanted, *costs, *tta_cols, *([selection.metric] if selection else [])])
+    )
+    seed_key = spec.seed_key if spec.seed_key in runs else None
+    if seed_key is None:
+        notes.append(f"no {spec.seed_key} column: every run counts as one seed")
+    notes += duplicate_seed_notes(runs[runs["status"] == FINISHED], [*by, *tune], seed_key)
+
+    grid = aggregate(runs, [*by, *tune], values, seed_key, spec.include_failed)
+    if tune:
+        grid = select_best(grid, by, tune, selection)
+        table = grid[grid["selected"]]
+        missing = grid[~grid.set_index(by).index.isin(table.set_index(by).index)]
+        if not missing.empty:  # cases where nothing could be selected: shown, never dropped
+            lost = aggregate(
+                runs[runs.set_index(by).index.isin(missing.set_index(by).index)],
+                by,
+                values,
+                seed_key,
+                spec.include_failed,
+            )
+            table = pd.concat([table, lost], ignore_index=True)
+        table = table.reset_index(drop=True)
+    else:
+        table = grid
+
+    for frame in (grid, table):
+        if "tta/reached" in frame:
+            reached = (frame["tta/reached"] * frame["n"]).round().fillna(0).astype(int)
+            frame["reached"] = reached.astype(str) + "/" + frame["n"].astype(str)
+    shown_values = [c for c in values if c != "tta/reached"]
+    extra = ["reached"] if "tta/reached" in values else []
+    columns = [*by, *tune, "n", *shown_values, *extra, "excluded"]
+    grid_columns = [
+        *by,
+        *tune,
+        "n",
+        "seeds",
+        *dict.fromkeys([*([selection.metric] if selection else []), *wanted]),
+        "excluded",
+        "selected",
+    ]
+    grid_columns = [c for c in grid_columns if c in grid]
+
+    if spec.published is not None:
+        table, more = join_published(table, spec.published, by[0])
+        notes += more
+        columns += [c for c in table.columns if c.startswith("published ")]
+        columns += ["ref"] if "ref" in table else []
+
+    runs = _with_last_step(runs, metrics)
+    failed = runs[runs["status"] != FINISHED]
+    counts = runs["status"].value_counts()
+    order = [*(s for s in STATUSES if s in counts), *sorted(set(counts.index) - set(STATUSES))]
+    notes.insert(0, f"{len(runs)} runs: " + ", ".join(f"{counts[s]} {s}" for s in order))
+    if not failed.empty:
+        notes.insert(
+            1,
+            "runs that did not finish are listed with their status (results.md, runs.csv) and "
+            + (
+                "included in the means (--include-failed)"
+                if spec.include_failed
+                else "left out of every mean"
+            ),
+        )
+
+    groups = _plot_groups(runs, table, by, tune, spec.include_failed)
+    return Report(
+        spec,
+        by,
+        tune,
+        selection,
+        runs,
+        metrics,
+        grid if tune else None,
+        table,
+        columns,
+        grid_columns,
+        failed,
+        groups,
+        notes,
+    )
+
+
+def _with_last_step(runs, metrics):
+    """Runs without a summary get `step`, `epoch` and `train/loss` of their last logged line
+    (how far a killed run got)."""
+    cols = [c for c in ("step", "epoch", "train/loss") if c in metrics]
+    todo = runs["status"] == "unfinished"
+    if not cols or not todo.any():
+        return runs
+    last = metrics.groupby("run", observed=True, sort=False)[cols].tail(1)
+    last = last.assign(run=metrics.loc[last.index, "run"].astype(str)).set_index("run")
+    runs = runs.copy()
+    for c in cols:
+        values = runs.loc[todo, "run"].map(last[c])
+        runs.loc[todo, c] = values
+    return runs
+
+
+def _label(values: Sequence[Any]) -> str:
+    return " / ".join(str(v) for v in values)
+
+
+def _plot_groups(runs, table, by, tune, include_failed: bool) -> dict[str, list[str]]:
+    keys = [*by, *tune]
+    usable = runs if include_failed else runs[runs["status"] == FINISHED]
+    chosen = {tuple(row) for row in table[keys].astype(str).itertuples(index=False)}
+    groups: dict[str, list[str]] = {}
+    for key, frame in usable.groupby(keys, dropna=False, sort=False):
+        key = key if isinstance(key, tuple) else (key,)
+        if tuple(map(str, key)) not in chosen:
+            continue
+        label = _label(key[: len(by)]) + (
+            ", "
+            + ", ".join(
+                f"{k.split('.')[-1]}={v}" for k, v in zip(tune, key[len(by) :], strict=True)
+            )
+            if tune
+            else ""
+        )
+        groups[label] = list(frame["run"])
+    return groups
+
+
+def load_report(roots: Sequence[str | Path], spec: ReportSpec) -> Report:
+    """`build_report` on every run directory under `roots`."""
+    paths = find_runs(roots)
+    if not paths:
+        raise AnalysisError(f"no run directories under {', '.join(map(str, roots))}")
+    return build_report(load_runs_frame(paths), load_metrics_many(paths), spec)
+
+
+# -- output -----------------------------------------------------------------------------------
+
+FORMATS = {"MB/epoch": ".4g", "MB": ".4g", "tta/MB": ".4g", "n": "d"}
+
+
+def headers(columns: Sequence[str]) -> dict[str, str]:
+    """Shown names: config keys without their `cfg.` prefix."""
+    return {c: c.removeprefix("cfg.") for c in columns}
+
+
+def failed_table(report: Report) -> str:
+    from dpresearch.analysis.tables import markdown_table
+
+    f = report.failed.copy()
+    cols = [
+        c
+        for c in [
+            "run",
+            "status",
+            *report.by,
+            *report.tune,
+            report.spec.seed_key,
+            "step",
+            "epoch",
+            "train/loss",
+        ]
+        if c in f
+    ]
+    if "train/loss" in f:  # a diverged loss reads "nan", not "missing"
+        f["train/loss"] = f["train/loss"].map(lambda v: f"{v:.4g}" if v == v else "nan")
+    cols = list(dict.fromkeys(cols))
+    return markdown_table(f, cols, {"step": ".0f"}, headers(cols))
+
+
+def plot_files(report: Report, out: Path, kinds: Sequence[str] = ("png",)) -> list[Path]:
+    """Accuracy and loss against epochs, bytes and modeled time; returns the first-kind paths."""
+    from dpresearch.analysis.plots import plot_groups
+
+    ys = [
+        y
+        for y in dict.fromkeys([report.spec.target_metric, "test/acc", "train/loss"])
+        if y in report.metrics
+    ]
+    modeled = modeled_column(report.spec.network)
+    xs = [
+        ("epoch", False, "epoch"),
+        ("comm/bytes", True, "bytes per worker"),
+        (modeled, False, f"modeled communication seconds ({report.spec.network or 'own'})"),
+    ]
+    written = []
+    for y in ys:
+        for x, logx, xlabel in xs:
+            if x not in report.metrics:
+                continue
+            stem = f"{y}_vs_{x}".replace("/", "_").replace("@", "_")
+            paths = [out / f"{stem}.{kind}" for kind in kinds]
+            plot_groups(
+                report.metrics,
+                report.groups,
+                x,
+                y,
+                paths,
+                logx=logx and bool((report.metrics[x] > 0).any()),
+                title=report.spec.title,
+                xlabel=xlabel,
+            )
+            written.append(paths[0])
+    return written
+
+
+def describe(report: Report) -> list[str]:
+    """The protocol lines results.md states: selection, aggregation, time-to-accuracy."""
+    spec = report.spec
+    lines = []
+    if report.selection is not None:
+        tuned = ", ".join(f"`{k}`" for k in report.tune)
+        lines.append(
+            f"**Selection:** per case, the setting of {tuned} with the "
+            f"{report.selection.describe()}; a setting in which a seed diverged "
+            "is never preferred to one in which none did."
+        )
+    agg = "mean ± sample standard deviation over seeds (`n` runs)"
+    lines.append(
+        f"**Aggregation:** {agg}; only finished runs are averaged"
+        + (
+            " (here diverged and unfinished runs are included: --include-failed)."
+            if spec.include_failed
+            else "."
+        )
+    )
+    if spec.target is not None:
+        net = spec.network or "each run's own network"
+        lines.append(
+            f"**Time to accuracy:** first logged step with `{spec.target_metric}` "
+            f"{'≤' if 'loss' in spec.target_metric else '≥'} "
+            f"{spec.target:g}: epochs, MB per worker, modeled communication seconds on {net} "
+            "(the run's operations re-priced; per-step values scaled by the ratio of the "
+            "re-priced total to the logged one, exact when every step sends the same "
+            "operations), measured wall seconds, simulated seconds where logged. Means over "
+            "the seeds that reached the target (`reached`)."
+        )
+    return lines
+
+
+def render_markdown(report: Report, plots: Sequence[Path] = (), header: str = "") -> str:
+    from dpresearch.analysis.tables import markdown_table
+
+    lines = [f"# {report.spec.title}", ""]
+    if header:
+        lines += [header, ""]
+    for line in describe(report):
+        lines += [line, ""]
+    table = markdown_table(report.table, report.columns, FORMATS, headers(report.columns))
+    lines += ["## Results", "", table, ""]
+    if report.spec.published is not None:
+        lines += [
+            "Published numbers (`published …` columns):",
+            "",
+            *(f"- {n}" for n in report.spec.published.footnotes()),
+            "",
+        ]
+    if report.grid is not None:
+        lines += [
+            "## Every setting tried",
+            "",
+            markdown_table(report.grid, report.grid_columns, FORMATS, headers(report.grid_columns)),
+            "",
+        ]
+    if not report.failed.empty:
+        lines += ["## Runs that did not finish", "", failed_table(report), ""]
+    lines += ["## Notes", "", *(f"- {n}" for n in report.notes), ""]
+    if plots:
+        lines += ["## Plots", "", *(f"![{p.stem}]({p.name})" for p in plots), ""]
+    return "\n".join(lines)
+
+
+def write_report(
+    report: Report, out: str | Path, header: str = "", plot_kinds: Sequence[str] = ("png",)
+) -> Path:
+    """Write results.md, table.{md,tex,csv}, grid.{md,csv}, runs.csv and the plots into
+    `out`; returns the path of results.md."""
+    from dpresearch.analysis.tables import csv_table, latex_table, markdown_table
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shown = headers(report.columns)
+    (out / "table.md").write_text(
+        markdown_table(report.table, report.columns, FORMATS, shown) + "\n"
+    )
+    (out / "table.tex").write_text(
+        latex_table(report.table, report.columns, FORMATS, shown, report.spec.title) + "\n"
+    )
+    (out / "table.csv").write_text(csv_table(report.table, report.columns))
+    if report.grid is not None:
+        (out / "grid.csv").write_text(csv_table(report.grid, report.grid_columns))
+    run_cols = [
+        c
+        for c in report.runs.columns
+        if not c.startswith("cfg.") and c not in ("comm/ops", "comm/op_counts", "topology")
+    ]
+    report.runs[run_cols].to_csv(out / "runs.csv", index=False)
+    plots = plot_files(report, out, plot_kinds) if plot_kinds else []
+    path = out / "results.md"
+    path.write_text(render_markdown(report, plots, header))
+    return path

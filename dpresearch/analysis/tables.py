@@ -1,0 +1,133 @@
+"""Tables as text: markdown, LaTeX (booktabs) and CSV.
+
+A metric column `m` that has a partner `m std` (as `aggregate` writes) is shown as
+"mean ± std" in markdown and LaTeX, and as two numeric columns in CSV, so the CSV stays
+machine-readable. Missing values are shown as "–".
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+from dpresearch.analysis.errors import require_columns
+
+MISSING = "–"
+DEFAULT_FORMAT = ".4g"
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return MISSING
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return "✓" if value else ""
+    if isinstance(value, numbers.Real):
+        try:
+            return format(value, fmt)
+        except (ValueError, TypeError):
+            return str(value)
+    return str(value)
+
+
+def display_frame(df, columns: Sequence[str], formats: dict[str, str] | None = None):
+    """`columns` of `df` as strings, metric columns merged with their `std` partner."""
+    import pandas as pd
+
+    require_columns(df.columns, columns)
+    formats = formats or {}
+    out = pd.DataFrame(index=df.index)
+    for c in columns:
+        fmt = formats.get(c, DEFAULT_FORMAT if pd.api.types.is_float_dtype(df[c]) else "")
+        cells = df[c].map(lambda v, f=fmt: _cell(v, f))
+        std = f"{c} std"
+        if std in df:
+            spread = df[std].map(lambda v, f=fmt: _cell(v, f))
+            cells = [
+                m if s == MISSING or m == MISSING else f"{m} ± {s}"
+                for m, s in zip(cells, spread, strict=True)
+            ]
+        out[c] = list(cells)
+    return out
+
+
+def markdown_table(
+    df,
+    columns: Sequence[str],
+    formats: dict[str, str] | None = None,
+    headers: dict[str, str] | None = None,
+) -> str:
+    """A GitHub-markdown table of `columns` of `df` (see the module docstring)."""
+    shown = display_frame(df, columns, formats)
+    headers = headers or {}
+    head = "| " + " | ".join(headers.get(c, c) for c in columns) + " |"
+    rule = "|" + "|".join("---" for _ in columns) + "|"
+    body = [
+        "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |"
+        for row in shown.itertuples(index=False)
+    ]
+    return "\n".join([head, rule, *body])
+
+
+_LATEX_ESCAPES = {
+    "\\": r"\textbackslash{}",
+    "&": r"\&",
+    "%": r"\%",
+    "$": r"\$",
+    "#": r"\#",
+    "_": r"\_",
+    "{": r"\{",
+    "}": r"\}",
+    "~": r"\textasciitilde{}",
+    "^": r"\textasciicircum{}",
+    "±": r"$\pm$",
+    "–": "--",
+    "✓": r"$\checkmark$",
+}
+
+
+def latex_escape(text: str) -> str:
+    return "".join(_LATEX_ESCAPES.get(ch, ch) for ch in text)
+
+
+def latex_table(
+    df,
+    columns: Sequence[str],
+    formats: dict[str, str] | None = None,
+    headers: dict[str, str] | None = None,
+    caption: str | None = None,
+) -> str:
+    """A booktabs `tabular` (in a `table` float when `caption` is given)."""
+    shown = display_frame(df, columns, formats)
+    headers = headers or {}
+    lines = [
+        r"\begin{tabular}{" + "l" * len(columns) + "}",
+        r"\toprule",
+        " & ".join(latex_escape(headers.get(c, c)) for c in columns) + r" \\",
+        r"\midrule",
+        *(
+            " & ".join(latex_escape(c) for c in row) + r" \\"
+            for row in shown.itertuples(index=False)
+        ),
+        r"\bottomrule",
+        r"\end{tabular}",
+    ]
+    if caption:
+        lines = [
+            r"\begin{table}",
+            r"\centering",
+            r"\caption{" + latex_escape(caption) + "}",
+            *lines,
+            r"\end{table}",
+        ]
+    return "\n".join(lines)
+
+
+def csv_table(df, columns: Sequence[str]) -> str:
+    """`columns` (each followed by its `std` partner where there is one) as CSV, raw values."""
+    require_columns(df.columns, columns)
+    wanted: list[str] = []
+    for c in columns:
+        wanted += [c, f"{c} std"] if f"{c} std" in df else [c]
+    return df[wanted].to_csv(index=False)

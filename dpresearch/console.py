@@ -1,0 +1,107 @@
+"""What a run prints, labelled and kept: `job_output` tees this process's stdout and stderr.
+
+Inside `job_output(log_path, label)` every line this process prints to stdout or stderr also
+goes to `log_path` (Hydra's `train.log` in the run directory, next to the records Hydra's own
+logging writes there), and on the terminal each line starts with `label` (e.g. `[3] `, so the
+interleaved output of parallel sweep jobs can be told apart). Worker processes started inside
+it do the same (`worker_output`): the settings travel in the environment they inherit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TextIO
+
+LOG_ENV = "DPRESEARCH_LOG_FILE"
+LABEL_ENV = "DPRESEARCH_OUTPUT_LABEL"
+
+
+class LineTee(io.TextIOBase):
+    """A text stream writing through to `stream` with `label` before each line, and to `log`
+    unlabelled."""
+
+    def __init__(self, stream: TextIO, label: str = "", log: TextIO | None = None) -> None:
+        self.stream, self.label, self.log = stream, label, log
+        self._line_start = True
+
+    def write(self, text: str) -> int:
+        if self.label:
+            pieces = []
+            for piece in text.splitlines(keepends=True):
+                if self._line_start:
+                    pieces.append(self.label)
+                pieces.append(piece)
+                self._line_start = piece.endswith(("\n", "\r"))
+            self.stream.write("".join(pieces))
+        else:
+            self.stream.write(text)
+        if self.log is not None:
+            self.log.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        if self.log is not None:
+            self.log.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self.stream, "encoding", "utf-8")
+
+
+@contextlib.contextmanager
+def job_output(log_path: Path | None, label: str = "") -> Iterator[None]:
+    """Tee stdout/stderr to `log_path` (None: no copy) with `label`ed terminal lines, here and
+    in the worker processes started inside (through the environment)."""
+    saved_env = {k: os.environ.get(k) for k in (LOG_ENV, LABEL_ENV)}
+    if log_path is not None:
+        os.environ[LOG_ENV] = str(log_path)
+    if label:
+        os.environ[LABEL_ENV] = label
+    try:
+        with _tee(log_path, label):
+            yield
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def worker_output() -> contextlib.AbstractContextManager[None]:
+    """In a worker process: the tee its launcher's `job_output` asked for, if any."""
+    log = os.environ.get(LOG_ENV)
+    return _tee(Path(log) if log else None, os.environ.get(LABEL_ENV, ""))
+
+
+@contextlib.contextmanager
+def _tee(log_path: Path | None, label: str) -> Iterator[None]:
+    if log_path is None and not label:
+        yield
+        return
+    log = None
+    if log_path is not None:
+        with contextlib.suppress(OSError):
+            log = open(log_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = LineTee(out, label, log), LineTee(err, label, log)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = out, err
+        if log is not None:
+            log.close()

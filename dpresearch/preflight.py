@@ -1,0 +1,139 @@
+"""Everything that can be known about a run before any worker starts, checked in one place.
+
+`preflight(cfg, overrides)` runs `validate` (the configuration alone), loads the data set (or
+fetches it), checks that every worker gets a batch, and builds each component once on the CPU —
+the model (with one forward pass on two training examples), the optimizer and the schedule —
+so that a bad value surfaces as one `ConfigError` line here, not as a traceback in every worker
+process. It builds what the trainer builds, with the trainer's own factories; nothing it builds
+is kept except the data set (see `validate.prepare_data`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from dpresearch.data.base import Dataset
+from dpresearch.validate import ConfigError, prepare_data, validate
+
+# Configurations that passed in this process: the entry point checks a run before Hydra starts
+# and `train()` checks it again inside; the second time costs nothing.
+_PASSED: set[str] = set()
+
+
+def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> Dataset:
+    """Raise `ConfigError` for a run that cannot start; return its data set (on the CPU)."""
+    try:
+        key = json.dumps(
+            [OmegaConf.to_container(cfg, resolve=True), list(overrides)],
+            sort_keys=True,
+            default=str,
+        )
+    except Exception:  # noqa: BLE001 - unresolvable: validate() will say why
+        key = None
+    if key is not None and key in _PASSED:
+        return prepare_data(cfg)
+    validate(cfg, overrides)
+    dataset = prepare_data(cfg)
+    steps_per_epoch = check_fit(cfg, dataset)
+    model = build_model(cfg, dataset)
+    check_optimizer(cfg, model)
+    steps = cfg.train.steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
+    schedule = _build("schedule", cfg.schedule, steps_per_epoch=steps_per_epoch,
+                      total_steps=steps)  # fmt: skip
+    _call("schedule", lambda: [float(schedule(s)) for s in (0, steps // 2, steps - 1)])
+    if key is not None:
+        _PASSED.add(key)
+    return dataset
+
+
+def check_fit(cfg: DictConfig, dataset: Dataset) -> int:
+    """Every worker's shard holds at least one batch; returns the steps per epoch."""
+    partitioner = _call("data", lambda: dataset.make_partitioner(cfg.workers, cfg.seed))
+    per_worker = partitioner.samples_per_worker
+    steps_per_epoch = per_worker // cfg.train.batch_size
+    if steps_per_epoch < 1:
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} is larger than the {per_worker} examples "
+            f"each of {cfg.workers} workers holds ({dataset.num_train} in all); lower "
+            "train.batch_size or workers"
+        )
+    return steps_per_epoch
+
+
+def build_model(cfg: DictConfig, dataset: Dataset) -> torch.nn.Module:
+    """The model, built for the data set's shapes, which accepts its inputs and returns one
+    score per class."""
+    shape = tuple(dataset.input_shape)
+    name = cfg.model._target_.rsplit(".", 1)[-1]
+
+    def wrong_model(exc: BaseException) -> ConfigError:
+        return ConfigError(
+            f"model {name} cannot take this data set's inputs of shape {shape} "
+            f"({_first_line(exc)}); pick a model for them, e.g. model=mlp for vectors or "
+            "model=resnet20 for images"
+        )
+
+    try:
+        model = instantiate(cfg.model, num_classes=dataset.num_classes, input_shape=shape)
+    except Exception as exc:  # noqa: BLE001 - the model's own message, or a shape mismatch
+        cause = _root_cause(exc)
+        if _first_line(cause).startswith("model."):
+            raise ConfigError(_first_line(cause)) from None
+        raise wrong_model(cause) from None
+    x, _ = dataset.train_batch(torch.arange(2), torch.Generator().manual_seed(0))
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(x.cpu())
+    except Exception as exc:  # noqa: BLE001 - any failure means the same: wrong model for data
+        raise wrong_model(exc) from None
+    if out.dim() != 2 or out.shape[1] != dataset.num_classes:
+        raise ConfigError(
+            f"model {name} returns outputs of shape {tuple(out.shape[1:])} per example, not "
+            f"{dataset.num_classes} class scores; check its num_classes handling"
+        )
+    return model
+
+
+def check_optimizer(cfg: DictConfig, model: torch.nn.Module) -> None:
+    """The optimizer node builds for the model's parameters (the trainer's own factory)."""
+    from dpresearch.optim import make_optimizer
+
+    _call("optimizer", lambda: make_optimizer(cfg.optimizer, model))
+
+
+def _build(group: str, node: DictConfig, **runtime: Any) -> Any:
+    return _call(group, lambda: instantiate(node, **runtime))
+
+
+def _call(group: str, make: Any) -> Any:
+    """`make()`, with a user-input failure turned into one `ConfigError` line on `group`."""
+    try:
+        return make()
+    except ConfigError:
+        raise
+    except (InstantiationException, ValueError, TypeError, RuntimeError, KeyError) as exc:
+        message = _first_line(_root_cause(exc))
+        if message.startswith(f"{group}.") or message.startswith("data."):
+            raise ConfigError(message) from None
+        raise ConfigError(f"{group}: {message}; check the {group}.* options") from None
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The error inside Hydra's instantiation wrappers."""
+    while isinstance(exc, InstantiationException) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

@@ -1,0 +1,65 @@
+"""`python -m dpresearch.study run|status|report STUDY.yaml`: run a study, show where it
+stands, or write its results.md. Runs go to `runs/<study name>/` (or `--out`), results beside
+the study file in `results/` (or `--results`). Problems are one `error:` line, exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dpresearch.analysis.errors import AnalysisError
+from dpresearch.study.spec import REPO, StudyError, load_study, slug
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dpresearch.study", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("action", choices=("run", "status", "report"))
+    p.add_argument("study", type=Path, help="the study YAML")
+    p.add_argument("--out", type=Path, help="runs folder (default: runs/<study name>)")
+    p.add_argument("--results", type=Path, help="report folder (default: <study dir>/results)")
+    p.add_argument("--launcher", default="local", choices=("local", "hydra", "inprocess"))
+    p.add_argument("--hydra-launcher", help="with --launcher hydra: e.g. parallel, slurm")
+    p.add_argument("--jobs", type=int, default=1, help="local launcher: points at once")
+    p.add_argument("--only", nargs="+", help="these cases only")
+    p.add_argument("--dry-run", action="store_true", help="show what would run")
+    p.add_argument("--report", action="store_true", help="run: write the report at the end")
+    p.add_argument("--include-failed", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        study = load_study(args.study)
+        out = args.out or REPO / "runs" / slug(study.name)
+        results = args.results or study.path.parent / "results"
+        if args.action in ("run", "status"):
+            from dpresearch.study.launcher import run_study, summarize
+
+            records = run_study(
+                study,
+                out,
+                launcher=args.launcher,
+                jobs=args.jobs,
+                hydra_launcher=args.hydra_launcher,
+                only=args.only,
+                dry_run=args.dry_run or args.action == "status",
+                log=lambda line: print(line, flush=True),
+            )
+            print(f"== points: {summarize(records)} (status in {out / 'status.json'})")
+        if args.action == "report" or args.report:
+            from dpresearch.study.report import report_study
+
+            path = report_study(study, out, results, args.include_failed)
+            print(f"wrote {path}")
+    except (StudyError, AnalysisError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+"""Running a study's points: resumable, every point's status recorded.
+
+`run_study(study, out)` runs each point of `study` into `out/<point.dir>` unless that directory
+already holds a result (`finished` or `diverged`: skipped). A directory left by a killed or
+interrupted attempt is moved to `out/aborted/` (kept, never overwritten) and the point runs
+again. `out/status.json` records every point's status, attempts, return code and seconds; it is
+rewritten after each point, so a study killed at any moment resumes with `run_study` again.
+
+Launchers:
+- `local`: one `python -m dpresearch.train ... hydra.run.dir=<point>` per point, `jobs` at once;
+  the children die with the study (Linux: parent-death signal).
+- `hydra`: one `python -m dpresearch.train -m ...` per case and lr over the seeds left, through
+  the configured Hydra launcher (`hydra_launcher`: e.g. `parallel` = joblib, `slurm`).
+- `inprocess`: compose and train in this process, one point at a time (tests, debugging).
+- a callable `(point, run_dir, overrides) -> returncode`.
+
+Every point's run carries `logger.group=<study>` and `logger.tags=[<case>]` (used when the
+W&B logger is on) and a `study_point.json` naming its study, case, lr and seed, which the
+analysis reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from dpresearch.analysis.runs import POINT_FILE, infer_status
+from dpresearch.study.spec import REPO, Point, Study, StudyError, slug
+
+DONE = ("finished", "diverged")  # a point holding one of these is a result: never re-run
+Runner = Callable[[Point, Path, list[str]], int]
+
+
+def point_state(run_dir: Path) -> str:
+    """`missing` (nothing there), or the run's status as the analysis infers it."""
+    if not (run_dir / "config.yaml").exists() and not (run_dir / "metrics.jsonl").exists():
+        return "missing" if not (run_dir / "summary.json").exists() else "finished"
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        summary = None
+    return infer_status(summary)
+
+
+class StatusBook:
+    """`status.json`: one record per point, written atomically after every change."""
+
+    def __init__(self, path: Path, study: Study) -> None:
+        self.path, self._lock = path, threading.Lock()
+        old = json.loads(path.read_text()) if path.exists() else {}
+        self.data: dict[str, Any] = {
+            "study": study.name,
+            "file": str(study.path),
+            "points": old.get("points", {}),
+        }
+
+    def get(self, point: Point) -> dict[str, Any]:
+        return self.data["points"].get(point.id, {})
+
+    def update(self, point: Point, **fields: Any) -> None:
+        with self._lock:
+            record = self.data["points"].setdefault(
+                point.id,
+                {
+                    "case": point.case,
+                    "lr": point.lr,
+                    "seed": point.seed,
+                    "dir": str(point.dir),
+                    "attempts": 0,
+                },
+            )
+            record.update(fields)
+            tmp = self.path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(self.data, indent=1) + "\n")
+            os.replace(tmp, self.path)
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _set_aside(run_dir: Path, out: Path) -> Path:
+    """Move a killed attempt out of the way, keeping it under `out/aborted/`."""
+    rel = run_dir.relative_to(out / "runs")
+    for n in range(1, 10_000):
+        aside = out / "aborted" / rel.parent / f"{rel.name}.attempt{n}"
+        if not aside.exists():
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(run_dir), str(aside))
+            return aside
+    raise StudyError(f"too many aborted attempts of {run_dir}")
+
+
+def _point_overrides(study: Study, point: Point) -> list[str]:
+    return [
+        *point.overrides,
+        f"logger.group={slug(study.name)}",
+        f"logger.tags=[{slug(point.case)}]",
+        "train.progress=false",
+    ]
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _popen_kwargs() -> dict[str, Any]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # The children import this checkout's dpresearch, whatever the interpreter has installed.
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    kwargs: dict[str, Any] = {"cwd": REPO, "env": env, "stdin": subprocess.DEVNULL}
+    if sys.platform.startswith("linux"):
+        kwargs["preexec_fn"] = _die_with_parent
+    return kwargs
+
+
+def run_local(point: Point, run_dir: Path, overrides: list[str]) -> int:
+    """`python -m dpresearch.train` for one point; output in `run_dir/launcher.log`."""
+    cmd = [sys.executable, "-m", "dpresearch.train", *overrides, f"hydra.run.dir={run_dir}"]
+    with (run_dir / "launcher.log").open("w") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        return subprocess.run(
+            cmd, stdout=log, stderr=subprocess.STDOUT, **_popen_kwargs()
+        ).returncode
+
+
+def run_inprocess(point: Point, run_dir: Path, overrides: list[str]) -> int:
+    """Compose the point's config and train it in this process."""
+    from hydra import compose, initialize_config_dir
+
+    from dpresearch.train import CONF_DIR, train
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            config_name="config", overrides=[o for o in overrides if not o.startswith("hydra")]
+        )
+    train(cfg, run_dir)
+    return 0
+
+
+def _hydra_group(study: Study, points: list[Point], out: Path, launcher: str | None) -> int:
+    """One multirun over the seeds of `points` (one case, one lr)."""
+    first = points[0]
+    overrides = [o for o in _point_overrides(study, first) if not o.startswith("seed=")]
+    lr_dir = out / first.dir.parent
+    cmd = [sys.executable, "-m", "dpresearch.train", "-m", *overrides,
+           "seed=" + ",".join(str(p.seed) for p in points),
+           f"hydra.sweep.dir={lr_dir}", "hydra.sweep.subdir=seed${seed}",
+           *([f"hydra/launcher={launcher}"] if launcher else [])]  # fmt: skip
+    with (lr_dir / "launcher.log").open("a") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        return subprocess.run(
+            cmd, stdout=log, stderr=subprocess.STDOUT, **_popen_kwargs()
+        ).returncode
+
+
+def plan(study: Study, out: str | Path, only: Sequence[str] | None = None) -> list[tuple]:
+    """(point, state) for every point, without touching anything: `state` is `missing`, a
+    run status (see `point_state`), or `running` while the recorded study process lives."""
+    out = Path(out).resolve()
+    path = out / "status.json"
+    records = json.loads(path.read_text()).get("points", {}) if path.exists() else {}
+    rows = []
+    for point in study.points(only):
+        state = point_state(out / point.dir)
+        if state not in DONE and _alive(records.get(point.id, {}).get("pid")):
+            state = "running"
+        rows.append((point, state))
+    return rows
+
+
+def run_study(
+    study: Study,
+    out: str | Path,
+    *,
+    launcher: str | Runner = "local",
+    jobs: int = 1,
+    hydra_launcher: str | None = None,
+    only: Sequence[str] | None = None,
+    dry_run: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict[str, dict[str, Any]]:
+    """Run every point not yet done; return `status.json`'s point records (see module doc)."""
+    out = Path(out).resolve()
+    states = plan(study, out, only)
+    running = [p.id for p, state in states if state == "running"]
+    if running:
+        raise StudyError(
+            f"{running[0]} is still being run by another study process (status.json); "
+            "wait for it or stop it first"
+        )
+    if dry_run:
+        log(f"== study {study.name}: {len(states)} points")
+        by_case: dict[str, dict[str, int]] = {}
+        for point, state in states:
+            counts = by_case.setdefault(point.case, {})
+            counts[state] = counts.get(state, 0) + 1
+        for case, counts in by_case.items():
+            log(f"   {case}: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+        return {p.id: {"case": p.case, "lr": p.lr, "seed": p.seed, "status": state}
+                for p, state in states}  # fmt: skip
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(study.path, out / "study.yaml")
+    book = StatusBook(out / "status.json", study)
+    todo: list[Point] = []
+    for point, state in states:
+        run_dir = out / point.dir
+        if state in DONE:
+            book.update(point, status=state)
+            continue
+        if state != "missing":
+            aside = _set_aside(run_dir, out)
+            book.update(
+                point,
+                status="pending",
+                aborted=[*book.get(point).get("aborted", []), str(aside.relative_to(out))],
+            )
+            log(f"== {point.id}: an earlier attempt ({state}) moved to {aside.relative_to(out)}")
+        todo.append(point)
+    log(f"== study {study.name}: {len(states) - len(todo)} points done, {len(todo)} to run")
+    if not todo:
+        return book.data["points"]
+
+    def start(point: Point) -> Path:
+        run_dir = out / point.dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / POINT_FILE).write_text(
+            json.dumps(
+                {
+                    "study": study.name,
+                    "case": point.case,
+                    "lr": point.lr,
+                    "seed": point.seed,
+                    "point": point.id,
+                    "overrides": list(point.overrides),
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+        book.update(
+            point,
+            status="running",
+            pid=os.getpid(),
+            started=time.time(),
+            attempts=book.get(point).get("attempts", 0) + 1,
+        )
+        return run_dir
+
+    def finish(point: Point, returncode: int, began: float) -> None:
+        state = point_state(out / point.dir)
+        status = state if state in DONE else ("failed" if returncode else state)
+        book.update(
+            point,
+            status=status,
+            returncode=returncode,
+            pid=None,
+            seconds=round(time.time() - began, 1),
+        )
+        log(f"== {point.id}: {status}" + (f" (exit {returncode})" if returncode else ""))
+
+    if launcher == "hydra":
+        groups: dict[tuple[str, float], list[Point]] = {}
+        for point in todo:
+            groups.setdefault((point.case, point.lr), []).append(point)
+        for group in groups.values():
+            began = time.time()
+            for point in group:
+                start(point)
+            rc = _hydra_group(study, group, out, hydra_launcher)
+            for point in group:
+                finish(point, rc, began)
+        return book.data["points"]
+
+    runner: Runner = (
+        {"local": run_local, "inprocess": run_inprocess}.get(launcher, launcher)
+        if isinstance(launcher, str)
+        else launcher
+    )  # type: ignore[arg-type]
+    if isinstance(runner, str):
+        raise StudyError(f"launcher {launcher!r}: choose local, hydra or inprocess")
+
+    def one(point: Point) -> None:
+        began = time.time()
+        run_dir = start(point)
+        log(f"== {point.id}: running")
+        try:
+            rc = runner(point, run_dir, _point_overrides(study, point))
+        except Exception as exc:  # noqa: BLE001 - a failing point is recorded, the rest go on
+            book.update(point, error=f"{type(exc).__name__}: {exc}")
+            rc = 1
+        finish(point, rc, began)
+
+    if jobs <= 1 or runner is run_inprocess:
+        for point in todo:
+            one(point)
+    else:
+        with ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(one, todo))
+    return book.data["points"]
+
+
+def summarize(records: dict[str, dict[str, Any]]) -> str:
+    """One line: how many points are in each status."""
+    counts: dict[str, int] = {}
+    for record in records.values():
+        counts[record.get("status", "?")] = counts.get(record.get("status", "?"), 0) + 1
+    return ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))

@@ -1,0 +1,111 @@
+"""How the benchmarks time things, in one place, so both sides of a comparison are timed alike.
+
+- A *step* is what the trainer's step region holds (`dpresearch/timing.py`): producing the
+  batch, forward, backward, communication, optimizer — not logging, evaluation or the
+  schedule. Our side reads it from the logged `time/compute_s + time/comm_s`; a reference loop
+  times the same work with `perf_counter` around it.
+- Steps are grouped in *blocks* (our side logs once per block); a block's figure is its mean
+  step time, and a run's figure is the median over its blocks after warm-up.
+- Rounds alternate which side runs first (A B, B A, ...) so drift on a shared machine hits both
+  alike; a comparison reports the median over rounds of the per-round ratio and its range.
+- Threads are pinned and equal on both sides (`pin_threads`).
+- Results are printed as each measurement finishes and rewritten to a JSON file after each, so
+  an interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+STEP_KEYS = ("time/compute_s", "time/comm_s")
+
+
+def pin_threads(threads: int) -> None:
+    """Fix this process's intra-op threads (and OpenMP's, for children started after)."""
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def logged_block_times(metrics: Path, block: int, warmup: int) -> list[float]:
+    """Mean step time of each block of `block` steps after the first `warmup` steps, from a
+    run's metrics.jsonl logged every `block` steps (step regions only: compute + exposed
+    comm)."""
+    rows = {r["step"]: r for r in map(json.loads, metrics.open())}
+    marks = [s for s in sorted(rows) if s % block == 0 and s >= warmup]
+    spent = [sum(rows[s][k] for k in STEP_KEYS) for s in marks]
+    return [(b - a) / block for a, b in zip(spent, spent[1:], strict=False)]
+
+
+def timed_block_times(
+    step: Callable[[], None], block: int, warmup: int, steps: int, sync: Callable[[], None]
+) -> list[float]:
+    """Run `step` warmup + steps times; mean step time of each block of `block` timed steps.
+    `step` must hold everything the trainer's step region holds (batch included)."""
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        step()
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return [statistics.fmean(times[i : i + block]) for i in range(0, len(times), block)]
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def fmt_range(values: Sequence[float], digits: int = 3) -> str:
+    return f"[{min(values):.{digits}f}–{max(values):.{digits}f}]"
+
+
+class Results:
+    """Measurements of one benchmark run, rewritten to `path` after every `add`."""
+
+    def __init__(self, path: Path, bench: str, settings: dict[str, Any]) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {
+            "bench": bench,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "host": {
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "torch": torch.__version__,
+            },
+            "settings": settings,
+            "measurements": [],
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.write()
+
+    @classmethod
+    def resume(cls, path: Path) -> Results:
+        """The results file another process of the same run created, to add to."""
+        results = cls.__new__(cls)
+        results.path, results.data = path, json.loads(path.read_text())
+        return results
+
+    def add(self, **record: Any) -> None:
+        self.data["measurements"].append(record)
+        self.write()
+
+    def write(self, **extra: Any) -> None:
+        self.data.update(extra)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        tmp.replace(self.path)
+
+
+def default_json(name: str) -> Path:
+    """runs/bench/<name>-<time>.json under the repository (git-ignored)."""
+    return REPO / "runs" / "bench" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -1,0 +1,110 @@
+"""Per-step figures of the emulated-network runs and the fit of the model's gloo terms.
+
+Pure functions over what the benchmark's workers wrote (metrics.jsonl rows, the ops each job
+recorded), so they are tested without namespaces or root.
+
+- `step_figures`: per timed step, from the trainer's cumulative metrics: exposed comm
+  (`time/comm_s`), overlapped comm (`time/comm_overlapped_s`), busy = exposed + overlapped (the
+  communication the step paid for, hidden or not: what a link model predicts), the trainer's
+  modeled comm (`comm/modeled_s`), and the step time (`time/compute_s + time/comm_s`).
+- `peer_wait`: per step, how long rank 0 waited inside its synchronous collectives for rank 1
+  to arrive (both log each call's start on the host's shared monotonic clock): compute skew
+  between the ranks, not network time.
+- `fit_message_overhead`: the per-message host overhead o that makes modeled + o·messages
+  closest to measured in relative terms over a set of cases (least squares on
+  modeled/measured − 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from dpresearch.comm.ledger import CommOp
+from dpresearch.comm.network import NetworkModel
+
+
+def step_figures(rows: Sequence[dict], warmup: int, steps: int) -> list[dict[str, float]]:
+    """Figures of steps warmup+1 … steps from metrics rows logged every step (row i is step
+    i+1; cumulative values)."""
+    out = []
+    for s in range(warmup, steps):
+        a, b = rows[s - 1], rows[s]
+
+        def delta(key: str, a: dict = a, b: dict = b) -> float:
+            return b.get(key, 0.0) - a.get(key, 0.0)
+
+        exposed, overlapped = delta("time/comm_s"), delta("time/comm_overlapped_s")
+        out.append(
+            {
+                "exposed": exposed,
+                "overlapped": overlapped,
+                "busy": exposed + overlapped,
+                "modeled": delta("comm/modeled_s"),
+                "step": delta("time/compute_s") + exposed,
+                "bytes": delta("comm/bytes") + delta("comm/bytes_buffers"),
+            }
+        )
+    return out
+
+
+def peer_wait(
+    mine: Sequence[Sequence], peer: Sequence[Sequence], warmup: int, steps: int
+) -> list[float]:
+    """Seconds per step (steps warmup+1 … steps) rank 0 had a collective started and waited
+    for rank 1 to start it too: the length of the union of [start₀, max(start₀, start₁)] over
+    the step's calls (background buckets overlap one another, so their waits are not added).
+    `mine`, `peer`: each rank's log, entries ending in (start, end), the same calls in the
+    same order."""
+    if len(mine) != len(peer) or len(mine) % steps:
+        raise ValueError("the ranks logged different collectives")
+    per_step = len(mine) // steps
+    waits = []
+    for s in range(warmup, steps):
+        calls = range(s * per_step, (s + 1) * per_step)
+        intervals = sorted((mine[i][-2], max(mine[i][-2], peer[i][-2])) for i in calls)
+        total, reach = 0.0, float("-inf")
+        for start, end in intervals:
+            total += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        waits.append(total)
+    return waits
+
+
+def ops_per_step(priced: Sequence[Sequence], steps: int) -> list[CommOp]:
+    """The ops of one step from a job's ops [(kind, nbytes, group, peers), ...] over `steps`
+    identical steps."""
+    per_step, rest = divmod(len(priced), steps)
+    if rest:
+        raise ValueError(f"{len(priced)} ops do not split into {steps} equal steps")
+    first = [CommOp(k, n, g, p) for k, n, g, p in priced[:per_step]]
+    if any(
+        CommOp(k, n, g, p) != op for (k, n, g, p), op in zip(priced, first * steps, strict=True)
+    ):
+        raise ValueError("the steps recorded different ops")
+    return first
+
+
+@dataclass(frozen=True)
+class Case:
+    """One compressor in one regime: mean measured comm per step, its ops per step."""
+
+    name: str
+    measured_s: float
+    ops: tuple[CommOp, ...]
+
+
+def modeled(model: NetworkModel, ops: Iterable[CommOp]) -> float:
+    return sum(model.op_seconds(op) for op in ops)
+
+
+def fit_message_overhead(cases: Sequence[Case], model: NetworkModel) -> float:
+    """The o ≥ 0 minimising Σ ((modeled_c + o·messages_c) / measured_c − 1)² over `cases`,
+    where modeled_c prices case c's ops with `model` as given, its own overhead_s ignored."""
+    base = NetworkModel(model.latency_s, model.bandwidth_Bps, 0.0, model.allgather_factor)
+    num = den = 0.0
+    for case in cases:
+        a = sum(base.messages(op) for op in case.ops) / case.measured_s
+        b = 1.0 - modeled(base, case.ops) / case.measured_s
+        num, den = num + a * b, den + a * a
+    return max(0.0, num / den) if den else 0.0

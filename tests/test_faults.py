@@ -1,0 +1,113 @@
+"""Faults a real-process run survives or ends cleanly (issue 9, item 5, acceptance E's
+launcher-level parts): a frozen worker ends the job within `backend.heartbeat_s` + 10 s naming
+it; SIGHUP under `setsid nohup` does not stop a gloo run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SMALL, cli_env
+
+QUICK = [*SMALL, "data.num_train=256", "data.num_test=64", "train.log_every=1"]
+
+
+def wait_for_metrics(path: Path, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text().strip()):
+        assert proc.poll() is None, "the run ended before it logged a step"
+        assert time.monotonic() < deadline, "no step logged in time"
+        time.sleep(0.2)
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def worker_pid(parent: int, rank: int) -> int:
+    """The pid of worker `rank` under launcher `parent`, from the heartbeat file it writes."""
+    mine = set(children(parent))
+    for beat in Path(tempfile.gettempdir()).glob(f"dpresearch-beats-*/worker-{rank}"):
+        try:
+            pid = int(beat.read_text())
+        except (OSError, ValueError):
+            continue
+        if pid in mine:
+            return pid
+    raise AssertionError(f"no heartbeat of worker {rank} under pid {parent}")
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs procfs to find workers")
+def test_a_stopped_worker_ends_the_job_within_the_heartbeat(tmp_path):
+    """The issue's bound is `heartbeat_s` + 10 s (measured: 6.1 s at a load of 6 on 2 cores);
+    the assertion allows 20 s more for a machine shared with other jobs (at a load of 18 the
+    teardown alone took 12 s). Without the watchdog the job would wait for the collectives'
+    `backend.timeout_s` (120 s here) plus the agent's 30 s."""
+    heartbeat_s = 5
+    shared_machine_margin_s = 20
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dpresearch.train", "backend=gloo", "workers=2",
+         f"backend.heartbeat_s={heartbeat_s}", "backend.timeout_s=120", "train.steps=1000000",
+         *QUICK,
+         f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for_metrics(run_dir / "metrics.jsonl", proc, timeout=240)
+        frozen = worker_pid(proc.pid, rank=1)
+        os.kill(frozen, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        _, err = proc.communicate(timeout=heartbeat_s + 60)
+        took = time.monotonic() - stopped_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    print(f"worker 1 stopped; the job ended {took:.1f} s later (load {os.getloadavg()[0]:.1f})")
+    assert proc.returncode == 1, err[-3000:]
+    assert took <= heartbeat_s + 10 + shared_machine_margin_s, f"the job took {took:.1f} s"
+    last = [ln for ln in err.splitlines() if ln.startswith("error: ")][-1]
+    assert last.startswith(f"error: worker 1 (pid {frozen}) showed no sign of life"), last
+    assert "backend.heartbeat_s=5" in last
+
+
+@pytest.mark.distributed
+def test_gloo_run_survives_sighup_under_setsid_nohup(tmp_path):
+    """Under `nohup` SIGHUP is ignored; the elastic agent used to stop the job on it."""
+    run_dir = tmp_path / "run"
+    steps = 400
+    proc = subprocess.Popen(
+        ["setsid", "nohup", sys.executable, "-m", "dpresearch.train", "backend=gloo",
+         "workers=2", f"train.steps={steps}", *QUICK, "train.log_every=20",
+         f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"), stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for_metrics(run_dir / "metrics.jsonl", proc, timeout=240)
+        os.killpg(os.getpgid(proc.pid), signal.SIGHUP)  # the whole session: agent and workers
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["total_steps"] == steps
