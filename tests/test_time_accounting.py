@@ -8,10 +8,12 @@ import statistics
 from pathlib import Path
 
 import pytest
-from conftest import compose_config
+import torch
+from conftest import compose_config, free_port
 
 from dpresearch.comm.ledger import CommLedger
 from dpresearch.comm.network import NetworkModel
+from dpresearch.run_logger import NullLogger
 from dpresearch.train import train
 
 NET = NetworkModel.preset("1gbe")
@@ -65,46 +67,115 @@ def test_simulated_run_adds_up_and_overlaps_nothing(tmp_path, one_thread):
     assert rows[-1]["time/other_s"] > 0  # evaluation and logging happen between steps
 
 
-def per_step(rows: list[dict], key: str) -> float:
-    """Median over steps of the per-step increment of cumulative `key` (warm-up, the last
-    step and evaluation excluded), in seconds: robust to a shared machine's stalls."""
-    timed = rows[4:-1]
-    return statistics.median(b[key] - a[key] for a, b in zip(timed, timed[1:], strict=False))
-
-
 # Five 4 MiB layers in 4 MiB buckets: each bucket's allreduce runs while the layers below it
 # are still in backward, so much of the communication overlaps.
 OVERLAP_MLP = [
     "backend=gloo",
     "workers=2",
     "backend.threads=1",
+    "data=synthetic",
     "data.num_train=4096",
+    "data.num_test=64",
     "data.num_features=1024",
     "model.hidden=[1024,1024,1024,1024,1024]",
-    "train.batch_size=32",
-    "train.steps=30",
-    "train.eval_every=100000",
+    "train.batch_size=96",
+    "train.log_every=1",
+    "train.progress=false",
+    "train.save_model=false",
     "algorithm.bucket_mb=4",
 ]
+BLOCK, ROUNDS = 6, 6
 
 
-# Slow-marked: its "compute agrees within noise" bound failed at load 10+ on the shared
-# 2-core machine (45 vs 23 ms); run it on a quiet machine with `-m slow`.
+class Rows(NullLogger):
+    """Keeps every logged row (a trainer is run block after block, so nothing is written)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def log(self, metrics: dict) -> None:
+        self.rows.append(dict(metrics))
+
+
+def _overlap_worker(rank: int, port: int, out: str) -> None:
+    """Both settings in the same two processes, taking turns by blocks of steps (the order
+    alternating): a shared machine's load, which drifts over seconds, hits both alike."""
+    import torch.distributed as dist
+
+    from dpresearch.comm.distributed import DistributedCommunicator
+    from dpresearch.launch import network_model
+    from dpresearch.trainer import Trainer
+    from dpresearch.validate import prepare_data
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        trainers, loggers = {}, {}
+        for overlap in ("true", "false"):
+            cfg = compose_config(
+                *OVERLAP_MLP, f"train.steps={BLOCK}", f"algorithm.overlap={overlap}"
+            )
+            comm = DistributedCommunicator(network_model(cfg))
+            trainers[overlap] = Trainer(cfg, comm, torch.device("cpu"), None, prepare_data(cfg))
+            loggers[overlap] = trainers[overlap].logger = Rows()
+        blocks: dict[str, list[list[dict]]] = {"true": [], "false": []}
+        for r in range(ROUNDS + 1):  # round 0 warms both up
+            for overlap in ("true", "false") if r % 2 else ("false", "true"):
+                loggers[overlap].rows.clear()
+                trainers[overlap].run()
+                if r:
+                    blocks[overlap].append(list(loggers[overlap].rows))
+        if rank == 0:
+            Path(out).write_text(json.dumps(blocks))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def per_step(block: list[dict], key: str) -> float:
+    """Median over a block's steps (the first excluded) of the per-step increment of `key`."""
+    return statistics.median(b[key] - a[key] for a, b in zip(block[1:], block[2:], strict=False))
+
+
+def overlap_blocks(tmp_path: Path) -> tuple[list[list[dict]], list[list[dict]]]:
+    """The logged rows of each timed block with overlap on and with it off (gloo × 2)."""
+    out = tmp_path / "blocks.json"
+    torch.multiprocessing.spawn(_overlap_worker, args=(free_port(), str(out)), nprocs=2)
+    blocks = json.loads(out.read_text())
+    return blocks["true"], blocks["false"]
+
+
+@pytest.mark.distributed
+def test_gloo_overlap_on_and_off_add_up(tmp_path):
+    """Acceptance A, gloo × 2, with the bucketed allreduce overlapping backward and without:
+    every logged row adds up with no term negative, and only overlap reports overlapped comm.
+    Counting overlapped buckets as exposed comm (launch to completion, as before issue 11)
+    fails here: the buckets are in flight concurrently, so compute comes out negative."""
+    on, off = overlap_blocks(tmp_path)
+    for block in on + off:
+        assert len(block) == BLOCK
+        assert_adds_up(block)
+    assert all(row["time/comm_overlapped_s"] == 0.0 for block in off for row in block)
+    assert all(block[-1]["time/comm_overlapped_s"] > 0.0 for block in on)
+
+
+# Slow-marked: timing comparisons between settings are noise-bound on a shared machine under
+# load (the agreement bound failed once at load 10+ before the settings were interleaved).
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_gloo_overlap_on_and_off_add_up_and_agree_on_compute(tmp_path):
-    """Acceptance A. Compute per step (median over steps) agrees within 40%: two runs of two
-    processes on a shared 2-core machine differ by up to ~20%. The test can fail: the
-    overlapped time is a large share of the step (checked, ~45% here), so counting it as
-    exposed comm — launch to completion, as before issue 11 — makes the step's compute
-    negative or far below the other run's."""
-    on = run_metrics(tmp_path, "on", *OVERLAP_MLP, "algorithm.overlap=true")
-    off = run_metrics(tmp_path, "off", *OVERLAP_MLP, "algorithm.overlap=false")
-    assert_adds_up(on)
-    assert_adds_up(off)
-    assert off[-1]["time/comm_overlapped_s"] == 0.0
-    compute_on, compute_off = per_step(on, "time/compute_s"), per_step(off, "time/compute_s")
-    assert abs(compute_on - compute_off) <= 0.4 * max(compute_on, compute_off)
-    assert per_step(on, "time/comm_overlapped_s") > 0.2 * compute_on
+def test_gloo_overlap_on_and_off_agree_on_compute(tmp_path):
+    """Acceptance A: the median compute per step agrees between overlap on and off within
+    50%. Both run in the same processes, alternating by blocks, but on loopback the overlapped
+    allreduce's copying shares the two cores with backward, so compute with overlap runs 0–40%
+    higher here (a NIC would take that work off the CPU). The overlapped time is a large share
+    of the step (checked: > 25%; 40–60% here): counted as comm, it would leave compute far
+    below the other setting's."""
+    on, off = overlap_blocks(tmp_path)
+    compute_on = statistics.median(per_step(b, "time/compute_s") for b in on)
+    compute_off = statistics.median(per_step(b, "time/compute_s") for b in off)
+    assert abs(compute_on - compute_off) <= 0.5 * max(compute_on, compute_off)
+    overlapped = statistics.median(per_step(b, "time/comm_overlapped_s") for b in on)
+    assert overlapped > 0.25 * compute_on
     # Hiding communication shortens the exposed part.
-    assert per_step(on, "time/comm_s") < per_step(off, "time/comm_s")
+    exposed_on = statistics.median(per_step(b, "time/comm_s") for b in on)
+    assert exposed_on < statistics.median(per_step(b, "time/comm_s") for b in off)
