@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import cli_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "experiments" / "bench" / "emulated_network.py"
@@ -78,7 +79,9 @@ def test_tiny_run_leaves_no_namespace() -> None:
         sys.executable, str(SCRIPT), "--model", "mlp", "--rates", "100mbit", "--floor-rate", "",
         "--steps", "4", "--warmup", "2", "--compressors", "identity",
     ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=cli_env()
+    )  # this checkout's package in every rank, whatever the editable install points at
     assert done.returncode == 0, done.stderr[-2000:]
     if "skipped:" in done.stdout:
         pytest.skip(done.stdout.strip())
