@@ -29,6 +29,9 @@ class TrainConfig:
     "none" leaves it. `channels_last`: NHWC inputs and conv weights (faster convolutions on
     GPUs). `autocast`: null, "bf16" or "fp16" mixed-precision forward/backward; fp16 multiplies
     the loss by the static `loss_scale` and divides the gradients by it before communication.
+    `val_size`: training examples held out as a validation split (a count, or a fraction < 1;
+    0: none), the same examples in every seed, never trained on, evaluated as `val/loss` and
+    `val/acc` beside the test metrics — what a study selects its learning rate on.
     """
 
     steps: int | None = None
@@ -36,6 +39,7 @@ class TrainConfig:
     batch_size: int = 32
     eval_every: int | None = None
     eval_batch_size: int = 1000
+    val_size: float = 0.0
     log_every: int = 10
     lr_scaling: str = "none"
     device: str = "auto"

@@ -42,7 +42,9 @@ def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> Dataset:
         return prepare_data(cfg)
     validate(cfg, overrides)
     dataset = prepare_data(cfg)
-    steps_per_epoch = check_fit(cfg, dataset)
+    # the trainer holds the validation split out itself: the data set returned stays whole
+    trained = _call("train", lambda: dataset.hold_out(cfg.train.val_size))
+    steps_per_epoch = check_fit(cfg, trained)
     model = build_model(cfg, dataset)
     check_optimizer(cfg, model)
     steps = cfg.train.steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))

@@ -63,7 +63,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.data: Dataset = (
             dataset.to(device) if dataset is not None else instantiate(cfg.data, device=str(device))
-        )
+        ).hold_out(tc.val_size)
         self.partitioner = self.data.make_partitioner(k, cfg.seed)
         # Batches in one pass of a worker over its shard.
         worker_steps = self.partitioner.samples_per_worker // tc.batch_size
@@ -98,6 +98,7 @@ class Trainer:
         self.gradients_per_step = self.algorithm.gradients_per_step
         self.steps_per_epoch = max(1, round(worker_steps * k / self.gradients_per_step))
         self.total_steps = tc.steps or max(1, math.ceil(tc.epochs * self.steps_per_epoch))
+        self.algorithm.set_run_length(self.steps_per_epoch, self.total_steps)
         self.schedule = instantiate(
             cfg.schedule, steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps
         )
@@ -128,35 +129,40 @@ class Trainer:
     # -- evaluation ---------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Test loss and accuracy of the consensus model over the whole test set; with an
-        algorithm whose workers hold different models, also the mean and the minimum of
-        every worker's own test accuracy."""
+        """Test (and, with a validation split, validation) loss and accuracy of the consensus
+        model; with an algorithm whose workers hold different models, also the mean and the
+        minimum of every worker's own test accuracy."""
         params, buffers = self.algorithm.consensus()
         model = self.replicas.load_into(self.eval_model, params, buffers)
         num_processes = self.comm.world_size // self.comm.num_local
         process_index = self.comm.local_workers[0] // self.comm.num_local
-        sums = torch.zeros(self.comm.num_local, 3, dtype=torch.float64, device=self.device)
-        sums[0] = self._test_sums(model, process_index, num_processes)
+        splits = ["test"] + (["val"] if self.data.val_targets is not None else [])
+        sums = torch.zeros(self.comm.num_local, 3 * len(splits), dtype=torch.float64,
+                           device=self.device)  # fmt: skip
+        for i, split in enumerate(splits):
+            sums[0, 3 * i : 3 * i + 3] = self._eval_sums(model, process_index, num_processes, split)
         self.comm.all_reduce(sums, op="sum", record=EVAL)
-        loss, correct, count = sums[0].tolist()
-        result = {"test/loss": loss / count, "test/acc": correct / count}
+        result = {}
+        for i, split in enumerate(splits):
+            loss, correct, count = sums[0, 3 * i : 3 * i + 3].tolist()
+            result.update({f"{split}/loss": loss / count, f"{split}/acc": correct / count})
         if self.algorithm.evaluates_local_models:
             # Each worker's model lives only where the worker does: it sees the whole test set.
-            accs = (
-                torch.stack([self._test_sums(m, 0, 1) for m in self.replicas.models])[:, 1:2]
-                / count
-            )
-            accs = self.comm.all_gather(accs, record=EVAL)[:, 0]
+            accs = torch.stack([self._eval_sums(m, 0, 1)[1:] for m in self.replicas.models])
+            accs = self.comm.all_gather(accs[:, :1] / accs[:, 1:], record=EVAL)[:, 0]
             result["test/acc_local_mean"] = accs.mean().item()
             result["test/acc_local_min"] = accs.min().item()
         return result
 
-    def _test_sums(self, model: nn.Module, part: int, parts: int) -> torch.Tensor:
-        """(summed loss, correct, count) of `model` on test shard `part` of `parts`."""
+    def _eval_sums(
+        self, model: nn.Module, part: int, parts: int, split: str = "test"
+    ) -> torch.Tensor:
+        """(summed loss, correct, count) of `model` on shard `part` of `parts` of `split`."""
         was_training = model.training
         model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for x, y in self.data.test_batches(self.cfg.train.eval_batch_size, part, parts):
+        batches = self.data.test_batches(self.cfg.train.eval_batch_size, part, parts, split)
+        for x, y in batches:
             if self.cfg.train.channels_last and x.dim() == 4:
                 x = x.contiguous(memory_format=torch.channels_last)
             with self.compute.autocast():

@@ -97,6 +97,25 @@ def test_local_sgd_averages_every_period(small_config):
     assert trainer.comm.ledger.bytes_sent == 2 * params.shape[1] * 4
 
 
+def test_post_local_sgd_averages_every_step_until_the_switch(small_config):
+    """Post-local SGD (Lin et al. 2020): every step for `sync_epochs`, then every `period`
+    steps counted from the switch; before the switch it is period-1 local SGD."""
+    cfg = small_config(
+        "workers=4", "algorithm=local_sgd", "algorithm.period=4", "algorithm.sync_epochs=0.25",
+        "train.steps=14",
+    )  # fmt: skip
+    trainer = Trainer(
+        cfg, SimulatedCommunicator(4, NetworkModel.preset("10gbe")), torch.device("cpu"), None
+    )
+    switch = round(0.25 * trainer.steps_per_epoch)
+    assert trainer.algorithm.sync_steps == switch == 2  # 1024 examples / (4 × 32) = 8 steps
+    averaged = [s for s in range(14) if trainer.algorithm.averages_after(s)]
+    assert averaged == [0, 1, 5, 9, 13]
+    trainer.run()
+    assert trainer.comm.ledger.op_counts["allreduce"] == len(averaged)
+    assert torch.equal(trainer.replicas.params[0], trainer.replicas.params[3])
+
+
 @pytest.mark.distributed
 def test_local_sgd_simulated_equals_gloo_with_odd_workers(small_config, tmp_path):
     args = (

@@ -158,3 +158,48 @@ def test_shipped_studies_compose_and_validate(path):
     for case in study.cases:
         point = next(p for p in study.points([case.name]))
         validate(compose_config(*point.overrides))
+
+
+def test_two_stage_study_selects_on_the_tuning_seed_then_runs_the_others(tmp_path):
+    """tune_seeds: the grid runs on seed 0 alone; the other seeds run only at each case's
+    selected lr; the report selects on seed 0 even where the other seeds would disagree."""
+    study = load_study(
+        write_study(
+            tmp_path,
+            seeds=[0, 1, 2],
+            tune_seeds=[0],
+            lrs=[0.3, 0.001],  # 0.001 barely moves in one epoch: 0.3 has the lower loss
+            cases={"dense": ["compressor=identity"], "sign": ["compressor=sign"]},
+        )
+    )
+    assert [p.id for p in study.points()] == [
+        "dense | lr 0.3 | seed 0", "dense | lr 0.001 | seed 0",
+        "sign | lr 0.3 | seed 0", "sign | lr 0.001 | seed 0",
+    ]  # fmt: skip
+    out = tmp_path / "out"
+    ran: list[str] = []
+
+    def runner(point, run_dir, overrides):
+        ran.append(point.id)
+        return run_inprocess(point, run_dir, overrides)
+
+    run_study(study, out, launcher=runner, log=lambda line: None)
+    from dpresearch.study.report import selected_lrs
+
+    lrs = selected_lrs(study, out)
+    assert lrs == {"dense": 0.3, "sign": lrs["sign"]} and lrs["sign"] in (0.3, 0.001)
+    finals = [f"{case} | lr {lr:g} | seed {s}" for case, lr in lrs.items() for s in (1, 2)]
+    assert ran[4:] == finals and len(ran) == 8
+    # resumed: nothing runs again
+    ran.clear()
+    run_study(study, out, launcher=runner, log=lambda line: None)
+    assert ran == []
+    report = report_study(study, out, tmp_path / "results")
+    text = report.read_text()
+    assert "selected on seeds 0 only" in text
+    assert "0,1,2" in text  # the selected rows average all three seeds
+
+
+def test_tune_seeds_must_be_some_of_the_seeds(tmp_path):
+    with pytest.raises(StudyError, match="tune_seeds"):
+        load_study(write_study(tmp_path, seeds=[0, 1], tune_seeds=[5]))

@@ -105,6 +105,10 @@ class Algorithm(ABC):
         self.comm.all_reduce(buffers, op="mean", record="eval")
         return params[0], buffers[0]
 
+    def set_run_length(self, steps_per_epoch: int, total_steps: int) -> None:
+        """Told once, before the first step, how many steps make an epoch and the run (for
+        options given in epochs, e.g. post-local SGD's switch)."""
+
     def metrics(self) -> dict[str, float]:
         """Extra metrics logged at every log step (same value on every process); collectives
         here pass `record="metrics"`."""

@@ -6,7 +6,9 @@ them by default (`average_buffers`; recorded as "buffers" traffic, apart from `c
 Optimizer state (momentum) stays local by default — the choice of Lin et al.'s local SGD — or
 is averaged too with `average_optimizer_state=true`.
 `period=1` with plain SGD is synchronous SGD; a period longer than the run gives K independent
-workers.
+workers. Post-local SGD (Lin et al. 2020): `sync_epochs` = E averages after every step for the
+first E epochs (set it to the first lr decay) and every `period` steps after; the periods count
+from the switch.
 """
 
 from __future__ import annotations
@@ -29,18 +31,34 @@ class LocalSGD(Algorithm):
         period: int = 8,
         average_buffers: bool = True,
         average_optimizer_state: bool = False,
+        sync_epochs: float = 0.0,
     ) -> None:
         super().__init__(replicas, comm, optimizers)
         if period < 1:
             raise ValueError(f"algorithm.period must be >= 1, got {period}")
-        self.period = period
+        if sync_epochs < 0:
+            raise ValueError(f"algorithm.sync_epochs must be >= 0, got {sync_epochs}")
+        self.period, self.sync_epochs = period, sync_epochs
+        self.sync_steps = 0  # set from sync_epochs once the epoch length is known
         self.average_buffers = average_buffers
         self.average_optimizer_state = average_optimizer_state
+
+    def set_run_length(self, steps_per_epoch: int, total_steps: int) -> None:
+        self.sync_steps = round(self.sync_epochs * steps_per_epoch)
+
+    def averages_after(self, step: int) -> bool:
+        """Whether the parameters are averaged after `step` (0-based)."""
+        if step < self.sync_steps:
+            return True
+        return (step + 1 - self.sync_steps) % self.period == 0
+
+    def describe(self) -> dict:
+        return {"local_sgd/sync_steps": self.sync_steps} if self.sync_steps else {}
 
     def after_backward(self, step: int) -> None:
         for opt in self.optimizers:
             opt.step()
-        if (step + 1) % self.period == 0:
+        if self.averages_after(step):
             self.comm.all_reduce(self.replicas.params, op="mean")
             if self.average_buffers and self.replicas.buffers.shape[1] > 0:
                 self.comm.all_reduce(self.replicas.buffers, op="mean", record="buffers")

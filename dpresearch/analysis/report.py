@@ -39,7 +39,9 @@ class ReportSpec:
     the runs, else every run alone). `tune`: keys selected over within a case when they vary
     there. `select`: the selection metric (`name[:min|max]`; None: validation metric, else
     final training loss). `target`: time-to-accuracy target on `target_metric`. `network`:
-    preset the modeled seconds are re-priced on (None: each run's own network)."""
+    preset the modeled seconds are re-priced on (None: each run's own network).
+    `select_seeds`: the selection reads only these seeds' runs (a study's tuning seeds: the
+    other seeds ran at the selected setting alone), the table still averages every seed."""
 
     by: Sequence[str] | None = None
     tune: Sequence[str] | None = None
@@ -52,6 +54,7 @@ class ReportSpec:
     include_failed: bool = False
     published: Published | None = None
     title: str = "Results"
+    select_seeds: Sequence[int] | None = None
 
 
 @dataclass
@@ -97,6 +100,50 @@ def _tuned_keys(runs, by: list[str], tune: Sequence[str] | None) -> list[str]:
     ]
 
 
+def selected_on_seeds(runs, grid, by, tune, selection, seed_key, seeds, include_failed):
+    """`grid`'s rows whose setting is best per case on the runs of `seeds` alone (a boolean
+    Series aligned with `grid`)."""
+    basis = runs[runs[seed_key].isin(list(seeds))]
+    if basis.empty:
+        return grid["selected"] & False
+    chosen = select_best(
+        aggregate(basis, [*by, *tune], [selection.metric], seed_key, include_failed),
+        by,
+        tune,
+        selection,
+    )
+    keys = [*by, *tune]
+    picked = set(map(tuple, chosen.loc[chosen["selected"], keys].astype(str).to_numpy()))
+    return grid[keys].astype(str).apply(tuple, axis=1).isin(picked)
+
+
+def grid_edge_notes(grid, by: Sequence[str], tune: Sequence[str]) -> list[str]:
+    """One note per case whose selected value of a numeric tuned key is the smallest or the
+    largest of those it tried: the best setting may lie outside the grid."""
+    import pandas as pd
+
+    notes = []
+    for case, frame in grid.groupby(list(by), dropna=False, sort=False):
+        chosen = frame[frame["selected"]]
+        if chosen.empty:
+            continue
+        for key in tune:
+            values = pd.to_numeric(frame[key], errors="coerce").dropna()
+            value = pd.to_numeric(chosen[key], errors="coerce").iloc[0]
+            if values.nunique() < 2 or pd.isna(value):
+                continue
+            edge = (
+                "smallest" if value == values.min() else "largest" if value == values.max() else ""
+            )
+            if edge:
+                name = case[0] if isinstance(case, tuple) and len(case) == 1 else case
+                notes.append(
+                    f"{name}: the selected {key.removeprefix('cfg.')}={value:g} is the {edge} "
+                    f"of the {values.nunique()} values tried; the best may lie beyond the grid"
+                )
+    return notes
+
+
 def build_report(runs, metrics, spec: ReportSpec) -> Report:
     """The report of `runs` (`load_summaries`) and their steps (`load_metrics_many`)."""
     import pandas as pd
@@ -135,6 +182,15 @@ def build_report(runs, metrics, spec: ReportSpec) -> Report:
     grid = aggregate(runs, [*by, *tune], values, seed_key, spec.include_failed)
     if tune:
         grid = select_best(grid, by, tune, selection)
+        if spec.select_seeds is not None and seed_key is not None:
+            grid["selected"] = selected_on_seeds(
+                runs, grid, by, tune, selection, seed_key, spec.select_seeds, spec.include_failed
+            )
+            notes.append(
+                f"selected on seeds {', '.join(map(str, spec.select_seeds))} only (the tuning "
+                "seeds); the other seeds ran at the selected setting"
+            )
+        notes += grid_edge_notes(grid, by, tune)
         table = grid[grid["selected"]]
         missing = grid[~grid.set_index(by).index.isin(table.set_index(by).index)]
         if not missing.empty:  # cases where nothing could be selected: shown, never dropped

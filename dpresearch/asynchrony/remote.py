@@ -296,7 +296,8 @@ def run_worker(cfg: DictConfig, worker: int, device: torch.device, group) -> Non
 
     opts = AsyncOptions.from_node(cfg.algorithm.get("options"))
     alg, tc, k = cfg.algorithm, cfg.train, cfg.workers
-    data = instantiate(cfg.data, device=str(device))
+    # the trainer's split: a worker trains on the same examples as in every other mode
+    data = instantiate(cfg.data, device=str(device)).hold_out(tc.val_size)
     partitioner = data.make_partitioner(k, cfg.seed)
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model, num_classes=data.num_classes, input_shape=data.input_shape)

@@ -8,11 +8,22 @@ any backend. Which indices each worker visits is the partitioner's job (`data/pa
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+SPLIT_TENSORS = (
+    "train_inputs",
+    "train_targets",
+    "test_inputs",
+    "test_targets",
+    "val_inputs",
+    "val_targets",
+)
+VALIDATION_SEED = 0  # the held-out examples are the same in every run
 
 
 @dataclass
@@ -20,6 +31,8 @@ class Dataset:
     """Train and test splits as tensors plus the transforms that make model inputs.
 
     Subclasses override `transform_train` / `transform_test` (default: cast to float).
+    `val_inputs` / `val_targets`: a validation split held out of the training set
+    (`hold_out`), None without one.
     `partition` ("iid" or "dirichlet") and `alpha` choose how `make_partitioner` splits the
     training set across workers.
     """
@@ -31,6 +44,8 @@ class Dataset:
     num_classes: int
     partition: str = "iid"
     alpha: float = 1.0
+    val_inputs: Tensor | None = None
+    val_targets: Tensor | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -42,9 +57,36 @@ class Dataset:
 
     def to(self, device: torch.device | str) -> Dataset:
         """Move all split tensors to `device` (in place); returns self."""
-        for name in ("train_inputs", "train_targets", "test_inputs", "test_targets"):
-            setattr(self, name, getattr(self, name).to(device))
+        for name in SPLIT_TENSORS:
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).to(device))
         return self
+
+    def hold_out(self, size: float, seed: int = VALIDATION_SEED) -> Dataset:
+        """A copy of this data set with `size` training examples (a count >= 1, or a fraction
+        of the training set < 1) moved into the validation split; `size` 0 returns self.
+
+        The held-out examples are a uniformly random draw from a generator seeded with `seed`
+        alone, not the run's seed, so every seed of a study trains on the same examples and is
+        selected on the same validation set; the training examples keep their file order."""
+        if not size:
+            return self
+        n = self.num_train
+        count = round(size * n) if size < 1 else int(size)
+        if size < 0 or count < 1 or count >= n or (size >= 1 and size != int(size)):
+            raise ValueError(
+                f"train.val_size={size} must be a count of examples in [1, {n - 1}] or a "
+                f"fraction in (0, 1) of the {n} training examples (0: no validation split)"
+            )
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        held = order[:count].sort().values.to(self.train_targets.device)
+        keep = order[count:].sort().values.to(self.train_targets.device)
+        split = copy.copy(self)  # shallow: the test split and settings are shared
+        split.val_inputs = self.train_inputs.index_select(0, held)
+        split.val_targets = self.train_targets.index_select(0, held)
+        split.train_inputs = self.train_inputs.index_select(0, keep)
+        split.train_targets = self.train_targets.index_select(0, keep)
+        return split
 
     def transform_train(self, inputs: Tensor, generator: torch.Generator | None) -> Tensor:
         """Model inputs for a training batch; may draw augmentation from `generator`."""
@@ -67,18 +109,17 @@ class Dataset:
         )
 
     def test_batches(
-        self, batch_size: int, shard: int = 0, num_shards: int = 1
+        self, batch_size: int, shard: int = 0, num_shards: int = 1, split: str = "test"
     ) -> Iterator[tuple[Tensor, Tensor]]:
-        """Evaluation batches over the test split, restricted to shard `shard` of `num_shards`
-        contiguous shards (so processes can split evaluation and sum their results)."""
-        n = int(self.test_targets.shape[0])
+        """Evaluation batches over the `split` split ("test" or "val"), restricted to shard
+        `shard` of `num_shards` contiguous shards (so processes can split evaluation and sum
+        their results)."""
+        inputs, targets = getattr(self, f"{split}_inputs"), getattr(self, f"{split}_targets")
+        n = int(targets.shape[0])
         lo, hi = shard * n // num_shards, (shard + 1) * n // num_shards
         for start in range(lo, hi, batch_size):
             stop = min(start + batch_size, hi)
-            yield (
-                self.transform_test(self.test_inputs[start:stop]),
-                self.test_targets[start:stop],
-            )
+            yield self.transform_test(inputs[start:stop]), targets[start:stop]
 
     def make_partitioner(self, num_workers: int, seed: int):
         """The partitioner that assigns training indices to `num_workers` workers."""

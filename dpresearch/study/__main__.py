@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from dpresearch.analysis.errors import AnalysisError
@@ -23,6 +24,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--launcher", default="local", choices=("local", "hydra", "inprocess"))
     p.add_argument("--hydra-launcher", help="with --launcher hydra: e.g. parallel, slurm")
     p.add_argument("--jobs", type=int, default=1, help="local launcher: points at once")
+    p.add_argument(
+        "--start-until",
+        type=float,
+        metavar="SECONDS",
+        help="start no point after SECONDS (a time-limited allocation; run again to go on)",
+    )
     p.add_argument("--only", nargs="+", help="these cases only")
     p.add_argument("--dry-run", action="store_true", help="show what would run")
     p.add_argument("--report", action="store_true", help="run: write the report at the end")
@@ -44,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                 out,
                 launcher=args.launcher,
                 jobs=args.jobs,
+                start_until=None if args.start_until is None else time.time() + args.start_until,
                 hydra_launcher=args.hydra_launcher,
                 only=args.only,
                 dry_run=args.dry_run or args.action == "status",

@@ -176,14 +176,17 @@ def _hydra_group(study: Study, points: list[Point], out: Path, launcher: str | N
         ).returncode
 
 
-def plan(study: Study, out: str | Path, only: Sequence[str] | None = None) -> list[tuple]:
-    """(point, state) for every point, without touching anything: `state` is `missing`, a
-    run status (see `point_state`), or `running` while the recorded study process lives."""
+def plan(
+    study: Study, out: str | Path, only: Sequence[str] | None = None, points=None
+) -> list[tuple]:
+    """(point, state) for every point (default: the study's grid), without touching anything:
+    `state` is `missing`, a run status (see `point_state`), or `running` while the recorded
+    study process lives."""
     out = Path(out).resolve()
     path = out / "status.json"
     records = json.loads(path.read_text()).get("points", {}) if path.exists() else {}
     rows = []
-    for point in study.points(only):
+    for point in study.points(only) if points is None else points:
         state = point_state(out / point.dir)
         if state not in DONE and _alive(records.get(point.id, {}).get("pid")):
             state = "running"
@@ -201,10 +204,47 @@ def run_study(
     only: Sequence[str] | None = None,
     dry_run: bool = False,
     log: Callable[[str], None] = print,
+    start_until: float | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Run every point not yet done; return `status.json`'s point records (see module doc)."""
+    """Run every point not yet done; return `status.json`'s point records (see module doc).
+    `start_until` (a `time.time()` value): no point starts after it (for a time-limited
+    allocation: the points started finish, the rest wait for the next `run_study`).
+    A study with `tune_seeds` runs its grid first, selects each case's lr on it, then the
+    other seeds at that lr."""
     out = Path(out).resolve()
-    states = plan(study, out, only)
+    run = dict(launcher=launcher, jobs=jobs, hydra_launcher=hydra_launcher, dry_run=dry_run,
+               log=log, start_until=start_until)  # fmt: skip
+    records = _run_points(study, out, study.points(only), **run)
+    if study.tune_seeds is None:
+        return records
+    from dpresearch.study.report import selected_lrs
+
+    lrs = selected_lrs(study, out)
+    final = study.final_points(lrs, only)
+    unselected = [c.name for c in study.cases if (not only or c.name in only) and c.name not in lrs]
+    if dry_run:
+        log(f"== then the other seeds at each case's selected lr: {len(final)} points"
+            + (f" ({len(unselected)} cases not selectable yet)" if unselected else ""))  # fmt: skip
+    elif unselected:
+        log(f"== no lr could be selected for {', '.join(unselected)}: their other seeds wait")
+    if final:
+        records = {**records, **_run_points(study, out, final, **run)}
+    return records
+
+
+def _run_points(
+    study: Study,
+    out: Path,
+    points: list[Point],
+    *,
+    launcher: str | Runner,
+    jobs: int,
+    hydra_launcher: str | None,
+    dry_run: bool,
+    log: Callable[[str], None],
+    start_until: float | None = None,
+) -> dict[str, dict[str, Any]]:
+    states = plan(study, out, points=points)
     running = [p.id for p, state in states if state == "running"]
     if running:
         raise StudyError(
@@ -303,6 +343,8 @@ def run_study(
         raise StudyError(f"launcher {launcher!r}: choose local, hydra or inprocess")
 
     def one(point: Point) -> None:
+        if start_until is not None and time.time() > start_until:
+            return  # past the start deadline: left for the next run of the study
         began = time.time()
         run_dir = start(point)
         log(f"== {point.id}: running")

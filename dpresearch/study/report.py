@@ -24,7 +24,30 @@ def study_spec(study: Study, include_failed: bool = False) -> ReportSpec:
         by=["case"], tune=[f"cfg.{study.lr_key}"], select=study.select,
         target=study.target, target_metric=study.target_metric, network=study.network,
         include_failed=include_failed, published=published, title=study.title,
+        select_seeds=study.tune_seeds,
     )  # fmt: skip
+
+
+def selected_lrs(study: Study, out: str | Path) -> dict[str, float]:
+    """Each case's selected lr, read from the grid's runs under `out/runs` (the selection the
+    report makes); a case with nothing selectable is left out."""
+    from dpresearch.analysis.aggregate import aggregate, choose_selection, select_best
+
+    paths = find_runs([Path(out) / "runs"])
+    if not paths:
+        return {}
+    runs = load_summaries(paths)
+    seeds = list(study.selection_seeds)
+    runs = runs[runs["cfg.seed"].isin(seeds)] if "cfg.seed" in runs else runs
+    lr = f"cfg.{study.lr_key}"
+    if runs.empty or lr not in runs or "case" not in runs:
+        return {}
+    selection = choose_selection(list(runs.columns), study.select)
+    grid = select_best(
+        aggregate(runs, ["case", lr], [selection.metric], "cfg.seed"), ["case"], [lr], selection
+    )
+    best = grid[grid["selected"]]
+    return {str(c): float(v) for c, v in zip(best["case"], best[lr], strict=True)}
 
 
 def _wandb_settings(runs) -> dict | None:

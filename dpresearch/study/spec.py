@@ -7,7 +7,9 @@ metric and the time-to-accuracy target; expanded into points (case × lr × seed
     lrs: [0.3, 0.1, 0.03]                # default grid
     lr_key: optimizer.lr                 # the override the grid sets
     seeds: [0, 1, 2]
-    select: train/loss:min               # null: validation metric, else final training loss
+    tune_seeds: [0]                      # the grid runs on these; the other seeds at the
+                                         # selected lr only (omit: every seed at every lr)
+    select: val/acc:max                  # null: validation metric, else final training loss
     target: {metric: test/acc, value: 0.6}
     network: 1gbe                        # modeled seconds in the report
     published: {file: published.csv, key: case, columns: [top1]}
@@ -20,6 +22,10 @@ metric and the time-to-accuracy target; expanded into points (case × lr × seed
 `{repo}` (the repository root) and `{study_dir}` (the YAML's folder) are substituted in
 overrides. A case may not set the lr key or `seed` itself (the grid and `seeds` do). Every
 problem is one `StudyError` line.
+
+With `tune_seeds`, a study runs in two stages: the grid on the tuning seeds (`points`), then,
+once every case's lr is selected on them, the remaining seeds at that lr (`final_points`); the
+report selects on the tuning seeds only, so the other seeds never influence the choice.
 """
 
 from __future__ import annotations
@@ -32,8 +38,8 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-KEYS = {"name", "description", "common", "lrs", "lr_key", "seeds", "select", "target",
-        "network", "published", "cases", "title"}  # fmt: skip
+KEYS = {"name", "description", "common", "lrs", "lr_key", "seeds", "tune_seeds", "select",
+        "target", "network", "published", "cases", "title"}  # fmt: skip
 
 
 class StudyError(ValueError):
@@ -86,9 +92,38 @@ class Study:
     published: dict[str, Any] = field(default_factory=dict)
     description: str = ""
     title: str = ""
+    tune_seeds: tuple[int, ...] | None = None
+
+    @property
+    def selection_seeds(self) -> tuple[int, ...]:
+        """The seeds every lr of the grid runs on (and the selection reads)."""
+        return self.tune_seeds if self.tune_seeds is not None else self.seeds
 
     def points(self, only: Sequence[str] | None = None) -> list[Point]:
-        """Every point, case by case, lr by lr, seed by seed (`only`: these case names)."""
+        """The grid: every case, lr by lr, on the selection seeds (`only`: these cases)."""
+        return [
+            self._point(case, lr, seed)
+            for case in self._cases(only)
+            for lr in case.lrs
+            for seed in self.selection_seeds
+        ]
+
+    def final_points(self, lrs: dict[str, float], only: Sequence[str] | None = None) -> list[Point]:
+        """The seeds not tuned on, each case at its selected lr `lrs[case]` (a case missing
+        from `lrs` has none: nothing could be selected)."""
+        rest = [s for s in self.seeds if s not in self.selection_seeds]
+        return [
+            self._point(case, lrs[case.name], seed)
+            for case in self._cases(only)
+            if case.name in lrs
+            for seed in rest
+        ]
+
+    def _point(self, case: Case, lr: float, seed: int) -> Point:
+        grid = (f"{self.lr_key}={lr!r}", f"seed={seed}")
+        return Point(case.name, lr, seed, (*self.common, *case.overrides, *grid))
+
+    def _cases(self, only: Sequence[str] | None) -> list[Case]:
         if only:
             unknown = sorted(set(only) - {c.name for c in self.cases})
             if unknown:
@@ -96,13 +131,7 @@ class Study:
                     f"no case {', '.join(map(repr, unknown))} in {self.path.name}; "
                     f"cases: {', '.join(c.name for c in self.cases)}"
                 )
-        return [
-            Point(case.name, lr, seed, (*self.common, *case.overrides,
-                                        f"{self.lr_key}={lr!r}", f"seed={seed}"))
-            for case in self.cases if not only or case.name in only
-            for lr in case.lrs
-            for seed in self.seeds
-        ]  # fmt: skip
+        return [case for case in self.cases if not only or case.name in only]
 
 
 def _strings(value: Any, what: str, study_dir: Path) -> tuple[str, ...]:
@@ -177,6 +206,12 @@ def load_study(path: str | Path) -> Study:
     seeds = raw.get("seeds", [0])
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
         raise StudyError(f"seeds must be a non-empty list of integers, got {seeds!r}")
+    tune_seeds = raw.get("tune_seeds")
+    if tune_seeds is not None and (
+        not isinstance(tune_seeds, list) or not tune_seeds or not set(tune_seeds) <= set(seeds)
+    ):
+        raise StudyError(f"tune_seeds must be a non-empty list of some of seeds {seeds}, "
+                         f"got {tune_seeds!r}")  # fmt: skip
     target = raw.get("target") or {}
     if not isinstance(target, dict) or set(target) - {"metric", "value"}:
         raise StudyError("target must be a mapping {metric: test/acc, value: 0.6}")
@@ -191,4 +226,5 @@ def load_study(path: str | Path) -> Study:
         target=float(target["value"]) if "value" in target else None,
         network=raw.get("network"), published=dict(published),
         description=str(raw.get("description", "")), title=str(raw.get("title", name)),
+        tune_seeds=tuple(tune_seeds) if tune_seeds is not None else None,
     )  # fmt: skip
