@@ -151,9 +151,10 @@ def test_hydra_launcher_runs_the_seeds_as_one_multirun(tmp_path, capsys):
         assert (out / "runs" / "dense" / "lr0.1" / f"seed{seed}" / "summary.json").exists()
 
 
-@pytest.mark.parametrize("path", sorted(REPO.glob("experiments/*/study.yaml")), ids=str)
+@pytest.mark.parametrize("path", sorted(REPO.glob("experiments/*/*.yaml")), ids=str)
 def test_shipped_studies_compose_and_validate(path):
-    """Every case of every study in experiments/ is a valid configuration (not run)."""
+    """Every case of every study in experiments/ (subset and full scale) is a valid
+    configuration (not run)."""
     study = load_study(path)
     for case in study.cases:
         point = next(p for p in study.points([case.name]))

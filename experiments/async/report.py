@@ -183,11 +183,10 @@ def cifar_section(cifar: dict, args, out: Path) -> str:
         "SGD (momentum 0.9, weight decay 5e-4) at the server, cosine schedule with one warm-up "
         f"epoch; {args.epochs:g} epochs of gradients for every method (the same number of "
         "gradients; on this 2-core CPU machine that is what fits — far from converged, and the "
-        "5085/1017-image subset is not comparable to full CIFAR-10). Tuning was cut to what the "
-        "shared machine allowed: two lrs for the synchronous baseline, one for each "
-        "asynchronous method (η/8 of sync's, since one push carries 1/8 of a synchronous "
-        "update's gradients; sync's η for the η/τ rule, about the same step at τ ≈ 7) — so the "
-        "asynchronous methods are not tuned. Lowest final training loss selects. One seed.",
+        "5085/1017-image subset is not comparable to full CIFAR-10). Each method at three lrs "
+        "(the asynchronous grids centred on η/8 of sync's, since one push carries 1/8 of a "
+        "synchronous update's gradients; the η/τ rule's on sync's η, about the same step at "
+        "τ ≈ 7); lowest final training loss selects. One seed (what this machine allowed).",
         "",
         f"Accuracy at a common simulated time T = {common:.1f} s (when the fastest method "
         "finished its epochs) and at the end of each method's own run:",
