@@ -29,6 +29,15 @@ class TrainConfig:
     "none" leaves it. `channels_last`: NHWC inputs and conv weights (faster convolutions on
     GPUs). `autocast`: null, "bf16" or "fp16" mixed-precision forward/backward; fp16 multiplies
     the loss by the static `loss_scale` and divides the gradients by it before communication.
+
+    Checkpoints (`dpresearch/checkpoint.py`): `checkpoint_every` is a number of steps (`500`),
+    of epochs (`1ep`, `0.5ep`) or 0/null (off, the default); `checkpoint_keep` keeps the last N.
+    SIGTERM/SIGINT always write a final checkpoint (as Lightning does), whatever
+    `checkpoint_every` says. `resume`: null (start fresh), `auto` (continue from the run
+    directory's latest complete checkpoint if there is one, else start fresh) or a path (a
+    checkpoint file or a run directory). `on_nonfinite`: what a non-finite training loss does —
+    `stop` (exit 3, `status: diverged`, no model written), `skip_step` (that step's update is
+    dropped and counted) or `continue`.
     """
 
     steps: int | None = None
@@ -44,6 +53,10 @@ class TrainConfig:
     channels_last: bool = False
     autocast: str | None = None
     loss_scale: float = 1024.0
+    checkpoint_every: str | None = None
+    checkpoint_keep: int = 2
+    resume: str | None = None
+    on_nonfinite: str = "stop"
 
 
 @dataclass

@@ -85,7 +85,12 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             print(f"run directory: {run_dir}", flush=True)
         try:
             what = f"sweep point {run_dir}" if multirun else ""
-            claim = claim_run_dir(run_dir, what=what) if run_dir else contextlib.nullcontext()
+            resume = cfg.train.resume is not None
+            claim = (
+                claim_run_dir(run_dir, resume=resume, what=what)
+                if run_dir
+                else contextlib.nullcontext()
+            )
             with claim:
                 if run_dir is not None:
                     write_provenance(run_dir, overrides)
@@ -99,7 +104,37 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             if not (multirun or _is_worker_failure(exc)):
                 raise  # a bug: Hydra shows its traceback
             _fail(_crash_line(exc), 1, multirun)
+        _end_of_run(summary, multirun)
     return summary.get("test/acc")
+
+
+DIVERGED_EXIT = 3  # a non-finite loss stopped the run (train.on_nonfinite=stop)
+
+
+def _end_of_run(summary: dict[str, Any], multirun: bool) -> None:
+    """A run that ended short of its last step: one line and its exit status — 128 + signal
+    for a stop request (130 SIGINT, 143 SIGTERM), `DIVERGED_EXIT` for a non-finite loss."""
+    status = summary.get("status")
+    if status == "interrupted":
+        where = summary.get("checkpoint") or "none (this algorithm cannot checkpoint)"
+        line = (
+            f"interrupted at step {summary['interrupted_at_step']}: checkpoint {where}; "
+            "resume with train.resume=auto"
+        )
+        if multirun:
+            print(line, file=sys.stderr, flush=True)
+            raise PointFailed(line)
+        print(line, file=sys.stderr, flush=True)
+        sys.exit(int(summary.get("exit_code", 130)))
+    if status == "diverged":
+        kept = summary.get("last_checkpoint")
+        line = (
+            f"error: non-finite training loss at step {summary['diverged_at_step']} "
+            f"(lr {summary.get('lr', float('nan')):.4g}); the run was stopped and no model "
+            "written: lower optimizer.lr (or set train.on_nonfinite=skip_step)"
+            + (f"; last finite checkpoint {kept}" if kept else "")
+        )
+        _fail(line, DIVERGED_EXIT, multirun)
 
 
 def _is_worker_failure(exc: BaseException) -> bool:
@@ -144,8 +179,16 @@ def _check_before_hydra(argv: list[str]) -> list[str]:
     preflight(task_config(composed), cmd.overrides)
     if under_torchrun() and global_rank() != 0:
         return argv
+    task = task_config(composed)
     run_dir = Path(str(composed.hydra.run.dir)).resolve()
-    claim_run_dir(run_dir)  # held until this process ends
+    resume = task.train.resume
+    pinned_by_user = any(a.split("=", 1)[0].lstrip("+") == "hydra.run.dir" for a in argv)
+    if resume not in (None, "auto") and not pinned_by_user:
+        # train.resume=<checkpoint or run directory>: continue in that run's directory.
+        from dpresearch.checkpoint import find_resume, run_dir_of
+
+        run_dir = run_dir_of(find_resume(resume, None)) or run_dir
+    claim_run_dir(run_dir, resume=resume is not None)  # held until this process ends
     pinned = [a for a in argv if a.split("=", 1)[0].lstrip("+") != "hydra.run.dir"]
     return [*pinned, f"hydra.run.dir={_quote(str(run_dir))}"]
 
