@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SHARED, SMALL, cli_env, compose_config
+from conftest import SHARED, SMALL, cli_env, compose_config, run_cli
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from dpresearch.checkpoint import (
@@ -296,3 +296,23 @@ def test_progress_line_shows_throughput_and_eta():
         total_steps=200,
     )  # fmt: skip
     assert "5 steps/s (640 img/s)" in line and "ETA 0:30" in line
+
+
+def test_resume_from_a_checkpoint_file_continues_in_its_run_directory(tmp_path):
+    """`train.resume=<run>/checkpoints/step_N.pt` without `hydra.run.dir`: the run continues
+    in `<run>` from step N (a Lightning `ckpt_path`, but the run's own directory)."""
+    run_dir = tmp_path / "run"
+    args = [*QUICK, "train.steps=10", "train.checkpoint_every=4", "train.checkpoint_keep=5"]
+    first = run_cli([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    refused = run_cli([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert refused.returncode == 2 and "or train.resume=auto to continue" in refused.stderr
+    before = (run_dir / "metrics.jsonl").read_text().splitlines()
+    out = run_cli(
+        [*args, f"train.resume={run_dir / 'checkpoints' / 'step_4.pt'}"], cwd=tmp_path / "run"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    after = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(ln)["step"] for ln in after] == list(range(1, 11))
+    assert after[:4] == before[:4] and after[4:] != before[4:]  # steps 5-10 run again
+    assert not (run_dir / "outputs").exists()
