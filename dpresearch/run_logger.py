@@ -160,6 +160,9 @@ class RunLogger(NullLogger):
                 flush=True,
             )
             with _quiet_wandb():
+                # The failed online start still holds its run id in this process.
+                with contextlib.suppress(Exception):
+                    wandb.teardown()
                 return wandb.init(mode="offline", settings=wandb.Settings(silent=True), **fields)
         print(f"W&B: {run.url}", flush=True)
         return run

@@ -100,6 +100,8 @@ def _hydra_main(cfg: DictConfig) -> float | None:
                 summary = train(cfg, run_dir, overrides)
         except (ConfigError, WorkerFrozen) as exc:
             _fail(f"error: {exc}", 2 if isinstance(exc, ConfigError) else 1, multirun)
+        except KeyboardInterrupt:  # Ctrl-C before the training loop took over the signal
+            _fail("error: interrupted before training started; nothing to resume", 130, multirun)
         except Exception as exc:
             if not (multirun or _is_worker_failure(exc)):
                 raise  # a bug: Hydra shows its traceback

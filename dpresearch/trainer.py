@@ -328,7 +328,7 @@ class Trainer:
                 self.logger.log(last)
                 if tc.progress and comm.is_main_process:
                     print(format_progress(last, self.total_steps), flush=True)
-            if signum:
+            if signum and not is_last:  # (on the last step: finishing is the stop)
                 return self._end_interrupted(done, signum)
             if self.checkpoint_every and done % self.checkpoint_every == 0 and not is_last:
                 self.checkpoint(done)

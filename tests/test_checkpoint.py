@@ -316,3 +316,19 @@ def test_resume_from_a_checkpoint_file_continues_in_its_run_directory(tmp_path):
     assert [json.loads(ln)["step"] for ln in after] == list(range(1, 11))
     assert after[:4] == before[:4] and after[4:] != before[4:]  # steps 5-10 run again
     assert not (run_dir / "outputs").exists()
+
+
+def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
+    """Offline W&B (no network in tests): the resumed attempt logs under the run id stored in
+    the run directory, so `wandb sync` (or an online run) continues one W&B run."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    args = [*QUICK, "train.steps=10", "train.checkpoint_every=5", "logger=wandb",
+            "logger.mode=offline"]  # fmt: skip
+    with pytest.raises(InjectedFailure):
+        train(compose_config(*args, "debug.fail_worker=0", "debug.fail_at_step=7"), run_dir)
+    run_id = (run_dir / "wandb_id").read_text().strip()
+    train(compose_config(*args, "train.resume=auto"), run_dir)
+    assert (run_dir / "wandb_id").read_text().strip() == run_id
+    runs = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(name.endswith(run_id) for name in runs), runs
