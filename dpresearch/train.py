@@ -123,10 +123,8 @@ def _end_of_run(summary: dict[str, Any], multirun: bool) -> None:
             f"interrupted at step {summary['interrupted_at_step']}: checkpoint {where}; "
             "resume with train.resume=auto"
         )
-        if multirun:
-            print(line, file=sys.stderr, flush=True)
-            raise PointFailed(line)
         print(line, file=sys.stderr, flush=True)
+        # In a sweep too: the user asked the whole job to stop, not this point alone.
         sys.exit(int(summary.get("exit_code", 130)))
     if status == "diverged":
         kept = summary.get("last_checkpoint")

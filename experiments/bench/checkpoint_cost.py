@@ -159,9 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch_per_worker": args.batch,
         "threads": torch.get_num_threads(),
     }
-    print(
-        f"state: {nbytes / 1e6:.0f} MB in {len(tensors)} tensors (ResNet-18, K=4, EF, momentum)"
-    )
+    print(f"state: {nbytes / 1e6:.0f} MB in {len(tensors)} tensors (ResNet-18, K=4, EF, momentum)")
     print(
         f"checkpoint {ckpt:.3f} s (file {ckpt_bytes / 1e6:.0f} MB) vs torch.save {save:.3f} s "
         f"(file {save_bytes / 1e6:.0f} MB): {ckpt / save:.2f}x (target <= 3); "
