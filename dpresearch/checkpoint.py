@@ -115,6 +115,9 @@ def write_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int)
     the newest `keep` (at least 1); returns the file's path."""
     folder = checkpoint_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob(".*.tmp"):  # left by a writer killed mid-write (we hold the run)
+        with contextlib.suppress(OSError):
+            stale.unlink()
     path = folder / f"step_{step}.pt"
     atomic_save(state, path)
     atomic_write_text(folder / LATEST, path.name + "\n")

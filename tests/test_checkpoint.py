@@ -56,6 +56,7 @@ CASES = {
     "local_sgd": ["algorithm=local_sgd", "algorithm.period=4", "optimizer.momentum=0.9"],
     "choco": ["algorithm=choco", "compressor=topk", "compressor.ratio=0.25"],
     "dpsgd": ["algorithm=dpsgd", "optimizer.momentum=0.9"],
+    "sgp": ["algorithm=sgp", "topology=one_peer_exponential"],
 }
 
 
@@ -257,6 +258,30 @@ def stop_and_resume(
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
     return run_dir, err
+
+
+def test_kill_9_then_resume_equals_uninterrupted(tmp_path):
+    """A real SIGKILL at an arbitrary step (after the first checkpoint): the lock and any
+    half-written file it leaves are taken over, the resumed run ends as an uninterrupted one."""
+    run_dir = tmp_path / "run"
+    args = [*QUICK, "train.steps=400", "train.eval_every=200", "train.checkpoint_every=10"]
+    proc = start_cli([*args, f"hydra.run.dir={run_dir}"], tmp_path)
+    try:
+        wait_for_step(run_dir, proc, 35, timeout=240)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert latest_checkpoint(run_dir) is not None and not (run_dir / "summary.json").exists()
+    (run_dir / "checkpoints" / ".step_999.pt.half.tmp").write_bytes(b"torn")
+    out = run_cli([*args, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [m["step"] for m in metric_lines(run_dir)] == list(range(1, 401))
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+    reference = tmp_path / "reference"
+    train(compose_config(*args), reference)
+    assert same(final_params(run_dir), final_params(reference))
 
 
 def test_sigint_simulated_stops_cleanly_and_resumes_exactly(tmp_path):
