@@ -23,8 +23,9 @@ import contextlib
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -75,14 +76,15 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """`torch.save(obj)` to `path` via a temporary file in the same directory, fsynced and
-    renamed: `path` is either absent, the old file, or the complete new one."""
+def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Call `write` on a temporary file in `path`'s directory, flush, fsync, rename it to
+    `path` and fsync the directory: `path` is either absent, the old file, or the complete new
+    one."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -91,23 +93,16 @@ def atomic_save(obj: Any, path: Path) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """`torch.save(obj)` to `path` atomically (see `_atomic_write`)."""
+    _atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` atomically (temporary file, fsync, rename)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
+    """Write `text` to `path` atomically (see `_atomic_write`)."""
+    _atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def write_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:

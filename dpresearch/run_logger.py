@@ -160,10 +160,16 @@ class RunLogger(NullLogger):
                 flush=True,
             )
             with _quiet_wandb():
-                # The failed online start still holds its run id in this process.
+                # The failed online start may still hold its run id in this process.
                 with contextlib.suppress(Exception):
                     wandb.teardown()
-                return wandb.init(mode="offline", settings=wandb.Settings(silent=True), **fields)
+                offline = wandb.Settings(silent=True)
+                try:
+                    return wandb.init(mode="offline", settings=offline, **fields)
+                except Exception:  # noqa: BLE001 - "run ID is in use": a fresh id, then
+                    fields["id"] = uuid.uuid4().hex[:12]
+                    id_file.write_text(f"{fields['id']}\n")
+                    return wandb.init(mode="offline", settings=offline, **fields)
         print(f"W&B: {run.url}", flush=True)
         return run
 

@@ -366,35 +366,39 @@ class Trainer:
         """A stop request honoured after step `done`: final checkpoint, `status: interrupted`
         (the caller prints the one line and exits 128 + signal)."""
         path = self.checkpoint(done) if self.algorithm.checkpointable else None
-        summary = {
-            **self.last,
-            "status": "interrupted",
-            "interrupted_at_step": done,
-            "signal": signal.Signals(signum).name,
-            "exit_code": 128 + signum,
-            "checkpoint": str(path) if path is not None else None,
-            "total_steps": self.total_steps,
-            "steps_per_epoch": self.steps_per_epoch,
-            "best/test_acc": self.best_acc,
-        }
-        self.logger.finish(summary)
-        return summary
+        return self._end_early(
+            "interrupted",
+            interrupted_at_step=done,
+            signal=signal.Signals(signum).name,
+            exit_code=128 + signum,
+            checkpoint=str(path) if path is not None else None,
+        )
 
     def _end_diverged(self, at_step: int) -> dict[str, Any]:
         """A non-finite loss at step `at_step` (1-based, as metrics count) under
         `on_nonfinite=stop`: `status: diverged`, no model and no checkpoint written (the last
         finite checkpoint stays `latest`)."""
         kept = latest_checkpoint(self.run_dir) if self.run_dir is not None else None
+        return self._end_early(
+            "diverged",
+            diverged_at_step=at_step,
+            lr=self.base_lr * self.schedule(at_step - 1),
+            last_checkpoint=str(kept) if kept is not None else None,
+        )
+
+    def _end_early(self, status: str, **facts: Any) -> dict[str, Any]:
+        """The summary of a run that ended before its last step: the last logged metrics,
+        `status` and `facts`; written by the main process."""
         summary = {
             **self.last,
-            "status": "diverged",
-            "diverged_at_step": at_step,
-            "lr": self.base_lr * self.schedule(at_step - 1),
-            "last_checkpoint": str(kept) if kept is not None else None,
+            "status": status,
+            **facts,
             "total_steps": self.total_steps,
             "steps_per_epoch": self.steps_per_epoch,
             "best/test_acc": self.best_acc,
         }
+        if self.on_nonfinite == "skip_step":
+            summary["train/skipped_steps"] = self.skipped
         self.logger.finish(summary)
         return summary
 
