@@ -160,16 +160,13 @@ class RunLogger(NullLogger):
                 flush=True,
             )
             with _quiet_wandb():
-                # The failed online start may still hold its run id in this process.
                 with contextlib.suppress(Exception):
                     wandb.teardown()
-                offline = wandb.Settings(silent=True)
-                try:
-                    return wandb.init(mode="offline", settings=offline, **fields)
-                except Exception:  # noqa: BLE001 - "run ID is in use": a fresh id, then
-                    fields["id"] = uuid.uuid4().hex[:12]
-                    id_file.write_text(f"{fields['id']}\n")
-                    return wandb.init(mode="offline", settings=offline, **fields)
+                # The failed online start may still hold its run id in W&B's service ("run ID
+                # is in use"): the offline run gets its own id, kept for a later resume.
+                fields["id"] = uuid.uuid4().hex[:12]
+                id_file.write_text(f"{fields['id']}\n")
+                return wandb.init(mode="offline", settings=wandb.Settings(silent=True), **fields)
         print(f"W&B: {run.url}", flush=True)
         return run
 

@@ -35,7 +35,7 @@ def requested() -> int | None:
     if _requested is not None:
         return _requested
     path = os.environ.get(STOP_FILE_ENV)
-    if path:
+    if path and os.path.exists(path):  # (a stat per step; no exception on the common path)
         try:
             text = Path(path).read_text().strip()
         except OSError:
@@ -69,7 +69,7 @@ def _handlers(handler: Callable[[int, object], None]) -> Iterator[None]:
         return
     saved = {s: signal.getsignal(s) for s in SIGNALS}
     for s in SIGNALS:
-        if saved[s] is not signal.SIG_IGN and saved[s] != signal.SIG_IGN:
+        if saved[s] != signal.SIG_IGN:  # ignored (nohup, a background job): keep ignoring
             signal.signal(s, handler)
     try:
         yield

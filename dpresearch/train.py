@@ -56,6 +56,9 @@ def train(cfg: DictConfig, run_dir: Path | None, overrides: Sequence[str] = ()) 
     run.
     """
     dataset = preflight(cfg, overrides)
+    finished = _already_finished(cfg, run_dir)
+    if finished is not None:
+        return finished
     if under_torchrun():
         forget_data()
         return run_as_worker(cfg, run_dir if global_rank() == 0 else None)
@@ -63,6 +66,24 @@ def train(cfg: DictConfig, run_dir: Path | None, overrides: Sequence[str] = ()) 
         return run_simulated(cfg, run_dir, dataset)
     forget_data()  # each worker process loads its own copy
     return launch_local(cfg, run_dir)
+
+
+def _already_finished(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any] | None:
+    """With `train.resume=auto`, a run directory whose run has finished is left as it is (a
+    requeued job that already completed does nothing): its summary, or None. Not under
+    torchrun, where only rank 0 could tell."""
+    import json
+
+    if cfg.train.resume != "auto" or run_dir is None or under_torchrun():
+        return None
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("status") != "finished":
+        return None
+    print(f"{run_dir} already holds this run, finished; nothing to resume", flush=True)
+    return summary
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")

@@ -357,3 +357,12 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     assert (run_dir / "wandb_id").read_text().strip() == run_id
     runs = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(name.endswith(run_id) for name in runs), runs
+
+
+def test_resume_auto_of_a_finished_run_leaves_it_as_it_is(tmp_path):
+    run_dir = tmp_path / "run"
+    train(compose_config(*QUICK, "train.steps=5"), run_dir)
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    summary = train(compose_config(*QUICK, "train.steps=5", "train.resume=auto"), run_dir)
+    assert summary["status"] == "finished"
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
