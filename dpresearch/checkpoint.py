@@ -188,6 +188,30 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
+def read_header(path: Path) -> dict[str, Any]:
+    """A checkpoint's own facts (step, workers, processes, algorithm, ...) without reading its
+    tensors (memory-mapped). Raises `CheckpointError` for a file that is not one of ours."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
+        raise CheckpointError(f"checkpoint {path} cannot be read ({exc})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a dpresearch checkpoint (format {FORMAT})")
+    return {k: v for k, v in state.items() if k not in ("states", "loop")}
+
+
+def incompatibility(header: dict[str, Any], path: Path, run: dict[str, Any]) -> str | None:
+    """Why the checkpoint at `path` (its `header`) cannot continue a run with the facts `run`
+    (workers, processes, algorithm, num_params: those given), or None."""
+    for key, value in run.items():
+        if header.get(key) != value:
+            return (
+                f"checkpoint {path} was written with {key}={header.get(key)}, this run has "
+                f"{key}={value}; resume with the run's own configuration"
+            )
+    return None
+
+
 def to_cpu(obj: Any) -> Any:
     """`obj` with every tensor inside (dicts, lists, tuples) moved to the CPU."""
     if torch.is_tensor(obj):

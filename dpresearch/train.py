@@ -59,6 +59,7 @@ def train(cfg: DictConfig, run_dir: Path | None, overrides: Sequence[str] = ()) 
     finished = _already_finished(cfg, run_dir)
     if finished is not None:
         return finished
+    _check_resume(cfg, run_dir)
     if under_torchrun():
         forget_data()
         return run_as_worker(cfg, run_dir if global_rank() == 0 else None)
@@ -66,6 +67,32 @@ def train(cfg: DictConfig, run_dir: Path | None, overrides: Sequence[str] = ()) 
         return run_simulated(cfg, run_dir, dataset)
     forget_data()  # each worker process loads its own copy
     return launch_local(cfg, run_dir)
+
+
+def _check_resume(cfg: DictConfig, run_dir: Path | None) -> None:
+    """The checkpoint `train.resume` names fits this run (workers, processes, algorithm), read
+    from its header before any worker starts; raises `ConfigError` (the trainer checks the
+    parameter count once the model is built)."""
+    from dpresearch.checkpoint import CheckpointError, find_resume, incompatibility, read_header
+    from dpresearch.validate import process_count
+
+    if cfg.train.resume is None or under_torchrun():
+        return
+    try:
+        path = find_resume(cfg.train.resume, run_dir)
+        if path is None:
+            return
+        processes = 1 if cfg.backend.name == "simulated" else process_count(cfg)
+        run = {
+            "workers": cfg.workers,
+            "processes": processes,
+            "algorithm": cfg.algorithm._target_,
+        }
+        problem = incompatibility(read_header(path), path, run)
+    except CheckpointError as exc:
+        problem = str(exc)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def _already_finished(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any] | None:

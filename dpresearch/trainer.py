@@ -46,6 +46,7 @@ from dpresearch.checkpoint import (
     CheckpointError,
     checkpoint_interval,
     find_resume,
+    incompatibility,
     latest_checkpoint,
     load_checkpoint,
     to_cpu,
@@ -503,19 +504,16 @@ class Trainer:
 
     def _incompatible(self, file: dict[str, Any], path: Path) -> str | None:
         """Why checkpoint `file` cannot continue this run (None: it can)."""
-        mine = {
-            "workers": self.cfg.workers,
-            "processes": self.processes,
-            "algorithm": self.cfg.algorithm._target_,
-            "num_params": self.replicas.num_params,
-        }
-        for key, value in mine.items():
-            if file.get(key) != value:
-                return (
-                    f"checkpoint {path} was written with {key}={file.get(key)}, this run has "
-                    f"{key}={value}; resume with the run's own configuration"
-                )
-        return None
+        return incompatibility(
+            file,
+            path,
+            {
+                "workers": self.cfg.workers,
+                "processes": self.processes,
+                "algorithm": self.cfg.algorithm._target_,
+                "num_params": self.replicas.num_params,
+            },
+        )
 
     def _restore(self, state: dict[str, Any]) -> None:
         """Put this process's part of a checkpoint back (see `_process_state`)."""

@@ -184,13 +184,19 @@ def test_resume_auto_without_a_checkpoint_starts_fresh_and_drops_old_lines(tmp_p
     assert metric_lines(run_dir)[0]["train/loss"] != 9
 
 
-def test_resume_with_other_workers_is_one_line(tmp_path):
+def test_resume_of_another_layout_is_one_line_before_any_worker_starts(tmp_path):
     from dpresearch.validate import ConfigError
 
     run_dir = tmp_path / "run"
-    train(compose_config(*QUICK, "train.steps=10", "train.checkpoint_every=5"), run_dir)
-    with pytest.raises(ConfigError, match="was written with workers=4, this run has workers=2"):
-        train(compose_config(*QUICK, "workers=2", f"train.resume={run_dir}"), tmp_path / "new")
+    args = [*QUICK, "workers=2", "train.steps=10", "train.checkpoint_every=5"]
+    train(compose_config(*args), run_dir)
+    with pytest.raises(ConfigError, match="was written with workers=2, this run has workers=4"):
+        train(compose_config(*QUICK, f"train.resume={run_dir}"), tmp_path / "new")
+    # the same workers as 2 gloo processes: refused from the header, nothing launched
+    with pytest.raises(ConfigError, match="with processes=1, this run has processes=2"):
+        train(compose_config(*args, "backend=gloo", f"train.resume={run_dir}"), tmp_path / "g")
+    with pytest.raises(ConfigError, match="with algorithm=dpresearch.algorithms.sync.SyncSGD"):
+        train(compose_config(*args, "algorithm=dpsgd", f"train.resume={run_dir}"), tmp_path / "d")
 
 
 # -- stop requests -------------------------------------------------------------------------
