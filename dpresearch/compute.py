@@ -110,6 +110,37 @@ class WorkerCompute:
                 for w in rows:
                     grads[w].div_(self.loss_scale)
 
+    def last_losses_finite(self, rows: Sequence[int]) -> bool:
+        """Whether the loss of each row's latest batch is finite (one host sync)."""
+        losses = [self._stats[w][-1][0] for w in rows if self._stats[w]]
+        return bool(torch.stack(losses).isfinite().all()) if losses else True
+
+    def forget_last(self, rows: Sequence[int]) -> None:
+        """Drop each row's latest batch statistics (a skipped step is not averaged in)."""
+        for w in rows:
+            if self._stats[w]:
+                self._stats[w].pop()
+
+    def state_dict(self) -> dict:
+        """Data cursors, augmentation generators and the undrained batch statistics: the
+        partitioner's order is a pure function of (seed, worker, epoch), so the cursors place
+        every worker exactly in its sequence."""
+        return {
+            "cursors": list(self.cursors),
+            "generators": [g.get_state() for g in self.generators],
+            "stats": [[(loss, hits, n) for loss, hits, n in s] for s in self._stats],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursors = list(state["cursors"])
+        for g, s in zip(self.generators, state["generators"], strict=True):
+            g.set_state(s)
+        self._epochs = [-1] * len(self.workers)
+        self._stats = [
+            [(loss.to(self.device), hits.to(self.device), n) for loss, hits, n in s]
+            for s in state["stats"]
+        ]
+
     def drain(self, window: Tensor) -> None:
         """Write into the float64 `window` ([W, 3]) each row's summed batch loss, summed batch
         accuracy and batch count since the last call (sums in float64, batch after batch), and

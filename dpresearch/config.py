@@ -32,6 +32,15 @@ class TrainConfig:
     `val_size`: training examples held out as a validation split (a count, or a fraction < 1;
     0: none), the same examples in every seed, never trained on, evaluated as `val/loss` and
     `val/acc` beside the test metrics — what a study selects its learning rate on.
+
+    Checkpoints (`dpresearch/checkpoint.py`): `checkpoint_every` is a number of steps (`500`),
+    of epochs (`1ep`, `0.5ep`) or 0/null (off, the default); `checkpoint_keep` keeps the last N.
+    SIGTERM/SIGINT always write a final checkpoint (as Lightning does), whatever
+    `checkpoint_every` says. `resume`: null (start fresh), `auto` (continue from the run
+    directory's latest complete checkpoint if there is one, else start fresh) or a path (a
+    checkpoint file or a run directory). `on_nonfinite`: what a non-finite training loss does —
+    `stop` (exit 3, `status: diverged`, no model written), `skip_step` (that step's update is
+    dropped and counted) or `continue`.
     """
 
     steps: int | None = None
@@ -48,6 +57,10 @@ class TrainConfig:
     channels_last: bool = False
     autocast: str | None = None
     loss_scale: float = 1024.0
+    checkpoint_every: str | None = None
+    checkpoint_keep: int = 2
+    resume: str | None = None
+    on_nonfinite: str = "stop"
 
 
 @dataclass

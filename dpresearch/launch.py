@@ -6,6 +6,9 @@
   with that worker's traceback. A worker that stops showing signs of life for
   `backend.heartbeat_s` (stopped, frozen) is killed by a watchdog and the job fails naming it
   (`WorkerFrozen`). Started under `nohup` (SIGHUP ignored), the job keeps ignoring SIGHUP.
+  SIGTERM and SIGINT are not the agent's to act on: the launcher forwards the first one to the
+  workers through a stop file (`dpresearch.stop`), and they stop together at a step boundary
+  with a final checkpoint; a second one stops them at once (the agent's own shutdown).
 - under torchrun (its environment variables present): this process *is* one worker.
 """
 
@@ -136,12 +139,17 @@ def _train(cfg: DictConfig, run_dir: Path | None, device: torch.device) -> dict[
 @record
 def _worker_entry(cfg_container: dict, run_dir: str | None) -> dict[str, Any]:
     """Entry point of a process started by `launch_local` (must be importable: spawn)."""
+    from dpresearch import stop
     from dpresearch.console import worker_output
     from dpresearch.heartbeat import Heartbeat
+    from dpresearch.stop import STOP_FILE_ENV
 
     cfg = OmegaConf.create(cfg_container)
     beats = os.environ.get(HEARTBEAT_ENV)
-    with worker_output():
+    # Stop requests are recorded from the start (the loop honours them at its next step),
+    # unless the algorithm runs its own processes (the agent stops those with SIGTERM).
+    stoppable = STOP_FILE_ENV in os.environ
+    with worker_output(), stop.handling() if stoppable else contextlib.nullcontext():
         if not beats:
             return run_as_worker(cfg, Path(run_dir) if run_dir else None)
         with Heartbeat(Path(beats), int(os.environ["RANK"]), cfg.backend.heartbeat_s):
@@ -156,6 +164,7 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     worker fails, or `WorkerFrozen` if the watchdog killed a silent one; the others are stopped
     at once.
     """
+    from hydra.utils import get_object
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -163,6 +172,9 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     from dpresearch.validate import process_count
 
     processes = process_count(cfg)
+    # The ordinary training loop stops cleanly on a request; an algorithm that runs its own
+    # processes (the parameter server) is stopped by the agent as before.
+    forwards = getattr(get_object(cfg.algorithm._target_), "run_process", None) is None
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -173,7 +185,7 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
         max_restarts=0,
         monitor_interval=0.2,
         start_method="spawn",
-        **_elastic_signals(),
+        **_elastic_signals(forward_stop=forwards),
     )
     container = OmegaConf.to_container(cfg, resolve=True)
     if cfg.train.progress:
@@ -192,6 +204,15 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
             stack.enter_context(_environment({HEARTBEAT_ENV: beats}))
             watchdog = Watchdog(Path(beats), heartbeat_s)
             stack.callback(watchdog.stop)
+        if forwards:
+            from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+
+            from dpresearch.stop import STOP_FILE_ENV, forwarding
+
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="dpresearch-stop-"))
+            stop_file = Path(folder) / "stop"
+            stack.enter_context(_environment({STOP_FILE_ENV: str(stop_file)}))
+            stack.enter_context(forwarding(stop_file, _terminate_process_handler))
         try:
             results = elastic_launch(config, _worker_entry)(
                 container, str(run_dir) if run_dir else None
@@ -204,17 +225,20 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     return results[0]
 
 
-def _elastic_signals() -> dict[str, str]:
+def _elastic_signals(forward_stop: bool = False) -> dict[str, str]:
     """`LaunchConfig` settings for the signals torch's elastic agent turns into a stop: all of
     its default ones, but not SIGHUP when this process ignores it (started under `nohup`), as a
-    simulated run would. (Older torch without the setting: its defaults.)"""
+    simulated run would, and not SIGTERM/SIGINT when `forward_stop` (the launcher forwards
+    them as a clean stop request). (Older torch without the setting: its defaults.)"""
     from torch.distributed.launcher.api import LaunchConfig
 
     if "signals_to_handle" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
         return {}
-    if not hasattr(signal, "SIGHUP") or signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
-        return {}  # (getsignal gives an int 1 for an inherited SIG_IGN, hence `!=`)
-    return {"signals_to_handle": "SIGTERM,SIGINT,SIGQUIT"}
+    handled = ["SIGQUIT"] if forward_stop else ["SIGTERM", "SIGINT", "SIGQUIT"]
+    # (getsignal gives an int 1 for an inherited SIG_IGN, hence `!=`)
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+        handled.append("SIGHUP")
+    return {"signals_to_handle": ",".join(handled)}
 
 
 @contextlib.contextmanager

@@ -13,8 +13,18 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+def _duration(seconds: float) -> str:
+    """`m:ss`, or `h:mm:ss` from an hour on."""
+    seconds = max(0, round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
 def format_progress(m: dict[str, Any], total_steps: int) -> str:
-    """One line: step, epoch, losses, accuracy, lr, bytes sent per worker, modeled comm time."""
+    """One line: step, epoch, losses, accuracy, lr, bytes sent per worker, modeled comm time,
+    throughput (steps/s and training images/s, averaged over the run's wall time so far) and
+    the time left at that rate (ETA)."""
     parts = [f"step {m['step']}/{total_steps}", f"ep {m['epoch']:.2f}"]
     parts.append(f"loss {m['train/loss']:.4f}")
     if "test/acc" in m:
@@ -32,7 +42,15 @@ def format_progress(m: dict[str, Any], total_steps: int) -> str:
     parts.append(f"lr {m['lr']:.4g}")
     parts.append(f"sent {_bytes(m['comm/bytes'])}")
     parts.append(f"modeled comm {m['comm/modeled_s']:.3f}s")
-    parts.append(f"wall {m['time/wall_s']:.1f}s")
+    wall = m["time/wall_s"]
+    parts.append(f"wall {wall:.1f}s")
+    if wall > 0 and m["step"] > 0:
+        rate = m["step"] / wall
+        speed = f"{rate:.3g} steps/s"
+        if "samples" in m:
+            speed += f" ({m['samples'] / wall:.0f} img/s)"
+        parts.append(speed)
+        parts.append(f"ETA {_duration((total_steps - m['step']) / rate)}")
     return " | ".join(parts)
 
 

@@ -5,8 +5,8 @@
 refuses a directory that already holds a run's outputs, so two runs never write into one
 directory and a re-run never appends to another run's `metrics.jsonl`. The lock file records the
 holder's pid and host; a clean release deletes it, a killed holder leaves an unlocked file that
-the next claim takes over. A resumed run (`train.resume`, once it exists) claims with
-`resume=True`, which accepts the run's own outputs but not a live writer.
+the next claim takes over. A resumed run (`train.resume`) claims with `resume=True`, which
+accepts the run's own outputs but not a live writer.
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ def claim_run_dir(
                 os.unlink(path / LOCK_NAME)  # while still locked: never another claimant's file
             os.close(fd)
             raise ConfigError(
-                f"{what} already holds another run ({outputs}); pass a new directory, or leave "
-                "it out for a fresh one (resuming a run, train.resume, is not built yet)"
+                f"{what} already holds another run ({outputs}); pass a new directory (or leave "
+                "it out for a fresh one), or train.resume=auto to continue that run"
             )
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())

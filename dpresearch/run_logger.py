@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,26 @@ from typing import Any
 from omegaconf import OmegaConf
 
 WANDB_MODES = ("online", "offline", "disabled")
+WANDB_ID_FILE = "wandb_id"  # the run's W&B id, so a resumed run continues the same W&B run
+
+
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Keep only the lines of `path` (metrics.jsonl) whose step is at most `last_step`
+    (rewritten atomically; a torn last line is dropped); returns how many were kept."""
+    from dpresearch.checkpoint import atomic_write_text
+
+    if not path.exists():
+        return 0
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if step <= last_step:
+            kept.append(line + "\n")
+    atomic_write_text(path, "".join(kept))
+    return len(kept)
 
 
 class NullLogger:
@@ -75,20 +96,39 @@ class RunLogger(NullLogger):
     no API key, no answer within `logger_cfg.init_timeout_s`) falls back to offline with one
     warning line: the run never fails for W&B's sake."""
 
-    def __init__(self, run_dir: Path, resolved_cfg: dict[str, Any], logger_cfg: Any) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        resolved_cfg: dict[str, Any],
+        logger_cfg: Any,
+        resume_at: int | None = None,
+    ) -> None:
+        """`resume_at`: this run continues one whose checkpoint was taken after step
+        `resume_at` (0: a resumed run that starts afresh): `metrics.jsonl` keeps only its lines
+        up to that step, so no step appears twice, and W&B continues the run whose id is stored
+        in the run directory (`wandb_id`)."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved_cfg))
-        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        metrics = self.run_dir / "metrics.jsonl"
+        if resume_at is not None:
+            truncate_metrics(metrics, resume_at)
+        self._metrics = open(metrics, "a", buffering=1)  # noqa: SIM115
         self._wandb = None
         if logger_cfg.wandb:
-            self._wandb = self._start_wandb(resolved_cfg, logger_cfg)
+            self._wandb = self._start_wandb(resolved_cfg, logger_cfg, resume_at is not None)
 
-    def _start_wandb(self, resolved_cfg: dict[str, Any], logger_cfg: Any):
+    def _start_wandb(self, resolved_cfg: dict[str, Any], logger_cfg: Any, resume: bool):
         mode = logger_cfg.mode or os.environ.get("WANDB_MODE") or "online"
         if mode not in WANDB_MODES:
             raise ValueError(f"logger.mode={mode!r}; choose one of: {', '.join(WANDB_MODES)}")
         import wandb
+
+        id_file = self.run_dir / WANDB_ID_FILE
+        run_id = id_file.read_text().strip() if resume and id_file.is_file() else ""
+        if not run_id:
+            run_id = uuid.uuid4().hex[:12]
+            id_file.write_text(run_id + "\n")
 
         fields = dict(
             project=logger_cfg.project,
@@ -100,6 +140,8 @@ class RunLogger(NullLogger):
             config=resolved_cfg,
             dir=str(self.run_dir),
             reinit="finish_previous",
+            id=run_id,
+            resume="allow",
         )
         if mode != "online":
             return wandb.init(mode=mode, **fields)
@@ -118,6 +160,12 @@ class RunLogger(NullLogger):
                 flush=True,
             )
             with _quiet_wandb():
+                with contextlib.suppress(Exception):
+                    wandb.teardown()
+                # The failed online start may still hold its run id in W&B's service ("run ID
+                # is in use"): the offline run gets its own id, kept for a later resume.
+                fields["id"] = uuid.uuid4().hex[:12]
+                id_file.write_text(f"{fields['id']}\n")
                 return wandb.init(mode="offline", settings=wandb.Settings(silent=True), **fields)
         print(f"W&B: {run.url}", flush=True)
         return run

@@ -50,11 +50,12 @@ def check_point(
     except Exception as exc:  # noqa: BLE001 - any composition failure is this point's
         return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     directory = point_dir(sweep_config, num)
-    existing = holds_run(directory) if directory.is_dir() else None
+    resume = sweep_config.get("train", {}).get("resume")
+    existing = holds_run(directory) if directory.is_dir() and resume is None else None
     if existing is not None:
         return (
-            f"{directory} already holds another run ({existing}); pass a new hydra.sweep.dir "
-            "(resuming a run, train.resume, is not built yet)"
+            f"{directory} already holds another run ({existing}); pass a new hydra.sweep.dir, "
+            "or train.resume=auto to continue its runs"
         )
     task_overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra.")]
     try:

@@ -50,6 +50,19 @@ class LoopClock:
         self.compute_s += now - self._mark - exposed
         self._mark, self._in_step = now, False
 
+    def state_dict(self) -> dict[str, float]:
+        """The cumulative regions, for a checkpoint (read between steps)."""
+        return {"compute_s": self.compute_s, "comm_s": self.comm_s, "other_s": self.other_s}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Continue a resumed run's clock: its regions so far count as already elapsed, so
+        the sum identity holds and `time/wall_s` is the run's time over all its attempts."""
+        self.compute_s, self.comm_s = state["compute_s"], state["comm_s"]
+        self.other_s = state["other_s"]
+        now = time.perf_counter()
+        self.start = now - (self.compute_s + self.comm_s + self.other_s)
+        self._mark, self._exposed_at_mark = now, self.ledger.exposed_s
+
     def metrics(self) -> dict[str, float]:
         """The cumulative figures now (closing the open *other* region up to now)."""
         if self._in_step:

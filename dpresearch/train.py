@@ -56,6 +56,10 @@ def train(cfg: DictConfig, run_dir: Path | None, overrides: Sequence[str] = ()) 
     run.
     """
     dataset = preflight(cfg, overrides)
+    finished = _already_finished(cfg, run_dir)
+    if finished is not None:
+        return finished
+    _check_resume(cfg, run_dir)
     if under_torchrun():
         forget_data()
         return run_as_worker(cfg, run_dir if global_rank() == 0 else None)
@@ -63,6 +67,50 @@ def train(cfg: DictConfig, run_dir: Path | None, overrides: Sequence[str] = ()) 
         return run_simulated(cfg, run_dir, dataset)
     forget_data()  # each worker process loads its own copy
     return launch_local(cfg, run_dir)
+
+
+def _check_resume(cfg: DictConfig, run_dir: Path | None) -> None:
+    """The checkpoint `train.resume` names fits this run (workers, processes, algorithm), read
+    from its header before any worker starts; raises `ConfigError` (the trainer checks the
+    parameter count once the model is built)."""
+    from dpresearch.checkpoint import CheckpointError, find_resume, incompatibility, read_header
+    from dpresearch.validate import process_count
+
+    if cfg.train.resume is None or under_torchrun():
+        return
+    try:
+        path = find_resume(cfg.train.resume, run_dir)
+        if path is None:
+            return
+        processes = 1 if cfg.backend.name == "simulated" else process_count(cfg)
+        run = {
+            "workers": cfg.workers,
+            "processes": processes,
+            "algorithm": cfg.algorithm._target_,
+        }
+        problem = incompatibility(read_header(path), path, run)
+    except CheckpointError as exc:
+        problem = str(exc)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def _already_finished(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any] | None:
+    """With `train.resume=auto`, a run directory whose run has finished is left as it is (a
+    requeued job that already completed does nothing): its summary, or None. Not under
+    torchrun, where only rank 0 could tell."""
+    import json
+
+    if cfg.train.resume != "auto" or run_dir is None or under_torchrun():
+        return None
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("status") != "finished":
+        return None
+    print(f"{run_dir} already holds this run, finished; nothing to resume", flush=True)
+    return summary
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
@@ -85,7 +133,12 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             print(f"run directory: {run_dir}", flush=True)
         try:
             what = f"sweep point {run_dir}" if multirun else ""
-            claim = claim_run_dir(run_dir, what=what) if run_dir else contextlib.nullcontext()
+            resume = cfg.train.resume is not None
+            claim = (
+                claim_run_dir(run_dir, resume=resume, what=what)
+                if run_dir
+                else contextlib.nullcontext()
+            )
             with claim:
                 if run_dir is not None:
                     write_provenance(run_dir, overrides)
@@ -95,11 +148,41 @@ def _hydra_main(cfg: DictConfig) -> float | None:
                 summary = train(cfg, run_dir, overrides)
         except (ConfigError, WorkerFrozen) as exc:
             _fail(f"error: {exc}", 2 if isinstance(exc, ConfigError) else 1, multirun)
+        except KeyboardInterrupt:  # Ctrl-C before the training loop took over the signal
+            _fail("error: interrupted before training started; nothing to resume", 130, multirun)
         except Exception as exc:
             if not (multirun or _is_worker_failure(exc)):
                 raise  # a bug: Hydra shows its traceback
             _fail(_crash_line(exc), 1, multirun)
+        _end_of_run(summary, multirun)
     return summary.get("test/acc")
+
+
+DIVERGED_EXIT = 3  # a non-finite loss stopped the run (train.on_nonfinite=stop)
+
+
+def _end_of_run(summary: dict[str, Any], multirun: bool) -> None:
+    """A run that ended short of its last step: one line and its exit status — 128 + signal
+    for a stop request (130 SIGINT, 143 SIGTERM), `DIVERGED_EXIT` for a non-finite loss."""
+    status = summary.get("status")
+    if status == "interrupted":
+        where = summary.get("checkpoint") or "none (this algorithm cannot checkpoint)"
+        line = (
+            f"interrupted at step {summary['interrupted_at_step']}: checkpoint {where}; "
+            "resume with train.resume=auto"
+        )
+        print(line, file=sys.stderr, flush=True)
+        # In a sweep too: the user asked the whole job to stop, not this point alone.
+        sys.exit(int(summary.get("exit_code", 130)))
+    if status == "diverged":
+        kept = summary.get("last_checkpoint")
+        line = (
+            f"error: non-finite training loss at step {summary['diverged_at_step']} "
+            f"(lr {summary.get('lr', float('nan')):.4g}); the run was stopped and no model "
+            "written: lower optimizer.lr (or set train.on_nonfinite=skip_step)"
+            + (f"; last finite checkpoint {kept}" if kept else "")
+        )
+        _fail(line, DIVERGED_EXIT, multirun)
 
 
 def _is_worker_failure(exc: BaseException) -> bool:
@@ -144,8 +227,16 @@ def _check_before_hydra(argv: list[str]) -> list[str]:
     preflight(task_config(composed), cmd.overrides)
     if under_torchrun() and global_rank() != 0:
         return argv
+    task = task_config(composed)
     run_dir = Path(str(composed.hydra.run.dir)).resolve()
-    claim_run_dir(run_dir)  # held until this process ends
+    resume = task.train.resume
+    pinned_by_user = any(a.split("=", 1)[0].lstrip("+") == "hydra.run.dir" for a in argv)
+    if resume not in (None, "auto") and not pinned_by_user:
+        # train.resume=<checkpoint or run directory>: continue in that run's directory.
+        from dpresearch.checkpoint import find_resume, run_dir_of
+
+        run_dir = run_dir_of(find_resume(resume, None)) or run_dir
+    claim_run_dir(run_dir, resume=resume is not None)  # held until this process ends
     pinned = [a for a in argv if a.split("=", 1)[0].lstrip("+") != "hydra.run.dir"]
     return [*pinned, f"hydra.run.dir={_quote(str(run_dir))}"]
 

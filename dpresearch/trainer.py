@@ -7,22 +7,51 @@ row of the flat gradient buffer (`compute.WorkerCompute`); then the algorithm do
 between backward and the next forward. Evaluation and the final checkpoint use the algorithm's
 consensus model; the test set is split across processes and the sums combined, so evaluation
 costs each process 1/P of the test set.
+
+Ending a run. After each step's backward the processes agree, in one tiny collective (none in
+a simulated run), on two flags: a stop request (SIGTERM/SIGINT, `dpresearch.stop`) and a
+non-finite training loss (`train.on_nonfinite`). A stop finishes the step, writes a final
+checkpoint (even with `train.checkpoint_every` off, as Lightning does) and ends with
+`status: interrupted`; a non-finite loss under `stop` ends before the step's update with
+`status: diverged` and no model written; `skip_step` drops the update and counts it.
+
+Checkpoints (`checkpoint`, `_restore`): every process's replicas (parameters, float and integer
+buffers), optimizers, algorithm state (`Algorithm.state_dict`), data cursors and augmentation
+generators, RNG streams and ledger, gathered by the main process into one file with the
+loop's own position (step, best accuracy, last metrics, loop clock, skipped steps); see
+`dpresearch/checkpoint.py` for the files. Compressor randomness needs no state: it is seeded
+by (seed, worker, chunk, step). A resumed run restores all of it and continues bit for bit.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import random
+import signal
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from dpresearch import stop
 from dpresearch.algorithms.base import Algorithm, StepPlan
+from dpresearch.checkpoint import (
+    FORMAT,
+    CheckpointError,
+    checkpoint_interval,
+    find_resume,
+    incompatibility,
+    latest_checkpoint,
+    load_checkpoint,
+    to_cpu,
+    write_checkpoint,
+)
 from dpresearch.comm.base import Communicator
 from dpresearch.comm.ledger import ALGORITHM, EVAL, METRICS
 from dpresearch.compute import WorkerCompute, worker_seed
@@ -39,6 +68,29 @@ class InjectedFailure(RuntimeError):
 
 
 __all__ = ["InjectedFailure", "Trainer", "worker_seed"]
+
+NONFINITE_MODES = ("stop", "skip_step", "continue")
+
+
+def rng_state() -> dict[str, Any]:
+    """Every global random stream of this process: torch (CPU, and CUDA where initialised),
+    numpy, Python."""
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 class Trainer:
@@ -115,16 +167,38 @@ class Trainer:
             tc.autocast,
             tc.loss_scale,
         )
-        resolved = OmegaConf.to_container(cfg, resolve=True)
-        self.logger = (
-            RunLogger(run_dir, resolved, cfg.logger) if run_dir is not None else NullLogger()
-        )
         self._fail_worker, self._fail_at_step = cfg.debug.fail_worker, cfg.debug.fail_at_step
         self._grad_rows = list(self.replicas.grads.unbind(0))
         self.setup = self.algorithm.describe()
         if self.setup and comm.is_main_process and tc.progress:
             print(format_setup(self.setup), flush=True)
         self.comm.ledger.reset()
+
+        # Ending and resuming (see the module docstring).
+        self.run_dir = run_dir
+        self.processes = comm.world_size // comm.num_local
+        self.on_nonfinite = tc.on_nonfinite
+        if self.on_nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"train.on_nonfinite={self.on_nonfinite}")
+        # Only the ordinary loop honours stop requests (a server loop beside lean workers,
+        # `algorithm_target`, would leave them waiting).
+        self.stoppable = algorithm_target is None
+        self.checkpoint_every = checkpoint_interval(tc.checkpoint_every, self.steps_per_epoch)
+        self.checkpoint_keep = tc.checkpoint_keep
+        self.start_step, self.best_acc, self.skipped = 0, 0.0, 0
+        self.last: dict[str, Any] = {}
+        self.algorithm_metrics: dict[str, Any] = {}
+        self.clock = LoopClock(comm.ledger)  # restarted when the loop starts
+        self._clock_state: dict[str, float] | None = None
+        resumed_at = self._resume(tc.resume) if tc.resume is not None else None
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        self.logger = (
+            RunLogger(run_dir, resolved, cfg.logger, resume_at=resumed_at)
+            if run_dir is not None
+            else NullLogger()
+        )
+        if resumed_at and comm.is_main_process and tc.progress:
+            print(f"resumed from step {resumed_at} of {self.total_steps}", flush=True)
 
     # -- evaluation ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -191,17 +265,24 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        """Train from the start (or the resumed step) to `total_steps`, or until a stop
+        request or a non-finite loss ends the run; returns the summary (with `status`)."""
+        if not self.stoppable:
+            return self._loop()
+        with stop.handling():
+            return self._loop()
+
+    def _loop(self) -> dict[str, Any]:
         tc, comm = self.cfg.train, self.comm
         batch = tc.batch_size
         eval_every = tc.eval_every or self.steps_per_epoch
         window = torch.zeros(comm.num_local, 3, dtype=torch.float64, device=self.device)
-        clock = LoopClock(comm.ledger)
-        last: dict[str, Any] = {}
-        best_acc = 0.0
+        clock = self.clock = LoopClock(comm.ledger)
+        if self._clock_state is not None:
+            clock.load_state_dict(self._clock_state)
         self.replicas.train()
         log_every = tc.log_every
-        algorithm_metrics: dict[str, Any] = {}
-        for step in range(self.total_steps):
+        for step in range(self.start_step, self.total_steps):
             plan = self.algorithm.plan(step)
             multiplier = self.schedule(step)
             self.algorithm.set_lr(multiplier)
@@ -211,7 +292,17 @@ class Trainer:
             self._prepare_rows(plan)
             self.compute.run(plan.workers)
             self._maybe_fail(step)
-            self.algorithm.after_backward(step)
+            signum, nonfinite = self._agree(plan)
+            if nonfinite:
+                if self.on_nonfinite == "stop":
+                    self.algorithm.drop_step(step)
+                    clock.step_ends()
+                    return self._end_diverged(step + 1)
+                self.algorithm.drop_step(step)
+                self.compute.forget_last(plan.workers)
+                self.skipped += 1
+            else:
+                self.algorithm.after_backward(step)
             clock.step_ends()
 
             done = step + 1
@@ -232,20 +323,31 @@ class Trainer:
                     "comm/modeled_s": comm.ledger.modeled_s,
                     **clock.metrics(),
                 }
-                algorithm_metrics = self.algorithm.metrics()
-                last.update(algorithm_metrics)
+                if self.on_nonfinite == "skip_step":
+                    last["train/skipped_steps"] = self.skipped
+                self.algorithm_metrics = self.algorithm.metrics()
+                last.update(self.algorithm_metrics)
                 if done % eval_every == 0 or is_last:
                     last.update(self.evaluate())
-                    best_acc = max(best_acc, last["test/acc"])
+                    self.best_acc = max(self.best_acc, last["test/acc"])
                     self.replicas.train()
+                self.last = last
                 self.logger.log(last)
                 if tc.progress and comm.is_main_process:
                     print(format_progress(last, self.total_steps), flush=True)
+            if signum and not is_last:  # (on the last step: finishing is the stop)
+                return self._end_interrupted(done, signum)
+            if self.checkpoint_every and done % self.checkpoint_every == 0 and not is_last:
+                self.checkpoint(done)
+        return self._end_finished()
 
+    def _end_finished(self) -> dict[str, Any]:
+        comm, last = self.comm, self.last
         summary = dict(last)
         summary.update(
             {
-                "best/test_acc": best_acc,
+                "status": "finished",
+                "best/test_acc": self.best_acc,
                 "steps_per_epoch": self.steps_per_epoch,
                 "total_steps": self.total_steps,
                 "num_params": self.replicas.num_params,
@@ -255,15 +357,185 @@ class Trainer:
                 "comm/ops": comm.ledger.op_table(),
                 **self._bytes_per_worker(),  # the final evaluation's traffic included
                 # an algorithm that accounts its own traffic (asynchronous pushes) keeps it
-                **{k: v for k, v in algorithm_metrics.items() if k.startswith("comm/")},
+                **{k: v for k, v in self.algorithm_metrics.items() if k.startswith("comm/")},
                 **self.setup,
                 **self.algorithm.summary(),
             }
         )
-        if isinstance(self.logger, RunLogger) and tc.save_model:
+        if self.on_nonfinite == "skip_step":
+            summary["train/skipped_steps"] = self.skipped
+        if isinstance(self.logger, RunLogger) and self.cfg.train.save_model:
             torch.save(self.eval_model.state_dict(), self.logger.run_dir / "model_final.pt")
         self.logger.finish(summary)
         return summary
+
+    def _end_interrupted(self, done: int, signum: int) -> dict[str, Any]:
+        """A stop request honoured after step `done`: final checkpoint, `status: interrupted`
+        (the caller prints the one line and exits 128 + signal)."""
+        path = self.checkpoint(done) if self.algorithm.checkpointable else None
+        return self._end_early(
+            "interrupted",
+            interrupted_at_step=done,
+            signal=signal.Signals(signum).name,
+            exit_code=128 + signum,
+            checkpoint=str(path) if path is not None else None,
+        )
+
+    def _end_diverged(self, at_step: int) -> dict[str, Any]:
+        """A non-finite loss at step `at_step` (1-based, as metrics count) under
+        `on_nonfinite=stop`: `status: diverged`, no model and no checkpoint written (the last
+        finite checkpoint stays `latest`)."""
+        kept = latest_checkpoint(self.run_dir) if self.run_dir is not None else None
+        return self._end_early(
+            "diverged",
+            diverged_at_step=at_step,
+            lr=self.base_lr * self.schedule(at_step - 1),
+            last_checkpoint=str(kept) if kept is not None else None,
+        )
+
+    def _end_early(self, status: str, **facts: Any) -> dict[str, Any]:
+        """The summary of a run that ended before its last step: the last logged metrics,
+        `status` and `facts`; written by the main process."""
+        summary = {
+            **self.last,
+            "status": status,
+            **facts,
+            "total_steps": self.total_steps,
+            "steps_per_epoch": self.steps_per_epoch,
+            "best/test_acc": self.best_acc,
+        }
+        if self.on_nonfinite == "skip_step":
+            summary["train/skipped_steps"] = self.skipped
+        self.logger.finish(summary)
+        return summary
+
+    def _agree(self, plan: StepPlan) -> tuple[int, bool]:
+        """(stop signal or 0, non-finite loss) of this step, the same on every process: one
+        3-number allreduce when there are several processes, none in a simulated run."""
+        signum = (stop.requested() or 0) if self.stoppable else 0
+        nonfinite = self.on_nonfinite != "continue" and not self.compute.last_losses_finite(
+            plan.workers
+        )
+        if self.processes > 1:
+            flags = torch.tensor(
+                [[signum == signal.SIGINT, signum not in (0, signal.SIGINT), nonfinite]],
+                dtype=torch.float32,
+                device=self.device,
+            )
+            self.comm.all_reduce(flags, op="sum", record=False)
+            interrupt, terminate, bad = flags[0].tolist()
+            signum = signal.SIGINT if interrupt else signal.SIGTERM if terminate else 0
+            nonfinite = bad > 0
+        return int(signum), nonfinite
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def _process_state(self) -> dict[str, Any]:
+        """This process's part of a checkpoint (live tensors: read between steps)."""
+        return {
+            "params": self.replicas.params,
+            "buffers": self.replicas.buffers,
+            "int_buffers": [
+                [b for b in m.buffers() if not b.is_floating_point()] for m in self.replicas.models
+            ],
+            "optimizers": [opt.state_dict() for opt in self.optimizers],
+            "algorithm": self.algorithm.state_dict(),
+            "compute": self.compute.state_dict(),
+            "ledger": self.comm.ledger.state_dict(),
+            "rng": rng_state(),
+        }
+
+    def checkpoint(self, done: int) -> Path | None:
+        """Write a checkpoint taken after step `done` (a collective: every process calls it;
+        the main process gathers every process's state and writes one file); returns its path
+        on the main process, None elsewhere."""
+        state = self._process_state()
+        every = self.comm.gather_objects(to_cpu(state) if self.processes > 1 else state)
+        if self.run_dir is None or every is None:
+            return None
+        return write_checkpoint(
+            self.run_dir,
+            done,
+            {
+                "format": FORMAT,
+                "step": done,
+                "workers": self.cfg.workers,
+                "processes": self.processes,
+                "algorithm": self.cfg.algorithm._target_,
+                "num_params": self.replicas.num_params,
+                "loop": {
+                    "best_acc": self.best_acc,
+                    "last": self.last,
+                    "algorithm_metrics": self.algorithm_metrics,
+                    "clock": self.clock.state_dict(),
+                    "skipped": self.skipped,
+                },
+                "states": every,
+            },
+            self.checkpoint_keep,
+        )
+
+    def _resume(self, resume: str) -> int:
+        """Find and load `train.resume`'s checkpoint (main process), hand every process its
+        state, restore it; returns the step the run continues after (0: nothing to resume,
+        a fresh start)."""
+        payload: list[Any] | None = None
+        if self.comm.is_main_process:
+            try:
+                path = find_resume(resume, self.run_dir)
+                file = load_checkpoint(path) if path is not None else None
+                problem = self._incompatible(file, path) if file is not None else None
+            except CheckpointError as exc:
+                problem, file = str(exc), None
+            if problem is not None:
+                payload = [("error", problem)] * self.processes
+            elif file is None:
+                payload = [None] * self.processes
+            else:
+                loop = dict(file["loop"], step=file["step"])
+                payload = [("state", loop, st) for st in file["states"]]
+        mine = self.comm.scatter_objects(payload)
+        if mine is None:
+            return 0
+        if mine[0] == "error":
+            from dpresearch.validate import ConfigError
+
+            raise ConfigError(mine[1])
+        _, loop, state = mine
+        self._restore(state)
+        self.start_step = loop["step"]
+        self.best_acc, self.last = loop["best_acc"], loop["last"]
+        self.algorithm_metrics, self.skipped = loop["algorithm_metrics"], loop["skipped"]
+        self._clock_state = loop["clock"]
+        return self.start_step
+
+    def _incompatible(self, file: dict[str, Any], path: Path) -> str | None:
+        """Why checkpoint `file` cannot continue this run (None: it can)."""
+        return incompatibility(
+            file,
+            path,
+            {
+                "workers": self.cfg.workers,
+                "processes": self.processes,
+                "algorithm": self.cfg.algorithm._target_,
+                "num_params": self.replicas.num_params,
+            },
+        )
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """Put this process's part of a checkpoint back (see `_process_state`)."""
+        with torch.no_grad():
+            self.replicas.params.copy_(state["params"])
+            self.replicas.buffers.copy_(state["buffers"])
+            for model, saved in zip(self.replicas.models, state["int_buffers"], strict=True):
+                ints = [b for b in model.buffers() if not b.is_floating_point()]
+                for dst, src in zip(ints, saved, strict=True):
+                    dst.copy_(src)
+        for opt, saved in zip(self.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(saved)
+        self.algorithm.load_state_dict(state["algorithm"])
+        self.compute.load_state_dict(state["compute"])
+        self.comm.ledger.load_state_dict(state["ledger"])
+        set_rng_state(state["rng"])
 
     def _prepare_rows(self, plan: StepPlan) -> None:
         """Load the planned reads into their rows and zero the planned gradient rows."""

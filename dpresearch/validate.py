@@ -183,6 +183,7 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
         )
     if cfg.logger.init_timeout_s <= 0:
         raise ConfigError(f"logger.init_timeout_s={cfg.logger.init_timeout_s}: must be > 0")
+    check_run_control(cfg)
     for group in RUNTIME_ARGS:
         check_target(group, cfg[group])
     check_data_options(cfg.data)
@@ -191,6 +192,46 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
     check_compression(cfg)
     check_algorithm(cfg)
     OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg)))
+
+
+NONFINITE_MODES = ("stop", "skip_step", "continue")
+
+
+def check_run_control(cfg: DictConfig) -> None:
+    """`train.checkpoint_every`, `checkpoint_keep`, `resume` and `on_nonfinite`."""
+    from dpresearch.checkpoint import CheckpointError, checkpoint_interval, find_resume
+
+    tc = cfg.train
+    if str(tc.checkpoint_every).strip().startswith("-"):
+        raise ConfigError(
+            f"train.checkpoint_every={tc.checkpoint_every}: must be >= 0 (steps, e.g. 500, "
+            "or epochs, e.g. 1ep; 0 or null: off)"
+        )
+    try:
+        interval = checkpoint_interval(tc.checkpoint_every, 1)
+        find_resume(tc.resume if tc.resume != "auto" else None, None)
+    except CheckpointError as exc:
+        raise ConfigError(str(exc)) from None
+    if tc.checkpoint_keep < 1:
+        raise ConfigError(f"train.checkpoint_keep={tc.checkpoint_keep}: must be at least 1")
+    if tc.on_nonfinite not in NONFINITE_MODES:
+        raise ConfigError(
+            f"train.on_nonfinite={tc.on_nonfinite}; choose one of: {', '.join(NONFINITE_MODES)}"
+        )
+    try:
+        algorithm = get_object(cfg.algorithm._target_)
+    except Exception:  # noqa: BLE001 - a bad target is reported by check_target
+        return
+    if not getattr(algorithm, "checkpointable", True) and (interval or tc.resume is not None):
+        raise ConfigError(
+            f"{cfg.algorithm._target_} cannot checkpoint yet (its state has no state_dict); "
+            "leave train.checkpoint_every and train.resume unset"
+        )
+    if tc.on_nonfinite == "skip_step" and not getattr(algorithm, "checkpointable", True):
+        raise ConfigError(
+            f"train.on_nonfinite=skip_step is not supported by {cfg.algorithm._target_}; "
+            "use stop or continue"
+        )
 
 
 def unknown_key_message(key: str, candidates: Sequence[str]) -> str:

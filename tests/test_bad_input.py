@@ -85,6 +85,14 @@ BAD = [
     (["data=cifar10", "data.root={tmp}/nowhere"], "pass data.download=true"),
     (["data=cifar10", f"data.root={SUBSET}", "data.subset=0"], "data.subset=0"),
     (["data=cifar10", "data.download_timeout_s=0"], "data.download_timeout_s=0"),
+    # Checkpoints, resume, divergence (issue 9, items 1 and 3).
+    (["train.checkpoint_every=-1"], "train.checkpoint_every=-1: must be >= 0"),
+    (["train.checkpoint_every=often"], "train.checkpoint_every=often: use a number of steps"),
+    (["train.checkpoint_keep=0"], "train.checkpoint_keep=0: must be at least 1"),
+    (["train.resume=/nonexistent"], "train.resume=/nonexistent: no such file or directory"),
+    (["train.resume={tmp}"], "no complete checkpoint there"),
+    (["train.on_nonfinite=foo"], "train.on_nonfinite=foo; choose one of: stop, skip_step"),
+    (["algorithm=async_sgd", "train.checkpoint_every=5"], "cannot checkpoint yet"),
 ]
 if not torch.cuda.is_available():
     BAD.append((["backend=nccl"], "use backend=gloo"))

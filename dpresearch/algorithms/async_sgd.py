@@ -64,6 +64,8 @@ class AsyncSGD(Algorithm):
     granularity / bucket_mb: the compression units (see `PushCodec`).
     """
 
+    checkpointable = False  # event queue, server and staleness state have no state_dict yet
+
     def __init__(
         self,
         replicas: Replicas,

@@ -60,6 +60,9 @@ class Algorithm(ABC):
     """
 
     evaluates_local_models: bool = False
+    # Whether `state_dict` holds all the algorithm's state beyond replicas and optimizers, so
+    # that a checkpoint resumes it exactly (the trainer refuses checkpoints otherwise).
+    checkpointable: bool = True
 
     def __init__(
         self, replicas: Replicas, comm: Communicator, optimizers: list[torch.optim.Optimizer]
@@ -96,6 +99,11 @@ class Algorithm(ABC):
         """Called once every local worker's gradient of `step` is in `replicas.grads`;
         must leave every replica ready for the next forward (normally: optimizer stepped)."""
 
+    def drop_step(self, step: int) -> None:
+        """Called instead of `after_backward` when the trainer drops step `step`'s update
+        (`train.on_nonfinite=skip_step`): finish any communication `before_forward` or the
+        backward pass started, change nothing else."""
+
     def consensus(self) -> tuple[Tensor, Tensor]:
         """The (flat params, flat float buffers) of the model the run stands for, identical on
         every process: by default the average over all workers (recorded as "eval" traffic)."""
@@ -124,8 +132,13 @@ class Algorithm(ABC):
         return {}
 
     def state_dict(self) -> dict:
-        """Algorithm state to checkpoint (beyond replicas and optimizers)."""
+        """Algorithm state to checkpoint beyond what the trainer saves itself (every replica's
+        parameters and buffers, every optimizer, data cursors, RNG streams, the ledger): e.g.
+        error-feedback memories, PowerSGD's Q, gossip copies. Tensors may be live (the
+        trainer saves between steps); this process's workers only. The checkpoint contract:
+        `load_state_dict(state_dict())` on a freshly built algorithm continues bit for bit."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what `state_dict` returned."""
+        """Restore what `state_dict` returned (called after replicas and optimizers are
+        restored, before the first step)."""

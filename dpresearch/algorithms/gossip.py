@@ -232,6 +232,11 @@ class DPSGD(Gossip):
         if self.overlap:
             self._pending = self.start_exchange(self.replicas.params, step)
 
+    def drop_step(self, step: int) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
     def after_backward(self, step: int) -> None:
         params = self.replicas.params
         if self.order == "combine_then_adapt":

@@ -76,6 +76,10 @@ class SyncSGD(Algorithm):
         if self.buffer_mode == "broadcast" and self.replicas.buffers.shape[1] > 0:
             self.comm.broadcast(self.replicas.buffers, src=0, record="buffers")
 
+    def drop_step(self, step: int) -> None:
+        if self.overlap is not None:
+            self.overlap.finish()
+
     def after_backward(self, step: int) -> None:
         if self.overlap is not None:
             self.overlap.finish()

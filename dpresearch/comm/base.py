@@ -208,6 +208,17 @@ class Communicator(ABC):
     def barrier(self) -> None:
         """Block until every process has reached this point."""
 
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        """Every process's `obj` (picklable; tensors on the CPU), in process order, on the main
+        process; None on the others. Not recorded (checkpoints, not training traffic)."""
+        return [obj]
+
+    def scatter_objects(self, objs: list[Any] | None) -> Any:
+        """The inverse of `gather_objects`: the main process hands `objs[p]` to process p
+        (the others pass None); returns this process's own."""
+        assert objs is not None
+        return objs[0]
+
     @property
     def can_overlap(self) -> bool:
         """Whether `start_all_reduce_sum` really runs in the background (one worker per

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -122,6 +123,17 @@ class DistributedCommunicator(Communicator):
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        main = self.is_main_process
+        out: list[Any] | None = [None] * self.world_size if main else None
+        dist.gather_object(obj, out, dst=self._global(0), group=self.group)
+        return out
+
+    def scatter_objects(self, objs: list[Any] | None) -> Any:
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, objs, src=self._global(0), group=self.group)
+        return out[0]
 
     @property
     def can_overlap(self) -> bool:

@@ -191,6 +191,29 @@ class CommLedger:
         self.purpose_op_counts.clear()
         self.step_ops.clear()
 
+    def state_dict(self) -> dict:
+        """The cumulative counters, for a checkpoint (the busy time as a closed total)."""
+        return {
+            "bytes_by_purpose": {p: list(v) for p, v in self.bytes_by_purpose.items()},
+            "modeled_by_purpose": dict(self.modeled_by_purpose),
+            "exposed_s": self.exposed_s,
+            "busy_s": self.busy_s,
+            "op_counts": dict(self.op_counts),
+            "op_totals": dict(self.op_totals),
+            "purpose_op_counts": dict(self.purpose_op_counts),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state_dict()`'s counters (the current step's ops are dropped)."""
+        self.reset()
+        self.bytes_by_purpose = {p: list(v) for p, v in state["bytes_by_purpose"].items()}
+        self.modeled_by_purpose = dict(state["modeled_by_purpose"])
+        self.exposed_s = state["exposed_s"]
+        self._busy_closed = state["busy_s"]
+        self.op_counts.update(state["op_counts"])
+        self.op_totals.update(state["op_totals"])
+        self.purpose_op_counts.update(state["purpose_op_counts"])
+
     def op_table(self) -> list[list]:
         """Every distinct op with its count, `[kind, nbytes, group, peers, count]`, so a run
         can be re-priced on any network afterwards (`NetworkModel.total_seconds`)."""

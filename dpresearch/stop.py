@@ -1,0 +1,115 @@
+"""Stop requests: SIGTERM and SIGINT end a run cleanly at the next step boundary.
+
+`handling()` (a context manager, main thread only) replaces the handlers of SIGTERM and SIGINT
+with ones that only record the signal; the training loop asks `requested()` once per step, and
+all processes agree on it through one tiny collective (`Trainer`), then finish the step, write
+a final checkpoint, and end with `status: interrupted`. A second signal while the first is
+being honoured ends the process at once (exit 128 + signal, no checkpoint).
+
+The launcher of local worker processes (`launch.launch_local`) does not let torch's elastic
+agent turn these signals into a kill: `forwarding()` writes the signal number into a stop file
+whose path the workers inherit (`STOP_FILE_ENV`); `requested()` reads it. Ctrl-C in a terminal
+also reaches the workers directly (one process group); either way they stop at the same step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+STOP_FILE_ENV = "DPRESEARCH_STOP_FILE"
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+_requested: int | None = None
+_depth = 0
+
+
+def requested() -> int | None:
+    """The signal number that asked this run to stop (this process's, or the launcher's stop
+    file), or None."""
+    if _requested is not None:
+        return _requested
+    path = os.environ.get(STOP_FILE_ENV)
+    if path and os.path.exists(path):  # (a stat per step; no exception on the common path)
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            return None
+        return int(text) if text.isdigit() else int(signal.SIGTERM)
+    return None
+
+
+def reset() -> None:
+    """Forget a recorded request (a new run in the same process)."""
+    global _requested
+    _requested = None
+
+
+def _record(signum: int, frame: object) -> None:
+    global _requested
+    if _requested is not None:
+        print(
+            f"{signal.Signals(signum).name} again: stopping now, without a checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(128 + signum)
+    _requested = signum
+
+
+@contextlib.contextmanager
+def _handlers(handler: Callable[[int, object], None]) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in SIGNALS}
+    for s in SIGNALS:
+        if saved[s] != signal.SIG_IGN:  # ignored (nohup, a background job): keep ignoring
+            signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def handling() -> Iterator[None]:
+    """Record SIGTERM/SIGINT instead of dying, for the duration. Nestable (a worker process
+    handles them from its start, the loop again): the outermost one starts and ends with no
+    request recorded."""
+    global _depth
+    if _depth == 0:
+        reset()
+    _depth += 1
+    try:
+        with _handlers(_record):
+            yield
+    finally:
+        _depth -= 1
+        if _depth == 0:
+            reset()
+
+
+@contextlib.contextmanager
+def forwarding(stop_file: Path, escalate: Callable[[int, object], None]) -> Iterator[None]:
+    """The launcher's side: the first SIGTERM/SIGINT writes its number into `stop_file` (the
+    workers stop at their next step); a second one calls `escalate` (stop them now)."""
+    seen: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        if seen:
+            escalate(signum, frame)
+            return
+        seen.append(signum)
+        tmp = stop_file.with_suffix(".tmp")
+        tmp.write_text(str(signum))
+        os.replace(tmp, stop_file)
+
+    with _handlers(forward):
+        yield

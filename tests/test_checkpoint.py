@@ -1,0 +1,374 @@
+"""Checkpoints and exact resume (issue 9, item 1, acceptance A and E's stop part).
+
+A 60-step run killed at step 35 (an injected failure: the process dies with the run) after a
+checkpoint at step 30, then resumed with `train.resume=auto`, ends with parameters equal bit
+for bit (`torch.equal`) to an uninterrupted run's, and its `metrics.jsonl` holds every step
+once, with the same values as the uninterrupted run's lines (timings aside).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SHARED, SMALL, cli_env, compose_config, run_cli
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from dpresearch.checkpoint import (
+    checkpoint_files,
+    checkpoint_interval,
+    find_resume,
+    latest_checkpoint,
+)
+from dpresearch.train import train
+from dpresearch.trainer import InjectedFailure
+
+SUBSET = SHARED / "data" / "cifar10-subset"
+STEPS, KILL_AT, EVERY = 60, 35, 10
+QUICK = [
+    *SMALL,
+    "data.num_train=512",
+    "data.num_test=64",
+    "train.batch_size=16",
+    "train.log_every=1",
+    "train.eval_every=20",
+    f"train.steps={STEPS}",
+]
+# Lines that differ between two runs of the same computation: wall-clock timings.
+TIMED = ("time/",)
+
+CASES = {
+    "sync_qsgd_ef14": ["compressor=qsgd", "error_feedback=ef14"],
+    "topk_ef21": ["compressor=topk", "compressor.ratio=0.1", "error_feedback=ef21"],
+    "powersgd_ef": [
+        "compressor=powersgd",
+        "error_feedback=ef14",
+        "compressor.min_compression_rate=1.0",
+        "model.hidden=[32,32]",
+    ],
+    "local_sgd": ["algorithm=local_sgd", "algorithm.period=4", "optimizer.momentum=0.9"],
+    "choco": ["algorithm=choco", "compressor=topk", "compressor.ratio=0.25"],
+    "dpsgd": ["algorithm=dpsgd", "optimizer.momentum=0.9"],
+    "sgp": ["algorithm=sgp", "topology=one_peer_exponential"],
+}
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "model_final.pt")
+
+
+def metric_lines(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def untimed(line: dict) -> dict:
+    return {k: v for k, v in line.items() if not k.startswith(TIMED)}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def kill_and_resume(tmp_path: Path, args: list[str], failure: type[BaseException]) -> Path:
+    """Run with a checkpoint every `EVERY` steps until the injected failure at step
+    `KILL_AT`, then resume; returns the run directory."""
+    run_dir = tmp_path / "resumed"
+    every = [f"train.checkpoint_every={EVERY}"]
+    cfg = compose_config(*args, *every, "debug.fail_worker=1", f"debug.fail_at_step={KILL_AT}")
+    with pytest.raises(failure):
+        train(cfg, run_dir)
+    assert latest_checkpoint(run_dir).name == f"step_{KILL_AT // EVERY * EVERY}.pt"
+    assert not (run_dir / "summary.json").exists()
+    before = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(before[-1])["step"] == KILL_AT  # logged past the checkpoint
+    summary = train(compose_config(*args, *every, "train.resume=auto"), run_dir)
+    assert summary["status"] == "finished"
+    # The lines up to the checkpoint are the first attempt's own (timings included): the run
+    # continued from the checkpoint rather than starting over.
+    kept = [ln for ln in before if json.loads(ln)["step"] <= KILL_AT // EVERY * EVERY]
+    after = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert after[: len(kept)] == kept
+    return run_dir
+
+
+def check_resumed(tmp_path: Path, args: list[str], failure: type[BaseException]) -> None:
+    reference = tmp_path / "reference"
+    train(compose_config(*args), reference)
+    resumed = kill_and_resume(tmp_path, args, failure)
+    assert same(final_params(resumed), final_params(reference))
+    lines, ref_lines = metric_lines(resumed), metric_lines(reference)
+    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))  # each step exactly once
+    assert [untimed(m) for m in lines] == [untimed(m) for m in ref_lines]
+    summary = json.loads((resumed / "summary.json").read_text())
+    ref_summary = json.loads((reference / "summary.json").read_text())
+    assert summary["comm/bytes"] == ref_summary["comm/bytes"]
+    assert summary["comm/ops"] == ref_summary["comm/ops"]
+    assert summary["status"] == "finished"
+    assert len(checkpoint_files(resumed / "checkpoints")) == 2  # train.checkpoint_keep=2
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_killed_and_resumed_equals_uninterrupted_simulated(case, tmp_path, one_thread):
+    check_resumed(tmp_path, [*QUICK, "workers=4", *CASES[case]], InjectedFailure)
+
+
+@pytest.mark.skipif(not SUBSET.is_dir(), reason=f"no CIFAR subset at {SUBSET}")
+def test_resnet20_with_augmentation_and_batchnorm_resumes_exactly(tmp_path):
+    """ResNet-20 (BatchNorm) on the CIFAR subset with random crop + flip: 60 steps of 2 workers
+    × 4 images on the first 512 images."""
+    args = [
+        "experiment=resnet20_cifar10_subset",
+        f"data.root={SUBSET}",
+        "data.subset=512",
+        "workers=2",
+        "train.batch_size=4",
+        "train.eval_batch_size=500",
+        f"train.steps={STEPS}",
+        "train.log_every=5",
+        "train.eval_every=60",
+        "train.progress=false",
+        "backend.threads=2",
+    ]
+    reference = tmp_path / "reference"
+    train(compose_config(*args), reference)
+    resumed = kill_and_resume(tmp_path, [*args, "train.log_every=1"], InjectedFailure)
+    assert same(final_params(resumed), final_params(reference))
+    steps = [m["step"] for m in metric_lines(resumed)]
+    assert steps == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_killed_and_resumed_equals_uninterrupted_gloo(tmp_path):
+    """sync + QSGD + EF14 on 2 gloo processes: a worker process dies at step 35."""
+    check_resumed(
+        tmp_path,
+        [*QUICK, "workers=2", *CASES["sync_qsgd_ef14"], "backend=gloo", "backend.threads=1"],
+        ChildFailedError,
+    )
+
+
+def test_checkpoint_interval_and_resume_lookup(tmp_path):
+    assert checkpoint_interval(None, 50) == 0
+    assert checkpoint_interval("0", 50) == 0
+    assert checkpoint_interval(200, 50) == 200
+    assert checkpoint_interval("1ep", 50) == 50
+    assert checkpoint_interval("0.5ep", 50) == 25
+    assert checkpoint_interval("0.001ep", 50) == 1
+    assert find_resume(None, tmp_path) is None
+    assert find_resume("auto", tmp_path) is None  # nothing there: a fresh start
+    run_dir = tmp_path / "run"
+    cfg = compose_config(*QUICK, "train.steps=20", "train.checkpoint_every=1ep")
+    train(cfg, run_dir)
+    files = checkpoint_files(run_dir / "checkpoints")
+    assert [f.name for f in files] == ["step_8.pt", "step_16.pt"]  # 8 steps per epoch
+    assert find_resume("auto", run_dir) == files[-1]
+    assert find_resume(str(run_dir), None) == files[-1].resolve()
+    assert find_resume(str(files[0]), None) == files[0].resolve()
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
+def test_resume_auto_without_a_checkpoint_starts_fresh_and_drops_old_lines(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "train/loss": 9}\n')
+    train(compose_config(*QUICK, "train.steps=5", "train.resume=auto"), run_dir)
+    assert [m["step"] for m in metric_lines(run_dir)] == [1, 2, 3, 4, 5]
+    assert metric_lines(run_dir)[0]["train/loss"] != 9
+
+
+def test_resume_of_another_layout_is_one_line_before_any_worker_starts(tmp_path):
+    from dpresearch.validate import ConfigError
+
+    run_dir = tmp_path / "run"
+    args = [*QUICK, "workers=2", "train.steps=10", "train.checkpoint_every=5"]
+    train(compose_config(*args), run_dir)
+    with pytest.raises(ConfigError, match="was written with workers=2, this run has workers=4"):
+        train(compose_config(*QUICK, f"train.resume={run_dir}"), tmp_path / "new")
+    # the same workers as 2 gloo processes: refused from the header, nothing launched
+    with pytest.raises(ConfigError, match="with processes=1, this run has processes=2"):
+        train(compose_config(*args, "backend=gloo", f"train.resume={run_dir}"), tmp_path / "g")
+    with pytest.raises(ConfigError, match="with algorithm=dpresearch.algorithms.sync.SyncSGD"):
+        train(compose_config(*args, "algorithm=dpsgd", f"train.resume={run_dir}"), tmp_path / "d")
+
+
+# -- stop requests -------------------------------------------------------------------------
+def start_cli(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dpresearch.train", *args],
+        cwd=cwd,
+        env=cli_env(WANDB_MODE="disabled"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    path = run_dir / "metrics.jsonl"
+    while True:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        lines = path.read_text().splitlines() if path.exists() else []
+        if lines and json.loads(lines[-1])["step"] >= step:
+            return
+        assert time.monotonic() < deadline, "the run logged too few steps in time"
+        time.sleep(0.1)
+
+
+def stop_and_resume(
+    tmp_path: Path, args: list[str], signum: int, bound_s: float
+) -> tuple[Path, str]:
+    """Start `args` on the command line, send `signum` once it has logged a few steps, check
+    the clean stop (exit 128 + signum within `bound_s`, one line, checkpoint, status), then
+    resume with train.resume=auto to the end; returns the run directory and the stop's
+    stderr."""
+    run_dir = tmp_path / "run"
+    proc = start_cli([*args, f"hydra.run.dir={run_dir}"], tmp_path)
+    try:
+        wait_for_step(run_dir, proc, 3, timeout=240)
+        os.kill(proc.pid, signum)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    print(f"stopped {took:.1f} s after {signal.Signals(signum).name}")
+    assert proc.returncode == 128 + signum, err[-3000:]
+    assert took <= bound_s, f"the run took {took:.1f} s to stop"
+    assert "Traceback" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("interrupted at step "), err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    step = summary["interrupted_at_step"]
+    assert latest_checkpoint(run_dir).name == f"step_{step}.pt"
+    expected = f"interrupted at step {step}: checkpoint {latest_checkpoint(run_dir)}; resume with"
+    assert lines[0] == expected + " train.resume=auto"
+    assert not (run_dir / "model_final.pt").exists()
+    out = subprocess.run(
+        [sys.executable, "-m", "dpresearch.train", *args, f"hydra.run.dir={run_dir}",
+         "train.resume=auto"],
+        cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
+    return run_dir, err
+
+
+def test_kill_9_then_resume_equals_uninterrupted(tmp_path):
+    """A real SIGKILL at an arbitrary step (after the first checkpoint): the lock and any
+    half-written file it leaves are taken over, the resumed run ends as an uninterrupted one."""
+    run_dir = tmp_path / "run"
+    args = [*QUICK, "train.steps=400", "train.eval_every=200", "train.checkpoint_every=10"]
+    proc = start_cli([*args, f"hydra.run.dir={run_dir}"], tmp_path)
+    try:
+        wait_for_step(run_dir, proc, 35, timeout=240)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert latest_checkpoint(run_dir) is not None and not (run_dir / "summary.json").exists()
+    (run_dir / "checkpoints" / ".step_999.pt.half.tmp").write_bytes(b"torn")
+    out = run_cli([*args, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [m["step"] for m in metric_lines(run_dir)] == list(range(1, 401))
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+    reference = tmp_path / "reference"
+    train(compose_config(*args), reference)
+    assert same(final_params(run_dir), final_params(reference))
+
+
+def test_sigint_simulated_stops_cleanly_and_resumes_exactly(tmp_path):
+    args = [*QUICK, "train.steps=600", "train.log_every=1", "train.eval_every=300"]
+    run_dir, _ = stop_and_resume(tmp_path, args, signal.SIGINT, bound_s=10)
+    steps = [m["step"] for m in metric_lines(run_dir)]
+    assert steps == list(range(1, 601))
+    reference = tmp_path / "reference"
+    train(compose_config(*args), reference)
+    assert same(final_params(run_dir), final_params(reference))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_gloo_stops_within_10_s_and_resumes_exactly(tmp_path):
+    """Acceptance E: SIGTERM to the launcher of a gloo × 2 run."""
+    args = [
+        *QUICK, "workers=2", "backend=gloo", "backend.threads=1", "comm.deterministic=true",
+        "train.steps=4000", "train.log_every=1", "train.eval_every=2000",
+    ]  # fmt: skip
+    run_dir, _ = stop_and_resume(tmp_path, args, signal.SIGTERM, bound_s=10)
+    assert [m["step"] for m in metric_lines(run_dir)] == list(range(1, 4001))
+    # deterministic sums: simulated and gloo agree bit for bit (test_equivalence)
+    reference = tmp_path / "reference"
+    train(compose_config(*[a for a in args if not a.startswith("backend=")]), reference)
+    assert same(final_params(run_dir), final_params(reference))
+
+
+def test_progress_line_shows_throughput_and_eta():
+    from dpresearch.progress import format_progress
+
+    line = format_progress(
+        {
+            "step": 50, "epoch": 0.5, "samples": 6400, "train/loss": 1.0, "lr": 0.1,
+            "comm/bytes": 0.0, "comm/modeled_s": 0.0, "time/wall_s": 10.0,
+        },
+        total_steps=200,
+    )  # fmt: skip
+    assert "5 steps/s (640 img/s)" in line and "ETA 0:30" in line
+
+
+def test_resume_from_a_checkpoint_file_continues_in_its_run_directory(tmp_path):
+    """`train.resume=<run>/checkpoints/step_N.pt` without `hydra.run.dir`: the run continues
+    in `<run>` from step N (a Lightning `ckpt_path`, but the run's own directory)."""
+    run_dir = tmp_path / "run"
+    args = [*QUICK, "train.steps=10", "train.checkpoint_every=4", "train.checkpoint_keep=5"]
+    first = run_cli([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    refused = run_cli([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert refused.returncode == 2 and "or train.resume=auto to continue" in refused.stderr
+    before = (run_dir / "metrics.jsonl").read_text().splitlines()
+    out = run_cli(
+        [*args, f"train.resume={run_dir / 'checkpoints' / 'step_4.pt'}"], cwd=tmp_path / "run"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    after = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(ln)["step"] for ln in after] == list(range(1, 11))
+    assert after[:4] == before[:4] and after[4:] != before[4:]  # steps 5-10 run again
+    assert not (run_dir / "outputs").exists()
+
+
+def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
+    """Offline W&B (no network in tests): the resumed attempt logs under the run id stored in
+    the run directory, so `wandb sync` (or an online run) continues one W&B run."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    args = [*QUICK, "train.steps=10", "train.checkpoint_every=5", "logger=wandb",
+            "logger.mode=offline"]  # fmt: skip
+    with pytest.raises(InjectedFailure):
+        train(compose_config(*args, "debug.fail_worker=0", "debug.fail_at_step=7"), run_dir)
+    run_id = (run_dir / "wandb_id").read_text().strip()
+    train(compose_config(*args, "train.resume=auto"), run_dir)
+    assert (run_dir / "wandb_id").read_text().strip() == run_id
+    runs = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(name.endswith(run_id) for name in runs), runs
+
+
+def test_resume_auto_of_a_finished_run_leaves_it_as_it_is(tmp_path):
+    run_dir = tmp_path / "run"
+    train(compose_config(*QUICK, "train.steps=5"), run_dir)
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    summary = train(compose_config(*QUICK, "train.steps=5", "train.resume=auto"), run_dir)
+    assert summary["status"] == "finished"
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
