@@ -1,4 +1,4 @@
-"""Stop requests: SIGTERM and SIGINT end a run cleanly at the next step boundary.
+"""Stop requests: SIGTERM, SIGINT and SIGUSR2 end a run cleanly at the next step boundary.
 
 `handling()` (a context manager, main thread only) replaces the handlers of SIGTERM and SIGINT
 with ones that only record the signal; the training loop asks `requested()` once per step, and
@@ -10,6 +10,13 @@ The launcher of local worker processes (`launch.launch_local`) does not let torc
 agent turn these signals into a kill: `forwarding()` writes the signal number into a stop file
 whose path the workers inherit (`STOP_FILE_ENV`); `requested()` reads it. Ctrl-C in a terminal
 also reaches the workers directly (one process group); either way they stop at the same step.
+
+SIGUSR2 is what SLURM sends through submitit before a time limit or a preemption (Hydra's
+submitit launcher, `conf/hydra/launcher/slurm.yaml`). It stops the run like SIGTERM, and then,
+once the final checkpoint is written and the handlers are restored, it is handed on to the
+handler that was there before ours (submitit's, which requeues the job; with
+`train.resume=auto` the requeued job continues from that checkpoint). Without such a handler
+the run ends with exit 140 (128 + SIGUSR2).
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 STOP_FILE_ENV = "DPRESEARCH_STOP_FILE"
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# a scheduler's "checkpoint now" signal: honoured, then handed on to the scheduler's handler
+HANDED_ON = (signal.SIGUSR2,) if hasattr(signal, "SIGUSR2") else ()
+SIGNALS = (signal.SIGTERM, signal.SIGINT, *HANDED_ON)
 
 _requested: int | None = None
 _depth = 0
@@ -62,8 +71,17 @@ def _record(signum: int, frame: object) -> None:
     _requested = signum
 
 
+def _foreign(handler: object) -> bool:
+    """A Python handler installed by someone else (a scheduler), not one of this module's."""
+    return callable(handler) and getattr(handler, "__module__", None) != __name__
+
+
 @contextlib.contextmanager
-def _handlers(handler: Callable[[int, object], None]) -> Iterator[None]:
+def _handlers(
+    handler: Callable[[int, object], None], received: Callable[[], int | None]
+) -> Iterator[None]:
+    """`handler` for SIGNALS for the duration; on the way out the old handlers come back and,
+    if `received()` names a HANDED_ON signal, the old handler of that signal is called."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -76,11 +94,14 @@ def _handlers(handler: Callable[[int, object], None]) -> Iterator[None]:
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
+        signum = received()
+        if signum in HANDED_ON and _foreign(saved[signum]):
+            saved[signum](signum, None)
 
 
 @contextlib.contextmanager
 def handling() -> Iterator[None]:
-    """Record SIGTERM/SIGINT instead of dying, for the duration. Nestable (a worker process
+    """Record SIGTERM/SIGINT/SIGUSR2 instead of dying, for the duration. Nestable (a worker process
     handles them from its start, the loop again): the outermost one starts and ends with no
     request recorded."""
     global _depth
@@ -88,7 +109,7 @@ def handling() -> Iterator[None]:
         reset()
     _depth += 1
     try:
-        with _handlers(_record):
+        with _handlers(_record, lambda: _requested):
             yield
     finally:
         _depth -= 1
@@ -98,7 +119,7 @@ def handling() -> Iterator[None]:
 
 @contextlib.contextmanager
 def forwarding(stop_file: Path, escalate: Callable[[int, object], None]) -> Iterator[None]:
-    """The launcher's side: the first SIGTERM/SIGINT writes its number into `stop_file` (the
+    """The launcher's side: the first SIGTERM/SIGINT/SIGUSR2 writes its number into `stop_file` (the
     workers stop at their next step); a second one calls `escalate` (stop them now)."""
     seen: list[int] = []
 
@@ -111,5 +132,5 @@ def forwarding(stop_file: Path, escalate: Callable[[int, object], None]) -> Iter
         tmp.write_text(str(signum))
         os.replace(tmp, stop_file)
 
-    with _handlers(forward):
+    with _handlers(forward, lambda: seen[0] if seen else None):
         yield

@@ -372,3 +372,51 @@ def test_resume_auto_of_a_finished_run_leaves_it_as_it_is(tmp_path):
     summary = train(compose_config(*QUICK, "train.steps=5", "train.resume=auto"), run_dir)
     assert summary["status"] == "finished"
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+
+
+SCHEDULER = """
+import pathlib, runpy, signal, sys
+
+marker = pathlib.Path(sys.argv[1])
+sys.argv = ["dpresearch.train", *sys.argv[2:]]
+
+
+def requeue(signum, frame):  # what submitit's SIGUSR2 handler does: requeue, then exit
+    marker.write_text("requeued")
+    sys.exit(0)
+
+
+signal.signal(signal.SIGUSR2, requeue)
+runpy.run_module("dpresearch.train", run_name="__main__")
+"""
+
+
+def test_sigusr2_checkpoints_then_hands_on_to_the_schedulers_handler(tmp_path):
+    """SLURM/submitit: SIGUSR2 before a time limit or a preemption. The run stops at a step
+    boundary with a final checkpoint and `status: interrupted`, then the handler that was
+    installed before it (submitit's requeue) runs; the requeued job resumes exactly."""
+    run_dir, marker = tmp_path / "run", tmp_path / "requeued"
+    args = [*QUICK, "train.steps=600", "train.eval_every=300", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCHEDULER, str(marker), *args],
+        cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for_step(run_dir, proc, 3, timeout=240)
+        os.kill(proc.pid, signal.SIGUSR2)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert marker.read_text() == "requeued", err[-3000:]
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert latest_checkpoint(run_dir).name == f"step_{summary['interrupted_at_step']}.pt"
+    out = run_cli([*args, "train.resume=auto"], cwd=tmp_path)  # the requeued job
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [m["step"] for m in metric_lines(run_dir)] == list(range(1, 601))
+    reference = tmp_path / "reference"
+    train(compose_config(*args[:-1]), reference)
+    assert same(final_params(run_dir), final_params(reference))

@@ -93,4 +93,6 @@ def test_slurm_launcher_settings_compose_for_a_gloo_sweep(tmp_path):
     )
     assert "_target_: hydra_plugins.dpresearch_sweeper.DpresearchSweeper" in out.stdout
     assert "tasks_per_node: 1" in out.stdout
+    # requeued on SIGUSR2 (time limit, preemption) after the run's own final checkpoint
+    assert "signal_delay_s: 120" in out.stdout and "max_num_timeout: 3" in out.stdout
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
