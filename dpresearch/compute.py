@@ -22,6 +22,10 @@ from dpresearch.data.partition import Partitioner
 from dpresearch.replicas import Replicas
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+NO_AUTOCAST = contextlib.nullcontext()  # reusable: building one per batch costs more than this
+# Pending batches' statistics are reduced together once there are this many batches or their
+# outputs hold this many elements (which bounds the memory they keep).
+FOLD_EVERY, FOLD_NUMEL = 256, 1 << 22
 
 
 def worker_seed(seed: int, worker: int) -> int:
@@ -61,16 +65,21 @@ class WorkerCompute:
         self.generators = [torch.Generator().manual_seed(worker_seed(seed, w)) for w in workers]
         self.cursors = [0] * len(self.workers)
         self._epochs = [-1] * len(self.workers)
-        self._indices: list[Tensor] = [torch.empty(0, dtype=torch.long)] * len(self.workers)
-        # Per row, since the last `drain`: (loss, correct predictions, batch size) per batch.
-        self._stats: list[list[tuple[Tensor, Tensor, int]]] = [[] for _ in self.workers]
+        # Per row: its current epoch's batches of indices, on the data's device.
+        self._batches: list[tuple[Tensor, ...]] = [()] * len(self.workers)
+        # Batches not yet reduced, in order: (row, loss, outputs, targets), detached, and their
+        # outputs' elements; per row, since the last `drain`: [summed loss, summed accuracy,
+        # batches] of those reduced.
+        self._pending: list[tuple[int, Tensor, Tensor, Tensor]] = []
+        self._pending_numel = 0
+        self._sums: list[list[float]] = [[0.0, 0.0, 0] for _ in self.workers]
 
     def autocast(self):
         """Mixed precision for the forward pass (and, through autograd, the backward); without
         it a null context (building a disabled `torch.autocast` costs more than a small
         model's loss)."""
         if self.autocast_dtype is None:
-            return contextlib.nullcontext()
+            return NO_AUTOCAST
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def next_batch(self, row: int) -> tuple[Tensor, Tensor]:
@@ -78,12 +87,12 @@ class WorkerCompute:
         epoch, pos = divmod(self.cursors[row], self.steps_per_epoch)
         self.cursors[row] += 1
         if self._epochs[row] != epoch:
-            self._indices[row] = self.partitioner.epoch_indices(self.workers[row], epoch)
+            indices = self.partitioner.epoch_indices(self.workers[row], epoch)
+            indices = indices[: self.steps_per_epoch * self.batch_size]
+            # Cut once per epoch (one slice per batch costs a dispatched op per step).
+            self._batches[row] = indices.to(self.data.train_targets.device).split(self.batch_size)
             self._epochs[row] = epoch
-        b = self.batch_size
-        x, y = self.data.train_batch(
-            self._indices[row][pos * b : (pos + 1) * b], self.generators[row]
-        )
+        x, y = self.data.train_batch(self._batches[row][pos], self.generators[row])
         if self.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         return x, y
@@ -99,9 +108,12 @@ class WorkerCompute:
                 out = models[w](x)
                 loss = F.cross_entropy(out, y)
             (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
-            with torch.no_grad():
-                # Reduced at `drain`: per batch, as few small ops as possible.
-                self._stats[w].append((loss.detach(), (out.argmax(1) == y).sum(), y.shape[0]))
+            # Per batch as few small ops as possible: the statistics are computed for many
+            # batches at once in `_fold`.
+            self._pending.append((w, loss.detach(), out.detach(), y))
+            self._pending_numel += out.numel()
+        if len(self._pending) >= FOLD_EVERY or self._pending_numel >= FOLD_NUMEL:
+            self._fold()
         if self.loss_scale != 1.0:
             grads = self.replicas.grads
             if len(rows) == grads.shape[0]:
@@ -145,15 +157,28 @@ class WorkerCompute:
         """Write into the float64 `window` ([W, 3]) each row's summed batch loss, summed batch
         accuracy and batch count since the last call (sums in float64, batch after batch), and
         start anew."""
-        window.zero_()
-        for w, stats in enumerate(self._stats):
-            if not stats:
-                continue
-            losses = torch.stack([s[0] for s in stats]).double().tolist()
-            correct = torch.stack([s[1] for s in stats]).tolist()
-            loss_sum = acc_sum = 0.0
-            for loss, hits, (_, _, n) in zip(losses, correct, stats, strict=True):
-                loss_sum += loss
-                acc_sum += hits / n
-            window[w, 0], window[w, 1], window[w, 2] = loss_sum, acc_sum, float(len(stats))
-            stats.clear()
+        self._fold()
+        rows = [[s[0], s[1], float(s[2])] for s in self._sums]
+        window.copy_(torch.tensor(rows, dtype=torch.float64))
+        self._sums = [[0.0, 0.0, 0] for _ in self.workers]
+
+    def _fold(self) -> None:
+        """Reduce the pending batches into their rows' sums (float64, batch after batch)."""
+        pending = self._pending
+        if not pending:
+            return
+        losses = torch.stack([p[1] for p in pending]).double().tolist()
+        sizes = [p[3].shape[0] for p in pending]
+        predicted = torch.cat([p[2] for p in pending]).argmax(1)
+        hits = predicted == torch.cat([p[3] for p in pending])
+        if min(sizes) == max(sizes):
+            correct = hits.view(len(sizes), sizes[0]).sum(1).tolist()
+        else:
+            correct = [int(h.sum()) for h in hits.split(sizes)]
+        for (row, *_), loss, right, n in zip(pending, losses, correct, sizes, strict=True):
+            sums = self._sums[row]
+            sums[0] += loss
+            sums[1] += right / n
+            sums[2] += 1
+        pending.clear()
+        self._pending_numel = 0

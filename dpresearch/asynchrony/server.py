@@ -11,6 +11,11 @@ to its open group; when the protocol says so it applies the mean of the group wi
 optimizer (lr = base lr × the schedule's multiplier), and its version becomes V + 1. With a
 plain SGD optimizer and asgd that is x ← x − η·s(τ)·g. Buffers (BatchNorm statistics): the
 server keeps those of the latest accepted push; a worker pulls them with the parameters.
+
+A group of one gradient with factor 1 and no delay compensation (asgd and ssp with a constant
+lr) is applied where it lies: the optimizer's `.grad` views are pointed at the pushed tensor
+for that step instead of copying it into the server's own gradient row (the same values, one
+full-vector copy fewer per push).
 """
 
 from __future__ import annotations
@@ -68,7 +73,12 @@ class ParameterServer:
         self.stats = StalenessStats(protocol.workers)
         self.params: Tensor = self.replica.params[0]  # the server's flat parameter row [D]
         self.buffers: Tensor = self.replica.buffers[0]
-        self._total = self.replica.grads[0]  # the open group's sum, then the applied gradient
+        self._total = self.replica.grads[0]  # the open group's sum (scaled, then averaged)
+        # The optimizer's `.grad` views, per flat gradient they view (`_views_of`).
+        self._trainable = [p for p in self.replica.models[0].parameters() if p.requires_grad]
+        self._own_grads = [p.grad for p in self._trainable]
+        self._views: dict[int, tuple[Tensor, int, list[Tensor] | None]] = {}
+        self._bound = self._total  # the flat gradient the optimizer's `.grad` views now
         self._group: list[tuple[int, int]] = []  # (worker, τ) of the open group
         self._term = torch.empty_like(self.params) if self.delay_compensation else None
         self._multiplier: float | None = None
@@ -92,20 +102,26 @@ class ParameterServer:
     ) -> list[int]:
         """Receive `worker`'s gradient computed at version `read_version` (on `x_read`, needed
         only with delay compensation); apply per protocol. Returns the workers that may start
-        now (they read `params` and `version` as they are after this call)."""
+        now (they read `params` and `version` as they are after this call). `grad` is only
+        read during the call."""
         tau = self.version - read_version
         factor = self.policy.factor(tau)
+        direct = views = None
         if factor is None:
             self.stats.drop()
             apply, released = self.protocol.pushed(worker, accepted=False)
         else:
-            self._add(grad, factor, x_read)
+            apply, released = self.protocol.pushed(worker, accepted=True)
+            if apply and not self._group and factor == 1.0 and self._term is None:
+                views = self._views_of(grad)  # the whole group: step on it where it lies
+                direct = grad if views is not None else None
+            if direct is None:
+                self._add(grad, factor, x_read)
             self._group.append((worker, tau))
             if buffers is not None and buffers.numel():
                 self.buffers.copy_(buffers)
-            apply, released = self.protocol.pushed(worker, accepted=True)
         if apply:
-            self._apply()
+            self._apply(direct, views)
         return released
 
     def _add(self, grad: Tensor, factor: float, x_read: Tensor | None) -> None:
@@ -123,11 +139,47 @@ class ParameterServer:
         else:
             total.add_(grad, alpha=factor)
 
-    def _apply(self) -> None:
-        if len(self._group) > 1:
-            self._total.div_(len(self._group))
+    def _apply(self, direct: Tensor | None = None, views: list[Tensor] | None = None) -> None:
+        """Step the optimizer on the open group's mean, or on `direct` (the whole group, one
+        gradient of factor 1, through its `views`)."""
+        if direct is None:
+            if len(self._group) > 1:
+                self._total.div_(len(self._group))
+            direct, views = self._total, self._own_grads
+        if direct is not self._bound:
+            for p, view in zip(self._trainable, views, strict=True):
+                p.grad = view
+            self._bound = direct
         self.optimizer.step()
         self.version += 1
         for worker, tau in self._group:
             self.stats.applied(worker, tau)
         self._group.clear()
+
+    def _views_of(self, flat: Tensor) -> list[Tensor] | None:
+        """Views of the flat gradient `flat` shaped and strided as the server's own `.grad`
+        views, or None where `flat` is not laid out like the server's gradient row. Kept per
+        tensor (a worker's gradient row, a decode buffer: one per push would be rebuilt each
+        time), with the tensor, so an id is never taken for another's; at most 2K + 2 kept."""
+        entry = self._views.get(id(flat))
+        if entry is not None and entry[0] is flat and entry[1] == flat.data_ptr():
+            return entry[2]
+        total = self._total
+        views = None
+        if (
+            flat.dtype == total.dtype
+            and flat.shape == total.shape
+            and flat.device == total.device
+            and flat.is_contiguous()
+        ):
+            base = total.storage_offset()
+            views = [
+                flat.as_strided(
+                    g.shape, g.stride(), flat.storage_offset() + g.storage_offset() - base
+                )
+                for g in self._own_grads
+            ]
+        if len(self._views) > 2 * self.protocol.workers + 2:
+            del self._views[next(iter(self._views))]
+        self._views[id(flat)] = (flat, flat.data_ptr(), views)
+        return views

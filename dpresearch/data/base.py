@@ -90,7 +90,7 @@ class Dataset:
 
     def transform_train(self, inputs: Tensor, generator: torch.Generator | None) -> Tensor:
         """Model inputs for a training batch; may draw augmentation from `generator`."""
-        return inputs.float()
+        return inputs if inputs.dtype == torch.float32 else inputs.float()
 
     def transform_test(self, inputs: Tensor) -> Tensor:
         """Model inputs for an evaluation batch (deterministic)."""

@@ -44,18 +44,33 @@ class Partitioner(ABC):
 
 
 class IIDPartitioner(Partitioner):
-    """Disjoint random shards, reshuffled every epoch (DistributedSampler semantics)."""
+    """Disjoint random shards, reshuffled every epoch (DistributedSampler semantics).
+
+    The permutations of the last `CACHED_EPOCHS` epochs asked for are kept: the K workers of
+    one process share each epoch's permutation (drawing it costs O(N), per worker and epoch),
+    and asynchronous workers walk neighbouring epochs at once."""
+
+    CACHED_EPOCHS = 4
+
+    def __init__(self, num_examples: int, num_workers: int, seed: int) -> None:
+        super().__init__(num_examples, num_workers, seed)
+        self._perms: dict[int, Tensor] = {}  # epoch → its permutation, oldest use first
 
     @property
     def samples_per_worker(self) -> int:
         return self.num_examples // self.num_workers
 
     def epoch_indices(self, worker: int, epoch: int) -> Tensor:
-        g = torch.Generator()
-        g.manual_seed(self.seed + epoch)
-        perm = torch.randperm(self.num_examples, generator=g)
+        perm = self._perms.pop(epoch, None)
+        if perm is None:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            perm = torch.randperm(self.num_examples, generator=g)
+            if len(self._perms) == self.CACHED_EPOCHS:
+                del self._perms[next(iter(self._perms))]
+        self._perms[epoch] = perm
         total = self.samples_per_worker * self.num_workers
-        return perm[:total][worker :: self.num_workers]
+        return perm[:total][worker :: self.num_workers].clone()  # the caller's to keep
 
 
 class DirichletPartitioner(Partitioner):

@@ -14,7 +14,9 @@ the second leaving out the batch gather every training loop pays (for logistic r
 wide inputs it costs a good fraction of a forward/backward). The same updates also run in a
 plain torch loop (one model, `optimizer.zero_grad/step`) for reference. Times are the
 process's CPU seconds (`time.thread_time`, one torch thread): a shared machine's other load
-inflates them far less than wall-clock time. Medians over rounds. Usage:
+inflates them far less than wall-clock time. Each share is the median over rounds of that
+round's share (a round's parts belong together); the µs figures are medians of each part.
+Usage:
 
     python experiments/bench/async_overhead.py [--rounds 3] [--updates 10000] [--workers 64]
         [--features 3072] [--batch 64] [--threads 1] [--out async_overhead.json]
@@ -154,11 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         ours = simulated(args)
         reference = plain(args)
+        ours["outside_fraction"] = 1 - ours["core_s"] / ours["run_s"]
+        ours["simulator_fraction"] = 1 - (ours["core_s"] + ours["data_s"]) / ours["run_s"]
         for key, value in [*ours.items(), *(("plain_" + k, v) for k, v in reference.items())]:
             rounds.setdefault(key, []).append(value)
         print(
             f"round {r}: run {ours['run_s']:.2f}s, of which forward/backward/optimizer "
-            f"{ours['core_s']:.2f}s and data {ours['data_s']:.2f}s; plain loop: "
+            f"{ours['core_s']:.2f}s and data {ours['data_s']:.2f}s "
+            f"({ours['outside_fraction']:.1%} outside fwd/bwd/opt, "
+            f"{ours['simulator_fraction']:.1%} outside those and data); plain loop: "
             f"forward/backward/optimizer {reference['core_s']:.2f}s, data "
             f"{reference['data_s']:.2f}s",
             flush=True,
@@ -173,8 +179,6 @@ def main(argv: list[str] | None = None) -> int:
         "batch": args.batch,
         "threads": args.threads,
         **med,
-        "outside_fraction": 1 - core / run,
-        "simulator_fraction": 1 - (core + data) / run,
         "core_us_per_push": core * us,
         "data_us_per_push": data * us,
         "other_us_per_push": (run - core - data) * us,
