@@ -73,6 +73,7 @@ class WorkerCompute:
         self._pending: list[tuple[int, Tensor, Tensor, Tensor]] = []
         self._pending_numel = 0
         self._sums: list[list[float]] = [[0.0, 0.0, 0] for _ in self.workers]
+        self._latest: dict[int, Tensor] = {}  # row → the loss of its batch in the last `run`
 
     def autocast(self):
         """Mixed precision for the forward pass (and, through autograd, the backward); without
@@ -102,6 +103,11 @@ class WorkerCompute:
         replica holds; gradients are *accumulated* into the rows of `replicas.grads` (zero them
         first). Each batch's loss and accuracy are kept for `drain`."""
         models = self.replicas.models
+        # Reduced before this step's batches join, never after: until the next `run`, this
+        # step's statistics stay pending (`last_losses_finite`, `forget_last` read them).
+        if len(self._pending) >= FOLD_EVERY or self._pending_numel >= FOLD_NUMEL:
+            self._fold()
+        self._latest = {}
         for w in rows:
             x, y = self.next_batch(w)
             with self.autocast():
@@ -110,10 +116,9 @@ class WorkerCompute:
             (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
             # Per batch as few small ops as possible: the statistics are computed for many
             # batches at once in `_fold`.
-            self._pending.append((w, loss.detach(), out.detach(), y))
+            self._latest[w] = loss.detach()
+            self._pending.append((w, self._latest[w], out.detach(), y))
             self._pending_numel += out.numel()
-        if len(self._pending) >= FOLD_EVERY or self._pending_numel >= FOLD_NUMEL:
-            self._fold()
         if self.loss_scale != 1.0:
             grads = self.replicas.grads
             if len(rows) == grads.shape[0]:
@@ -123,24 +128,30 @@ class WorkerCompute:
                     grads[w].div_(self.loss_scale)
 
     def last_losses_finite(self, rows: Sequence[int]) -> bool:
-        """Whether the loss of each row's latest batch is finite (one host sync)."""
-        losses = [self._stats[w][-1][0] for w in rows if self._stats[w]]
+        """Whether the loss of each row's batch in the last `run` is finite (one host sync)."""
+        losses = [self._latest[w] for w in rows if w in self._latest]
+        if len(losses) == 1:
+            return bool(losses[0].isfinite())
         return bool(torch.stack(losses).isfinite().all()) if losses else True
 
     def forget_last(self, rows: Sequence[int]) -> None:
         """Drop each row's latest batch statistics (a skipped step is not averaged in)."""
         for w in rows:
-            if self._stats[w]:
-                self._stats[w].pop()
+            for i in range(len(self._pending) - 1, -1, -1):
+                if self._pending[i][0] == w:
+                    self._pending_numel -= self._pending.pop(i)[2].numel()
+                    break
 
     def state_dict(self) -> dict:
         """Data cursors, augmentation generators and the undrained batch statistics: the
         partitioner's order is a pure function of (seed, worker, epoch), so the cursors place
-        every worker exactly in its sequence."""
+        every worker exactly in its sequence. The pending batches are reduced first (the sums
+        are the same whenever they are reduced: batch after batch, in float64)."""
+        self._fold()
         return {
             "cursors": list(self.cursors),
             "generators": [g.get_state() for g in self.generators],
-            "stats": [[(loss, hits, n) for loss, hits, n in s] for s in self._stats],
+            "sums": [list(s) for s in self._sums],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -148,10 +159,8 @@ class WorkerCompute:
         for g, s in zip(self.generators, state["generators"], strict=True):
             g.set_state(s)
         self._epochs = [-1] * len(self.workers)
-        self._stats = [
-            [(loss.to(self.device), hits.to(self.device), n) for loss, hits, n in s]
-            for s in state["stats"]
-        ]
+        self._pending, self._pending_numel, self._latest = [], 0, {}
+        self._sums = [list(s) for s in state["sums"]]
 
     def drain(self, window: Tensor) -> None:
         """Write into the float64 `window` ([W, 3]) each row's summed batch loss, summed batch
