@@ -227,7 +227,8 @@ def check_run_control(cfg: DictConfig) -> None:
             f"{cfg.algorithm._target_} cannot checkpoint yet (its state has no state_dict); "
             "leave train.checkpoint_every and train.resume unset"
         )
-    if tc.on_nonfinite == "skip_step" and not getattr(algorithm, "checkpointable", True):
+    skippable = getattr(algorithm, "checkpointable", True) and getattr(algorithm, "skippable", True)
+    if tc.on_nonfinite == "skip_step" and not skippable:
         raise ConfigError(
             f"train.on_nonfinite=skip_step is not supported by {cfg.algorithm._target_}; "
             "use stop or continue"

@@ -314,6 +314,8 @@ BAD = [
     (["compressor=powersgd"], "cannot compress a push"),
     (["error_feedback=ef21"], "support error_feedback=none or ef14"),
     (["async.delay=2", "backend=gloo"], "use backend=simulated"),
+    (["backend=gloo", "train.resume=auto"], "real processes (backend=gloo) cannot checkpoint"),
+    (["train.on_nonfinite=skip_step"], "skip_step is not supported"),
 ]
 
 

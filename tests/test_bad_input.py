@@ -92,7 +92,11 @@ BAD = [
     (["train.resume=/nonexistent"], "train.resume=/nonexistent: no such file or directory"),
     (["train.resume={tmp}"], "no complete checkpoint there"),
     (["train.on_nonfinite=foo"], "train.on_nonfinite=foo; choose one of: stop, skip_step"),
-    (["algorithm=async_sgd", "train.checkpoint_every=5"], "cannot checkpoint yet"),
+    (
+        ["algorithm=async_sgd", "backend=gloo", "train.checkpoint_every=5"],
+        "on real processes (backend=gloo) cannot checkpoint yet; use backend=simulated",
+    ),
+    (["algorithm=async_sgd", "train.on_nonfinite=skip_step"], "skip_step is not supported"),
 ]
 if not torch.cuda.is_available():
     BAD.append((["backend=nccl"], "use backend=gloo"))

@@ -59,6 +59,33 @@ CASES = {
     "sgp": ["algorithm=sgp", "topology=one_peer_exponential"],
 }
 
+# Simulated asynchronous SGD: 60 pushes of 4 workers; the server, protocol, speed streams,
+# event queue and push codecs are in the checkpoint (`AsyncSGD.state_dict`).
+ASYNC = "algorithm=async_sgd"
+ASYNC_CASES = {
+    "asgd_straggler": [
+        ASYNC, "async.speed=exponential", "async.slow_workers=[0]", "async.slowdown=4",
+        "async.straggler_prob=0.2", "optimizer.momentum=0.9",
+    ],
+    "ssp": [ASYNC, "async.protocol=ssp", "async.max_staleness=2", "async.speed=exponential"],
+    "softsync": [  # c=4: the checkpoint at push 30 holds an open group of 2
+        ASYNC, "async.protocol=softsync", "async.softsync_c=4", "async.speed=lognormal",
+        "optimizer.momentum=0.9",
+    ],
+    "fixed_delay": [ASYNC, "async.delay=3", "optimizer.momentum=0.9"],
+    "delay_adaptive": [
+        ASYNC, "async.lr_policy=delay_adaptive", "async.speed=exponential",
+        "async.slow_workers=[2]", "async.slowdown=3",
+    ],
+    "topk_ef14": [
+        ASYNC, "compressor=topk", "compressor.ratio=0.1", "error_feedback=ef14",
+        "async.speed=exponential",
+    ],
+}  # fmt: skip
+# What the asynchronous runs report beyond the common keys: simulated time (a "time/" key, but
+# a pure function of the configuration) and the staleness figures.
+ASYNC_KEYS = ("async/", "time/simulated_s")
+
 
 def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "model_final.pt")
@@ -117,6 +144,26 @@ def check_resumed(tmp_path: Path, args: list[str], failure: type[BaseException])
 @pytest.mark.parametrize("case", list(CASES))
 def test_killed_and_resumed_equals_uninterrupted_simulated(case, tmp_path, one_thread):
     check_resumed(tmp_path, [*QUICK, "workers=4", *CASES[case]], InjectedFailure)
+
+
+@pytest.mark.parametrize("case", list(ASYNC_CASES))
+def test_killed_and_resumed_async_equals_uninterrupted(case, tmp_path, one_thread):
+    args = [*QUICK, "workers=4", *ASYNC_CASES[case]]
+    check_resumed(tmp_path, args, InjectedFailure)
+    resumed, reference = tmp_path / "resumed", tmp_path / "reference"
+
+    def reported(line: dict) -> dict:
+        return {k: v for k, v in line.items() if k.startswith(ASYNC_KEYS)}
+
+    lines, ref_lines = metric_lines(resumed), metric_lines(reference)
+    assert [reported(m) for m in lines] == [reported(m) for m in ref_lines]
+    assert "time/simulated_s" in lines[-1] and "async/staleness_mean" in lines[-1]
+    summary = reported(json.loads((resumed / "summary.json").read_text()))
+    ref_summary = reported(json.loads((reference / "summary.json").read_text()))
+    assert summary == ref_summary
+    assert sum(summary["async/tau_histogram"]) == summary["async/gradients_applied"]
+    assert summary["async/staleness_mean_run"] > 0  # the checkpoint held a stale queue
+    assert summary["time/simulated_s"] > 0
 
 
 @pytest.mark.skipif(not SUBSET.is_dir(), reason=f"no CIFAR subset at {SUBSET}")

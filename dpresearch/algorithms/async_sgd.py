@@ -64,7 +64,11 @@ class AsyncSGD(Algorithm):
     granularity / bucket_mb: the compression units (see `PushCodec`).
     """
 
-    checkpointable = False  # event queue, server and staleness state have no state_dict yet
+    # Checkpoints: the simulated mode's whole state is in `state_dict` (server, protocol,
+    # speed streams, event queue, push codec, history); the real mode refuses them
+    # (`check_config`). A dropped step (`train.on_nonfinite=skip_step`) would leave the popped
+    # worker without a next arrival, so it is refused.
+    skippable = False
 
     def __init__(
         self,
@@ -158,6 +162,12 @@ class AsyncSGD(Algorithm):
                 f"async.delay is a simulated mode (x_(t+1) = x_t - η·g(x_(t-τ))); use "
                 f"backend=simulated, or drop async.delay for real processes ({cfg.backend.name})"
             )
+        if cfg.backend.name != "simulated" and checkpoints_asked(cfg.train):
+            raise ValueError(
+                f"algorithm=async_sgd on real processes (backend={cfg.backend.name}) cannot "
+                "checkpoint yet; use backend=simulated, or leave train.checkpoint_every and "
+                "train.resume unset"
+            )
         error_feedback_mode(alg.get("error_feedback"))
         check_codec(alg.get("compressor"))
 
@@ -235,6 +245,37 @@ class AsyncSGD(Algorithm):
         self.read_version[worker] = self.server.version
         self.clock.start(worker)
 
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything the simulation changes beyond the replicas' rows (what each worker pulled)
+        and the trainer's own state; live tensors."""
+        return {
+            "server": self.server.state_dict(),
+            "protocol": self.protocol.state_dict(),
+            "speed": self.speed.state_dict(),
+            "clock": self.clock.state_dict(),
+            "push": self.push.state_dict(),
+            "read_version": list(self.read_version),
+            "pushes": list(self.pushes),
+            "steps": self.steps,
+            "worker": self._worker,
+            "history": self.history,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["history"] is None) != (self.history is None):
+            raise ValueError("async state: saved with another async.delay mode")
+        self.server.load_state_dict(state["server"])
+        self.protocol.load_state_dict(state["protocol"])
+        self.speed.load_state_dict(state["speed"])
+        self.clock.load_state_dict(state["clock"])
+        self.push.load_state_dict(state["push"])
+        self.read_version = [int(v) for v in state["read_version"]]
+        self.pushes = [int(n) for n in state["pushes"]]
+        self.steps, self._worker = int(state["steps"]), int(state["worker"])
+        if self.history is not None:
+            self.history.copy_(state["history"])
+
     # -- results ---------------------------------------------------------------------------------
     @property
     def simulated_s(self) -> float:
@@ -257,6 +298,17 @@ class AsyncSGD(Algorithm):
 
     def summary(self) -> dict[str, Any]:
         return run_summary(self.server, self.protocol, self.pushes, self.push_bytes)
+
+
+def checkpoints_asked(train: Mapping[str, Any]) -> bool:
+    """Whether a `train` node asks for checkpoints (`checkpoint_every`) or a resume."""
+    from dpresearch.checkpoint import CheckpointError, checkpoint_interval
+
+    try:
+        every = checkpoint_interval(train.get("checkpoint_every"), 1)
+    except CheckpointError:  # reported by the run-control checks
+        every = 0
+    return bool(every) or train.get("resume") is not None
 
 
 def push_accounting(pushes: list[int], push_bytes: int, push_s: float) -> dict[str, float]:

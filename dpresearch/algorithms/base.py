@@ -63,6 +63,8 @@ class Algorithm(ABC):
     # Whether `state_dict` holds all the algorithm's state beyond replicas and optimizers, so
     # that a checkpoint resumes it exactly (the trainer refuses checkpoints otherwise).
     checkpointable: bool = True
+    # Whether `drop_step` leaves the algorithm able to go on (`train.on_nonfinite=skip_step`).
+    skippable: bool = True
 
     def __init__(
         self, replicas: Replicas, comm: Communicator, optimizers: list[torch.optim.Optimizer]

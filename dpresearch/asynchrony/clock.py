@@ -40,5 +40,14 @@ class EventClock:
         self.now, worker = heapq.heappop(self._heap)
         return worker
 
+    def state_dict(self) -> dict:
+        """`now` and the pending arrivals (the speed model's streams are its own state)."""
+        return {"now": self.now, "heap": list(self._heap)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.now = float(state["now"])
+        self._heap = [(float(t), int(w)) for t, w in state["heap"]]
+        heapq.heapify(self._heap)
+
     def __len__(self) -> int:
         return len(self._heap)

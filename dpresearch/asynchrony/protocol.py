@@ -47,6 +47,21 @@ class Protocol:
         """Every worker starts at once, on the initial parameters."""
         return list(range(self.workers))
 
+    def state_dict(self) -> dict:
+        """Per-worker progress, the waiting workers and the open group's count."""
+        return {
+            "clocks": list(self.clocks),
+            "waiting": list(self.waiting),
+            "accepted": self.accepted,
+            "max_ahead": self.max_ahead,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["clocks"]) != self.workers:
+            raise ValueError("protocol state: another number of workers")
+        self.clocks, self.waiting = list(state["clocks"]), list(state["waiting"])
+        self.accepted, self.max_ahead = int(state["accepted"]), int(state["max_ahead"])
+
     def pushed(self, worker: int, accepted: bool) -> tuple[bool, list[int]]:
         """`worker` has pushed a gradient (`accepted`: not dropped). Returns (apply the open
         group now, the workers that may start now in ascending id order)."""

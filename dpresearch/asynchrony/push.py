@@ -126,6 +126,22 @@ class PushCodec:
             p.sub_(decoded)
         return wire, decoded
 
+    def state_dict(self) -> dict:
+        """The local workers' error-feedback memories and codec states (none when pushes pass
+        through uncompressed)."""
+        if self.passthrough:
+            return {}
+        return {"memory": self.memory, "codecs": [c.state_dict() for c in self.codecs]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.passthrough:
+            if state:
+                raise ValueError("push codec state: saved compressed, this run pushes plainly")
+            return
+        self.memory.copy_(state["memory"])
+        for codec, saved in zip(self.codecs, state["codecs"], strict=True):
+            codec.load_state_dict(saved)
+
     def decode(self, wire: Tensor, step: int, out: Tensor) -> Tensor:
         """The gradient a pushed wire row carries (server side), into `out`."""
         if self.passthrough:

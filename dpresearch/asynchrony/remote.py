@@ -110,6 +110,9 @@ class RemoteServer(Algorithm):
     `ParameterServer`."""
 
     evaluates_local_models = False
+    # The workers' processes and messages in flight are not saved: the real mode cannot
+    # checkpoint (refused by `AsyncSGD.check_config`; a stop request writes none).
+    checkpointable = skippable = False
 
     def __init__(
         self,

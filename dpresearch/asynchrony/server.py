@@ -88,6 +88,31 @@ class ParameterServer:
             set_lr(self.optimizer, self.base_lrs, multiplier)
             self._multiplier = multiplier
 
+    def state_dict(self) -> dict:
+        """Parameters, buffers, optimizer, version, τ statistics and the open group (its
+        members and accumulated sum); live tensors. The protocol is saved by its owner."""
+        return {
+            "params": self.params,
+            "buffers": self.buffers,
+            "optimizer": self.optimizer.state_dict(),
+            "version": self.version,
+            "stats": self.stats.state_dict(),
+            "group": list(self._group),
+            "total": self._total,
+            "multiplier": self._multiplier,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            self.params.copy_(state["params"])
+            self.buffers.copy_(state["buffers"])
+            self._total.copy_(state["total"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        self.stats.load_state_dict(state["stats"])
+        self._group = [(int(w), int(tau)) for w, tau in state["group"]]
+        self._multiplier = state["multiplier"]
+
     @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]

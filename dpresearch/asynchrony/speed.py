@@ -40,6 +40,14 @@ class _Stream:
         self._pos += 1
         return value
 
+    def state_dict(self) -> dict:
+        """The generator's state and the unread rest of its current block."""
+        return {"rng": self._rng.bit_generator.state, "block": list(self._block), "pos": self._pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._rng.bit_generator.state = state["rng"]
+        self._block, self._pos = list(state["block"]), int(state["pos"])
+
 
 class SpeedModel:
     """Compute seconds of every worker's successive gradients (see the module docstring)."""
@@ -94,6 +102,21 @@ class SpeedModel:
         if straggle is not None and straggle.next() < self.straggler_prob:
             seconds *= self.straggler_factor
         return seconds
+
+    def state_dict(self) -> dict:
+        """Every worker's streams (None where a stream is not drawn from)."""
+        return {
+            "base": [st.state_dict() if st is not None else None for st in self._base],
+            "straggle": [st.state_dict() if st is not None else None for st in self._straggle],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in ("base", "straggle"):
+            for stream, saved in zip(getattr(self, f"_{name}"), state[name], strict=True):
+                if (stream is None) != (saved is None):
+                    raise ValueError(f"speed model state: {name} streams do not match")
+                if stream is not None:
+                    stream.load_state_dict(saved)
 
     def relative(self, worker: int) -> float:
         """`draw(worker)` ÷ compute_s: how many mean compute times the next gradient takes."""

@@ -6,6 +6,7 @@ worker read: the number of updates the server made while the worker computed.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from dpresearch.asynchrony.options import LR_POLICIES
@@ -54,6 +55,16 @@ class StalenessStats:
         self._sum += tau
         self._count += 1
         self._max = max(self._max, tau)
+
+    _FIELDS = ("histogram", "applied_by_worker", "dropped", "_sum", "_count", "_max")
+
+    def state_dict(self) -> dict:
+        """The run's histogram and counts and the open window."""
+        return {name: copy.copy(getattr(self, name)) for name in self._FIELDS}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in self._FIELDS:
+            setattr(self, name, copy.copy(state[name]))
 
     def drop(self) -> None:
         self.dropped += 1
