@@ -75,6 +75,22 @@ class WorkerCompute:
         self._sums: list[list[float]] = [[0.0, 0.0, 0] for _ in self.workers]
         self._latest: dict[int, Tensor] = {}  # row → the loss of its batch in the last `run`
 
+    @classmethod
+    def for_run(
+        cls,
+        cfg,
+        data: Dataset,
+        partitioner: Partitioner,
+        replicas: Replicas,
+        workers: Sequence[int],
+        steps_per_epoch: int,
+        device: torch.device,
+    ) -> WorkerCompute:
+        """The compute of `workers` as a run's config (`cfg.train`, `cfg.seed`) sets it up."""
+        tc = cfg.train
+        return cls(data, partitioner, replicas, workers, tc.batch_size, steps_per_epoch,
+                   cfg.seed, device, tc.channels_last, tc.autocast, tc.loss_scale)  # fmt: skip
+
     def autocast(self):
         """Mixed precision for the forward pass (and, through autograd, the backward); without
         it a null context (building a disabled `torch.autocast` costs more than a small

@@ -154,18 +154,14 @@ class Trainer:
         self.schedule = instantiate(
             cfg.schedule, steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps
         )
-        self.compute = WorkerCompute(
+        self.compute = WorkerCompute.for_run(
+            cfg,
             self.data,
             self.partitioner,
             self.replicas,
             comm.local_workers,
-            tc.batch_size,
             worker_steps,
-            cfg.seed,
             device,
-            tc.channels_last,
-            tc.autocast,
-            tc.loss_scale,
         )
         self._fail_worker, self._fail_at_step = cfg.debug.fail_worker, cfg.debug.fail_at_step
         self._grad_rows = list(self.replicas.grads.unbind(0))

@@ -306,18 +306,8 @@ def run_worker(cfg: DictConfig, worker: int, device: torch.device, group) -> Non
     model = instantiate(cfg.model, num_classes=data.num_classes, input_shape=data.input_shape)
     replicas = Replicas(model, 1, device, tc.channels_last)
     worker_steps = partitioner.samples_per_worker // tc.batch_size
-    compute = WorkerCompute(
-        data,
-        partitioner,
-        replicas,
-        [worker],
-        tc.batch_size,
-        worker_steps,
-        cfg.seed,
-        device,
-        tc.channels_last,
-        tc.autocast,
-        tc.loss_scale,
+    compute = WorkerCompute.for_run(
+        cfg, data, partitioner, replicas, [worker], worker_steps, device
     )
     codec = PushCodec(
         replicas.models[0],
