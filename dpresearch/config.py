@@ -83,14 +83,16 @@ class BackendConfig:
 class NetworkConfig:
     """The α-β network model pricing every recorded collective (`comm/modeled_s`).
     `message_overhead_us`: host overhead per message (added to α); `allgather_factor`:
-    multiplies allgather's bandwidth term (see `dpresearch/comm/network.py`; 0 and 1: an
-    ideal fabric)."""
+    multiplies allgather's bandwidth term; `allgather_latency_us`: latency of one allgather round
+    in place of `latency_us` (see `dpresearch/comm/network.py`; 0, 1 and null: an ideal
+    fabric)."""
 
     name: str = "10gbe"
     latency_us: float = 20.0
     bandwidth_gbit: float = 10.0
     message_overhead_us: float = 0.0
     allgather_factor: float = 1.0
+    allgather_latency_us: float | None = None
 
 
 @dataclass

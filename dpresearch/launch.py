@@ -58,6 +58,7 @@ def network_model(cfg: DictConfig) -> NetworkModel:
         net.bandwidth_gbit,
         net.get("message_overhead_us", 0.0),
         net.get("allgather_factor", 1.0),
+        net.get("allgather_latency_us", None),
     )
 
 

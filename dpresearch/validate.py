@@ -177,6 +177,11 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
         raise ConfigError(
             "network.message_overhead_us must be >= 0 and network.allgather_factor > 0"
         )
+    ag_latency = cfg.network.get("allgather_latency_us")
+    if ag_latency is not None and ag_latency < 0:
+        raise ConfigError(
+            f"network.allgather_latency_us={ag_latency}: must be >= 0 (or null: latency_us)"
+        )
     if cfg.logger.mode is not None and cfg.logger.mode not in ("online", "offline", "disabled"):
         raise ConfigError(
             f"logger.mode={cfg.logger.mode}; choose one of: online, offline, disabled"

@@ -79,6 +79,7 @@ BAD = [
     (["logger.mode=sometimes"], "logger.mode=sometimes"),
     (["comm.reduction=tree"], "comm.reduction=tree"),
     (["network=custom", "network.bandwidth_gbit=0"], "network.bandwidth_gbit must be > 0"),
+    (["network.allgather_latency_us=-5"], "network.allgather_latency_us=-5.0: must be >= 0"),
     (["algorithm=local_sgd", "compressor=topk"], "does not use compressor/error_feedback"),
     (["compressor=topk", "compressor.ratio=2"], "compressor.ratio"),
     (["algorithm=dpsgd", "workers=1"], "gossip needs at least 2 workers"),

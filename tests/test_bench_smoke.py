@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -105,8 +106,8 @@ def test_fit_recovers_a_per_message_overhead() -> None:
     from dpresearch.comm.network import NetworkModel
 
     fit = _load_fit()
-    base = NetworkModel(1e-4, 1e7, 0.0, 1.25)
-    truth = NetworkModel(1e-4, 1e7, 2e-3, 1.25)
+    base = NetworkModel(1e-4, 1e7, 0.0, 1.25, allgather_latency_s=3e-4)
+    truth = NetworkModel(1e-4, 1e7, 2e-3, 1.25, allgather_latency_s=3e-4)
     shapes = {
         "dense": [CommOp("allreduce", 1_000_000, 2)],
         "sparse": [CommOp("allgather", 300, 2)] * 65 + [CommOp("broadcast", 5504, 2)],
@@ -115,6 +116,35 @@ def test_fit_recovers_a_per_message_overhead() -> None:
     assert fit.fit_message_overhead(cases, base) == pytest.approx(2e-3)
     exact = [fit.Case(n, fit.modeled(base, ops), tuple(ops)) for n, ops in shapes.items()]
     assert fit.fit_message_overhead(exact, base) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_fit_recovers_the_gloo_terms_together() -> None:
+    """Cases priced with a known overhead and allgather factor give both back; the bounds hold
+    where the unconstrained optimum breaks them; no allgather leaves the factor as given."""
+    from dpresearch.comm.ledger import CommOp
+    from dpresearch.comm.network import NetworkModel
+
+    fit = _load_fit()
+    given = NetworkModel(1e-4, 1e7, 0.0, 1.0, allgather_latency_s=2.5e-4)
+    shapes = {
+        "dense": [CommOp("allreduce", 1_000_000, 2)],
+        "gather": [CommOp("allgather", 140_000, 2), CommOp("broadcast", 5504, 2)],
+        "sparse": [CommOp("allgather", 22_000, 2), CommOp("broadcast", 5504, 2)],
+        "many": [CommOp("allreduce", 30_000, 2)] * 3 + [CommOp("broadcast", 5504, 2)],
+    }
+
+    def cases(truth, names=shapes):
+        return [fit.Case(n, fit.modeled(truth, shapes[n]), tuple(shapes[n])) for n in names]
+
+    truth = NetworkModel(1e-4, 1e7, 1.5e-3, 1.3, allgather_latency_s=2.5e-4)
+    assert fit.fit_gloo_terms(cases(truth), given) == pytest.approx((1.5e-3, 1.3))
+    faster = NetworkModel(1e-4, 1e7, 1e-3, 0.7, allgather_latency_s=2.5e-4)
+    overhead, factor = fit.fit_gloo_terms(cases(faster), given)
+    assert factor == 1.0 and overhead > 0  # an allgather cannot beat the wire
+    no_gather = cases(truth, ["dense", "many"])
+    assert fit.fit_gloo_terms(no_gather, replace(given, allgather_factor=1.2)) == pytest.approx(
+        (1.5e-3, 1.2)
+    )
 
 
 def test_step_figures_and_ops_per_step() -> None:

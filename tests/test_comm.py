@@ -157,14 +157,37 @@ def test_message_overhead_and_allgather_factor_extend_the_model():
     assert gloo.op_seconds(CommOp("allgather", d, 1)) == 0.0  # alone: no message
 
 
+def test_allgather_latency_replaces_alpha_in_allgather_only():
+    """α_ag prices each allgather round (with o added, as to α); every other kind keeps α, and
+    unset it is α itself."""
+    a, a_ag, b, n, d, o = 1e-4, 2.5e-4, 1e8, 4, 40_000, 2e-3
+    plain = NetworkModel(a, b, overhead_s=o, allgather_factor=1.1)
+    gloo = NetworkModel(a, b, overhead_s=o, allgather_factor=1.1, allgather_latency_s=a_ag)
+    ag = CommOp("allgather", d, n)
+    assert gloo.op_seconds(ag) == pytest.approx(3 * (a_ag + o) + 1.1 * 3 * d / b)
+    assert gloo.op_seconds(ag) - plain.op_seconds(ag) == pytest.approx(3 * (a_ag - a))
+    for kind in ("allreduce", "allreduce_ps", "broadcast"):
+        assert gloo.op_seconds(CommOp(kind, d, n)) == plain.op_seconds(CommOp(kind, d, n))
+    assert gloo.op_seconds(CommOp("p2p", d, n, 2)) == plain.op_seconds(CommOp("p2p", d, n, 2))
+    assert gloo.messages(ag) == plain.messages(ag) == 3
+    assert NetworkModel.from_units(100.0, 0.8, allgather_latency_us=250.0).allgather_latency_s == (
+        pytest.approx(250e-6)
+    )
+
+
 def test_network_config_reaches_the_model():
     from conftest import compose_config
 
     from dpresearch.launch import network_model
 
     cfg = compose_config(
-        "network=custom", "network.message_overhead_us=150", "network.allgather_factor=1.3"
+        "network=custom",
+        "network.message_overhead_us=150",
+        "network.allgather_factor=1.3",
+        "network.allgather_latency_us=300",
     )
     net = network_model(cfg)
     assert net.overhead_s == pytest.approx(150e-6) and net.allgather_factor == 1.3
+    assert net.allgather_latency_s == pytest.approx(300e-6)
+    assert network_model(compose_config("network=custom")).allgather_latency_s is None
     assert network_model(compose_config("network=1gbe")) == NetworkModel.preset("1gbe")

@@ -83,3 +83,26 @@ def test_run_names_say_what_ran_and_groups_follow_the_sweep_or_study():
     assert group == "multirun/2026-01-01/10-00-00-1"
     cfg.logger.name, cfg.logger.group = "mine", "ours"
     assert default_names(cfg, hydra_info("RUN", CHOICES)) == ("mine", "ours")
+
+
+def test_results_table_follows_a_wandb_mode_set_after_wandb_started(tmp_path, monkeypatch):
+    """W&B reads the environment once per process; a study report asked for in disabled mode
+    after an earlier W&B use in the same process must still not try to log in."""
+    import pandas as pd
+    import wandb
+
+    from dpresearch.analysis.wandb_table import log_table
+
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no saved login
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    wandb.teardown()
+    wandb.setup()  # the process's W&B settings, taken with no mode set
+    try:
+        monkeypatch.setenv("WANDB_MODE", "disabled")
+        table = pd.DataFrame({"case": ["dense"], "acc": [0.5]})
+        assert log_table(table, ["case", "acc"], group="g") is True
+    finally:
+        wandb.teardown()

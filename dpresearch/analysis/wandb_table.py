@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 
@@ -20,6 +21,9 @@ def log_table(
         import wandb
     except ImportError:
         return False
+    # Read WANDB_MODE now: W&B reads the environment once per process (at its first use), so a
+    # mode set after an earlier run in this process would otherwise be ignored.
+    mode = mode or os.environ.get("WANDB_MODE") or "online"
     rows = df[list(columns)].astype(object).where(df[list(columns)].notna(), None)
     table = wandb.Table(columns=[str(c) for c in columns], data=rows.values.tolist())
     run = wandb.init(

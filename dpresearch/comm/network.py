@@ -13,8 +13,8 @@ D bytes per worker:
 A group of one worker costs nothing. The presets are nominal figures for common fabrics; pass
 `network=custom network.latency_us=... network.bandwidth_gbit=...` for your own.
 
-Two optional terms make the model predict a CPU cluster's gloo rather than an ideal fabric
-(both off by default; `experiments/bench/emulated_network.py` measures them on a shaped link):
+Three optional terms make the model predict a CPU cluster's gloo rather than an ideal fabric
+(all off by default; `experiments/bench/emulated_network.py` measures them on a shaped link):
 
 - `overhead_s` (`network.message_overhead_us`), o: host overhead per message, added to α in
   every formula above (a ring allreduce pays 2(n−1)·o, an allgather (n−1)·o, a broadcast
@@ -24,7 +24,13 @@ Two optional terms make the model predict a CPU cluster's gloo rather than an id
 - `allgather_factor` (`network.allgather_factor`): multiplies the allgather bandwidth term.
   gloo's TCP allgather achieves about 70–80% of the link in each direction (a sender waits for
   the receiver's ready notification, which queues behind the receiver's own outgoing data),
-  i.e. a factor ≈ 1.25–1.4; its ring allreduce is not affected.
+  i.e. a factor ≈ 1.05–1.4; its ring allreduce is not affected.
+- `allgather_latency_s` (`network.allgather_latency_us`), α_ag: the latency of one allgather
+  round in place of α (None: α). The same handshake costs gloo's allgather an extra half
+  round trip per round: a 4-byte allgather between two hosts takes 2.2–2.8 α (α = half a
+  4-byte allreduce), which the model with α alone prices at 1 α. Small allgathers (top-k,
+  random-k, QSGD, sign payloads of a few KB) are latency-bound and feel it; o is added to it
+  as to α.
 """
 
 from __future__ import annotations
@@ -49,12 +55,14 @@ PRESETS: dict[str, tuple[float, float]] = {
 @dataclass(frozen=True)
 class NetworkModel:
     """α-β model: `latency_s` per message, `bandwidth_Bps` bytes per second per link, plus
-    host `overhead_s` per message and `allgather_factor` on allgather's bandwidth term."""
+    host `overhead_s` per message, `allgather_factor` on allgather's bandwidth term and
+    `allgather_latency_s` per allgather round in place of `latency_s` (None: the same)."""
 
     latency_s: float
     bandwidth_Bps: float
     overhead_s: float = 0.0
     allgather_factor: float = 1.0
+    allgather_latency_s: float | None = None
 
     @classmethod
     def from_units(
@@ -63,12 +71,16 @@ class NetworkModel:
         bandwidth_gbit: float,
         message_overhead_us: float = 0.0,
         allgather_factor: float = 1.0,
+        allgather_latency_us: float | None = None,
     ) -> NetworkModel:
         return cls(
             latency_s=latency_us * 1e-6,
             bandwidth_Bps=bandwidth_gbit * 1e9 / 8,
             overhead_s=message_overhead_us * 1e-6,
             allgather_factor=allgather_factor,
+            allgather_latency_s=(
+                None if allgather_latency_us is None else allgather_latency_us * 1e-6
+            ),
         )
 
     @classmethod
@@ -92,7 +104,10 @@ class NetworkModel:
     def op_seconds(self, op: CommOp) -> float:
         """Modeled duration of one collective (see the module docstring for the formulas)."""
         n, d, b = op.group, op.nbytes, self.bandwidth_Bps
-        a = self.latency_s + self.overhead_s
+        latency = self.latency_s
+        if op.kind == "allgather" and self.allgather_latency_s is not None:
+            latency = self.allgather_latency_s
+        a = latency + self.overhead_s
         if n <= 1 or (op.kind == "p2p" and not op.peers):
             return 0.0
         return self._seconds(op.kind, n, d, a, b, op.peers)

@@ -35,9 +35,12 @@ before the jobs, through gloo itself (the header of each table prints them):
   f× optimistic for bandwidth-bound ops. The header also prints tbf's drops (0 in every run
   here; each would cost a TCP retransmission that no α-β model prices).
 - tbf needs burst b ≥ R × (latency of its pacing timer) to reach R: on this loaded 2-vCPU VM
-  b = R · 250 µs reached only 66% of 1 Gbit, b = R · 1 ms (the default) reaches it. The price:
-  after an idle gap (each step's compute) b bytes leave at veth speed, so an op of D bytes takes
-  about (D − b)/B, and payloads under b (12.5 KB at 100 Mbit, 125 KB at 1 Gbit) cost ~α alone.
+  b = R · 250 µs reached only 66% of 1 Gbit, b = R · 1 ms reaches it. The price: after an idle
+  gap (each step's compute) b bytes leave at veth speed, so an op of D bytes takes about
+  (D − b)/B and payloads under b cost ~α alone, which no wire does. So `--burst-us` defaults to
+  250 below 1 Gbit (3.1 KB at 100 Mbit: 4 B – 34 KB ops then cost α + D/B within 5–15%, where
+  a 12.5 KB burst halved an 11 KB op's time) and to 1000 from 1 Gbit. Runs before 2026-11-23
+  used 1000 at every rate.
 
 Findings, isolated regime (why ratios leave 0.8–1.25, with the evidence this script prints), over
 four runs before issue 11 and two after:
@@ -67,25 +70,28 @@ four runs before issue 11 and two after:
   agree at both rates (at most one swapped pair) because ResNet-20 on one CPU thread is
   compute-bound (~130–170 ms compute vs ≤ 100 ms comm): step rankings mostly order compute.
 
-The gloo terms (`network.allgather_factor`, `network.message_overhead_us`, see
-`dpresearch/comm/network.py`): the allgather factor is B over what 1 MiB allgathers achieve in
-the calibration (1.13–1.49 over six runs at 100 Mbit); the per-message overhead o is fitted
-(`network_fit.fit_message_overhead`: least squares on in-op/model − 1 over the compressors) on
-the control link (`ctl`) and on the shaped link itself (`fit`: on round 0, judged on the other
-rounds when `--rounds` > 1). The table prints the `network=custom ...` line of each fit.
+The gloo terms (`network.allgather_latency_us`, `network.allgather_factor`,
+`network.message_overhead_us`, see `dpresearch/comm/network.py`): α_ag is the 4-byte allgather's
+time in the calibration (one round for 2 workers; 240–360 µs against α = 100–120 µs: gloo's
+allgather handshake); the calibration's factor (B over what 1 MiB allgathers achieve) is noisy
+(1.07–1.49 over runs), so `fit` fits the factor together with the per-message overhead o on the
+training regime itself (`network_fit.fit_gloo_terms`: bounded least squares on in-op/model − 1
+over the compressors; `ctl` fits o alone on the control link). The table prints the
+`network=custom ...` line of each fit. Out of sample (`held.r`): with `--rounds` R ≥ 3, each
+round is priced by the terms fitted on the other rounds. Every training figure a fit or ratio
+uses is the median over rounds of each round's mean, and each round's CPU steal (time the
+hypervisor gave other guests, /proc/stat) is printed: on this VM a contended host slowed every
+op of a whole round up to 3× (fp16 at 100 Mbit: 163 ms per step instead of 49) with no load
+visible inside the VM — the disturbed round is then outvoted, not averaged in.
 
-Findings, training regime at 100 Mbit (`--rates 100mbit --regimes training --rounds 3`, CPU
-92–95% contended, steps 0.4–1 s): busy comm is 1.3–8× even the fitted model (`busy.r`); most of
-the excess is skew, 6–60 ms per step (rank 0 waiting for rank 1's compute: 2 processes on 2
-loaded cores), which the compressed methods, whose comm is a few ms, show most. in-op against
-the base model is 1.2–1.6 for the bandwidth-bound (identity, fp16, QSGD) and 2.7–5.5 for the
-rest: each message costs ~3 ms of host time under this load (a woken gloo thread waits for a
-CPU), against α ≈ 0.1 ms in a tight loop. With o = 2.8 ms fitted on round 0 and the allgather
-factor 1.18, in-op / model on rounds 1–2 is identity 1.01, fp16 1.07, top-k 1.12, random-k
-0.94, QSGD 0.98, sign 1.28, signum 1.00, PowerSGD 0.93. o moves with the machine's load: the
-control link, measured minutes earlier, gave 2.0–6.0 ms over three runs, so the `ctl`
-prediction was 0.48–0.91 in that run and 0.78–2.14 in another; α and B are properties of the
-link, o of the hosts.
+Findings, training regime at 100 Mbit (2026-11-23, burst 250 µs, `--rounds 5`; the figures
+of each run are in experiments/bench/README.md): the base α-β model gives in-op/model 0.95–1.68
+(bandwidth-bound identity and fp16 within 10%; the latency-bound compressors, whose few ms are
+mostly host time, 1.25–1.68). With α_ag (268 µs) and the fitted o (360 µs per message) and
+factor (1.10), every compressor lands within 0.94–1.07 in sample and 0.94–1.10 out of sample
+(median over held-out rounds; single rounds 0.72–1.31). o belongs to the hosts and their load
+(2.8 ms at ~95% CPU contention in an earlier run), α and B to the link: the control link's o,
+fitted minutes earlier (0.6–0.8 ms), over-prices the small payloads (`ctl.r` 0.69–0.85).
 
 The benchmark creates its namespaces under unique names and always removes them. It exits 0
 with one `skipped:` line where it cannot run (not root, no `ip`/`tc`, no namespaces, no tbf,
@@ -94,7 +100,7 @@ measured table is printed as its link finishes and written to `--json`):
 
     python experiments/bench/emulated_network.py [--rates 100mbit 1gbit] [--steps 30]
         [--warmup 5] [--compressors identity fp16 ...] [--model resnet20|mlp] [--rounds 1]
-        [--regimes isolated training] [--burst-us 1000] [--floor-rate 100gbit|'']
+        [--regimes isolated training] [--burst-us 250|1000] [--floor-rate 100gbit|'']
         [--keep DIR] [--analyse DIR] [--json PATH]
 """
 
@@ -114,6 +120,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +129,7 @@ from bench_cases import COMPRESSORS, DEFAULT_COMPRESSORS, MODELS, REPO, SUBSET  
 from bench_timing import Results, default_json  # noqa: E402
 from network_fit import (  # noqa: E402
     Case,
+    fit_gloo_terms,
     fit_message_overhead,
     modeled,
     ops_per_step,
@@ -166,15 +174,25 @@ def _run(*cmd: str) -> str:
 
 
 # -- the link ---------------------------------------------------------------------------------
+def default_burst_us(bits: float) -> float:
+    """tbf's burst, in µs of the rate: as small as still reaches the rate. Whatever the burst
+    holds leaves at veth speed after an idle gap, so a payload under it costs ~α alone, which
+    no wire does: at 100 Mbit a 1 ms burst (12.5 KB) halves a 11 KB op's time, 250 µs (3.1 KB)
+    matches α + D/B from 4 B to 34 KB; at 1 Gbit 250 µs reaches only 66% of the rate."""
+    return 1000.0 if bits >= 1e9 else 250.0
+
+
 class Link:
     """Two namespaces `<tag>a`/`<tag>b` joined by veth `<tag>a`↔`<tag>b` (10.213.<n>.1/.2),
     both ends shaped by tbf. Use as a context manager: everything it created is removed on exit,
     also after a failure half-way through creation."""
 
-    def __init__(self, rate: str, burst_us: float, queue_ms: float, index: int) -> None:
+    def __init__(self, rate: str, burst_us: float | None, queue_ms: float, index: int) -> None:
         self.rate = rate
         self.bits = parse_rate(rate)
-        # burst must hold at least one full frame or tbf drops it
+        if burst_us is None:
+            burst_us = default_burst_us(self.bits)
+        # burst must hold at least two full frames or tbf drops them
         self.burst = max(3028, round(self.bits / 8 * burst_us * 1e-6))
         self.queue_ms = queue_ms
         tag = f"dpb{os.getpid() % 100000}{index}"
@@ -250,7 +268,7 @@ def tbf_counter(dev: str, key: str = "bytes") -> int:
     return sum(q[key] for q in qdiscs if q.get("root"))
 
 
-def calibrate(dev: str, reps: int = 200, big: int = 1 << 20, big_reps: int = 10) -> dict:
+def calibrate(dev: str, reps: int = 200, big: int = 1 << 20, big_reps: int = 20) -> dict:
     """α from tiny allreduces, the wire overhead f from tc's counters over large allgathers, and
     the bandwidth large allreduces and allgathers achieve (checks, not model inputs). Both ranks
     call it; rank 0's figures are returned to both."""
@@ -386,14 +404,16 @@ def worker(spec: dict) -> None:
             validate(cfg)
             comm = comm_class(network_model(cfg), barrier=regime == "isolated")
             run_dir = out / job if rank == 0 else None
+            stolen, started = cpu_steal_s(), time.monotonic()
             Trainer(cfg, comm, torch.device("cpu"), run_dir, dataset).run()
             dist.barrier()
+            steal = _steal_share(stolen, started)
             priced = [
                 (op.kind, op.nbytes, op.group, op.peers)
                 for op in comm.ledger.step_ops
                 if op.purpose not in OFF_STEP_PURPOSES
             ]
-            result["jobs"][job] = {"ops": comm.ops, "priced": priced}
+            result["jobs"][job] = {"ops": comm.ops, "priced": priced, "steal": steal}
         # a drop costs a TCP retransmission, which no α-β model prices
         result["drops"] = tbf_counter(spec["dev"], "drops")
         (out / f"rank{rank}.json").write_text(json.dumps(result))
@@ -467,10 +487,18 @@ def job_rows(out: Path, job: str) -> list[dict]:
 
 
 def summarize_isolated(
-    name: str, result: dict, out: Path, args: argparse.Namespace, model: Any, nominal: Any
+    name: str,
+    result: dict,
+    out: Path,
+    args: argparse.Namespace,
+    model: Any,
+    nominal: Any,
+    gloo: Any,
 ) -> dict:
     """Per-step means of one compressor in the isolated regime over its timed steps (rounds
-    pooled), from the op log, and the measured and modeled seconds by collective kind."""
+    pooled), from the op log, and the measured and modeled seconds by collective kind
+    (`model`: the trainer's α-β model; `nominal`: B = R/8; `gloo`: with gloo's allgather
+    terms)."""
     from dpresearch.comm import CommOp
 
     steps: list[dict[str, float]] = []
@@ -484,7 +512,9 @@ def summarize_isolated(
         figures = step_figures(rows, args.warmup, args.steps)
         modeled_here = 0.0
         for s, step in zip(range(args.warmup, args.steps), figures, strict=True):
-            fig = dict.fromkeys(("comm", "model", "nominal", "grad", "grad_model", "wait"), 0.0)
+            fig = dict.fromkeys(
+                ("comm", "model", "nominal", "gloo", "grad", "grad_model", "wait"), 0.0
+            )
             fig["bytes"] = 0.0
             for kind, nbytes, measured, wait, *_ in ops[s * per_step : (s + 1) * per_step]:
                 op = CommOp(kind, nbytes, 2)
@@ -492,6 +522,7 @@ def summarize_isolated(
                 fig["comm"] += measured
                 fig["model"] += priced
                 fig["nominal"] += nominal.op_seconds(op)
+                fig["gloo"] += gloo.op_seconds(op)
                 fig["wait"] += wait
                 fig["bytes"] += nbytes
                 if kind != "broadcast":  # the BatchNorm-buffer broadcast
@@ -523,6 +554,8 @@ def summarize_training(
     from dpresearch.comm import NetworkModel
 
     steps: list[dict[str, float]] = []
+    by_round: list[float] = []  # mean in-op of each round: the measurement's own spread
+    steal_by_round: list[float | None] = []
     ops = None
     for r in rounds:
         job = f"training/{name}@{r}"
@@ -534,7 +567,14 @@ def summarize_training(
             fig["in_op"] = fig["busy"] - wait  # the part a link model can predict
         steps += figures
         ops = ops_per_step(result["jobs"][job]["priced"], args.steps)
+        by_round.append(statistics.fmean(f["in_op"] for f in figures))
+        steal_by_round.append(result["jobs"][job].get("steal"))
     summary: dict[str, Any] = {key: statistics.fmean(f[key] for f in steps) for key in steps[0]}
+    summary["in_op_rounds"] = by_round
+    # the fits and ratios use the median round: robust to one the host disturbed (`steal`)
+    summary["in_op_mean"] = summary["in_op"]
+    summary["in_op"] = statistics.median(by_round)
+    summary["steal_rounds"] = steal_by_round
     summary["busy_p10"] = statistics.quantiles([f["busy"] for f in steps], n=10)[0]
     summary["compressor"] = name
     summary["rounds"] = list(rounds)
@@ -551,6 +591,25 @@ def swapped_pairs(a: Sequence[str], b: Sequence[str]) -> list[tuple[str, str]]:
     """Pairs ordered one way in ranking `a` and the other way in `b`."""
     pos = {name: i for i, name in enumerate(b)}
     return [(x, y) for i, x in enumerate(a) for y in a[i + 1 :] if pos[x] > pos[y]]
+
+
+def cpu_steal_s() -> float | None:
+    """CPU-seconds the hypervisor gave to other guests since boot, summed over this VM's CPUs
+    (/proc/stat `steal`), or None if unavailable. A VM whose host is contended loses time that
+    no process here sees as load: its links and timers slow down together."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _steal_share(stolen: float | None, started: float) -> float | None:
+    """Share of the CPUs' time stolen since `stolen` (from `cpu_steal_s`) at `started`."""
+    now = cpu_steal_s()
+    if stolen is None or now is None:
+        return None
+    return (now - stolen) / ((time.monotonic() - started) * (os.cpu_count() or 1))
 
 
 def cpu_stall_s() -> float | None:
@@ -570,7 +629,8 @@ def report_header(link: Link, cal: dict, pressure: float | None, drops: int) -> 
     print(f"   packets tbf dropped (both ends, whole run): {drops}")
     print(
         f"   calibration: α = {cal['alpha_s'] * 1e6:.1f} µs (4-byte allreduce / 2; a 4-byte "
-        f"allgather takes {cal['allgather_tiny_s'] * 1e6:.1f} µs); wire overhead f = "
+        f"allgather takes {cal['allgather_tiny_s'] * 1e6:.1f} µs: α_ag, one allgather round); "
+        f"wire overhead f = "
         f"{cal['overhead']:.4f} → B = R/8/f = {bps / 1e6:.2f} MB/s\n"
         f"   check: 1 MiB per worker achieves {cal['allreduce_1MiB_Bps'] / 1e6:.2f} MB/s by "
         f"allreduce, {cal['allgather_1MiB_Bps'] / 1e6:.2f} MB/s by allgather (B implied by "
@@ -586,7 +646,8 @@ def report_isolated(rows: list[dict], args: argparse.Namespace, floor: dict[str,
     )
     head = (
         f"   {'compressor':17} {'KB/step':>8} {'comm':>8} {'model':>8} {'ratio':>6} "
-        f"{'grad.r':>6} {'p10.r':>6} {'nom.r':>6} {'floor':>6} {'wait':>7} {'step':>7}"
+        f"{'grad.r':>6} {'p10.r':>6} {'nom.r':>6} {'gloo.r':>6} {'floor':>6} {'wait':>7} "
+        f"{'step':>7}"
     )
     print(head)
     print("   " + "-" * (len(head) - 3))
@@ -595,13 +656,15 @@ def report_isolated(rows: list[dict], args: argparse.Namespace, floor: dict[str,
             f"   {r['compressor']:17} {r['bytes'] / 1e3:8.1f} {r['comm'] * 1e3:8.2f} "
             f"{r['model'] * 1e3:8.2f} {r['comm'] / r['model']:6.2f} "
             f"{r['grad'] / r['grad_model']:6.2f} {r['comm_p10'] / r['model']:6.2f} "
-            f"{r['comm'] / r['nominal']:6.2f} {floor.get(r['compressor'], math.nan) * 1e3:6.2f} "
+            f"{r['comm'] / r['nominal']:6.2f} {r['comm'] / r['gloo']:6.2f} "
+            f"{floor.get(r['compressor'], math.nan) * 1e3:6.2f} "
             f"{r['wait'] * 1e3:7.2f} {r['step'] * 1e3:7.1f}"
         )
     print(
         "   ratio = comm/model (target 0.8–1.25); grad.r: the same without the BatchNorm-buffer\n"
         "   broadcast; p10.r: 10th percentile of per-step comm / model; nom.r: comm / the model\n"
-        "   with B = R/8; floor: comm on the control link"
+        "   with B = R/8; gloo.r: comm / the model with gloo's allgather factor and latency α_ag\n"
+        "   (no host overhead: the regime is a tight loop); floor: comm on the control link"
         f" ({args.floor_rate or 'not run'}); wait: barrier\n"
         "   time before the collectives (the slower rank's lead); step: the step region's time"
     )
@@ -634,20 +697,21 @@ def report_training(
     models: dict[str, Any],
     notes: dict[str, str],
     floor: dict[str, float],
+    held: dict[str, list[float]],
 ) -> None:
     """The training regime's table: the measured communication, split into the wait for the
     other rank (skew) and the rest (in-op), against the base model and the models with the
     fitted gloo terms (`models`: column label → NetworkModel)."""
     print(
         f"\n   -- training regime (the stock loop: no barrier, identity overlaps backward): per "
-        f"step, mean over {args.steps - args.warmup} steps × {len(rows[0]['rounds'])} round(s); "
+        f"step, over {args.steps - args.warmup} steps × {len(rows[0]['rounds'])} round(s); "
         "ms"
     )
     head = (
         f"   {'compressor':17} {'KB/step':>8} {'msgs':>4} {'exposed':>8} {'overlap':>7} "
         f"{'busy':>7} {'skew':>7} {'in-op':>7} {'floor':>6} "
         + " ".join(f"{label:>7} {label + '.r':>6}" for label in models)
-        + f" {'busy.r':>6} {'step':>6}"
+        + f" {'held.r (range)':>16} {'busy.r':>6} {'step':>6}"
     )
     print(head)
     print("   " + "-" * (len(head) - 3))
@@ -657,25 +721,47 @@ def report_training(
             predicted = modeled(net, r["ops"])
             cols.append(f"{predicted * 1e3:7.2f} {r['in_op'] / predicted:6.2f}")
         best = modeled(list(models.values())[-1], r["ops"])
+        out_of_sample = held.get(r["compressor"])
+        held_col = (
+            f"{statistics.median(out_of_sample):4.2f} ({min(out_of_sample):4.2f}–"
+            f"{max(out_of_sample):4.2f})"
+            if out_of_sample
+            else "-"
+        )
         print(
             f"   {r['compressor']:17} {r['bytes'] / 1e3:8.1f} {r['messages']:4d} "
             f"{r['exposed'] * 1e3:8.2f} {r['overlapped'] * 1e3:7.2f} {r['busy'] * 1e3:7.2f} "
             f"{r['skew'] * 1e3:7.2f} {r['in_op'] * 1e3:7.2f} "
             f"{floor.get(r['compressor'], math.nan) * 1e3:6.2f} "
             + " ".join(cols)
-            + f" {r['busy'] / best:6.2f} {r['step'] * 1e3:6.0f}"
+            + f" {held_col:>16} {r['busy'] / best:6.2f} "
+            f"{r['step'] * 1e3:6.0f}"
         )
     print(
         "   exposed: time/comm_s; overlap: time/comm_overlapped_s; busy = exposed + overlap\n"
         "   (communication paid, hidden or not); skew: of busy, the time rank 0 waited inside\n"
         "   synchronous collectives for rank 1 to arrive (both ranks' call starts on the shared\n"
         "   clock): compute imbalance, not network; in-op = busy − skew, what a link model\n"
-        "   predicts; <m>.r = in-op / <m> (target 0.8–1.25); busy.r = busy / the last model;\n"
+        "   predicts (median over rounds of each round's mean; the other columns: means over\n"
+        "   all steps); <m>.r = in-op / <m> (target 0.8–1.25); held.r: out of sample, leaving one\n"
+        "   round out — each round's in-op / `fit` refitted on the other rounds; median over\n"
+        "   rounds (lowest–highest); busy.r = busy / the last model;\n"
         "   msgs: message rounds per step (what α and o are charged for); floor: in-op on the\n"
         "   control link. Models:"
     )
     for label, note in notes.items():
         print(f"     {label}: {note}")
+    steal = [
+        statistics.fmean(v for v in values if v is not None)
+        for values in zip(*(r["steal_rounds"] for r in rows), strict=True)
+        if any(v is not None for v in values)
+    ]
+    if steal:
+        print(
+            "   CPU time stolen by the hypervisor, by round: "
+            + ", ".join(f"{share:.1%}" for share in steal)
+            + " (a round the host disturbed slows links and timers alike)"
+        )
     last = list(models.values())[-1]
     print_rankings(rows, lambda r: r["in_op"], lambda r: modeled(last, r["ops"]))
 
@@ -694,7 +780,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=1, help="passes over the compressors")
-    parser.add_argument("--burst-us", type=float, default=1000.0, help="tbf burst = R × this")
+    parser.add_argument(
+        "--burst-us",
+        type=float,
+        default=None,
+        help="tbf burst = R × this (default: 250 below 1 Gbit, 1000 from 1 Gbit)",
+    )
     parser.add_argument(
         "--floor-rate",
         default="100gbit",
@@ -770,31 +861,24 @@ def measure(args: argparse.Namespace) -> int:
             bandwidth = link.bits / 8 / cal["overhead"]
             model = NetworkModel(cal["alpha_s"], bandwidth)
             nominal = NetworkModel(cal["alpha_s"], link.bits / 8)
-            # gloo's allgather: the B its 1 MiB allgathers achieved, against the link's
+            # gloo's allgather: the B its 1 MiB allgathers achieved, against the link's, and
+            # the latency of one round (2 workers: a 4-byte allgather is one round)
             factor = bandwidth / cal["allgather_1MiB_Bps"]
+            gloo = NetworkModel(cal["alpha_s"], bandwidth, 0.0, factor, cal["allgather_tiny_s"])
             record: dict[str, Any] = {"rate": rate, "calibration": cal, "drops": result["drops"]}
             isolated = training = []
             if "isolated" in args.regimes:
                 isolated = [
-                    summarize_isolated(name, result, out, args, model, nominal)
+                    summarize_isolated(name, result, out, args, model, nominal, gloo)
                     for name in args.compressors
                 ]
                 record["isolated"] = [_jsonable(r) for r in isolated]
             is_control = bool(args.floor_rate) and index == 0
-            fit_rows: list[dict] = []
             if "training" in args.regimes:
-                # Shaped links: the overhead fitted on round 0 is judged on the other rounds.
-                held_out = args.rounds > 1 and not is_control
-                judged = range(1, args.rounds) if held_out else range(args.rounds)
                 training = [
-                    summarize_training(name, result, out, args, judged) for name in args.compressors
+                    summarize_training(name, result, out, args, range(args.rounds))
+                    for name in args.compressors
                 ]
-                fit_rows = training
-                if held_out:
-                    fit_rows = [
-                        summarize_training(name, result, out, args, [0])
-                        for name in args.compressors
-                    ]
                 record["training"] = [_jsonable(r) for r in training]
             if is_control:
                 floors = {
@@ -802,9 +886,8 @@ def measure(args: argparse.Namespace) -> int:
                     "training": {r["compressor"]: r["in_op"] for r in training},
                 }
                 if training:
-                    fitted = NetworkModel(model.latency_s, model.bandwidth_Bps, 0.0, factor)
                     cases = [Case(r["compressor"], r["in_op"], r["ops"]) for r in training]
-                    control_overhead = fit_message_overhead(cases, fitted)
+                    control_overhead = fit_message_overhead(cases, gloo)
                     record["message_overhead_s"] = control_overhead
                 print(
                     f"control link {rate} (α = {cal['alpha_s'] * 1e6:.1f} µs): comm per step "
@@ -826,11 +909,11 @@ def measure(args: argparse.Namespace) -> int:
             if isolated:
                 report_isolated(isolated, args, floors.get("isolated", {}))
             if training:
-                models, notes, fits = training_models(
-                    fit_rows, model, factor, control_overhead, args.rounds > 1
-                )
+                models, notes, fits = training_models(training, model, gloo, control_overhead)
                 record["fits"] = fits
-                report_training(training, args, models, notes, floors.get("training", {}))
+                held = held_out_ratios(result, out, args, training, gloo)
+                record["held_out_ratios"] = held
+                report_training(training, args, models, notes, floors.get("training", {}), held)
             results.add(**record)
     print(f"\nresults: {path}")
     return 0
@@ -839,42 +922,72 @@ def measure(args: argparse.Namespace) -> int:
 def training_models(
     fit_rows: Sequence[dict],
     model: Any,
-    factor: float,
+    gloo: Any,
     control_overhead: float | None,
-    held_out: bool,
 ) -> tuple[dict[str, Any], dict[str, str], dict[str, float]]:
-    """The models the training table compares against: the base α-β model, and with gloo's
-    allgather factor plus a per-message overhead fitted on the control link (`ctl`: measured
-    at another time, under whatever load the machine had then) and on this link (`fit`: on
-    `fit_rows`, round 0 when the table shows the other rounds, else in sample)."""
+    """The models the training table compares against: the base α-β model; with gloo's
+    allgather round latency α_ag and factor from the calibration (`gloo`) plus a per-message
+    overhead fitted on the control link (`ctl`: measured at another time, under whatever load
+    the machine had then); and with α_ag from the calibration, the per-message overhead and the
+    allgather factor both fitted on this link (`fit`: on `fit_rows`, every round, in sample;
+    `held_out_ratios` judges the fit out of sample)."""
     from dpresearch.comm import NetworkModel
 
-    a, b = model.latency_s, model.bandwidth_Bps
+    a, b, a_ag = model.latency_s, model.bandwidth_Bps, gloo.allgather_latency_s
     models = {"base": model}
     notes = {"base": f"α-β as the trainer prices it (α = {a * 1e6:.1f} µs, B = {b / 1e6:.2f} MB/s)"}
-    fits = {"allgather_factor": factor}
-    config = (
-        f"network=custom network.latency_us={a * 1e6:.1f} "
-        f"network.bandwidth_gbit={b * 8 / 1e9:.4f} network.allgather_factor={factor:.2f}"
-    )
+    fits = {"allgather_factor": gloo.allgather_factor, "allgather_latency_s": a_ag}
+
+    def config(factor: float, overhead: float) -> str:
+        return (
+            f"network=custom network.latency_us={a * 1e6:.1f} "
+            f"network.bandwidth_gbit={b * 8 / 1e9:.4f} network.allgather_latency_us="
+            f"{a_ag * 1e6:.0f} network.allgather_factor={factor:.2f} "
+            f"network.message_overhead_us={overhead * 1e6:.0f}"
+        )
+
     if control_overhead is not None:
-        models["ctl"] = NetworkModel(a, b, control_overhead, factor)
+        factor = gloo.allgather_factor
+        models["ctl"] = NetworkModel(a, b, control_overhead, factor, a_ag)
         notes["ctl"] = (
-            f"+ allgather factor {factor:.2f} (calibration) + per-message overhead "
-            f"{control_overhead * 1e6:.0f} µs fitted on the control link, i.e. "
-            f"{config} network.message_overhead_us={control_overhead * 1e6:.0f}"
+            f"+ allgather round latency {a_ag * 1e6:.0f} µs and factor {factor:.2f} "
+            f"(calibration) + per-message overhead {control_overhead * 1e6:.0f} µs fitted on "
+            f"the control link, i.e. {config(factor, control_overhead)}"
         )
         fits["message_overhead_s_control"] = control_overhead
     cases = [Case(r["compressor"], r["in_op"], r["ops"]) for r in fit_rows]
-    here = fit_message_overhead(cases, NetworkModel(a, b, 0.0, factor))
-    models["fit"] = NetworkModel(a, b, here, factor)
-    sample = "round 0; the table shows the other rounds" if held_out else "in sample"
+    overhead, factor = fit_gloo_terms(cases, gloo)
+    models["fit"] = NetworkModel(a, b, overhead, factor, a_ag)
     notes["fit"] = (
-        f"+ allgather factor {factor:.2f} + per-message overhead {here * 1e6:.0f} µs fitted on "
-        f"this link ({sample}), i.e. {config} network.message_overhead_us={here * 1e6:.0f}"
+        f"+ allgather round latency {a_ag * 1e6:.0f} µs (calibration) + per-message overhead "
+        f"{overhead * 1e6:.0f} µs and allgather factor {factor:.2f} fitted on this link "
+        f"(every round, in sample), i.e. {config(factor, overhead)}"
     )
-    fits["message_overhead_s_here"] = here
+    fits["message_overhead_s_here"] = overhead
+    fits["allgather_factor_here"] = factor
     return models, notes, fits
+
+
+def held_out_ratios(
+    result: dict, out: Path, args: argparse.Namespace, rows: Sequence[dict], gloo: Any
+) -> dict[str, list[float]]:
+    """Leave one round out: for each round, the per-message overhead and allgather factor are
+    fitted (`fit_gloo_terms`, α_ag from the calibration) on the other rounds only, and price
+    the held-out round: its mean in-op / that price, per compressor, one value per round.
+    Empty with a single round (nothing to hold out)."""
+    if args.rounds < 2:
+        return {}
+    ratios: dict[str, list[float]] = {r["compressor"]: [] for r in rows}
+    for held in range(args.rounds):
+        others = [k for k in range(args.rounds) if k != held]
+        fit_rows = [summarize_training(r["compressor"], result, out, args, others) for r in rows]
+        overhead, factor = fit_gloo_terms(
+            [Case(r["compressor"], r["in_op"], r["ops"]) for r in fit_rows], gloo
+        )
+        net = replace(gloo, overhead_s=overhead, allgather_factor=factor)
+        for r in rows:
+            ratios[r["compressor"]].append(r["in_op_rounds"][held] / modeled(net, r["ops"]))
+    return ratios
 
 
 def _jsonable(row: dict) -> dict:

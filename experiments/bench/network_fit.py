@@ -13,12 +13,13 @@ recorded), so they are tested without namespaces or root.
 - `fit_message_overhead`: the per-message host overhead o that makes modeled + o·messages
   closest to measured in relative terms over a set of cases (least squares on
   modeled/measured − 1).
+- `fit_gloo_terms`: o and gloo's allgather factor together, the same way (o ≥ 0, factor ≥ 1).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dpresearch.comm.ledger import CommOp
 from dpresearch.comm.network import NetworkModel
@@ -100,11 +101,70 @@ def modeled(model: NetworkModel, ops: Iterable[CommOp]) -> float:
 
 def fit_message_overhead(cases: Sequence[Case], model: NetworkModel) -> float:
     """The o ≥ 0 minimising Σ ((modeled_c + o·messages_c) / measured_c − 1)² over `cases`,
-    where modeled_c prices case c's ops with `model` as given, its own overhead_s ignored."""
-    base = NetworkModel(model.latency_s, model.bandwidth_Bps, 0.0, model.allgather_factor)
+    where modeled_c prices case c's ops with `model` as given (its allgather terms included),
+    its own overhead_s ignored."""
+    base = replace(model, overhead_s=0.0)
     num = den = 0.0
     for case in cases:
         a = sum(base.messages(op) for op in case.ops) / case.measured_s
         b = 1.0 - modeled(base, case.ops) / case.measured_s
         num, den = num + a * b, den + a * a
     return max(0.0, num / den) if den else 0.0
+
+
+def _relative_least_squares(
+    columns: Sequence[Sequence[float]], target: Sequence[float]
+) -> tuple[list[float], float]:
+    """x minimising Σ_c (Σ_j x_j·columns[j][c] − target[c])² for one or two columns (normal
+    equations); returns x and the sum of squares."""
+    if len(columns) == 1:
+        (a,) = columns
+        den = sum(v * v for v in a)
+        x = [sum(u * v for u, v in zip(a, target, strict=True)) / den if den else 0.0]
+    else:
+        a, b = columns
+        aa = sum(v * v for v in a)
+        bb = sum(v * v for v in b)
+        ab = sum(u * v for u, v in zip(a, b, strict=True))
+        ay = sum(u * v for u, v in zip(a, target, strict=True))
+        by = sum(u * v for u, v in zip(b, target, strict=True))
+        det = aa * bb - ab * ab
+        x = [(ay * bb - by * ab) / det, (by * aa - ay * ab) / det] if det else [0.0, 0.0]
+    residual = [
+        sum(xj * col[c] for xj, col in zip(x, columns, strict=True)) - target[c]
+        for c in range(len(target))
+    ]
+    return x, sum(r * r for r in residual)
+
+
+def fit_gloo_terms(cases: Sequence[Case], model: NetworkModel) -> tuple[float, float]:
+    """The (o ≥ 0, allgather factor ≥ 1) minimising Σ ((modeled_c + o·messages_c) / measured_c
+    − 1)² over `cases`, where modeled_c prices case c's ops with `model`'s α, B and allgather
+    latency and the factor on allgather's bandwidth term. Both enter linearly, so this is a
+    bounded linear least squares: the best of the unconstrained solution and those with a
+    bound held. Without any allgather bandwidth among the cases the factor keeps `model`'s
+    value and only o is fitted."""
+    plain = replace(model, overhead_s=0.0, allgather_factor=0.0)
+    unit = replace(plain, allgather_factor=1.0)
+    base = [modeled(plain, c.ops) / c.measured_s for c in cases]
+    gather = [modeled(unit, c.ops) / c.measured_s - b for c, b in zip(cases, base, strict=True)]
+    if not any(gather):
+        return fit_message_overhead(cases, model), model.allgather_factor
+    msgs = [sum(plain.messages(op) for op in c.ops) / c.measured_s for c in cases]
+    target = [1.0 - b for b in base]
+    candidates = []
+    (factor, overhead), sse = _relative_least_squares([gather, msgs], target)
+    if factor >= 1.0 and overhead >= 0.0:
+        candidates.append((sse, overhead, factor))
+    # factor held at 1: fit o on what is left
+    rest = [t - g for t, g in zip(target, gather, strict=True)]
+    (overhead,), sse = _relative_least_squares([msgs], rest)
+    candidates.append(
+        (sse, overhead, 1.0) if overhead >= 0.0 else (sum(r * r for r in rest), 0.0, 1.0)
+    )
+    # o held at 0: fit the factor alone
+    (factor,), sse = _relative_least_squares([gather], target)
+    if factor >= 1.0:
+        candidates.append((sse, 0.0, factor))
+    _, overhead, factor = min(candidates)
+    return overhead, factor
