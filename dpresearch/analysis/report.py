@@ -403,6 +403,13 @@ def describe(report: Report) -> list[str]:
             else "."
         )
     )
+    if any(c in report.columns for c in ("MB/epoch", "MB", "tta/MB")):
+        lines.append(
+            "**Bytes:** MB = 10⁶ bytes of `comm/bytes`, the algorithm's payload a worker sent "
+            "(gradients as compressed, models, gossip messages), mean over workers; BatchNorm-"
+            "buffer broadcasts (`comm/bytes_buffers`), evaluation and metric traffic are "
+            "counted apart and not included."
+        )
     if spec.target is not None:
         net = spec.network or "each run's own network"
         lines.append(

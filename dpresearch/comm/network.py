@@ -26,9 +26,10 @@ Three optional terms make the model predict a CPU cluster's gloo rather than an 
   the receiver's ready notification, which queues behind the receiver's own outgoing data),
   i.e. a factor ≈ 1.05–1.4; its ring allreduce is not affected.
 - `allgather_latency_s` (`network.allgather_latency_us`), α_ag: the latency of one allgather
-  round in place of α (None: α). The same handshake costs gloo's allgather an extra half
-  round trip per round: a 4-byte allgather between two hosts takes 2.2–2.8 α (α = half a
-  4-byte allreduce), which the model with α alone prices at 1 α. Small allgathers (top-k,
+  round in place of α (None: α). The same handshake (data waits for the receiver's ready
+  notification) costs gloo's allgather about one more message per round: a 4-byte allgather
+  between two hosts took 2.0–3.3 α over six calibrations (α = half a 4-byte allreduce),
+  which the model with α alone prices at 1 α. Small allgathers (top-k,
   random-k, QSGD, sign payloads of a few KB) are latency-bound and feel it; o is added to it
   as to α.
 """

@@ -268,14 +268,22 @@ def tbf_counter(dev: str, key: str = "bytes") -> int:
     return sum(q[key] for q in qdiscs if q.get("root"))
 
 
-def calibrate(dev: str, reps: int = 200, big: int = 1 << 20, big_reps: int = 20) -> dict:
+PAYLOAD_CHECK_BYTES = (4096, 16384, 32768, 131072)
+
+
+def calibrate(
+    dev: str, reps: int = 200, big: int = 1 << 20, big_reps: int = 20, payload_reps: int = 15
+) -> dict:
     """α from tiny allreduces, the wire overhead f from tc's counters over large allgathers, and
-    the bandwidth large allreduces and allgathers achieve (checks, not model inputs). Both ranks
-    call it; rank 0's figures are returned to both."""
+    the bandwidth large allreduces and allgathers achieve, and the time of allreduces and
+    allgathers of `PAYLOAD_CHECK_BYTES` (checks, not model inputs). Each op is timed after a
+    barrier, median over its repetitions. Both ranks call it; rank 0's figures are returned to
+    both."""
     import torch
     import torch.distributed as dist
 
     def timed(fn, n: int) -> float:
+        fn()  # untimed: the first op of a new size or kind pays for buffers and TCP state
         times = []
         for _ in range(n):
             dist.barrier()
@@ -297,6 +305,13 @@ def calibrate(dev: str, reps: int = 200, big: int = 1 << 20, big_reps: int = 20)
     dist.barrier()  # both ranks have received everything: tbf has sent (and counted) it all
     wire = torch.tensor([tbf_counter(dev) - before], dtype=torch.float64)
     dist.all_reduce(wire)  # both directions
+    # payloads of the compressed methods' size, back to back: what the link does with them
+    payloads = []
+    for size in PAYLOAD_CHECK_BYTES:
+        y = torch.zeros(size // 4)
+        ys = [torch.zeros_like(y), torch.zeros_like(y)]
+        payloads.append(timed(lambda y=y: dist.all_reduce(y), payload_reps))
+        payloads.append(timed(lambda y=y, ys=ys: dist.all_gather(ys, y), payload_reps))
     # model: allreduce 2α + D/B, allgather α + D/B (2 workers) → the B each achieved
     figures = torch.tensor(
         [
@@ -305,11 +320,23 @@ def calibrate(dev: str, reps: int = 200, big: int = 1 << 20, big_reps: int = 20)
             wire.item() / (2 * big * big_reps),
             big / (ar_big - 2 * alpha),
             big / (ag_big - alpha),
+            *payloads,
         ],
         dtype=torch.float64,
     )
     dist.broadcast(figures, src=0)
-    keys = ("alpha_s", "allgather_tiny_s", "overhead", "allreduce_1MiB_Bps", "allgather_1MiB_Bps")
+    keys = (
+        "alpha_s",
+        "allgather_tiny_s",
+        "overhead",
+        "allreduce_1MiB_Bps",
+        "allgather_1MiB_Bps",
+        *(
+            f"{kind}_{size}_s"
+            for size in PAYLOAD_CHECK_BYTES
+            for kind in ("allreduce", "allgather")
+        ),
+    )
     return dict(zip(keys, figures.tolist(), strict=True))
 
 
@@ -636,6 +663,25 @@ def report_header(link: Link, cal: dict, pressure: float | None, drops: int) -> 
         f"allreduce, {cal['allgather_1MiB_Bps'] / 1e6:.2f} MB/s by allgather (B implied by "
         f"the model's formulas)"
     )
+    if f"allreduce_{PAYLOAD_CHECK_BYTES[0]}_s" in cal:  # runs kept before the check existed
+        from dpresearch.comm import CommOp, NetworkModel
+
+        net = NetworkModel(cal["alpha_s"], bps, allgather_latency_s=cal["allgather_tiny_s"])
+        parts = []
+        for size in PAYLOAD_CHECK_BYTES:
+            for kind in ("allreduce", "allgather"):
+                measured = cal[f"{kind}_{size}_s"]
+                parts.append(
+                    f"{kind} {size // 1024} KiB {measured * 1e3:.2f} "
+                    f"({measured / net.op_seconds(CommOp(kind, size, 2)):.2f})"
+                )
+        print(
+            "   payloads back to back, ms (/ α + D/B, α_ag for allgather): "
+            + ", ".join(parts[:4])
+            + "\n     "
+            + ", ".join(parts[4:])
+            + "\n   (a ratio well under 1 for payloads under tbf's burst: they leave at veth speed)"
+        )
 
 
 def report_isolated(rows: list[dict], args: argparse.Namespace, floor: dict[str, float]) -> None:
