@@ -104,12 +104,10 @@ def fit_message_overhead(cases: Sequence[Case], model: NetworkModel) -> float:
     where modeled_c prices case c's ops with `model` as given (its allgather terms included),
     its own overhead_s ignored."""
     base = replace(model, overhead_s=0.0)
-    num = den = 0.0
-    for case in cases:
-        a = sum(base.messages(op) for op in case.ops) / case.measured_s
-        b = 1.0 - modeled(base, case.ops) / case.measured_s
-        num, den = num + a * b, den + a * a
-    return max(0.0, num / den) if den else 0.0
+    msgs = [sum(base.messages(op) for op in c.ops) / c.measured_s for c in cases]
+    target = [1.0 - modeled(base, c.ops) / c.measured_s for c in cases]
+    (overhead,), _ = _relative_least_squares([msgs], target)
+    return max(0.0, overhead)
 
 
 def _relative_least_squares(
