@@ -172,5 +172,5 @@ def schema() -> DictConfig:
 
 
 def register_configs() -> None:
-    """Make the schema available to `conf/config.yaml` as `base_config`."""
+    """Make the schema available to `dpresearch/conf/config.yaml` as `base_config`."""
     ConfigStore.instance().store(name="base_config", node=schema())

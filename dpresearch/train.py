@@ -26,6 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
+from dpresearch import CONF_DIR
 from dpresearch.config import register_configs
 from dpresearch.launch import (
     WorkerFrozen,
@@ -37,8 +38,6 @@ from dpresearch.launch import (
 )
 from dpresearch.preflight import preflight
 from dpresearch.validate import ConfigError, forget_data
-
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 register_configs()
 

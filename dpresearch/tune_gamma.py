@@ -8,7 +8,7 @@ after `steps` steps, with Ξ²_t/Ξ²_0 along the way for every γ. This is what
 `tune_consensus_stepsize.py` did by hand (they report γ = 0.04 for top-1%, 0.01 for random-1%,
 0.34 for QSGD with 16 levels on a ring of 9 workers, d = 2000).
 
-Options (Hydra overrides, composed from `conf/tune_gamma.yaml`): `topology=…`, `compressor=…`
+Options (Hydra overrides, composed from `dpresearch/conf/tune_gamma.yaml`): `topology=…`, `compressor=…`
 with their keys, `workers`, `seed`, `dim`, `steps`, `gammas` (a list; default a log grid from
 0.001 to 1), `points` (curve points printed), `output` (a JSON file for the curves).
 """
@@ -27,12 +27,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
+from dpresearch import CONF_DIR
 from dpresearch.algorithms.choco import ChocoSGD
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.replicas import Replicas
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 DEFAULT_GAMMAS = [round(10 ** (e / 4), 6) for e in range(-12, 1)]  # 0.001 … 1, 4 per decade
 
 

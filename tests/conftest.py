@@ -14,9 +14,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 import dpresearch.train  # noqa: F401 - registers the structured config schema
+from dpresearch import CONF_DIR
 
 REPO = Path(__file__).resolve().parents[1]
-CONF_DIR = REPO / "conf"
 SHARED = REPO.parent / "shared"
 
 # A small, fast experiment: 1024 synthetic examples, a 16-32-10 MLP.

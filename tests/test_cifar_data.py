@@ -13,10 +13,11 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from test_download import write_md5sums
 
+from dpresearch import CONF_DIR
 from dpresearch.data.cifar import CIFAR10, CIFAR100, normalize, random_crop_flip
 
 SUBSET = Path(__file__).resolve().parents[2] / "shared/data/cifar10-subset"
-CONF = Path(__file__).resolve().parents[1] / "conf" / "data"
+CONF = CONF_DIR / "data"
 CIFAR10_MEAN = torch.tensor([0.4914, 0.4822, 0.4465]).view(1, 3, 1, 1)
 CIFAR10_STD = torch.tensor([0.2470, 0.2435, 0.2616]).view(1, 3, 1, 1)
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from dpresearch import CONF_DIR
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.compress import (
@@ -25,7 +26,7 @@ from dpresearch.compress import (
 )
 
 NET = NetworkModel.preset("10gbe")
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = CONF_DIR
 SHAPES = [(24, 12), (24,), (6, 4, 3, 3), (10, 24), (10,), (301,)]
 STEPS, SEED, WORLD = 20, 11, 4
 

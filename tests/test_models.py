@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,12 +12,13 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
+from dpresearch import CONF_DIR
 from dpresearch.models.resnet18 import ResNet18
 from dpresearch.models.resnet_cifar import ResNetCifar
 from dpresearch.models.torchvision_model import torchvision_model
 from dpresearch.models.vgg import VGG
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
+CONF = CONF_DIR / "model"
 BUILT_IN = [
     "resnet20",
     "resnet32",

@@ -12,6 +12,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from dpresearch import CONF_DIR
 from dpresearch.comm.topology import (
     Chain,
     Complete,
@@ -25,7 +26,7 @@ from dpresearch.comm.topology import (
     Torus,
 )
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "topology"
+CONF = CONF_DIR / "topology"
 KS = range(2, 18)
 COMPOSITE = [k for k in KS if any(k % d == 0 for d in range(2, math.isqrt(k) + 1))]
 

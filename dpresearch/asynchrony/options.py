@@ -1,7 +1,7 @@
 """The `async` config node: its schema and the checks that run before any worker starts.
 
 `async` is a Python keyword, so the node is read as `cfg["async"]` and reaches the algorithm as
-its `options` argument (`options: ${async}` in `conf/algorithm/async_sgd.yaml`).
+its `options` argument (`options: ${async}` in `dpresearch/conf/algorithm/async_sgd.yaml`).
 """
 
 from __future__ import annotations

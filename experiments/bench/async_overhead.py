@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dpresearch import CONF_DIR
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -58,7 +60,7 @@ def compose(args, *extra: str):
         "async.speed=exponential",
         *extra,
     ]
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides)
 
 

@@ -124,8 +124,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from dpresearch import CONF_DIR
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
-from bench_cases import COMPRESSORS, DEFAULT_COMPRESSORS, MODELS, REPO, SUBSET  # noqa: E402
+from bench_cases import COMPRESSORS, DEFAULT_COMPRESSORS, MODELS, SUBSET  # noqa: E402
 from bench_timing import Results, default_json  # noqa: E402
 from network_fit import (  # noqa: E402
     Case,
@@ -258,7 +260,7 @@ def compose(*overrides: str):
 
     import dpresearch.train  # noqa: F401 - registers the schema
 
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
 

@@ -40,8 +40,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dpresearch import CONF_DIR
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
-from bench_cases import MODELS, REPO, SUBSET  # noqa: E402
+from bench_cases import MODELS, SUBSET  # noqa: E402
 from bench_timing import (  # noqa: E402
     Results,
     default_json,
@@ -64,7 +66,7 @@ def compose(*overrides: str):
 
     import dpresearch.train  # noqa: F401 - registers the schema
 
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
 
