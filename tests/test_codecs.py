@@ -285,7 +285,7 @@ def test_push_memory_plus_sent_is_compensated_and_the_server_decodes_sent():
 def test_choco_public_copies_move_by_exactly_what_was_sent(small_config):
     """x̂_i += D(q_i) and s_i += Σ_j w_ij D(q_j), the messages decoded from the exchanged wire
     rows: CHOCO's memory of what the neighbours have (x − x̂) loses exactly what was sent."""
-    from dpresearch.trainer import Trainer
+    from dpresearch.run.trainer import Trainer
 
     cfg = small_config(
         "workers=4", "algorithm=choco", "compressor=topk", "compressor.ratio=0.1",

@@ -51,7 +51,7 @@ def test_example_reduces_with_error_feedback_and_exact_bytes(example):
 
 
 def test_example_trains_from_the_config(example, small_config):
-    from dpresearch.trainer import Trainer
+    from dpresearch.run.trainer import Trainer
 
     cfg = small_config(
         "workers=2", "train.steps=3", "compressor._target_=readme_compressor.Int8",
