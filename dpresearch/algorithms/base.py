@@ -65,6 +65,9 @@ class Algorithm(ABC):
     checkpointable: bool = True
     # Whether `drop_step` leaves the algorithm able to go on (`train.on_nonfinite=skip_step`).
     skippable: bool = True
+    # Why an algorithm without `compressor`/`error_feedback` options takes none (shown when a
+    # configuration gives one; empty: the generic line).
+    compression_note: str = ""
 
     def __init__(
         self, replicas: Replicas, comm: Communicator, optimizers: list[torch.optim.Optimizer]

@@ -8,6 +8,9 @@ D bytes per worker:
   the result out):           2α + 2(n−1) · D/B
 - ring allgather:            (n−1)α + (n−1) · D/B
 - broadcast (binomial tree): ⌈log₂ n⌉ · (α + D/B)
+- reduce to one worker (binomial tree, the broadcast reversed): ⌈log₂ n⌉ · (α + D/B)
+- all-to-all (each worker's row of D bytes is n slices, one per worker; pairwise exchange):
+                             (n−1)α + (n−1)/n · D/B
 - neighbour exchange to p peers (sends serialised on one full-duplex link): α + p · D/B
 
 A group of one worker costs nothing. The presets are nominal figures for common fabrics; pass
@@ -92,15 +95,21 @@ class NetworkModel:
             )
         return cls.from_units(*PRESETS[name])
 
-    def total_seconds(self, op_table: list[list]) -> float:
+    def total_seconds(
+        self, op_table: list[list], tiers: dict[str, NetworkModel] | None = None
+    ) -> float:
         """Modeled seconds of a run's `comm/ops` table (`CommLedger.op_table`) on this
-        network: re-prices a finished run on another fabric."""
+        network: re-prices a finished run on another fabric. Rows of a two-level cluster carry
+        their tier; `tiers` prices them on that tier's link (else they are priced here)."""
         from dpresearch.comm.ledger import CommOp
 
-        return sum(
-            count * self.op_seconds(CommOp(kind, nbytes, group, peers))
-            for kind, nbytes, group, peers, count in op_table
-        )
+        total = 0.0
+        for row in op_table:
+            kind, nbytes, group, peers, count = row[:5]
+            tier = row[5] if len(row) > 5 else ""
+            network = (tiers or {}).get(tier, self)
+            total += count * network.op_seconds(CommOp(kind, nbytes, group, peers))
+        return total
 
     def op_seconds(self, op: CommOp) -> float:
         """Modeled duration of one collective (see the module docstring for the formulas)."""
@@ -126,8 +135,10 @@ class NetworkModel:
             return 2 * a + 2 * (n - 1) * d / b
         if kind == "allgather":
             return (n - 1) * a + self.allgather_factor * (n - 1) * d / b
-        if kind == "broadcast":
+        if kind in ("broadcast", "reduce"):
             return math.ceil(math.log2(n)) * (a + d / b)
+        if kind == "alltoall":
+            return (n - 1) * a + (n - 1) / n * d / b
         if kind == "p2p":
             return a + peers * d / b
         raise ValueError(f"no cost formula for collective kind {kind!r}")

@@ -8,6 +8,8 @@ import torch
 from torch import Tensor
 
 from dpresearch.comm.base import Communicator, ExchangePlan
+from dpresearch.comm.hierarchy import Hierarchy, simulated_tiers
+from dpresearch.comm.ledger import CommLedger, LedgerView
 from dpresearch.comm.network import NetworkModel
 
 
@@ -20,9 +22,13 @@ class SimulatedCommunicator(Communicator):
         network: NetworkModel,
         reduction: str = "ring",
         deterministic: bool = False,
+        hierarchy: Hierarchy | None = None,
+        ledger: CommLedger | LedgerView | None = None,
     ) -> None:
-        super().__init__(world_size, range(world_size), network, reduction, deterministic)
+        super().__init__(world_size, range(world_size), network, reduction, deterministic, ledger)
         self._gather_index: dict[tuple[ExchangePlan, torch.device], tuple[Tensor, Tensor]] = {}
+        if hierarchy is not None:
+            self.tiers = simulated_tiers(self, hierarchy)
 
     def _all_reduce_sum(self, x: Tensor) -> None:
         # Always worker order: `deterministic` changes nothing in-process.
@@ -34,6 +40,12 @@ class SimulatedCommunicator(Communicator):
 
     def _broadcast(self, x: Tensor, src: int) -> None:
         x.copy_(x[src : src + 1].expand_as(x))
+
+    def _reduce(self, x: Tensor, dst: int) -> None:
+        x[dst].copy_(x.sum(dim=0))
+
+    def _all_to_all(self, x: Tensor) -> Tensor:
+        return x.transpose(0, 1).contiguous()
 
     def _start_neighbor_exchange(
         self, x: Tensor, plan: ExchangePlan, out: Tensor

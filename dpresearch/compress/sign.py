@@ -42,6 +42,14 @@ class SignCodec(Codec):
         return spans
 
     def encode_rows(self, x: Tensor, step: int, workers: tuple[int, ...], wire: Tensor) -> None:
+        self._pack_signs(x, wire)
+        if self.scaled:
+            self.layout.write_region(wire, torch.float32, self._l1(x).div_(self.numels))
+
+    def _pack_signs(self, x: Tensor, wire: Tensor) -> Tensor:
+        """Pack the sign bits of `x` `[R, n]` (1 = negative, −0.0 included) into the packed-bit
+        region of `wire`; returns the negative mask `[R, n]` (a workspace buffer, valid until
+        the next call)."""
         bits = self.layout.region(wire, torch.uint8)
         negative = self.ws.get("negative", tuple(x.shape), torch.bool, self.device)
         if numpy_path(x):
@@ -50,8 +58,7 @@ class SignCodec(Codec):
             torch.signbit(x, out=negative)
         for cols, span in self.spans:
             pack_rows(negative[:, cols], 1, bits[:, span], self.ws)
-        if self.scaled:
-            self.layout.write_region(wire, torch.float32, self._l1(x).div_(self.numels))
+        return negative
 
     def _l1(self, x: Tensor) -> Tensor:
         """‖x‖₁ of every chunk of every row, `[R, C]` fp32: one |x| pass, then a sum per group

@@ -85,7 +85,8 @@ class NetworkConfig:
     `message_overhead_us`: host overhead per message (added to α); `allgather_factor`:
     multiplies allgather's bandwidth term; `allgather_latency_us`: latency of one allgather round
     in place of `latency_us` (see `dpresearch/comm/network.py`; 0, 1 and null: an ideal
-    fabric)."""
+    fabric). With `comm.hierarchy` (a two-level cluster), `intra` names the preset pricing links
+    inside a node and `inter` the one between nodes (null: this network)."""
 
     name: str = "10gbe"
     latency_us: float = 20.0
@@ -93,6 +94,17 @@ class NetworkConfig:
     message_overhead_us: float = 0.0
     allgather_factor: float = 1.0
     allgather_latency_us: float | None = None
+    intra: str = "nvlink"
+    inter: str | None = None
+
+
+@dataclass
+class HierarchyConfig:
+    """A two-level cluster (`dpresearch.comm.hierarchy`): `workers_per_node` G (null: flat).
+    Workers nG … nG+G−1 form node n; `algorithm=sync` then reduces inside each node exactly,
+    compresses across nodes (between the node leaders) and broadcasts back."""
+
+    workers_per_node: int | None = None
 
 
 @dataclass
@@ -107,6 +119,7 @@ class CommConfig:
     reduction: str = "ring"
     deterministic: bool = False
     p2p_schedule: str = "auto"
+    hierarchy: HierarchyConfig = field(default_factory=HierarchyConfig)
 
 
 @dataclass

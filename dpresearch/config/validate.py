@@ -194,6 +194,7 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
     check_data_options(cfg.data)
     check_optimizer_values(cfg.optimizer)
     check_schedule_values(cfg.schedule)
+    check_optimizer_owner(cfg)
     check_compression(cfg)
     check_algorithm(cfg)
     OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg)))
@@ -364,6 +365,39 @@ def check_schedule_values(node: Any) -> None:
             raise ConfigError(f"schedule.{key}={_show(node[key])}: must be a number >= 0")
 
 
+def _selected_by(cfg: DictConfig) -> str:
+    """How the user named the algorithm: its optimizer option for an algorithm an optimizer
+    selects (optimizer=onebit_adam), else algorithm=<class>."""
+    from dpresearch.algorithms.compressed_adam import OwnedOptimizer
+
+    try:
+        optimizer = get_object(cfg.optimizer._target_)
+    except Exception:  # noqa: BLE001 - a bad target is reported by check_target
+        optimizer = None
+    if isinstance(optimizer, type) and issubclass(optimizer, OwnedOptimizer):
+        return optimizer.option
+    return f"algorithm={cfg.algorithm._target_.rsplit('.', 1)[-1]}"
+
+
+def check_optimizer_owner(cfg: DictConfig) -> None:
+    """An optimizer stepped by its own algorithm (`OwnedOptimizer`: optimizer=onebit_adam) runs
+    with that algorithm only."""
+    from dpresearch.algorithms.compressed_adam import OwnedOptimizer
+
+    try:
+        optimizer = get_object(cfg.optimizer._target_)
+    except Exception:  # noqa: BLE001 - a bad target is reported by check_target
+        return
+    if not (isinstance(optimizer, type) and issubclass(optimizer, OwnedOptimizer)):
+        return
+    if cfg.algorithm._target_ != optimizer.algorithm:
+        name = cfg.algorithm._target_.rsplit(".", 1)[-1]
+        raise ConfigError(
+            f"{optimizer.option} runs its own algorithm ({optimizer.algorithm.rsplit('.', 1)[-1]}"
+            f", which exchanges the momentum); drop algorithm= (it is {name})"
+        )
+
+
 def check_algorithm(cfg: DictConfig) -> None:
     """The algorithm's own checks: a `check_config(cfg)` classmethod on its target, if any,
     raising ValueError (e.g. a topology that cannot exist for `workers`)."""
@@ -402,6 +436,12 @@ def check_compression(cfg: DictConfig) -> None:
             momentum=0.0,
         )
         if not idle:
+            note = getattr(get_object(alg._target_), "compression_note", "")
+            if note:
+                raise ConfigError(
+                    f"{_selected_by(cfg)} {note}; drop compressor=/error_feedback= (leave "
+                    "compressor=identity error_feedback=none)"
+                )
             raise ConfigError(
                 f"{alg._target_.rsplit('.', 1)[-1]} does not use compressor/error_feedback; "
                 "use algorithm=sync (compressed gradients) or algorithm=choco (compressed "
