@@ -171,6 +171,7 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
             f"comm.p2p_schedule={cfg.comm.p2p_schedule}; choose one of: auto, by_distance, "
             "one_batch"
         )
+    check_hierarchy(cfg)
     if cfg.network.bandwidth_gbit <= 0 or cfg.network.latency_us < 0:
         raise ConfigError("network.bandwidth_gbit must be > 0 and network.latency_us >= 0")
     if cfg.network.message_overhead_us < 0 or cfg.network.allgather_factor <= 0:
@@ -201,6 +202,39 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
 
 
 NONFINITE_MODES = ("stop", "skip_step", "continue")
+HIERARCHICAL_ALGORITHMS = ("dpresearch.algorithms.sync.SyncSGD",)
+
+
+def check_hierarchy(cfg: DictConfig) -> None:
+    """`comm.hierarchy` (a two-level cluster): nodes that divide the workers, known presets for
+    `network.intra` / `network.inter`, and an algorithm that reduces in two levels."""
+    from dpresearch.comm.network import PRESETS
+
+    for key in ("intra", "inter"):
+        name = cfg.network.get(key)
+        if name is not None and name not in PRESETS:
+            raise ConfigError(
+                f"network.{key}={name} is not a network preset; choose one of: "
+                f"{', '.join(PRESETS)}"
+            )
+    per_node = cfg.comm.hierarchy.workers_per_node
+    if per_node is None:
+        return
+    if per_node < 1:
+        raise ConfigError(
+            f"comm.hierarchy.workers_per_node={per_node}: must be at least 1 (or null: flat)"
+        )
+    if cfg.workers % per_node:
+        divisors = [g for g in range(1, cfg.workers + 1) if cfg.workers % g == 0]
+        raise ConfigError(
+            f"comm.hierarchy.workers_per_node={per_node} does not divide workers={cfg.workers} "
+            f"into whole nodes; choose one of: {', '.join(map(str, divisors))}"
+        )
+    if cfg.algorithm._target_ not in HIERARCHICAL_ALGORITHMS:
+        raise ConfigError(
+            f"comm.hierarchy is a two-level gradient reduction for algorithm=sync; drop "
+            f"comm.hierarchy.workers_per_node for {cfg.algorithm._target_.rsplit('.', 1)[-1]}"
+        )
 
 
 def check_run_control(cfg: DictConfig) -> None:
