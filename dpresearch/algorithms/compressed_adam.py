@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from dpresearch.algorithms.base import Algorithm
+from dpresearch.algorithms.base import Algorithm, Traits
 from dpresearch.algorithms.sync import BUFFER_MODES
 from dpresearch.comm.base import Communicator
 from dpresearch.compress.onebit_allreduce import OneBitAllreduce
@@ -163,9 +163,9 @@ class CompressedAdam(Algorithm):
     over flat rows, the 1-bit allreduce, sync's buffer rule and checkpoints."""
 
     optimizer_class: ClassVar[type[OwnedOptimizer]]
-    compression_note = (
-        "compresses its momentum itself (1 bit, error-compensated on the worker and the server "
-        "side)"
+    traits = Traits(
+        compression_note="compresses its momentum itself (1 bit, error-compensated on the "
+        "worker and the server side)"
     )
 
     def __init__(
@@ -208,7 +208,7 @@ class CompressedAdam(Algorithm):
     @classmethod
     def check_config(cls, cfg: Any) -> None:
         """Refuse an optimizer other than this method's (a compressor or error feedback is
-        refused by `validate.check_compression` with `compression_note`)."""
+        refused by `config.checks.check_compression` with `traits.compression_note`)."""
         from hydra.utils import get_object
 
         wanted = cls.optimizer_class

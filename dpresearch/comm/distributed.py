@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dpresearch.comm.base import Communicator, ExchangePlan, PendingOp
-from dpresearch.comm.hierarchy import Hierarchy, distributed_tiers
+from dpresearch.comm.hierarchy import INTER, INTRA, Hierarchy, Tiers, price_tiers
 from dpresearch.comm.ledger import CommLedger, CommOp, LedgerView, purpose_of
 from dpresearch.comm.network import NetworkModel
 
@@ -48,9 +48,32 @@ class DistributedCommunicator(Communicator):
             p2p_schedule = default_p2p_schedule(dist.get_backend(group))
         self.split_p2p_rounds = p2p_schedule == "by_distance"
         if hierarchy is not None:  # subgroups created here, once, by every rank
-            self.tiers = distributed_tiers(
-                self, hierarchy, deterministic=deterministic, p2p_schedule=p2p_schedule
+            self.tiers = self._two_level(hierarchy, p2p_schedule)
+
+    def _two_level(self, hierarchy: Hierarchy, p2p_schedule: str) -> Tiers:
+        """The tiers of this rank: creates every node's group and the leaders' group (every
+        rank, in the same order: NCCL's rule) and keeps its own node's and, on a leader, the
+        leaders'."""
+        price_tiers(self, hierarchy)
+        k, g = self.world_size, hierarchy.workers_per_node
+        nodes = hierarchy.nodes(k)
+        me = self.local_workers[0]
+        groups = [dist.new_group(list(range(i * g, (i + 1) * g))) for i in range(nodes)]
+        leaders = dist.new_group([i * g for i in range(nodes)])
+
+        def tier(network: NetworkModel, group: dist.ProcessGroup, name: str):
+            return DistributedCommunicator(
+                network,
+                self.reduction,
+                group,
+                self.deterministic,
+                p2p_schedule,
+                ledger=self.ledger.view([0], name),
             )
+
+        intra = tier(hierarchy.intra, groups[me // g], INTRA)
+        inter = tier(hierarchy.inter, leaders, INTER) if me % g == 0 else None
+        return Tiers(hierarchy, intra, inter, [0] if inter is not None else [])
 
     def _global(self, worker: int) -> int:
         """Global rank of worker `worker` of the group (the id torch.distributed calls take)."""

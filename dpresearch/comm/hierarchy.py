@@ -97,59 +97,6 @@ class NodeGroups(Communicator):
         raise NotImplementedError("NodeGroups has no neighbour exchange")
 
 
-def _price_tiers(parent: Communicator, hierarchy: Hierarchy) -> None:
+def price_tiers(parent: Communicator, hierarchy: Hierarchy) -> None:
+    """Make `parent`'s ledger price the tiers' ops on their links."""
     parent.ledger.tiers.update({INTRA: hierarchy.intra, INTER: hierarchy.inter})
-
-
-def simulated_tiers(parent: Communicator, hierarchy: Hierarchy) -> Tiers:
-    """The tiers of a simulated communicator holding all K workers."""
-    from dpresearch.comm.simulated import SimulatedCommunicator
-
-    _price_tiers(parent, hierarchy)
-    k, g = parent.world_size, hierarchy.workers_per_node
-    n = hierarchy.nodes(k)
-    leaders = list(range(0, k, g))
-    intra = NodeGroups(k, g, hierarchy.intra, parent.ledger.view(range(k), INTRA))
-    inter = SimulatedCommunicator(
-        n,
-        hierarchy.inter,
-        parent.reduction,
-        parent.deterministic,
-        ledger=parent.ledger.view(leaders, INTER),
-    )
-    return Tiers(hierarchy, intra, inter, leaders)
-
-
-def distributed_tiers(parent: Communicator, hierarchy: Hierarchy, **options) -> Tiers:
-    """The tiers of a process holding one worker of K torch.distributed ranks: creates every
-    node's group and the leaders' group (all ranks, same order), keeps its own. `options` go to
-    the tiers' `DistributedCommunicator`s (deterministic, p2p_schedule)."""
-    import torch.distributed as dist
-
-    from dpresearch.comm.distributed import DistributedCommunicator
-
-    _price_tiers(parent, hierarchy)
-    k, g = parent.world_size, hierarchy.workers_per_node
-    n = hierarchy.nodes(k)
-    me = parent.local_workers[0]
-    groups = [dist.new_group(list(range(i * g, (i + 1) * g))) for i in range(n)]
-    leaders_group = dist.new_group([i * g for i in range(n)])
-    intra = DistributedCommunicator(
-        hierarchy.intra,
-        parent.reduction,
-        group=groups[me // g],
-        ledger=parent.ledger.view([0], INTRA),
-        **options,
-    )
-    inter = None
-    if me % g == 0:
-        inter = DistributedCommunicator(
-            hierarchy.inter,
-            parent.reduction,
-            group=leaders_group,
-            ledger=parent.ledger.view([0], INTER),
-            **options,
-        )
-    return Tiers(hierarchy, intra, inter, [0] if inter is not None else [])
-
-

@@ -8,7 +8,14 @@ import torch
 from torch import Tensor
 
 from dpresearch.comm.base import Communicator, ExchangePlan
-from dpresearch.comm.hierarchy import Hierarchy, simulated_tiers
+from dpresearch.comm.hierarchy import (
+    INTER,
+    INTRA,
+    Hierarchy,
+    NodeGroups,
+    Tiers,
+    price_tiers,
+)
 from dpresearch.comm.ledger import CommLedger, LedgerView
 from dpresearch.comm.network import NetworkModel
 
@@ -28,7 +35,22 @@ class SimulatedCommunicator(Communicator):
         super().__init__(world_size, range(world_size), network, reduction, deterministic, ledger)
         self._gather_index: dict[tuple[ExchangePlan, torch.device], tuple[Tensor, Tensor]] = {}
         if hierarchy is not None:
-            self.tiers = simulated_tiers(self, hierarchy)
+            self.tiers = self._two_level(hierarchy)
+
+    def _two_level(self, hierarchy: Hierarchy) -> Tiers:
+        """The tiers of K simulated workers: node groups over all rows, the leaders' rows."""
+        price_tiers(self, hierarchy)
+        k, g = self.world_size, hierarchy.workers_per_node
+        leaders = list(range(0, k, g))
+        intra = NodeGroups(k, g, hierarchy.intra, self.ledger.view(range(k), INTRA))
+        inter = SimulatedCommunicator(
+            hierarchy.nodes(k),
+            hierarchy.inter,
+            self.reduction,
+            self.deterministic,
+            ledger=self.ledger.view(leaders, INTER),
+        )
+        return Tiers(hierarchy, intra, inter, leaders)
 
     def _all_reduce_sum(self, x: Tensor) -> None:
         # Always worker order: `deterministic` changes nothing in-process.
