@@ -15,7 +15,14 @@ from test_compressed_reduce import layout_of
 import dpresearch.compress as dc
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
-from dpresearch.compress import Chunk, CompressedReducer, ErrorFeedback, plan_buckets, rng
+from dpresearch.compress import (
+    Chunk,
+    CompressedReducer,
+    ErrorFeedback,
+    check_pairing,
+    plan_buckets,
+    rng,
+)
 from dpresearch.compress.topk import kept
 
 NET = NetworkModel.preset("10gbe")
@@ -181,6 +188,41 @@ def test_gathered_aggregate_and_weighted_sums_equal_the_reference(name):
         expected += (source * weights[:, r : r + 1]).double()
     codec.accumulate(rows, step, state, weights)
     assert torch.equal(state, expected)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CODECS if CODECS[n][0]().gossip))
+def test_a_zero_wire_row_decodes_to_zeros(name):
+    """The contract that lets a neighbour exchange pad missing in-peers with zero rows of
+    weight 0: they decode to zeros and add nothing."""
+    codec = CODECS[name][0]().codec(CHUNKS, workers=range(2), linear=False)
+    decoded = torch.full((2, D), 7.0)
+    codec.decode(torch.zeros(2, codec.wire_size, dtype=codec.layout.dtype), 3, decoded)
+    assert torch.equal(decoded, torch.zeros(2, D))
+
+
+def test_pairing_is_read_from_the_class_traits():
+    class Vote(dc.ChunkCompressor):
+        gossip = False
+        memories = ("none",)
+
+        def payload_spec(self, chunk, dtype):
+            return [(torch.uint8, chunk.numel)]
+
+        def compress(self, x, chunk, step, worker):
+            return [(x > 0).to(torch.uint8)]
+
+        def decompress(self, payload, chunk, step, out):
+            out.copy_(payload[0])
+
+    check_pairing(Vote(), ErrorFeedback(mode="none", momentum=0.9), "sync")
+    with pytest.raises(ValueError, match="cannot be used for gossip"):
+        check_pairing(Vote(), None, "gossip")
+    with pytest.raises(ValueError, match="error_feedback.mode=ef14 with Vote: it takes mode none"):
+        check_pairing(Vote(), ErrorFeedback(mode="ef14"), "sync")
+    with pytest.raises(ValueError, match="collective=auto"):
+        check_pairing(Vote(), None, "sync", collective="allreduce")
+    with pytest.raises(ValueError, match="support error_feedback=none or ef14"):
+        check_pairing(dc.TopK(), ErrorFeedback(mode="ef21"), "push")
 
 
 def test_powersgd_owns_one_q_per_process_and_equals_the_per_worker_reference():

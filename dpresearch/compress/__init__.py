@@ -1,25 +1,32 @@
 """Gradient compression: compressors with exact wire bytes, codecs over stacked rows, one
 error-feedback memory, and the reducer and DDP hook that run them over any worker layout.
 
-The API, for an algorithm that compresses something (gradients, models, pseudo-gradients):
+Aggregating stacked rows synchronously (gradients, an outer optimizer's pseudo-gradients):
+
+    reducer = build_reducer(cfg.compressor, cfg.error_feedback, comm, layout, cfg.seed,
+                            dtype=rows.dtype, device=rows.device)
+    reducer.reduce(rows, step)     # rows [W, D]: each becomes the aggregate, EF applied
+
+The pieces, for an algorithm that exchanges compressed rows its own way (gossip, pushes):
 
     compressor = build_compressor(cfg.compressor, cfg.seed)        # the method, one per process
     memory = build_memory(cfg.error_feedback).bind(W, n, dtype, device)
     check_pairing(compressor, memory, use="sync" | "gossip" | "push")   # once, before any step
     codec = compressor.codec(chunks, dtype, device, workers)       # once per chunk set (layout)
 
-    p = memory.compensate(x, step)             # x [W, n] -> p [W, n]
-    wire = codec.encode(p, step)               # [W, L]: one row per worker, exact bytes
+    p = memory.compensate(x, step)             # x [W, n] -> p [W, n] (rows=, cols= to address
+    wire = codec.encode(p, step)               #   part of the state); wire [W, L], exact bytes
     ...send wire rows: allreduce (codec.linear), allgather, neighbour exchange, a push...
     codec.decode(wire, step, sent)             # own rows as the receivers decode them
-    memory.update(p, sent)
+    memory.update(p, sent)                     # e ← p − sent (EF14), h ← h + sent (EF21), ...
     codec.accumulate(received, step, out, weights)   # out[b] += Σ_r weights[b,r]·D(received[b,r])
 
-`codec.py` explains codecs, `base.py` the compressor contract and capabilities, and
-`error_feedback.py` the memory. Synchronous SGD uses `CompressedReducer` (built by
-`build_reducer`; `check_compatibility` validates config nodes); PowerSGD's two rounds are its
-`aggregation`. Write a compressor by subclassing `ChunkCompressor` (per chunk, per worker) or
-`SingleRoundCompressor` with your own batched `Codec` (see the README).
+`codec.py` explains codecs, `base.py` the compressor contract and capabilities, `pairing.py`
+what may be combined, `error_feedback.py` the memory (EF14, EF21, DGC momentum and masking,
+dense warm-up). PowerSGD's two rounds are its `aggregation` (`reducer` runs it). Write a
+compressor by subclassing `ChunkCompressor` (per chunk, per worker) or `SingleRoundCompressor`
+with your own batched `Codec` (see the README). Config nodes are validated by
+`check_compatibility` / `check_algorithm_node`.
 """
 
 from dpresearch.compress.base import (

@@ -54,10 +54,10 @@ from torch import Tensor
 from dpresearch.comm.base import Communicator
 from dpresearch.compress.chunks import Chunk
 from dpresearch.compress.codec import ChunkCodec, Codec, WirePlan
+from dpresearch.compress.error_feedback import MODES
 from dpresearch.compress.wire import RowLayout, Spec
 
 COLLECTIVES = ("auto", "allreduce", "allgather")
-MEMORY_MODES = ("none", "ef14", "ef21")
 
 __all__ = [
     "COLLECTIVES",
@@ -106,7 +106,7 @@ class Compressor(ABC):
     linear: ClassVar[bool] = False
     rounds: ClassVar[int] = 1
     gossip: ClassVar[bool] = False
-    memories: ClassVar[tuple[str, ...]] = MEMORY_MODES
+    memories: ClassVar[tuple[str, ...]] = MODES
     memories_note: ClassVar[str] = ""
     gossip_note: ClassVar[str] = ""
     variable_size: ClassVar[bool] = False

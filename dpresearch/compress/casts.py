@@ -16,9 +16,11 @@ class CastCodec(Codec):
     """The whole bucket converted to the wire dtype in one copy (chunks are laid out in order,
     so the wire row is the cast row); decoding converts back."""
 
+    compressor: Identity | Cast
+
     @property
     def wire_dtype(self) -> torch.dtype:
-        return self.compressor.wire_dtype_for(self.dtype)  # type: ignore[attr-defined]
+        return self.compressor.wire_dtype_for(self.dtype)
 
     def encode_rows(self, x: Tensor, step: int, workers: tuple[int, ...], wire: Tensor) -> None:
         if self.linear:
@@ -35,8 +37,7 @@ class CastCodec(Codec):
         self, rows: Tensor, step: int, out: Tensor, weights: Tensor | None = None
     ) -> None:
         values = self.layout.region(rows, self.wire_dtype)
-        term = None if weights is None else self.ws.get("term", tuple(out.shape), out.dtype,
-                                                        self.device)  # fmt: skip
+        term = self.ws.get("term", tuple(out.shape), out.dtype, self.device)
         for r in range(rows.shape[1]):
             if weights is None:
                 out.add_(values[:, r])

@@ -125,8 +125,8 @@ class Codec:
         in the codec's dtype and added one r at a time, in order — the sums every backend
         forms identically. A wire row of zero bytes decodes to zeros (padding slots of a
         neighbour exchange, weighted 0, add nothing)."""
-        decoded = self.ws.get("accumulate.decoded", (out.shape[0], self.numel), self.dtype,
-                              self.device)  # fmt: skip
+        shape = (out.shape[0], self.numel)
+        decoded = self.ws.get("accumulate.decoded", shape, self.dtype, self.device)
         term = self.ws.get("accumulate.term", tuple(out.shape), out.dtype, self.device)
         for r in range(rows.shape[1]):
             self.decode(rows[:, r], step, decoded)

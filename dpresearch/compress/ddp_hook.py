@@ -144,8 +144,8 @@ def _plan(state: HookState, bucket: dist.GradBucket, flat: Tensor) -> BucketPlan
         columns.append(torch.arange(start, start + p.numel()))
         offset += p.numel()
     if offset != flat.numel():
-        raise RuntimeError(f"DDP bucket {bucket.index()} holds {flat.numel()} entries, its "
-                           f"parameters {offset}")  # fmt: skip
+        held = f"DDP bucket {bucket.index()} holds {flat.numel()} entries"
+        raise RuntimeError(f"{held}, its parameters {offset}")
     if state.granularity == "bucket":
         chunks = [Chunk(f"bucket{bucket.index()}", 0, offset)]
     aggregation = state.compressor.aggregation(

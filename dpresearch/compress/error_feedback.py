@@ -127,7 +127,9 @@ class ErrorFeedback:
             _put(self.memory, rows, cols, memory.add_(sent))
         if self.velocity is not None and self.momentum_masking:
             velocity = _take(self.velocity, rows, cols)
-            _put(self.velocity, rows, cols, velocity.masked_fill_(sent != 0, 0.0))
+            sent_entries = self.ws.get("masked", tuple(sent.shape), torch.bool, sent.device)
+            torch.ne(sent, 0, out=sent_entries)
+            _put(self.velocity, rows, cols, velocity.masked_fill_(sent_entries, 0.0))
 
     def combine(self, aggregate: Tensor, cols: Columns = ALL) -> None:
         """EF21: H ← H + aggregate; aggregate ← H (in place, `[n]`). Other modes: nothing."""

@@ -46,7 +46,8 @@ class NaturalCodec(SignCodec):
         self.layout.write_region(wire, torch.int8, code.to(torch.uint8).view(torch.int8))
 
     def decode_rows(self, wire: Tensor, step: int, out: Tensor) -> None:
-        signs = self._signs(wire)[:, : self.numel]
+        signs = self.ws.get("signs", tuple(out.shape), self.dtype, self.device)
+        self._unpack_signs(wire, signs)
         codes = self.layout.region(wire, torch.int8).view(torch.uint8).to(torch.int32)
         word = (codes << MANTISSA_BITS).view(torch.float32)
         torch.where(signs < 0, -word, word, out=out)

@@ -47,7 +47,9 @@ class OneBitCodec(SignCodec):
         self.sizes = (torch.cat(sizes) if sizes else empty.float()).to(self.device)  # [S]
 
     def encode_rows(self, x: Tensor, step: int, workers: tuple[int, ...], wire: Tensor) -> None:
-        negative = self._pack_signs(x, wire)
+        self._pack_signs(x, wire)
+        negative = self.ws.get("signbit", tuple(x.shape), torch.bool, self.device)
+        torch.signbit(x, out=negative)
         rows, s = x.shape[0], self.num_segments
         index = self.segment.expand(rows, -1)
         values = x.to(torch.float32)
@@ -65,7 +67,8 @@ class OneBitCodec(SignCodec):
         self.layout.write_region(wire, torch.float32, means.view(rows, 2 * s))
 
     def decode_rows(self, wire: Tensor, step: int, out: Tensor) -> None:
-        signs = self._signs(wire)[:, : self.numel]
+        signs = self.ws.get("signs", tuple(out.shape), self.dtype, self.device)
+        self._unpack_signs(wire, signs)
         means = self.layout.region(wire, torch.float32).view(wire.shape[0], -1, 2).to(out.dtype)
         low = means[..., 0].index_select(1, self.segment)
         high = means[..., 1].index_select(1, self.segment)

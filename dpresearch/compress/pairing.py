@@ -69,8 +69,8 @@ def check_pairing(
         )
     if memory.mode not in compressor.memories:
         why = compressor.memories_note or f"it takes mode {', '.join(compressor.memories)}"
-        raise ValueError(f"error_feedback.mode={memory.mode} with {name}: {why}; use "
-                         "error_feedback=none")  # fmt: skip
+        mode = f"error_feedback.mode={memory.mode}"
+        raise ValueError(f"{mode} with {name}: {why}; use error_feedback=none")
     if use == "gossip" and memory.active:
         raise ValueError(
             "CHOCO-SGD's public copies x̂ already compensate the compression error; set "

@@ -20,6 +20,8 @@ levels, one `pack_rows` per run of chunks.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
@@ -28,6 +30,9 @@ from dpresearch.compress.chunks import ChunkGroup
 from dpresearch.compress.codec import Codec
 from dpresearch.compress.kernels import cast_into
 from dpresearch.compress.wire import pack_rows, packed_size, unpack_rows
+
+if TYPE_CHECKING:
+    from dpresearch.compress.qsgd import QSGD
 
 MAX_LEVELS = 127  # ξ + s must fit in one byte
 
@@ -55,16 +60,18 @@ class QuantizeCodec(Codec):
     `bucket(d)` and `norms(parts)`). Payload per chunk: fp32 norms (one region for all chunks),
     then bit-packed levels (a second region)."""
 
+    compressor: QSGD
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         c = self.compressor
-        self.levels, self.bits = c.levels, c.bits  # type: ignore[attr-defined]
+        self.levels, self.bits = c.levels, c.bits
         self.name = type(c).__name__
         self.num_norms = self.layout.regions[torch.float32][1]
         # per group: the slots of its chunks' norms in the norms region, [G·buckets]
         self.norm_slots = []
         for group in self.table.groups:
-            count = -(-group.numel // c.bucket(group.numel))  # type: ignore[attr-defined]
+            count = -(-group.numel // c.bucket(group.numel))
             starts = [self.layout.slots[i][0][1] for i in group.members]
             self.norm_slots.append(
                 torch.cat([torch.arange(s, s + count) for s in starts]).to(self.device)
@@ -81,7 +88,7 @@ class QuantizeCodec(Codec):
     ) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
         """The bucket parts of `x`'s group view (see `bucket_parts`), each paired with its
         buckets' values from `per_bucket` `[R, NB]` (shaped to broadcast), and the view."""
-        bucket = self.compressor.bucket(group.numel)  # type: ignore[attr-defined]
+        bucket = self.compressor.bucket(group.numel)
         view = self.table.view(x, group)
         values = per_bucket[:, slots].view(*view.shape[:-1], -1, 1)
         full = group.numel // bucket
@@ -96,8 +103,8 @@ class QuantizeCodec(Codec):
         norms = self.ws.get("norms", (rows, self.num_norms), torch.float32, self.device)
         for group, slots in zip(self.table.groups, self.norm_slots, strict=True):
             view = self.table.view(x, group)
-            bucket = c.bucket(group.numel)  # type: ignore[attr-defined]
-            found = [c.norms(part) for part in bucket_parts(view, bucket)]  # type: ignore[attr-defined]
+            bucket = c.bucket(group.numel)
+            found = [c.norms(part) for part in bucket_parts(view, bucket)]
             norms.index_copy_(1, slots, torch.cat(found, -1).flatten(1))
         scale = torch.where(norms > 0, self.levels * 65536.0 / norms, torch.zeros_like(norms))
         part = self.ws.get("part", tuple(x.shape), torch.float32, self.device)
@@ -108,7 +115,7 @@ class QuantizeCodec(Codec):
         # part = r' + 2¹⁶·v·s/ν with r' uniform on −2¹⁵…2¹⁵−1; then v·s/ν + u + s = part/2¹⁶ + c.
         for group, slots in zip(self.table.groups, self.norm_slots, strict=True):
             pairs, view = self._group_parts(part, group, slots, scale)
-            xs = bucket_parts(self.table.view(x, group), c.bucket(group.numel))  # type: ignore[attr-defined]
+            xs = bucket_parts(self.table.view(x, group), c.bucket(group.numel))
             for (dither, s), v in zip(pairs, xs, strict=True):
                 dither.addcmul_(v, s)
             if group.index is not None:  # a gathered copy: put it back

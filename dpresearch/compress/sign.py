@@ -21,20 +21,34 @@ class SignCodec(Codec):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.runs = self.table.runs(1)
         self.spans = self._spans()
         numels = [float(ch.numel) for ch in self.chunks]
         self.numels = torch.tensor(numels, dtype=torch.float32, device=self.device)
         self.members = [torch.tensor(g.members, device=self.device) for g in self.table.groups]
-        # row b of the table: the ±1 of the 8 signs packed in byte value b (bit j = entry j)
+        # per group: where each of its chunks' packed signs start in the packed-sign region,
+        # and all their bytes, [G, ⌈s/8⌉]
+        self.dest = []
+        for group in self.table.groups:
+            starts = [self.layout.slots[i][-1][1] for i in group.members]
+            nbytes = torch.arange(packed_size(group.numel, 1))
+            every = torch.tensor(starts).unsqueeze(1) + nbytes
+            self.dest.append((starts, every.to(self.device)))
+        # row b: the ±1 of the 8 signs packed in byte value b (bit j = entry j)
         bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
-        self._table = (1 - 2 * bits).to(self.dtype).to(self.device)
+        self._signs = (1 - 2 * bits).to(self.dtype).to(self.device)
+        # per run: the chunk each packed byte belongs to (chunks start on a byte in a run)
+        self.byte_chunks = []
+        for first, last in self.table.runs(1):
+            nbytes = [packed_size(ch.numel, 1) for ch in self.chunks[first:last]]
+            chunk_ids = torch.repeat_interleave(torch.arange(first, last), torch.tensor(nbytes))
+            self.byte_chunks.append(chunk_ids.to(self.device))
+        self._offsets: dict[str, Tensor] = {}
 
     def _spans(self) -> list[tuple[slice, slice]]:
         """Per run of chunks [first, last): (its columns of a row, its bytes of the packed-sign
         region)."""
         spans = []
-        for first, last in self.runs:
+        for first, last in self.table.runs(1):
             head, tail = self.chunks[first], self.chunks[last - 1]
             start, end = self.layout.slots[first][-1][1], self.layout.slots[last - 1][-1][1]
             cols = slice(head.offset, tail.offset + tail.numel)
@@ -42,72 +56,90 @@ class SignCodec(Codec):
         return spans
 
     def encode_rows(self, x: Tensor, step: int, workers: tuple[int, ...], wire: Tensor) -> None:
-        self._pack_signs(x, wire)
-        if self.scaled:
-            self.layout.write_region(wire, torch.float32, self._l1(x).div_(self.numels))
+        l1 = self._pack_signs(x, wire, l1=self.scaled)
+        if l1 is not None:
+            self.layout.write_region(wire, torch.float32, l1.div_(self.numels))
 
-    def _pack_signs(self, x: Tensor, wire: Tensor) -> Tensor:
+    def _pack_signs(self, x: Tensor, wire: Tensor, l1: bool = False) -> Tensor | None:
         """Pack the sign bits of `x` `[R, n]` (1 = negative, −0.0 included) into the packed-bit
-        region of `wire`; returns the negative mask `[R, n]` (a workspace buffer, valid until
-        the next call)."""
+        region of `wire`, per group of equal-size chunks, `BLOCK` entries of each chunk at a time
+        (x is read from memory once); with `l1`, also return ‖x‖₁ of every chunk of every row,
+        `[R, C]` fp32 (a workspace buffer; a chunk over `BLOCK` entries accumulates its fp32
+        block sums in fp64), else None. Subclasses that send signs beside other values (1-bit
+        SGD, natural compression) call it for the sign bits."""
+        rows = x.shape[0]
         bits = self.layout.region(wire, torch.uint8)
-        negative = self.ws.get("negative", tuple(x.shape), torch.bool, self.device)
-        if numpy_path(x):
-            np.signbit(x.numpy(), out=negative.numpy())
-        else:
-            torch.signbit(x, out=negative)
-        for cols, span in self.spans:
-            pack_rows(negative[:, cols], 1, bits[:, span], self.ws)
-        return negative
-
-    def _l1(self, x: Tensor) -> Tensor:
-        """‖x‖₁ of every chunk of every row, `[R, C]` fp32: one |x| pass, then a sum per group
-        (chunks over `BLOCK` entries: fp32 block sums accumulated in fp64)."""
-        magnitude = self.ws.get("abs", tuple(x.shape), x.dtype, self.device)
-        torch.abs(x, out=magnitude)
-        l1 = self.ws.get("l1", (x.shape[0], len(self.chunks)), torch.float32, self.device)
-        for group, members in zip(self.table.groups, self.members, strict=True):
-            view = self.table.view(magnitude, group)
-            if group.numel <= BLOCK:
-                sums = view.sum(-1, dtype=torch.float32)
-            else:
-                total = torch.zeros(view.shape[:-1], dtype=torch.float64, device=self.device)
-                for start in range(0, group.numel, BLOCK):
-                    total += view[..., start : start + BLOCK].sum(-1, dtype=torch.float32)
-                sums = total.to(torch.float32)
-            l1.index_copy_(1, members, sums)
-        return l1
-
-    def _signs(self, wire: Tensor) -> Tensor:
-        """±1 for each entry of wire rows `[R, L]`, `[R, n]` in the codec's dtype: every packed
-        byte looked up in a 256 × 8 table (one gather, no unpacked bits in between)."""
-        packed = self.layout.region(wire, torch.uint8)
-        rows = wire.shape[0]
-        if len(self.spans) == 1:  # the usual case: one stream for the whole row
-            cols, span = self.spans[0]
-            codes = packed[:, span].reshape(-1).long()
-            signs = self.ws.get("signs", (rows, codes.numel() // rows * 8), self.dtype, self.device)
-            torch.index_select(self._table, 0, codes, out=signs.view(-1, 8))
-            return signs[:, : cols.stop - cols.start]
-        signs = self.ws.get("signs", (rows, self.numel), self.dtype, self.device)
-        for cols, span in self.spans:
-            codes = packed[:, span].reshape(-1).long()
-            looked_up = self._table.index_select(0, codes).view(rows, -1)
-            signs[:, cols].copy_(looked_up[:, : cols.stop - cols.start])
-        return signs
+        norms = self.ws.get("l1", (rows, len(self.chunks)), torch.float32, self.device)
+        for group, members, dest in zip(self.table.groups, self.members, self.dest, strict=True):
+            view = self.table.view(x, group)
+            total = None
+            for start in range(0, group.numel, BLOCK):  # BLOCK is a multiple of 8
+                part = view[..., start : start + BLOCK]
+                width = part.shape[-1]
+                negative = self.ws.get("negative", tuple(part.shape), torch.bool, self.device)
+                if numpy_path(part):
+                    np.signbit(part.numpy(), out=negative.numpy())
+                else:
+                    torch.signbit(part, out=negative)
+                shape = (rows, len(members), packed_size(width, 1))
+                packed = self.ws.get("packed", shape, torch.uint8, self.device)
+                pack_rows(negative.view(-1, width), 1, packed.view(-1, shape[-1]), self.ws)
+                first = start // 8
+                if shape[-1] >= 64:  # long runs of bytes: a copy per chunk
+                    for j, begin in enumerate(dest[0]):
+                        bits[:, begin + first : begin + first + shape[-1]].copy_(packed[:, j])
+                else:  # many short ones: one indexed copy
+                    where = dest[1][:, first : first + shape[-1]].reshape(-1)
+                    bits.index_copy_(1, where, packed.view(rows, -1))
+                if l1:
+                    magnitude = self.ws.get("abs", tuple(part.shape), x.dtype, self.device)
+                    sums = torch.abs(part, out=magnitude).sum(-1, dtype=torch.float32)
+                    if group.numel > BLOCK:
+                        total = sums.double() if total is None else total.add_(sums)
+            if l1:
+                norms.index_copy_(1, members, sums if total is None else total.to(torch.float32))
+        return norms if l1 else None
 
     def decode_rows(self, wire: Tensor, step: int, out: Tensor) -> None:
-        signs = self._signs(wire)
-        if not self.scaled:
-            out.copy_(signs)
-            return
-        scale = self.layout.region(wire, torch.float32)  # [R, C]
-        for group, members in zip(self.table.groups, self.members, strict=True):
-            m = scale[:, members].unsqueeze(-1)  # [R, G, 1]
-            if group.index is None:
-                torch.mul(self.table.view(signs, group), m, out=self.table.view(out, group))
+        scale = self.layout.region(wire, torch.float32) if self.scaled else None
+        self._unpack_signs(wire, out, scale)
+
+    def _unpack_signs(self, wire: Tensor, out: Tensor, scale: Tensor | None = None) -> None:
+        """Write ±1 per entry of wire rows `[R, L]` into `out` `[R, n]` (±scale with `scale`
+        `[R, C]`, one per row and chunk): one gather per run of chunks, each packed byte picking
+        its 8 decoded values from a 256 × 8 table of ±1 — with a scale, a table per row and
+        chunk — so the values are written once, with no unpacked bits in between."""
+        packed = self.layout.region(wire, torch.uint8)
+        rows, chunks = wire.shape[0], len(self.chunks)
+        tables = self._signs
+        if scale is not None:
+            tables = self.ws.get("tables", (rows, chunks, 256, 8), self.dtype, self.device)
+            torch.mul(scale.reshape(rows, chunks, 1, 1), self._signs, out=tables)
+            tables = tables.view(-1, 8)
+        for (cols, span), byte_chunks in zip(self.spans, self.byte_chunks, strict=True):
+            # (index buffers from the workspace: fresh megabytes would cost page faults)
+            codes = self.ws.get("codes", (rows, span.stop - span.start), torch.int32, self.device)
+            codes.copy_(packed[:, span])
+            if scale is not None:  # row r, chunk c: table r·C + c
+                codes.add_(self._table_offsets(byte_chunks, rows, span))
+            target = out[:, cols]
+            width = cols.stop - cols.start
+            if target.is_contiguous() and width == codes.shape[1] * 8:
+                torch.index_select(tables, 0, codes.view(-1), out=target.view(-1, 8))
             else:
-                self.table.put(out, group, self.table.view(signs, group) * m)
+                values = self.ws.get("values", (rows, codes.shape[1] * 8), self.dtype, self.device)
+                torch.index_select(tables, 0, codes.view(-1), out=values.view(-1, 8))
+                target.copy_(values[:, :width])
+
+    def _table_offsets(self, byte_chunks: Tensor, rows: int, span: slice) -> Tensor:
+        """256·(r·C + chunk of the byte) for each packed byte of a run, `[rows, bytes]`
+        (built once per row count)."""
+        key = f"offsets.{span.start}.{rows}"
+        cached = self._offsets.get(key)
+        if cached is None:
+            first = torch.arange(rows, device=self.device).mul_(len(self.chunks)).unsqueeze(1)
+            cached = self._offsets[key] = (byte_chunks + first).mul_(256).to(torch.int32)
+        return cached
 
 
 class ScaledSignCodec(SignCodec):
