@@ -74,10 +74,12 @@ NONFINITE_MODES = ("stop", "skip_step", "continue")
 
 def rng_state() -> dict[str, Any]:
     """Every global random stream of this process: torch (CPU, and CUDA where initialised),
-    numpy, Python."""
+    numpy, Python — as plain data (numpy's key as a tensor), so the checkpoint loads with
+    `torch.load(weights_only=True)`."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
         "python": random.getstate(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -87,7 +89,9 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    keys = keys.numpy().astype(np.uint32) if torch.is_tensor(keys) else keys
+    np.random.set_state((kind, keys, int(pos), int(has_gauss), float(cached)))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -164,8 +168,7 @@ class Trainer:
             device,
         )
         self._fail_worker, self._fail_at_step = cfg.debug.fail_worker, cfg.debug.fail_at_step
-        self._grad_rows = list(self.replicas.grads.unbind(0))
-        self.setup = self.algorithm.describe()
+        self.setup = {**self.algorithm.describe(), **self.compute.describe()}
         if self.setup and comm.is_main_process and tc.progress:
             print(format_setup(self.setup), flush=True)
         self.comm.ledger.reset()
@@ -534,15 +537,10 @@ class Trainer:
         set_rng_state(state["rng"])
 
     def _prepare_rows(self, plan: StepPlan) -> None:
-        """Load the planned reads into their rows and zero the planned gradient rows."""
+        """Load the planned reads into their rows (the compute overwrites their gradients)."""
         params = self.replicas.params
         for w, source in plan.reads.items():
             params[w].copy_(source)
-        if len(plan.workers) == self.replicas.num_local:
-            self.replicas.zero_grad()
-        else:
-            for w in plan.workers:
-                self._grad_rows[w].zero_()
 
     def _maybe_fail(self, step: int) -> None:
         if step == self._fail_at_step and self._fail_worker in self.comm.local_workers:

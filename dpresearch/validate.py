@@ -160,6 +160,12 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
         and not (cfg.train.device.startswith("cuda") or torch.cuda.is_available())
     ):
         raise ConfigError("train.autocast=fp16 needs a GPU; use train.autocast=bf16 on CPUs")
+    from dpresearch.batched import MODES, batched_mode
+
+    if batched_mode(cfg.train.batched_workers) not in MODES:
+        raise ConfigError(
+            f"train.batched_workers={cfg.train.batched_workers}; choose one of: {', '.join(MODES)}"
+        )
     if cfg.train.lr_scaling not in LR_SCALINGS:
         raise ConfigError(
             f"train.lr_scaling={cfg.train.lr_scaling}; choose one of: {', '.join(LR_SCALINGS)}"

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from dpresearch.comm.base import Communicator
-from dpresearch.optim import set_lr
+from dpresearch.optim import set_lr, step_together
 from dpresearch.replicas import Replicas
 
 
@@ -92,6 +92,11 @@ class Algorithm(ABC):
         groups get base lr × `multiplier`."""
         for opt, bases in zip(self.optimizers, self.base_lrs, strict=True):
             set_lr(opt, bases, multiplier)
+
+    def step_optimizers(self) -> None:
+        """Every local worker's optimizer steps (in one multi-tensor call where they are all
+        the same plain SGD, `optim.step_together`; the same result as one by one)."""
+        step_together(self.optimizers)
 
     def before_forward(self, step: int) -> None:
         """Called before the workers' forward passes of `step`."""
