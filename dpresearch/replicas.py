@@ -10,7 +10,7 @@ views into `buffers` (`[W, Db]`). Integer buffers (`num_batches_tracked`) are vi
 `int_buffers` (`[W, Di]`, when they share one dtype; otherwise they stay per replica and
 `int_buffers` is `[W, 0]`): never communicated (every worker steps the same number of times, so
 they agree), but stacked so that one computation over several rows
-(`dpresearch/batched.py`) updates each row's own.
+(`dpresearch/run/batched.py`) updates each row's own.
 """
 
 from __future__ import annotations

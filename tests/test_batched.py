@@ -17,16 +17,16 @@ import torch.nn.functional as F
 from conftest import SHARED, SMALL, compose_config
 from torch import nn
 
-from dpresearch.batched import BatchedWorkers, decide, probe, probe_config
 from dpresearch.comm.simulated import SimulatedCommunicator
-from dpresearch.launch import network_model
+from dpresearch.config.preflight import preflight
+from dpresearch.config.validate import ConfigError
+from dpresearch.launch.processes import network_model
 from dpresearch.models.mlp import MLP
 from dpresearch.models.resnet_cifar import ResNetCifar
-from dpresearch.preflight import preflight
 from dpresearch.replicas import Replicas
+from dpresearch.run.batched import BatchedWorkers, decide, probe, probe_config
+from dpresearch.run.trainer import InjectedFailure, Trainer
 from dpresearch.train import train
-from dpresearch.trainer import InjectedFailure, Trainer
-from dpresearch.validate import ConfigError
 
 TOL = 1e-6
 STEPS = 20
@@ -219,8 +219,8 @@ def test_any_subset_of_rows_computes_as_the_loop_and_leaves_the_others(rows, one
 def test_fp16_loss_scaling_batched_equals_loop(one_thread):
     """Mixed precision with a loss scale: the scaled loss is differentiated and the gradient
     rows divided back, batched as in the loop (CPU autocast in fp16)."""
-    from dpresearch.compute import WorkerCompute
     from dpresearch.data.synthetic import make_synthetic
+    from dpresearch.run.compute import WorkerCompute
 
     data = make_synthetic(num_train=256, num_test=16, num_features=6, num_classes=5)
     part = data.make_partitioner(4, 0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import SMALL, compose_config
 
-from dpresearch import threads
+from dpresearch.launch import threads
 from dpresearch.study import launcher
 from dpresearch.train import train
 

@@ -10,7 +10,7 @@ Launchers:
 - `local`: one `python -m dpresearch.train ... hydra.run.dir=<point>` per point, `jobs` at once;
   the children die with the study (Linux: parent-death signal) and are told how many run at
   once (`DPRESEARCH_JOBS`), so each takes at most its share of the cores
-  (`dpresearch/threads.py`).
+  (`dpresearch/launch/threads.py`).
 - `hydra`: one `python -m dpresearch.train -m ...` per case and lr over the seeds left, through
   the configured Hydra launcher (`hydra_launcher`: e.g. `parallel` = joblib, `slurm`).
 - `inprocess`: compose and train in this process, one point at a time (tests, debugging).
@@ -128,7 +128,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
 
 
 def _popen_kwargs(jobs: int = 1) -> dict[str, Any]:
-    from dpresearch.threads import JOBS_ENV
+    from dpresearch.launch.threads import JOBS_ENV
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if jobs > 1:

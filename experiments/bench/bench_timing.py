@@ -1,6 +1,6 @@
 """How the benchmarks time things, in one place, so both sides of a comparison are timed alike.
 
-- A *step* is what the trainer's step region holds (`dpresearch/timing.py`): producing the
+- A *step* is what the trainer's step region holds (`dpresearch/run/timing.py`): producing the
   batch, forward, backward, communication, optimizer — not logging, evaluation or the
   schedule. Our side reads it from the logged `time/compute_s + time/comm_s`; a reference loop
   times the same work with `perf_counter` around it.
@@ -38,9 +38,9 @@ CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.thread_time, "wall": time.
 
 @contextlib.contextmanager
 def loop_clock(read: Callable[[], float]) -> Iterator[None]:
-    """The trainer's loop clock (`dpresearch.timing`, normally `perf_counter`) reads `read`
+    """The trainer's loop clock (`dpresearch.run.timing`, normally `perf_counter`) reads `read`
     for the duration, so its logged step regions are in that clock's seconds."""
-    import dpresearch.timing as loop_timing
+    import dpresearch.run.timing as loop_timing
 
     class Clock:
         perf_counter = staticmethod(read)

@@ -67,8 +67,8 @@ def old_metric(algorithm) -> float:
 
 def one_round(args, metric_first: bool) -> dict[str, float]:
     from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.launch import network_model
-    from dpresearch.trainer import Trainer
+    from dpresearch.launch.processes import network_model
+    from dpresearch.run.trainer import Trainer
 
     clock = bt.CLOCKS[args.clock]
     cfg = compose(args)

@@ -78,8 +78,8 @@ def compose(args, mode: str):
 def ours(args, data, mode: str) -> tuple[float, str]:
     """Median step time of the training loop with `train.batched_workers=mode`."""
     from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.launch import network_model
-    from dpresearch.trainer import Trainer
+    from dpresearch.launch.processes import network_model
+    from dpresearch.run.trainer import Trainer
 
     cfg = compose(args, mode)
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:

@@ -5,7 +5,7 @@ The point is the study's own (its common overrides, the case's, the lr and the s
 study harness launches it), minus `backend.threads` (studies pinned it to 1 because the old
 default collapsed on a busy machine), run as `python -m dpresearch.train` in a fresh process:
 
-- `new`: this checkout at its defaults (`backend.threads` chosen by `dpresearch/threads.py`,
+- `new`: this checkout at its defaults (`backend.threads` chosen by `dpresearch/launch/threads.py`,
   `train.batched_workers=auto`);
 - `old`: either a checkout of the old code (`--old-repo PATH`, e.g. a `git worktree` of main
   before issue 16) at its defaults, or — without it — this checkout set to what the old

@@ -4,7 +4,7 @@ item 1).
 Starts `--competitors` (2) CPU-bound processes (each a one-thread torch loop of 256×256
 matrix products, like another training job), then, in alternating rounds, runs each case as a
 fresh `python -m dpresearch.train` process at the default (`backend.threads` unset: what
-`dpresearch/threads.py` chooses; its `threads:` line is recorded) and at every fixed setting
+`dpresearch/launch/threads.py` chooses; its `threads:` line is recorded) and at every fixed setting
 1…cores (`backend.threads=N`; N = cores is torch's own default, what a run used before issue
 16). OMP_NUM_THREADS is removed from the runs' environment, so the default is the default. A
 run's step time is the median block of the trainer's step regions (`time/compute_s +
@@ -101,10 +101,10 @@ def child(case: str, threads: int, run_dir: Path, args) -> None:
     import torch
 
     from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.launch import network_model
-    from dpresearch.preflight import preflight
-    from dpresearch.threads import describe, for_simulated
-    from dpresearch.trainer import Trainer
+    from dpresearch.config.preflight import preflight
+    from dpresearch.launch.processes import network_model
+    from dpresearch.launch.threads import describe, for_simulated
+    from dpresearch.run.trainer import Trainer
 
     steps = bt.logged_steps(args.warmup, args.block, args.blocks)
     fixed = [f"backend.threads={threads}"] if threads else []

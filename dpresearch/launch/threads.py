@@ -11,8 +11,8 @@ and only on cores nobody else is using. So, unless `backend.threads` says otherw
   divide the cores among themselves: each process gets at most cores ÷ (processes × jobs);
 - a simulated run on the CPU takes 1 thread, unless one worker's forward pass is at least
   `MIN_MACS_FOR_THREADS` multiply-adds (the model at the per-worker batch, counted once on
-  the meta device, `workload.py`) — then as many threads as there were idle cores at its
-  start (sampled from /proc/stat over `IDLE_WINDOW_S`), within its share;
+  the meta device, `dpresearch/models/workload.py`) — then as many threads as there were
+  idle cores at its start (sampled from /proc/stat over `IDLE_WINDOW_S`), within its share;
 - a run on a GPU: 1 (the host only launches kernels).
 
 The choice is printed at the start (`threads: ...`). Matrix products round differently with
@@ -99,7 +99,7 @@ def choose(
     """(threads, why) for one process of the run `cfg` on `device_type`, whose one worker's
     forward pass is `worker_forward_macs` multiply-adds (None: unknown). See the module
     docstring for the rule."""
-    from dpresearch.workload import describe_macs
+    from dpresearch.models.workload import describe_macs
 
     if cfg.backend.threads:
         return int(cfg.backend.threads), "backend.threads"
@@ -133,7 +133,7 @@ def describe(threads: int, why: str) -> str:
 def for_simulated(cfg: Any, dataset: Any, device_type: str) -> tuple[int, str]:
     """`choose` for a simulated run of `cfg` on `dataset` (its model counted at the
     per-worker batch)."""
-    from dpresearch.workload import forward_macs
+    from dpresearch.models.workload import forward_macs
 
     macs = forward_macs(cfg.model, dataset.input_shape, dataset.num_classes)
     return choose(cfg, device_type, macs * cfg.train.batch_size if macs else None)

@@ -33,7 +33,7 @@ class TrainConfig:
     0: none), the same examples in every seed, never trained on, evaluated as `val/loss` and
     `val/acc` beside the test metrics — what a study selects its learning rate on.
 
-    Checkpoints (`dpresearch/checkpoint.py`): `checkpoint_every` is a number of steps (`500`),
+    Checkpoints (`dpresearch/run/checkpoint.py`): `checkpoint_every` is a number of steps (`500`),
     of epochs (`1ep`, `0.5ep`) or 0/null (off, the default); `checkpoint_keep` keeps the last N.
     SIGTERM/SIGINT always write a final checkpoint (as Lightning does), whatever
     `checkpoint_every` says. `resume`: null (start fresh), `auto` (continue from the run
@@ -44,7 +44,7 @@ class TrainConfig:
 
     `batched_workers`: how the simulated workers of one process compute — `false` one by one,
     `true` as one vmapped forward/backward over their stacked parameter rows
-    (`dpresearch/batched.py`; a model that cannot be batched is refused before the run),
+    (`dpresearch/run/batched.py`; a model that cannot be batched is refused before the run),
     `auto` batched where that is faster (a GPU; a CPU only for models small enough that
     per-operation overhead dominates) and where the model can be. Printed at the start.
     """
@@ -74,11 +74,11 @@ class TrainConfig:
 class BackendConfig:
     """How workers are placed: `simulated` (all in this process), `gloo` (CPU processes) or
     `nccl` (one GPU per process). `threads`: torch threads per process (null: chosen by
-    `dpresearch/threads.py` — cores ÷ local processes ÷ concurrent sweep jobs, and a simulated
-    run 1 unless its model is large enough to gain and that many cores are idle at the start;
-    printed). Matrix products round differently with different thread counts, so bit-level
-    comparisons across runs and backends fix it (e.g. 1). `timeout_s`: how
-    long a collective may wait for a peer. `heartbeat_s`: a worker process started by this
+    `dpresearch/launch/threads.py` — cores ÷ local processes ÷ concurrent sweep jobs, and a
+    simulated run 1 unless its model is large enough to gain and that many cores are idle at
+    the start; printed). Matrix products round differently with different thread counts, so
+    bit-level comparisons across runs and backends fix it (e.g. 1). `timeout_s`: how long a
+    collective may wait for a peer. `heartbeat_s`: a worker process started by this
     machine's launcher that shows no sign of life for this long (stopped, frozen) ends the job
     with one line naming it (null: no watchdog; torchrun jobs rely on `timeout_s`)."""
 

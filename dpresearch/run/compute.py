@@ -8,7 +8,7 @@ cursor equals the global step. An asynchronous worker that computes more often t
 simply walks its own sequence faster.
 
 Several rows computed in one step run either one by one (the loop) or as one batched
-computation over their stacked parameter rows (`batched=True`, `dpresearch/batched.py`): the
+computation over their stacked parameter rows (`batched=True`, `dpresearch/run/batched.py`): the
 same batches, cursors, generators, statistics and gradient rows either way.
 """
 
@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dpresearch.batched import BatchedWorkers
 from dpresearch.data.base import Dataset
 from dpresearch.data.partition import Partitioner
 from dpresearch.replicas import Replicas
+from dpresearch.run.batched import BatchedWorkers
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 NO_AUTOCAST = contextlib.nullcontext()  # reusable: building one per batch costs more than this
@@ -98,7 +98,7 @@ class WorkerCompute:
         device: torch.device,
     ) -> WorkerCompute:
         """The compute of `workers` as a run's config (`cfg.train`, `cfg.seed`) sets it up."""
-        from dpresearch.batched import decide
+        from dpresearch.run.batched import decide
 
         tc = cfg.train
         batched, mode = decide(cfg, data, len(workers), device)

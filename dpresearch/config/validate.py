@@ -160,7 +160,7 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
         and not (cfg.train.device.startswith("cuda") or torch.cuda.is_available())
     ):
         raise ConfigError("train.autocast=fp16 needs a GPU; use train.autocast=bf16 on CPUs")
-    from dpresearch.batched import MODES, batched_mode
+    from dpresearch.run.batched import MODES, batched_mode
 
     if batched_mode(cfg.train.batched_workers) not in MODES:
         raise ConfigError(
@@ -210,7 +210,7 @@ NONFINITE_MODES = ("stop", "skip_step", "continue")
 
 def check_run_control(cfg: DictConfig) -> None:
     """`train.checkpoint_every`, `checkpoint_keep`, `resume` and `on_nonfinite`."""
-    from dpresearch.checkpoint import CheckpointError, checkpoint_interval, find_resume
+    from dpresearch.run.checkpoint import CheckpointError, checkpoint_interval, find_resume
 
     tc = cfg.train
     if str(tc.checkpoint_every).strip().startswith("-"):

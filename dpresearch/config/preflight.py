@@ -20,8 +20,8 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from dpresearch.config.validate import ConfigError, prepare_data, validate
 from dpresearch.data.base import Dataset
-from dpresearch.validate import ConfigError, prepare_data, validate
 
 # Configurations that passed in this process: the entry point checks a run before Hydra starts
 # and `train()` checks it again inside; the second time costs nothing.
@@ -109,7 +109,7 @@ def build_model(cfg: DictConfig, dataset: Dataset) -> torch.nn.Module:
 def check_batched(cfg: DictConfig, dataset: Dataset) -> None:
     """`train.batched_workers=true` only for a model whose workers can run batched (a run
     that holds several workers in one process: simulated)."""
-    from dpresearch.batched import batched_mode, probe_config, unbatchable_message
+    from dpresearch.run.batched import batched_mode, probe_config, unbatchable_message
 
     if batched_mode(cfg.train.batched_workers) != "true":
         return

@@ -273,8 +273,8 @@ def decide(cfg: Any, data: Any, num_local: int, device: torch.device) -> tuple[b
     """Whether this process's `num_local` workers compute batched, and the one line saying
     which and why ("" with a single worker: nothing to batch). `true` for a model that cannot
     be batched raises `ConfigError` (the checks before the run say so first)."""
-    from dpresearch.validate import ConfigError
-    from dpresearch.workload import describe_macs, forward_macs
+    from dpresearch.config.validate import ConfigError
+    from dpresearch.models.workload import describe_macs, forward_macs
 
     if num_local < 2:
         return False, ""
