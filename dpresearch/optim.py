@@ -66,6 +66,8 @@ def step_together(optimizers: Sequence[torch.optim.Optimizer]) -> None:
                 for p in group["params"]:
                     if p.grad is None:
                         continue
+                    if p.grad.is_sparse:
+                        raise ValueError("step_together: sparse gradients are not supported")
                     params.append(p)
                     grads.append(p.grad)
                     if first["momentum"] != 0:  # as SGD: no state entry without momentum
@@ -87,8 +89,9 @@ _SGD_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximiz
 
 
 def _same_plain_sgd(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
-    """All exactly `torch.optim.SGD`, none with hooks, fused or differentiable steps or sparse
-    gradients, with the same number of groups and the same hyper-parameters group by group."""
+    """All exactly `torch.optim.SGD`, none with hooks, fused or differentiable steps, with the
+    same number of groups and the same hyper-parameters group by group (gradients are dense:
+    the replicas' are views of one flat tensor)."""
     first = optimizers[0]
     for opt in optimizers:
         if type(opt) is not torch.optim.SGD or len(opt.param_groups) != len(first.param_groups):
@@ -99,7 +102,5 @@ def _same_plain_sgd(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
             if group.get("fused") or group.get("differentiable"):
                 return False
             if any(group[k] != reference[k] for k in _SGD_KEYS):
-                return False
-            if any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
                 return False
     return True

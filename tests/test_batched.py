@@ -81,8 +81,9 @@ def rows_after(
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
+        device = torch.device("cuda" if cfg.train.device.startswith("cuda") else "cpu")
         trainer = Trainer(cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)),
-                          torch.device("cpu"), None)  # fmt: skip
+                          device, None)  # fmt: skip
     finally:
         torch.set_default_dtype(default)
     trainer.evaluate = lambda: {"test/loss": 0.0, "test/acc": 0.0}  # type: ignore[method-assign]
@@ -356,3 +357,28 @@ def test_a_forward_that_keeps_python_state_is_caught_by_the_probe():
 
     assert probe(Counting(), (4,), 3) is not None
     assert probe(ResNetCifar(10, (3, 8, 8), depth=8, width=4), (3, 8, 8), 10) is None
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("extra", [[], ["train.autocast=bf16", "model.batch_norm=false"]])
+def test_cuda_batched_equals_loop_on_the_mlp(extra):
+    """On a GPU (where `auto` batches): the same rows as the loop on the same GPU."""
+    assert_same_rows(*MLP_RUN, "train.device=cuda", *extra, tol=1e-5 if not extra else 2e-2)
+
+
+@needs_cuda
+@needs_subset
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cuda_resnet20_batched_equals_loop(channels_last):
+    assert_same_rows(*RESNET_RUN, "train.device=cuda", f"train.channels_last={channels_last}",
+                     dtype=torch.float64)  # fmt: skip
+
+
+@needs_cuda
+def test_auto_batches_on_a_gpu():
+    cfg = compose_config(*MLP_RUN)
+    batched, line = decide(cfg, preflight(cfg), 4, torch.device("cuda"))
+    assert batched and line == "4 workers batched, one vmapped forward/backward (auto: cuda)"

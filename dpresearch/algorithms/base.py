@@ -73,7 +73,9 @@ class Algorithm(ABC):
             raise ValueError("one optimizer per local worker is required")
         self.replicas = replicas
         self.comm = comm
-        self.optimizers = optimizers
+        # a plain list: Hydra hands a list argument over as an OmegaConf ListConfig, whose
+        # iteration costs microseconds per element on every step
+        self.optimizers = list(optimizers)
         self.base_lrs = [[g["lr"] for g in opt.param_groups] for opt in optimizers]
         self._lockstep = StepPlan.every(replicas.num_local)
 

@@ -61,7 +61,8 @@ def run(side: str, overrides: list[str], args, folder: Path) -> dict:
     extra = ["train.progress=false"]
     if side == "old" and not args.old_repo:
         extra += [f"backend.threads={os.cpu_count()}", "train.batched_workers=false"]
-    if args.steps:
+    if args.steps:  # in place of the point's epochs
+        overrides = [o for o in overrides if not o.startswith("train.epochs=")]
         extra.append(f"train.steps={args.steps}")
     if args.device == "cuda":
         extra.append("train.device=cuda")
