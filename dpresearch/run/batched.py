@@ -110,6 +110,7 @@ class BatchedWorkers:
         self._step = vmap(grad(self._loss, has_aux=True), randomness="error")
         self._autocast: Any = _NULL
         self._scale = 1.0
+        self._orders: dict[tuple[int, torch.device], Tensor] = {}
 
     def _loss(
         self, params: tuple[Tensor, ...], others: tuple[Tensor, ...], x: Tensor, y: Tensor
@@ -119,6 +120,26 @@ class BatchedWorkers:
             out = functional_call(self.template, tensors, (x,))
             loss = self.loss_fn(out, y)
         return (loss * self._scale if self._scale != 1.0 else loss), (loss, out)
+
+    def _buffer_major(self, count: int, device: torch.device) -> Tensor:
+        """Positions in `count` flat buffer rows (`[count, Db]`, row-major) listed buffer by
+        buffer, each buffer's `[count, C]` block row-major (cached per count and device)."""
+        key = (count, device)
+        if key not in self._orders:
+            width = self.replicas.buffers.shape[1]
+            rows = torch.arange(count)[:, None] * width
+            order = [(rows + s.offset + torch.arange(s.numel)).reshape(-1) for s in self.floats]
+            self._orders[key] = torch.cat(order).to(device)
+        return self._orders[key]
+
+    def _blocks(self, staged: Tensor, count: int) -> list[Tensor]:
+        """The `[count, *shape]` block of each float buffer in a buffer-major copy."""
+        blocks, start = [], 0
+        for slot in self.floats:
+            size = count * slot.numel
+            blocks.append(staged[start : start + size].view(count, *slot.shape))
+            start += size
+        return blocks
 
     def run(
         self, rows: Sequence[int], x: Tensor, y: Tensor, autocast: Any = None, scale: float = 1.0
@@ -144,13 +165,16 @@ class BatchedWorkers:
             )
         params = tuple(s.view(param_rows) for s in self.params)
         # BatchNorm's batching rule updates running statistics in place only on contiguous
-        # [S, C] tensors: each buffer is computed on its own contiguous copy, written back.
-        floats = [s.view(float_rows).contiguous() for s in self.floats]
+        # [S, C] tensors: the buffers are computed on one buffer-major copy of the rows (each
+        # buffer's [S, C] block contiguous; one gather), scattered back afterwards.
+        order = self._buffer_major(len(rows), float_rows.device) if self.floats else None
+        staged = float_rows.reshape(-1).index_select(0, order) if order is not None else None
+        floats = self._blocks(staged, len(rows)) if staged is not None else []
         ints = [s.view(int_rows) for s in self.ints]
         self._autocast, self._scale = autocast if autocast is not None else _NULL, scale
         grads, (losses, out) = self._step(params, (*floats, *ints), x, y)
-        for slot, value in zip(self.floats, floats, strict=True):
-            slot.view(float_rows).copy_(value)
+        if staged is not None:
+            float_rows.view(-1).index_copy_(0, order, staged)
         if contiguous:
             rows_view = reps.grads[lo:hi]
             torch._foreach_copy_([s.view(rows_view) for s in self.params], list(grads))
