@@ -111,6 +111,7 @@ class BatchedWorkers:
         self._autocast: Any = _NULL
         self._scale = 1.0
         self._orders: dict[tuple[int, torch.device], Tensor] = {}
+        self._row_views: dict[tuple[int, int], tuple] = {}
 
     def _loss(
         self, params: tuple[Tensor, ...], others: tuple[Tensor, ...], x: Tensor, y: Tensor
@@ -120,6 +121,20 @@ class BatchedWorkers:
             out = functional_call(self.template, tensors, (x,))
             loss = self.loss_fn(out, y)
         return (loss * self._scale if self._scale != 1.0 else loss), (loss, out)
+
+    def _views(self, lo: int, hi: int) -> tuple[tuple[Tensor, ...], list[Tensor], list[Tensor]]:
+        """The `[S, *shape]` views of rows lo…hi−1 of the parameters, gradients and integer
+        buffers (cached: views of the same storage stay valid, and a step on a GPU is short
+        enough that building some 200 views each time would show)."""
+        key = (lo, hi)
+        if key not in self._row_views:
+            reps = self.replicas
+            self._row_views[key] = (
+                tuple(s.view(reps.params[lo:hi]) for s in self.params),
+                [s.view(reps.grads[lo:hi]) for s in self.params],
+                [s.view(reps.int_buffers[lo:hi]) for s in self.ints],
+            )
+        return self._row_views[key]
 
     def _buffer_major(self, count: int, device: torch.device) -> Tensor:
         """Positions in `count` flat buffer rows (`[count, Db]`, row-major) listed buffer by
@@ -153,31 +168,27 @@ class BatchedWorkers:
         lo, hi = rows[0], rows[-1] + 1
         contiguous = hi - lo == len(rows)
         if contiguous:
-            param_rows, float_rows, int_rows = (
-                reps.params[lo:hi],
-                reps.buffers[lo:hi],
-                reps.int_buffers[lo:hi],
-            )
+            params, grad_views, ints = self._views(lo, hi)
+            float_rows = reps.buffers[lo:hi]
         else:
             index = torch.tensor(rows, device=reps.params.device)
             param_rows, float_rows, int_rows = (
                 t.index_select(0, index) for t in (reps.params, reps.buffers, reps.int_buffers)
             )
-        params = tuple(s.view(param_rows) for s in self.params)
+            params = tuple(s.view(param_rows) for s in self.params)
+            ints = [s.view(int_rows) for s in self.ints]
         # BatchNorm's batching rule updates running statistics in place only on contiguous
         # [S, C] tensors: the buffers are computed on one buffer-major copy of the rows (each
         # buffer's [S, C] block contiguous; one gather), scattered back afterwards.
         order = self._buffer_major(len(rows), float_rows.device) if self.floats else None
         staged = float_rows.reshape(-1).index_select(0, order) if order is not None else None
         floats = self._blocks(staged, len(rows)) if staged is not None else []
-        ints = [s.view(int_rows) for s in self.ints]
         self._autocast, self._scale = autocast if autocast is not None else _NULL, scale
         grads, (losses, out) = self._step(params, (*floats, *ints), x, y)
         if staged is not None:
             float_rows.view(-1).index_copy_(0, order, staged)
         if contiguous:
-            rows_view = reps.grads[lo:hi]
-            torch._foreach_copy_([s.view(rows_view) for s in self.params], list(grads))
+            torch._foreach_copy_(grad_views, list(grads))
         else:
             for slot, g in zip(self.params, grads, strict=True):
                 slot.view(reps.grads).index_copy_(0, index, g)
