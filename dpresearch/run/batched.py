@@ -308,7 +308,7 @@ def decide(cfg: Any, data: Any, num_local: int, device: torch.device) -> tuple[b
     """Whether this process's `num_local` workers compute batched, and the one line saying
     which and why ("" with a single worker: nothing to batch). `true` for a model that cannot
     be batched raises `ConfigError` (the checks before the run say so first)."""
-    from dpresearch.config.validate import ConfigError
+    from dpresearch.config.errors import ConfigError
     from dpresearch.models.workload import describe_macs, forward_macs
 
     if num_local < 2:

@@ -118,7 +118,7 @@ def child(case: str, threads: int, run_dir: Path, args) -> None:
     print(describe(n, why), flush=True)
     trainer = Trainer(cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)),
                       torch.device("cpu"), run_dir, dataset)  # fmt: skip
-    trainer.evaluate = lambda: {"test/loss": 0.0, "test/acc": 0.0}
+    trainer.metrics.evaluate = lambda: {"test/loss": 0.0, "test/acc": 0.0}
     trainer.run()
 
 
