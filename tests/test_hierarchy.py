@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import SMALL, compose_config
+from test_compressed_adam import trained as run
 from test_compressed_reduce import layout_of
 from test_equivalence import max_diff
 
@@ -18,7 +18,6 @@ from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.compress import ErrorFeedback, Identity, TopK
 from dpresearch.compress.reducer import CompressedReducer, HierarchicalReducer
 from dpresearch.compress.topk import kept
-from dpresearch.train import train
 
 NVLINK, ETHERNET = NetworkModel.preset("nvlink"), NetworkModel.preset("10gbe")
 SHAPES = [(64, 32), (64,), (10, 64), (10,)]
@@ -28,9 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cluster(workers: int, per_node: int) -> SimulatedCommunicator:
-    return SimulatedCommunicator(
-        workers, ETHERNET, hierarchy=Hierarchy(per_node, NVLINK, ETHERNET)
-    )
+    return SimulatedCommunicator(workers, ETHERNET, hierarchy=Hierarchy(per_node, NVLINK, ETHERNET))
 
 
 def grads(workers: int, seed: int = 0) -> torch.Tensor:
@@ -103,13 +100,6 @@ def test_error_feedback_lives_on_the_node_leaders():
     assert torch.allclose(reducer.memory.memory, node_means - sent, atol=1e-6)
 
 
-def run(tmp_path, name: str, *overrides: str) -> dict:
-    cfg = compose_config(*SMALL, "workers=4", "train.steps=20", "train.batch_size=16",
-                         "backend.threads=1", *overrides)  # fmt: skip
-    train(cfg, tmp_path / name)
-    return torch.load(tmp_path / name / "model_final.pt")
-
-
 def test_identity_two_level_training_equals_flat_training(tmp_path):
     flat = run(tmp_path, "flat")
     two_level = run(tmp_path, "two", "comm.hierarchy.workers_per_node=2", "network.intra=nvlink")
@@ -119,7 +109,11 @@ def test_identity_two_level_training_equals_flat_training(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "overrides",
-    [["compressor=topk", "compressor.ratio=0.05", "error_feedback=ef14"], ["compressor=identity"]],
+    [
+        ["compressor=topk", "compressor.ratio=0.05", "error_feedback=ef14"],
+        # inter tier an allreduce on the leaders' subgroup (top-k: an allgather); slow suite
+        pytest.param(["compressor=identity"], marks=pytest.mark.slow),
+    ],
 )
 def test_two_level_simulated_equals_gloo(tmp_path, overrides):
     """G = 2 on 4 workers: the intra-node reduce and broadcast on torch.distributed subgroups
