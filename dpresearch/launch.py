@@ -10,6 +10,8 @@
   workers through a stop file (`dpresearch.stop`), and they stop together at a step boundary
   with a final checkpoint; a second one stops them at once (the agent's own shutdown).
 - under torchrun (its environment variables present): this process *is* one worker.
+
+Every worker process dies with its launcher, whatever killed it (`dpresearch.lifeline`).
 """
 
 from __future__ import annotations
@@ -143,8 +145,10 @@ def _worker_entry(cfg_container: dict, run_dir: str | None) -> dict[str, Any]:
     from dpresearch import stop
     from dpresearch.console import worker_output
     from dpresearch.heartbeat import Heartbeat
+    from dpresearch.lifeline import bind_to_launcher
     from dpresearch.stop import STOP_FILE_ENV
 
+    bind_to_launcher()  # first: from here on, this process dies with the launcher
     cfg = OmegaConf.create(cfg_container)
     beats = os.environ.get(HEARTBEAT_ENV)
     # Stop requests are recorded from the start (the loop honours them at its next step),
@@ -170,6 +174,7 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from dpresearch.heartbeat import Watchdog
+    from dpresearch.lifeline import launcher_environment
     from dpresearch.validate import process_count
 
     processes = process_count(cfg)
@@ -198,7 +203,9 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     heartbeat_s = cfg.backend.get("heartbeat_s")
     with contextlib.ExitStack() as stack:
         stack.enter_context(_spawnable_start_method())
-        stack.enter_context(_environment({LAUNCHED_AT_ENV: str(time.time())}))
+        stack.enter_context(
+            _environment({LAUNCHED_AT_ENV: str(time.time()), **launcher_environment()})
+        )
         watchdog = None
         if heartbeat_s:
             beats = stack.enter_context(tempfile.TemporaryDirectory(prefix="dpresearch-beats-"))

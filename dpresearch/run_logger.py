@@ -19,6 +19,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from dpresearch.lifeline import check_launcher
+
 WANDB_MODES = ("online", "offline", "disabled")
 WANDB_ID_FILE = "wandb_id"  # the run's W&B id, so a resumed run continues the same W&B run
 
@@ -171,11 +173,13 @@ class RunLogger(NullLogger):
         return run
 
     def log(self, metrics: dict[str, Any]) -> None:
+        check_launcher()  # a worker whose launcher (holding the run's lock) died writes nothing
         self._metrics.write(json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n")
         if self._wandb is not None:
             self._wandb.log(metrics, step=int(metrics["step"]))
 
     def finish(self, summary: dict[str, Any]) -> None:
+        check_launcher()
         (self.run_dir / "summary.json").write_text(
             json.dumps({k: _jsonable(v) for k, v in summary.items()}, indent=2) + "\n"
         )

@@ -74,10 +74,14 @@ NONFINITE_MODES = ("stop", "skip_step", "continue")
 
 def rng_state() -> dict[str, Any]:
     """Every global random stream of this process: torch (CPU, and CUDA where initialised),
-    numpy, Python."""
+    numpy (its key as an int64 tensor: a checkpoint holds no numpy array), Python."""
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"] = dict(
+        numpy_state["state"], key=torch.from_numpy(numpy_state["state"]["key"].astype(np.int64))
+    )
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
+        "numpy": numpy_state,
         "python": random.getstate(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -87,7 +91,11 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    numpy_state = dict(state["numpy"])
+    numpy_state["state"] = dict(
+        numpy_state["state"], key=numpy_state["state"]["key"].numpy().astype(np.uint32)
+    )
+    np.random.set_state(numpy_state)
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -458,6 +466,8 @@ class Trainer:
                 "processes": self.processes,
                 "algorithm": self.cfg.algorithm._target_,
                 "num_params": self.replicas.num_params,
+                # what `resume.check_resume` compares a resuming run's configuration with
+                "config": OmegaConf.to_container(self.cfg, resolve=True),
                 "loop": {
                     "best_acc": self.best_acc,
                     "last": self.last,
@@ -486,6 +496,12 @@ class Trainer:
                 payload = [("error", problem)] * self.processes
             elif file is None:
                 payload = [None] * self.processes
+            elif file["step"] >= self.total_steps:
+                problem = (
+                    f"checkpoint {path} is at step {file['step']}, past this run's "
+                    f"{self.total_steps} steps: nothing is left to train"
+                )
+                payload = [("error", problem)] * self.processes
             else:
                 loop = dict(file["loop"], step=file["step"])
                 payload = [("state", loop, st) for st in file["states"]]
