@@ -110,6 +110,12 @@ def compose_command_line(cmd: CommandLine, conf_dir: Path) -> DictConfig:
     first_values = []
     for ov in parsed:
         key = ov.key_or_group
+        if ov.is_sweep_override() and not cmd.multirun:
+            raise ConfigError(
+                f"{ov.input_line}: a comma (or a range) makes a list of values, which only a "
+                f"sweep runs; quote the value to keep it whole ({key}='...'), or add -m to "
+                "sweep over it"
+            )
         if key.startswith("hydra") or ov.package is not None and ov.package.startswith("hydra"):
             first_values.append(ov.input_line)
             continue
@@ -191,3 +197,8 @@ def _unknown_key_hint(key: str, conf_dir: Path, config_name: str, overrides: lis
             )
         return not_an_option_message(key, parent._target_, params)
     return unknown_key_message(key, keys)
+
+
+def quote_value(value: str) -> str:
+    """A Hydra override value holding `value` verbatim (commas, spaces, quotes and all)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"

@@ -15,6 +15,7 @@ holds what the run printed.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from dpresearch.launch import (
     under_torchrun,
 )
 from dpresearch.preflight import preflight
+from dpresearch.resume import check_resume, finished_run
 from dpresearch.validate import ConfigError, forget_data
 
 register_configs()
@@ -55,10 +57,12 @@ def train(cfg: DictConfig, run_dir: Path | None, overrides: Sequence[str] = ()) 
     run.
     """
     dataset = preflight(cfg, overrides)
-    finished = _already_finished(cfg, run_dir)
-    if finished is not None:
-        return finished
-    _check_resume(cfg, run_dir)
+    if not under_torchrun():  # (a torchrun job: rank 0 checked before Hydra started)
+        finished = finished_run(cfg, run_dir)
+        if finished is not None:
+            print(f"{run_dir} already holds this run, finished; nothing to resume", flush=True)
+            return finished
+        check_resume(cfg, run_dir, _processes(cfg))
     if under_torchrun():
         forget_data()
         return run_as_worker(cfg, run_dir if global_rank() == 0 else None)
@@ -68,48 +72,16 @@ def train(cfg: DictConfig, run_dir: Path | None, overrides: Sequence[str] = ()) 
     return launch_local(cfg, run_dir)
 
 
-def _check_resume(cfg: DictConfig, run_dir: Path | None) -> None:
-    """The checkpoint `train.resume` names fits this run (workers, processes, algorithm), read
-    from its header before any worker starts; raises `ConfigError` (the trainer checks the
-    parameter count once the model is built)."""
-    from dpresearch.checkpoint import CheckpointError, find_resume, incompatibility, read_header
+def _processes(cfg: DictConfig) -> int:
     from dpresearch.validate import process_count
 
-    if cfg.train.resume is None or under_torchrun():
-        return
-    try:
-        path = find_resume(cfg.train.resume, run_dir)
-        if path is None:
-            return
-        processes = 1 if cfg.backend.name == "simulated" else process_count(cfg)
-        run = {
-            "workers": cfg.workers,
-            "processes": processes,
-            "algorithm": cfg.algorithm._target_,
-        }
-        problem = incompatibility(read_header(path), path, run)
-    except CheckpointError as exc:
-        problem = str(exc)
-    if problem is not None:
-        raise ConfigError(problem)
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    return 1 if cfg.backend.name == "simulated" else process_count(cfg)
 
 
-def _already_finished(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any] | None:
-    """With `train.resume=auto`, a run directory whose run has finished is left as it is (a
-    requeued job that already completed does nothing): its summary, or None. Not under
-    torchrun, where only rank 0 could tell."""
-    import json
-
-    if cfg.train.resume != "auto" or run_dir is None or under_torchrun():
-        return None
-    try:
-        summary = json.loads((Path(run_dir) / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(summary, dict) or summary.get("status") != "finished":
-        return None
-    print(f"{run_dir} already holds this run, finished; nothing to resume", flush=True)
-    return summary
+class NothingToDo(Exception):
+    """The command asks for nothing (a finished run resumed); the message is its one line."""
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
@@ -214,7 +186,12 @@ def _check_before_hydra(argv: list[str]) -> list[str]:
     """Check the command line and, for a single run, the whole run and its directory, before
     Hydra creates anything; returns the arguments to hand Hydra (the run directory pinned, as
     the default one holds the time). Raises `ConfigError`."""
-    from dpresearch.cli_check import compose_command_line, parse_command_line, task_config
+    from dpresearch.cli_check import (
+        compose_command_line,
+        parse_command_line,
+        quote_value,
+        task_config,
+    )
     from dpresearch.run_dir import claim_run_dir
 
     cmd = parse_command_line(argv)  # raises for impossible flag combinations
@@ -235,14 +212,17 @@ def _check_before_hydra(argv: list[str]) -> list[str]:
         from dpresearch.checkpoint import find_resume, run_dir_of
 
         run_dir = run_dir_of(find_resume(resume, None)) or run_dir
-    claim_run_dir(run_dir, resume=resume is not None)  # held until this process ends
+    claim = claim_run_dir(run_dir, resume=resume is not None)  # held until this process ends
+    try:
+        # A refused or no-op resume ends here: Hydra has written nothing into the run yet.
+        if finished_run(task, run_dir) is not None:
+            raise NothingToDo(f"{run_dir} already holds this run, finished; nothing to resume")
+        check_resume(task, run_dir, _processes(task))
+    except (ConfigError, NothingToDo):
+        claim.abandon()
+        raise
     pinned = [a for a in argv if a.split("=", 1)[0].lstrip("+") != "hydra.run.dir"]
-    return [*pinned, f"hydra.run.dir={_quote(str(run_dir))}"]
-
-
-def _quote(value: str) -> str:
-    """A Hydra override value holding `value` verbatim."""
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return [*pinned, f"hydra.run.dir={quote_value(str(run_dir))}"]
 
 
 def main() -> None:
@@ -255,6 +235,10 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(2)
+    if under_torchrun():  # one worker of torchrun's agent: it dies with the agent
+        from dpresearch.lifeline import bind_to_launcher
+
+        bind_to_launcher(os.getppid())
     remember_command([Path(sys.executable).name, "-m", "dpresearch.train", *sys.argv[1:]])
     try:
         args = _check_before_hydra(sys.argv[1:])
@@ -263,6 +247,9 @@ def main() -> None:
         if _local_rank() == 0:
             print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except NothingToDo as exc:
+        print(exc, flush=True)
+        sys.exit(0)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM during a download
         print("error: interrupted before the run started; nothing was written", file=sys.stderr)
         sys.exit(128 + getattr(exc, "signum", 2))
@@ -279,8 +266,6 @@ def main() -> None:
 
 
 def _local_rank() -> int:
-    import os
-
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 

@@ -200,6 +200,7 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
 
 
 NONFINITE_MODES = ("stop", "skip_step", "continue")
+_MISSING = object()
 
 
 def check_run_control(cfg: DictConfig) -> None:
@@ -219,6 +220,12 @@ def check_run_control(cfg: DictConfig) -> None:
         raise ConfigError(str(exc)) from None
     if tc.checkpoint_keep < 1:
         raise ConfigError(f"train.checkpoint_keep={tc.checkpoint_keep}: must be at least 1")
+    for key in tc.get("resume_allow_changes") or []:
+        if OmegaConf.select(cfg, str(key), default=_MISSING) is _MISSING:
+            raise ConfigError(
+                f"train.resume_allow_changes: {key} is not a config key; name keys or nodes "
+                "of this configuration, e.g. [train.steps, optimizer]"
+            )
     if tc.on_nonfinite not in NONFINITE_MODES:
         raise ConfigError(
             f"train.on_nonfinite={tc.on_nonfinite}; choose one of: {', '.join(NONFINITE_MODES)}"
