@@ -77,7 +77,10 @@ def alive(processes: dict[int, str]) -> list[int]:
 
 
 def last_step(run_dir: Path) -> int:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if run_dir.exists() else []
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
     for line in reversed(lines):
         try:
             return int(json.loads(line)["step"])
