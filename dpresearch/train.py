@@ -28,8 +28,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from dpresearch import CONF_DIR
-from dpresearch.config import register_configs
-from dpresearch.launch import (
+from dpresearch.config.preflight import preflight
+from dpresearch.config.schema import register_configs
+from dpresearch.config.validate import ConfigError, forget_data
+from dpresearch.launch.processes import (
     WorkerFrozen,
     global_rank,
     launch_local,
@@ -37,9 +39,7 @@ from dpresearch.launch import (
     run_simulated,
     under_torchrun,
 )
-from dpresearch.preflight import preflight
-from dpresearch.resume import check_resume, finished_run
-from dpresearch.validate import ConfigError, forget_data
+from dpresearch.run.resume import check_resume, finished_run
 
 register_configs()
 
@@ -73,7 +73,7 @@ def train(cfg: DictConfig, run_dir: Path | None, overrides: Sequence[str] = ()) 
 
 
 def _processes(cfg: DictConfig) -> int:
-    from dpresearch.validate import process_count
+    from dpresearch.config.validate import process_count
 
     if under_torchrun():
         return int(os.environ["WORLD_SIZE"])
@@ -86,10 +86,10 @@ class NothingToDo(Exception):
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _hydra_main(cfg: DictConfig) -> float | None:
-    from dpresearch.console import job_output
-    from dpresearch.provenance import write_provenance
-    from dpresearch.run_dir import claim_run_dir
-    from dpresearch.wandb_names import default_names
+    from dpresearch.launch.console import job_output
+    from dpresearch.launch.provenance import write_provenance
+    from dpresearch.launch.run_dir import claim_run_dir
+    from dpresearch.run.wandb_names import default_names
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
@@ -186,13 +186,13 @@ def _check_before_hydra(argv: list[str]) -> list[str]:
     """Check the command line and, for a single run, the whole run and its directory, before
     Hydra creates anything; returns the arguments to hand Hydra (the run directory pinned, as
     the default one holds the time). Raises `ConfigError`."""
-    from dpresearch.cli_check import (
+    from dpresearch.config.cli_check import (
         compose_command_line,
         parse_command_line,
         quote_value,
         task_config,
     )
-    from dpresearch.run_dir import claim_run_dir
+    from dpresearch.launch.run_dir import claim_run_dir
 
     cmd = parse_command_line(argv)  # raises for impossible flag combinations
     if not cmd.checkable:
@@ -209,7 +209,7 @@ def _check_before_hydra(argv: list[str]) -> list[str]:
     pinned_by_user = any(a.split("=", 1)[0].lstrip("+") == "hydra.run.dir" for a in argv)
     if resume not in (None, "auto") and not pinned_by_user:
         # train.resume=<checkpoint or run directory>: continue in that run's directory.
-        from dpresearch.checkpoint import find_resume, run_dir_of
+        from dpresearch.run.checkpoint import find_resume, run_dir_of
 
         run_dir = run_dir_of(find_resume(resume, None)) or run_dir
     claim = claim_run_dir(run_dir, resume=resume is not None)  # held until this process ends
@@ -227,7 +227,7 @@ def _check_before_hydra(argv: list[str]) -> list[str]:
 
 def main() -> None:
     """Console entry: check everything that can be checked before Hydra, then hand over."""
-    from dpresearch.provenance import remember_command
+    from dpresearch.launch.provenance import remember_command
 
     if not CONF_DIR.is_dir():
         print(
@@ -236,7 +236,7 @@ def main() -> None:
         )
         sys.exit(2)
     if under_torchrun():  # one worker of torchrun's agent: it dies with the agent
-        from dpresearch.lifeline import bind_to_launcher
+        from dpresearch.launch.lifeline import bind_to_launcher
 
         bind_to_launcher(os.getppid())
     remember_command([Path(sys.executable).name, "-m", "dpresearch.train", *sys.argv[1:]])

@@ -5,7 +5,7 @@ Before: SIGKILL of a gloo job's launcher started in the background from a script
 workers training (torch's spawn asks for SIGINT at the parent's death, which a background job
 ignores), writing into a run directory whose lock was free; started in the foreground they
 stopped with a checkpoint and then, 5 times in 13, hung for good (waiting for the dead launcher
-to read their results). Now the kernel kills them with SIGKILL (`dpresearch.lifeline`).
+to read their results). Now the kernel kills them with SIGKILL (`dpresearch.launch.lifeline`).
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ import pytest
 import yaml
 from conftest import SMALL, run_cli
 
+from dpresearch.config.sweep import NAME_MAX_BYTES, safe_folder_name
 from dpresearch.study import load_study, run_study
 from dpresearch.study.spec import slug
-from dpresearch.sweep import NAME_MAX_BYTES, safe_folder_name
 
 HOSTILE = ["../x", "../../../etc", "/abs/path", "..", ".", "", "a,b", "a b", "ünïcødé", "a\nb",
            "%2F", "${x}", "back\\slash", "x" * 300, "é" * 200]  # fmt: skip

@@ -18,7 +18,7 @@ from conftest import run_cli
 from test_bad_input import run_main
 
 import dpresearch.train as entry
-from dpresearch.resume import trajectory_differences
+from dpresearch.run.resume import trajectory_differences
 
 RUN = ["data.num_train=256", "data.num_test=64", "data.num_features=16", "model.hidden=[32]",
        "train.progress=false", "train.batch_size=16", "train.log_every=1", "train.steps=10",

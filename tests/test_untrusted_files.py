@@ -19,7 +19,7 @@ import torch
 from conftest import run_cli
 from test_bad_input import SYNTHETIC_SMALL, run_main
 
-from dpresearch.checkpoint import FORMAT, CheckpointError, load_checkpoint, read_header
+from dpresearch.run.checkpoint import FORMAT, CheckpointError, load_checkpoint, read_header
 
 
 class Payload:

@@ -109,7 +109,7 @@ def _set_aside(run_dir: Path, out: Path) -> Path:
 
 
 def _point_overrides(study: Study, point: Point) -> list[str]:
-    from dpresearch.cli_check import quote_value
+    from dpresearch.config.cli_check import quote_value
 
     return [
         *point.overrides,
@@ -138,7 +138,7 @@ def _popen_kwargs() -> dict[str, Any]:
 
 def run_local(point: Point, run_dir: Path, overrides: list[str]) -> int:
     """`python -m dpresearch.train` for one point; output in `run_dir/launcher.log`."""
-    from dpresearch.cli_check import quote_value
+    from dpresearch.config.cli_check import quote_value
 
     cmd = [sys.executable, "-m", "dpresearch.train", *overrides,
            f"hydra.run.dir={quote_value(str(run_dir))}"]  # fmt: skip
@@ -166,7 +166,7 @@ def run_inprocess(point: Point, run_dir: Path, overrides: list[str]) -> int:
 
 def _hydra_group(study: Study, points: list[Point], out: Path, launcher: str | None) -> int:
     """One multirun over the seeds of `points` (one case, one lr)."""
-    from dpresearch.cli_check import quote_value
+    from dpresearch.config.cli_check import quote_value
 
     first = points[0]
     overrides = [o for o in _point_overrides(study, first) if not o.startswith("seed=")]

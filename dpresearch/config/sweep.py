@@ -81,11 +81,11 @@ def check_point(
     `Checked`). Its folder is always one folder inside the sweep directory: a folder name
     that a value would break (`../`, an absolute path, ...) is made safe
     (`safe_folder_name`) by a `hydra.sweep.subdir` override added to the point."""
-    from dpresearch.cli_check import quote_value, task_config
-    from dpresearch.preflight import preflight
-    from dpresearch.resume import check_resume, finished_run
-    from dpresearch.run_dir import holds_run
-    from dpresearch.validate import ConfigError, process_count
+    from dpresearch.config.cli_check import quote_value, task_config
+    from dpresearch.config.preflight import preflight
+    from dpresearch.config.validate import ConfigError, process_count
+    from dpresearch.launch.run_dir import holds_run
+    from dpresearch.run.resume import check_resume, finished_run
 
     overrides = tuple(overrides)
     try:

@@ -111,7 +111,7 @@ def atomic_write_text(path: Path, text: str) -> None:
 def write_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     """Write `state` as checkpoint `step` of `run_dir`, point `latest` at it, delete all but
     the newest `keep` (at least 1); returns the file's path."""
-    from dpresearch.lifeline import check_launcher
+    from dpresearch.launch.lifeline import check_launcher
 
     check_launcher()  # a worker whose launcher (holding the run's lock) died writes nothing
     folder = checkpoint_dir(run_dir)

@@ -26,7 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dpresearch.validate import ConfigError
+from dpresearch.config.validate import ConfigError
 
 # Keys that never change what a run computes (its parameters and its metrics' values): how
 # often it logs, evaluates or checkpoints, where its data lives, how it reports, how long it
@@ -157,7 +157,7 @@ def check_resume(cfg: DictConfig, run_dir: Path | None, processes: int) -> None:
     """The checkpoint `train.resume` names (in `run_dir` for auto) can continue this run of
     `processes` processes; raises `ConfigError` (one line) otherwise. Nothing to resume (no
     resume, or auto with no checkpoint yet) passes."""
-    from dpresearch.checkpoint import CheckpointError, find_resume, incompatibility, read_header
+    from dpresearch.run.checkpoint import CheckpointError, find_resume, incompatibility, read_header
 
     if cfg.train.resume is None:
         return
