@@ -28,6 +28,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from dpresearch import CONF_DIR
+from dpresearch.config.environment import from_agent
 from dpresearch.config.preflight import preflight
 from dpresearch.config.schema import register_configs
 from dpresearch.config.validate import ConfigError, forget_data
@@ -235,7 +236,7 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(2)
-    if under_torchrun():  # one worker of torchrun's agent: it dies with the agent
+    if under_torchrun() and from_agent():  # one of torchrun's workers: dies with its agent
         from dpresearch.launch.lifeline import bind_to_launcher
 
         bind_to_launcher(os.getppid())

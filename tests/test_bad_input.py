@@ -197,3 +197,62 @@ def test_bad_input_on_the_command_line(args, fragment, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], lines
     assert "error" not in out.stdout
     assert list(tmp_path.iterdir()) == []  # no outputs/, no run directory
+
+
+# A torchrun environment left over (issue 21, item 6): (variables, overrides, fragment).
+# "{free}" / "{held}": a free port, and one another process listens on.
+STALE = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+ENV_BAD = [
+    ({**STALE, "MASTER_PORT": "{free}"}, [], "are set in this shell (left over from a torchrun"),
+    (
+        {**STALE, "MASTER_PORT": "{held}"},
+        ["backend=gloo", "workers=2"],
+        "is held by another process, so rank 0 cannot host the rendezvous",
+    ),
+    ({**STALE, "MASTER_PORT": "x"}, ["backend=gloo", "workers=2"], "MASTER_PORT=x is not a port"),
+]
+
+
+@pytest.mark.parametrize("env,args,fragment", ENV_BAD, ids=[f for _, _, f in ENV_BAD])
+def test_a_torchrun_environment_left_over_is_one_line(
+    env, args, fragment, tmp_path, monkeypatch, capsys
+):
+    import socket
+
+    from conftest import free_port
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        ports = {"{free}": str(free_port()), "{held}": str(held.getsockname()[1])}
+        for name, value in env.items():
+            monkeypatch.setenv(name, ports.get(value, value))
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        run_dir = tmp_path / "run"
+        code, out, err = run_main(
+            [*SYNTHETIC_SMALL, *args, f"hydra.run.dir={run_dir}"], tmp_path, monkeypatch, capsys
+        )
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert fragment in lines[0] and "unset RANK WORLD_SIZE" in lines[0], lines[0]
+    assert not run_dir.exists()
+
+
+@pytest.mark.distributed
+def test_peers_that_never_come_are_one_line_after_the_timeout(tmp_path):
+    """RANK/WORLD_SIZE/... left in the environment with a free port: rank 0 hosts the
+    rendezvous and waits `backend.timeout_s` for the peer, then says so in one line (before:
+    a 27-line DistNetworkError, or a wait of 10 minutes)."""
+    from conftest import free_port
+
+    env = {**STALE, "MASTER_PORT": str(free_port())}
+    out = run_cli(
+        [*SYNTHETIC_SMALL, "backend=gloo", "workers=2", "backend.timeout_s=2",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, timeout=180, env=env,
+    )  # fmt: skip
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
+    assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
+    assert "rank 0 could not join the other processes at 127.0.0.1:" in errors[0]
+    assert "the variables came from the environment" in errors[0]
+    assert "Traceback" not in out.stderr

@@ -13,6 +13,8 @@ import torch
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from dpresearch.config.environment import check_distributed_environment
+
 BACKENDS = ("simulated", "gloo", "nccl")
 LR_SCALINGS = ("none", "linear")
 PARTITIONS = ("iid", "dirichlet")
@@ -107,6 +109,7 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
         raise ConfigError(
             f"train.device={cfg.train.device} but no GPU is visible; use train.device=cpu"
         )
+    check_distributed_environment(backend)
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         world, expected = int(os.environ["WORLD_SIZE"]), process_count(cfg)
         if world != expected:

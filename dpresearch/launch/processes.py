@@ -34,8 +34,13 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dpresearch.comm.network import NetworkModel
+from dpresearch.config.environment import (
+    TORCHRUN_VARS,
+    describe_init_failure,
+    environment_names,
+    from_agent,
+)
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 HEARTBEAT_ENV = "DPRESEARCH_HEARTBEAT_DIR"
 LAUNCHED_AT_ENV = "DPRESEARCH_LAUNCHED_AT"
 
@@ -106,7 +111,18 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     device = process_device(cfg)
     if backend == "nccl":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.backend.timeout_s))
+    if not from_agent() and global_rank() == 0:
+        print(
+            f"{environment_names()} (from the environment, not torchrun): waiting up to "
+            f"backend.timeout_s={cfg.backend.timeout_s:g} s for the other processes",
+            flush=True,
+        )
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.backend.timeout_s))
+    except (dist.DistError, TimeoutError) as exc:
+        from dpresearch.config.validate import ConfigError
+
+        raise ConfigError(describe_init_failure(exc, cfg.backend.timeout_s)) from None
     if dist.get_rank() == 0 and cfg.train.progress and LAUNCHED_AT_ENV in os.environ:
         took = time.time() - float(os.environ[LAUNCHED_AT_ENV])
         print(
