@@ -40,6 +40,7 @@ from dpresearch.launch.processes import (
     run_simulated,
     under_torchrun,
 )
+from dpresearch.run.io_errors import IO_EXIT, MIN_FREE_BYTES, RunIOError, free_bytes
 from dpresearch.run.resume import check_resume, finished_run
 
 register_configs()
@@ -120,6 +121,8 @@ def _hydra_main(cfg: DictConfig) -> float | None:
                 summary = train(cfg, run_dir, overrides)
         except (ConfigError, WorkerFrozen) as exc:
             _fail(f"error: {exc}", 2 if isinstance(exc, ConfigError) else 1, multirun)
+        except RunIOError as exc:  # before the loop (config.yaml, provenance.json, ...)
+            _fail(f"error: {exc.describe()}; free space and run again", IO_EXIT, multirun)
         except KeyboardInterrupt:  # Ctrl-C before the training loop took over the signal
             _fail("error: interrupted before training started; nothing to resume", 130, multirun)
         except Exception as exc:
@@ -135,7 +138,8 @@ DIVERGED_EXIT = 3  # a non-finite loss stopped the run (train.on_nonfinite=stop)
 
 def _end_of_run(summary: dict[str, Any], multirun: bool) -> None:
     """A run that ended short of its last step: one line and its exit status — 128 + signal
-    for a stop request (130 SIGINT, 143 SIGTERM), `DIVERGED_EXIT` for a non-finite loss."""
+    for a stop request (130 SIGINT, 143 SIGTERM), `DIVERGED_EXIT` for a non-finite loss,
+    `IO_EXIT` for a write the machine refused (a full disk)."""
     status = summary.get("status")
     if status == "interrupted":
         where = summary.get("checkpoint") or "none (this algorithm cannot checkpoint)"
@@ -155,6 +159,16 @@ def _end_of_run(summary: dict[str, Any], multirun: bool) -> None:
             + (f"; last finite checkpoint {kept}" if kept else "")
         )
         _fail(line, DIVERGED_EXIT, multirun)
+    if status == "failed_io":
+        kept = summary.get("last_checkpoint")
+        line = (
+            f"error: {summary.get('io_error') or 'a write into the run directory failed'}; the "
+            f"run stopped after step {summary['failed_at_step']}, "
+            + (f"its last good checkpoint is {kept}" if kept else "with no checkpoint")
+            + ": free space, then resume with train.resume=auto"
+            + ("" if summary.get("summary_written", True) else " (summary.json not written)")
+        )
+        _fail(line, IO_EXIT, multirun)
 
 
 def _is_worker_failure(exc: BaseException) -> bool:
@@ -215,6 +229,13 @@ def _check_before_hydra(argv: list[str]) -> list[str]:
         run_dir = run_dir_of(find_resume(resume, None)) or run_dir
     claim = claim_run_dir(run_dir, resume=resume is not None)  # held until this process ends
     try:
+        free = free_bytes(run_dir)
+        if free is not None and free < MIN_FREE_BYTES:
+            raise ConfigError(
+                f"{run_dir} has {free / 1e3:.0f} kB free on its file system; a run writes its "
+                "configuration, metrics and checkpoints there: free space, or pass another "
+                "hydra.run.dir"
+            )
         # A refused or no-op resume ends here: Hydra has written nothing into the run yet.
         if finished_run(task, run_dir) is not None:
             raise NothingToDo(f"{run_dir} already holds this run, finished; nothing to resume")

@@ -31,6 +31,8 @@ from typing import IO, Any
 
 import torch
 
+from dpresearch.run.io_errors import writing
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 # 2: plain data only (tensors, dicts, lists, numbers, strings), read with weights_only=True.
@@ -115,14 +117,21 @@ def write_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int)
 
     check_launcher()  # a worker whose launcher (holding the run's lock) died writes nothing
     folder = checkpoint_dir(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.glob(".*.tmp"):  # left by a writer killed mid-write (we hold the run)
-        with contextlib.suppress(OSError):
-            stale.unlink()
-    check_plain(state)
     path = folder / f"step_{step}.pt"
-    atomic_save(state, path)
-    atomic_write_text(folder / LATEST, path.name + "\n")
+    # A full disk or an I/O error: `RunIOError`, with no temporary file left and `latest`
+    # still naming the previous checkpoint (the atomic write).
+    needed = check_plain(state)
+    previous = latest_checkpoint(run_dir)  # the same run: about the same size
+    with contextlib.suppress(OSError):
+        needed = max(needed, previous.stat().st_size) if previous is not None else needed
+    with writing(path, needed):
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.glob(".*.tmp"):  # left by a writer killed mid-write (we hold it)
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        atomic_save(state, path)
+    with writing(folder / LATEST):
+        atomic_write_text(folder / LATEST, path.name + "\n")
     for old in checkpoint_files(folder)[: -max(1, keep)]:
         if old != path:
             with contextlib.suppress(OSError):
@@ -246,23 +255,24 @@ def _first_line(exc: BaseException) -> str:
 PLAIN = (str, int, float, bool, type(None), bytes, torch.dtype, torch.device, torch.Size)
 
 
-def check_plain(obj: Any, where: str = "checkpoint") -> None:
-    """Raise `TypeError` naming the first value inside `obj` (dicts, lists, tuples) that is
-    not a tensor or plain data, so a state that the loader would refuse is caught when it is
-    written, not when someone resumes it."""
+def check_plain(obj: Any, where: str = "checkpoint") -> int:
+    """The bytes of the tensors inside `obj` (dicts, lists, tuples); raises `TypeError`
+    naming the first value that is not a tensor or plain data, so a state that the loader
+    would refuse is caught when it is written, not when someone resumes it."""
     kind = type(obj)
-    if isinstance(obj, torch.Tensor) or kind in PLAIN:
-        return
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if kind in PLAIN:
+        return 0
     if kind in (dict, OrderedDict):
+        total = 0
         for key, value in obj.items():
             if type(key) not in PLAIN and type(key) is not tuple:
                 raise TypeError(f"{where}: key {key!r} is a {type(key).__name__}, not plain data")
-            check_plain(value, f"{where}[{key!r}]")
-        return
+            total += check_plain(value, f"{where}[{key!r}]")
+        return total
     if kind in (list, tuple):
-        for i, value in enumerate(obj):
-            check_plain(value, f"{where}[{i}]")
-        return
+        return sum(check_plain(value, f"{where}[{i}]") for i, value in enumerate(obj))
     raise TypeError(
         f"{where} is a {kind.__module__}.{kind.__qualname__}: a checkpoint holds tensors and "
         "plain data only (dict, list, tuple, str, numbers, None); convert it in its state_dict"

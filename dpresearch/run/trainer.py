@@ -49,6 +49,7 @@ from dpresearch.run import stop
 from dpresearch.run.checkpoint import (
     FORMAT,
     CheckpointError,
+    atomic_save,
     checkpoint_interval,
     find_resume,
     incompatibility,
@@ -58,6 +59,7 @@ from dpresearch.run.checkpoint import (
     write_checkpoint,
 )
 from dpresearch.run.compute import WorkerCompute, worker_seed
+from dpresearch.run.io_errors import RunIOError, writing
 from dpresearch.run.logger import NullLogger, RunLogger
 from dpresearch.run.progress import format_progress, format_setup
 from dpresearch.run.timing import LoopClock
@@ -194,6 +196,7 @@ class Trainer:
         self.algorithm_metrics: dict[str, Any] = {}
         self.clock = LoopClock(comm.ledger)  # restarted when the loop starts
         self._clock_state: dict[str, float] | None = None
+        self._io_error: RunIOError | None = None  # a refused write (main process), see _write
         resumed_at = self._resume(tc.resume) if tc.resume is not None else None
         resolved = OmegaConf.to_container(cfg, resolve=True)
         self.logger = (
@@ -272,9 +275,17 @@ class Trainer:
         """Train from the start (or the resumed step) to `total_steps`, or until a stop
         request or a non-finite loss ends the run; returns the summary (with `status`)."""
         if not self.stoppable:
-            return self._loop()
+            return self._ending(self._loop)
         with stop.handling():
-            return self._loop()
+            return self._ending(self._loop)
+
+    def _ending(self, loop: Any) -> dict[str, Any]:
+        """`loop()`, or — when a write into the run directory failed on the way out (the final
+        model, the summary, a stop's checkpoint) — the run ended with `status: failed_io`."""
+        try:
+            return loop()
+        except RunIOError as exc:
+            return self._end_failed_io(self.last.get("step", self.start_step), exc)
 
     def _loop(self) -> dict[str, Any]:
         tc, comm = self.cfg.train, self.comm
@@ -296,7 +307,11 @@ class Trainer:
             self._prepare_rows(plan)
             self.compute.run(plan.workers)
             self._maybe_fail(step)
-            signum, nonfinite = self._agree(plan)
+            signum, nonfinite, io_failed = self._agree(plan)
+            if io_failed:  # a write of the previous step failed: stop before this update
+                self.algorithm.drop_step(step)
+                clock.step_ends()
+                return self._end_failed_io(step, self._io_error)
             if nonfinite:
                 if self.on_nonfinite == "stop":
                     self.algorithm.drop_step(step)
@@ -336,14 +351,24 @@ class Trainer:
                     self.best_acc = max(self.best_acc, last["test/acc"])
                     self.replicas.train()
                 self.last = last
-                self.logger.log(last)
+                self._write(lambda last=last: self.logger.log(last))
                 if tc.progress and comm.is_main_process:
                     print(format_progress(last, self.total_steps), flush=True)
             if signum and not is_last:  # (on the last step: finishing is the stop)
                 return self._end_interrupted(done, signum)
             if self.checkpoint_every and done % self.checkpoint_every == 0 and not is_last:
-                self.checkpoint(done)
+                self._write(lambda done=done: self.checkpoint(done))
+        if self._io_error is not None:
+            return self._end_failed_io(self.total_steps, self._io_error)
         return self._end_finished()
+
+    def _write(self, write: Any) -> None:
+        """`write()`; a write refused by the machine (`RunIOError`, main process only) is kept
+        and ends the run at the next step's agreement, every process together."""
+        try:
+            write()
+        except RunIOError as exc:
+            self._io_error = self._io_error or exc
 
     def _end_finished(self) -> dict[str, Any]:
         comm, last = self.comm, self.last
@@ -369,7 +394,10 @@ class Trainer:
         if self.on_nonfinite == "skip_step":
             summary["train/skipped_steps"] = self.skipped
         if isinstance(self.logger, RunLogger) and self.cfg.train.save_model:
-            torch.save(self.eval_model.state_dict(), self.logger.run_dir / "model_final.pt")
+            model = self.logger.run_dir / "model_final.pt"
+            state = self.eval_model.state_dict()
+            with writing(model, sum(t.numel() * t.element_size() for t in state.values())):
+                atomic_save(state, model)
         self.logger.finish(summary)
         return summary
 
@@ -397,6 +425,21 @@ class Trainer:
             last_checkpoint=str(kept) if kept is not None else None,
         )
 
+    def _end_failed_io(self, done: int, exc: RunIOError | None) -> dict[str, Any]:
+        """A write into the run directory failed (`exc`, known to the main process): `status:
+        failed_io` after step `done`, naming the last good checkpoint (`latest`, which a failed
+        checkpoint never moves); the summary itself is written if it still fits."""
+        kept = latest_checkpoint(self.run_dir) if self.run_dir is not None else None
+        facts = {
+            "failed_at_step": done,
+            "io_error": exc.describe() if exc is not None else None,
+            "last_checkpoint": str(kept) if kept is not None else None,
+        }
+        try:
+            return self._end_early("failed_io", **facts)
+        except RunIOError:
+            return {**self.last, "status": "failed_io", **facts, "summary_written": False}
+
     def _end_early(self, status: str, **facts: Any) -> dict[str, Any]:
         """The summary of a run that ended before its last step: the last logged metrics,
         `status` and `facts`; written by the main process."""
@@ -413,24 +456,26 @@ class Trainer:
         self.logger.finish(summary)
         return summary
 
-    def _agree(self, plan: StepPlan) -> tuple[int, bool]:
-        """(stop signal or 0, non-finite loss) of this step, the same on every process: one
-        3-number allreduce when there are several processes, none in a simulated run."""
+    def _agree(self, plan: StepPlan) -> tuple[int, bool, bool]:
+        """(stop signal or 0, non-finite loss, a failed write) of this step, the same on every
+        process: one 4-number allreduce when there are several processes, none in a simulated
+        run."""
+        io_failed = self._io_error is not None
         signum = (stop.requested() or 0) if self.stoppable else 0
         nonfinite = self.on_nonfinite != "continue" and not self.compute.last_losses_finite(
             plan.workers
         )
         if self.processes > 1:
             flags = torch.tensor(
-                [[signum == signal.SIGINT, signum not in (0, signal.SIGINT), nonfinite]],
+                [[signum == signal.SIGINT, signum not in (0, signal.SIGINT), nonfinite, io_failed]],
                 dtype=torch.float32,
                 device=self.device,
             )
             self.comm.all_reduce(flags, op="sum", record=False)
-            interrupt, terminate, bad = flags[0].tolist()
+            interrupt, terminate, bad, io = flags[0].tolist()
             signum = signal.SIGINT if interrupt else signal.SIGTERM if terminate else 0
-            nonfinite = bad > 0
-        return int(signum), nonfinite
+            nonfinite, io_failed = bad > 0, io > 0
+        return int(signum), nonfinite, io_failed
 
     # -- checkpoints --------------------------------------------------------------------------
     def _process_state(self) -> dict[str, Any]:

@@ -218,6 +218,9 @@ def run_study(
     allocation: the points started finish, the rest wait for the next `run_study`).
     A study with `tune_seeds` runs its grid first, selects each case's lr on it, then the
     other seeds at that lr."""
+    from dpresearch.study.check import check_study
+
+    check_study(study)  # every case composes and passes the checks: a dry run too
     out = Path(out).resolve()
     run = dict(launcher=launcher, jobs=jobs, hydra_launcher=hydra_launcher, dry_run=dry_run,
                log=log, start_until=start_until)  # fmt: skip
