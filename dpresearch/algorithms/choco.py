@@ -85,10 +85,7 @@ class ChocoSGD(Gossip):
         ]
         params = replicas.params
         self.wire_plan = lead.wire_plan(chunks, params.dtype)
-        if state_dtype not in STATE_DTYPES:
-            raise ValueError(
-                f"algorithm.state_dtype={state_dtype}; choose one of: {', '.join(STATE_DTYPES)}"
-            )
+        check_state_dtype(state_dtype)
         dtype = STATE_DTYPES[state_dtype]
         self.x_hat = torch.zeros_like(params, dtype=dtype)
         self.s = torch.zeros_like(params, dtype=dtype)
@@ -102,6 +99,7 @@ class ChocoSGD(Gossip):
         super().check_config(cfg)
         alg = cfg.algorithm
         check_gamma(alg.get("gamma", 0.5))
+        check_state_dtype(alg.get("state_dtype", "float64"))
         if alg.get("error_feedback") is not None and _ef_active(alg.error_feedback):
             raise ValueError(EF_MESSAGE)
         from hydra.utils import instantiate
@@ -175,6 +173,13 @@ def codec_message(name: str) -> str:
         "weighted sum of decoded messages); choose e.g. compressor=topk, randomk, qsgd, sign, "
         "terngrad, fp16 or identity"
     )
+
+
+def check_state_dtype(state_dtype: str) -> None:
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(
+            f"algorithm.state_dtype={state_dtype}; choose one of: {', '.join(STATE_DTYPES)}"
+        )
 
 
 def check_gamma(gamma: float) -> None:

@@ -164,7 +164,11 @@ def _composition_message(
     if "is not in struct" in text or "Could not override" in text:
         key = lines[0].split("'")[1] if "'" in lines[0] else lines[0]
         return _unknown_key_hint(key, conf_dir, config_name, overrides)
-    detail = [ln for ln in lines if "could not be converted" in ln or "Invalid value" in ln]
+    detail = [
+        ln
+        for ln in lines
+        if "could not be converted" in ln or "Invalid value" in ln or "is not a valid" in ln
+    ]
     if detail:
         return f"{lines[0]}: {detail[0]}"
     return lines[0] if lines else type(exc).__name__

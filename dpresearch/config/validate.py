@@ -163,6 +163,10 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
         and not (cfg.train.device.startswith("cuda") or torch.cuda.is_available())
     ):
         raise ConfigError("train.autocast=fp16 needs a GPU; use train.autocast=bf16 on CPUs")
+    if not cfg.train.loss_scale > 0:
+        raise ConfigError(
+            f"train.loss_scale={cfg.train.loss_scale}: must be > 0 (fp16's static loss scale)"
+        )
     if cfg.train.lr_scaling not in LR_SCALINGS:
         raise ConfigError(
             f"train.lr_scaling={cfg.train.lr_scaling}; choose one of: {', '.join(LR_SCALINGS)}"
@@ -198,6 +202,7 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
     check_optimizer_values(cfg.optimizer)
     check_schedule_values(cfg.schedule)
     check_compression(cfg)
+    check_unused_nodes(cfg, overrides)
     check_algorithm(cfg)
     OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg)))
 
@@ -391,6 +396,37 @@ def check_algorithm(cfg: DictConfig) -> None:
         if isinstance(cause, ValueError):
             raise ConfigError(str(cause).strip().splitlines()[0]) from None
         raise
+
+
+# Nodes an algorithm takes by reference (`options: ${async}`, `topology: ${topology}`): set
+# for an algorithm that does not reference them, they would be ignored without a word.
+# (compressor/error_feedback: `check_compression`.)
+REFERENCED_NODES = ("async", "topology")
+
+
+def check_unused_nodes(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
+    """A `REFERENCED_NODES` node that the algorithm's node does not reference is left as it
+    is: its schema defaults (`async`) and no override of it on the command line."""
+    from dpresearch.asynchrony.options import AsyncOptions
+
+    used = json.dumps(OmegaConf.to_container(cfg.algorithm, resolve=False))
+    name = cfg.algorithm._target_.rsplit(".", 1)[-1]
+    given = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+    for node in REFERENCED_NODES:
+        if node not in cfg or "${" + node + "}" in used:
+            continue
+        changed = [k for k in given if k == node or k.startswith(node + ".")]
+        if node == "async":
+            defaults = OmegaConf.to_container(OmegaConf.structured(AsyncOptions))
+            now = OmegaConf.to_container(cfg[node], resolve=True)
+            changed += [f"async.{k}" for k, v in now.items() if v != defaults.get(k, v)]
+        if changed:
+            raise ConfigError(
+                f"{changed[0]} is set but {name} does not use the {node} options (only an "
+                f"algorithm whose node references ${{{node}}} does, e.g. "
+                f"{'algorithm=async_sgd' if node == 'async' else 'algorithm=dpsgd'}); "
+                f"leave {node} out, or pick that algorithm"
+            )
 
 
 def _is_default(node: Any, target: str, **defaults: Any) -> bool:
