@@ -40,6 +40,7 @@ from dpresearch.launch.processes import (
     run_simulated,
     under_torchrun,
 )
+from dpresearch.run.checkpoint import CheckpointError
 from dpresearch.run.io_errors import IO_EXIT, MIN_FREE_BYTES, RunIOError, free_bytes
 from dpresearch.run.resume import check_resume, finished_run
 
@@ -119,8 +120,9 @@ def _hydra_main(cfg: DictConfig) -> float | None:
                     with open_dict(cfg):
                         cfg.logger.name, cfg.logger.group = default_names(cfg, hc)
                 summary = train(cfg, run_dir, overrides)
-        except (ConfigError, WorkerFrozen) as exc:
-            _fail(f"error: {exc}", 2 if isinstance(exc, ConfigError) else 1, multirun)
+        except (ConfigError, CheckpointError, WorkerFrozen) as exc:
+            user_error = isinstance(exc, (ConfigError, CheckpointError))
+            _fail(f"error: {exc}", 2 if user_error else 1, multirun)
         except RunIOError as exc:  # before the loop (config.yaml, provenance.json, ...)
             _fail(f"error: {exc.describe()}; free space and run again", IO_EXIT, multirun)
         except KeyboardInterrupt:  # Ctrl-C before the training loop took over the signal

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import socket
 
+from dpresearch.config.errors import ConfigError
+
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 AGENT_VAR = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent for its workers, never by hand
 
@@ -44,8 +46,6 @@ def check_distributed_environment(backend: str) -> None:
     """Raise `ConfigError` (one line) for torch.distributed variables this run cannot use:
     left over beside `backend=simulated`, or a MASTER_PORT that rank 0 of a hand-made launch
     (no torchrun agent) could not host its store on."""
-    from dpresearch.config.validate import ConfigError
-
     present = [v for v in TORCHRUN_VARS if v in os.environ]
     if len(present) < len(TORCHRUN_VARS) or from_agent():
         return  # not a worker (a partial set is ignored), or torchrun's own worker
