@@ -141,6 +141,7 @@ BAD = [
     (["error_feedback.mode=foo"], "error_feedback.mode"),
     (["model.hidden=abc"], "model.hidden"),
     (["network=nonexistent"], "network=nonexistent is not an option"),
+    (["algorithm._target_=dpresearch.models.mlp.MLP"], "is not an Algorithm subclass"),
     (["model=resnet20", "model.depth=21"], "model.depth=21 is not 6n+2"),
     (["model=resnet20", "model.shortcut=x"], "model.shortcut='X' is not known"),
     (["model=vgg11", "model.depth=12"], "model.depth=12 is not a VGG depth"),
