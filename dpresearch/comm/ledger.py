@@ -216,7 +216,8 @@ class CommLedger:
     def state_dict(self) -> dict:
         """The cumulative counters, for a checkpoint (the busy time as a closed total), as plain
         data (a checkpoint holds no class of ours: see `checkpoint.load_checkpoint`): the ops
-        as `[kind, nbytes, group, peers, purpose, count]` rows."""
+        as `[kind, nbytes, group, peers, purpose, count]` rows, with a seventh entry, the tier,
+        for ops of a two-level cluster."""
         return {
             "bytes_by_purpose": {p: list(v) for p, v in self.bytes_by_purpose.items()},
             "bytes_by_tier": {t: list(v) for t, v in self.bytes_by_tier.items()},
@@ -226,6 +227,7 @@ class CommLedger:
             "op_counts": dict(self.op_counts),
             "op_totals": [
                 [op.kind, op.nbytes, op.group, op.peers, op.purpose, n]
+                + ([op.tier] if op.tier else [])
                 for op, n in self.op_totals.items()
             ],
             "purpose_op_counts": [[p, k, n] for (p, k), n in self.purpose_op_counts.items()],
@@ -240,8 +242,8 @@ class CommLedger:
         self.exposed_s = state["exposed_s"]
         self._busy_closed = state["busy_s"]
         self.op_counts.update(state["op_counts"])
-        for kind, nbytes, group, peers, purpose, n in state["op_totals"]:
-            self.op_totals[CommOp(kind, nbytes, group, peers, purpose)] += n
+        for kind, nbytes, group, peers, purpose, n, *tier in state["op_totals"]:
+            self.op_totals[CommOp(kind, nbytes, group, peers, purpose, *tier)] += n
         for purpose, kind, n in state["purpose_op_counts"]:
             self.purpose_op_counts[(purpose, kind)] += n
 
