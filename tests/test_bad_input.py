@@ -140,6 +140,7 @@ BAD = [
     (["train.epochs=0"], "train.epochs=0.0: must be positive"),
     (["train.val_size=-1"], "train.val_size=-1.0 must be a count of examples"),
     (["train.checkpoint_every=1.5"], "train.checkpoint_every=1.5: a number of steps is whole"),
+    (["train.batched_workers=maybe"], "train.batched_workers=maybe; choose one of"),
     (["data.num_classes=1"], "data.num_classes=1: must be at least 2"),
     (["data.num_features=0"], "data.num_features=0: must be at least 1"),
     (["data.noise=-1"], "data.noise=-1: the noise standard deviation must be >= 0"),
