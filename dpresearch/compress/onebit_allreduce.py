@@ -27,13 +27,7 @@ import torch
 from torch import Tensor
 
 from dpresearch.comm.base import Communicator
-from dpresearch.compress.wire import pack_rows
-
-
-def _sign_table(dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Row b: the ±1 of the 8 signs packed in byte b (bit j = entry j, 1 = negative)."""
-    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
-    return (1 - 2 * bits).to(dtype).to(device)
+from dpresearch.compress.wire import pack_rows, sign_table
 
 
 class OneBitAllreduce:
@@ -61,7 +55,7 @@ class OneBitAllreduce:
         self.real = (numel - served * self.chunk).clamp(0, self.chunk).tolist()
         self.valid = (torch.arange(self.chunk).unsqueeze(0) < served.new_tensor(self.real)
                       .unsqueeze(1)).to(device)  # fmt: skip
-        self.table = _sign_table(dtype, self.device)
+        self.table = sign_table(dtype, self.device)
 
     @property
     def bytes_per_call(self) -> int:

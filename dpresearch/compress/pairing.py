@@ -11,9 +11,7 @@ from dpresearch.compress.base import COLLECTIVES, Compressor
 from dpresearch.compress.error_feedback import ErrorFeedback
 
 USES = ("sync", "gossip", "push")
-GOSSIP_CODECS = (
-    "compressor=topk, randomk, qsgd, natural, sign, onebit, terngrad, fp16 or identity"
-)
+GOSSIP_CODECS = "compressor=topk, randomk, qsgd, natural, sign, onebit, terngrad, fp16 or identity"
 WHY_NOT = MappingProxyType(
     {
         "gossip": "cannot be used for gossip (multi-round protocol or a vote, not a weighted sum "

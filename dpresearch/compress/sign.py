@@ -9,7 +9,7 @@ from torch import Tensor
 from dpresearch.compress.base import Chunk, SingleRoundCompressor
 from dpresearch.compress.codec import Codec
 from dpresearch.compress.kernels import BLOCK, numpy_path
-from dpresearch.compress.wire import Spec, pack_rows, packed_size
+from dpresearch.compress.wire import Spec, pack_rows, packed_size, sign_table
 
 
 class SignCodec(Codec):
@@ -33,9 +33,7 @@ class SignCodec(Codec):
             nbytes = torch.arange(packed_size(group.numel, 1))
             every = torch.tensor(starts).unsqueeze(1) + nbytes
             self.dest.append((starts, every.to(self.device)))
-        # row b: the ±1 of the 8 signs packed in byte value b (bit j = entry j)
-        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
-        self._signs = (1 - 2 * bits).to(self.dtype).to(self.device)
+        self._signs = sign_table(self.dtype, self.device)
         # per run: the chunk each packed byte belongs to (chunks start on a byte in a run)
         self.byte_chunks = []
         for first, last in self.table.runs(1):
