@@ -347,6 +347,7 @@ class Trainer:
                 "steps_per_epoch": self.steps_per_epoch,
                 "total_steps": self.total_steps,
                 "num_params": self.replicas.num_params,
+                **self._data_facts(),
                 "comm/bytes_per_epoch": last["comm/bytes"]
                 / (self.total_steps / self.steps_per_epoch),
                 "comm/op_counts": dict(comm.ledger.op_counts),
@@ -399,11 +400,22 @@ class Trainer:
             "total_steps": self.total_steps,
             "steps_per_epoch": self.steps_per_epoch,
             "best/test_acc": self.best_acc,
+            **self._data_facts(),
         }
         if self.on_nonfinite == "skip_step":
             summary["train/skipped_steps"] = self.skipped
         self.logger.finish(summary)
         return summary
+
+    def _data_facts(self) -> dict[str, int]:
+        """The sizes a report needs to judge its numbers: classes (chance level) and the
+        examples behind each accuracy (its binomial standard error)."""
+        data = self.data
+        facts = {"data/classes": data.num_classes, "data/train_examples": data.num_train,
+                 "data/test_examples": int(data.test_targets.shape[0])}  # fmt: skip
+        if data.val_targets is not None:
+            facts["data/val_examples"] = int(data.val_targets.shape[0])
+        return facts
 
     def _agree(self, plan: StepPlan) -> tuple[int, bool]:
         """(stop signal or 0, non-finite loss) of this step, the same on every process: one

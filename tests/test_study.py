@@ -21,6 +21,8 @@ TINY = {
     "common": [*SMALL, "train.epochs=1", "train.save_model=false"],
     "lrs": [0.1, 0.05],
     "seeds": [0],
+    "min_tune_seeds": 1,  # one seed keeps these launcher tests fast
+    "extend": 0,  # an edge pick is reported, the grid not grown
     "select": "train/loss:min",
     "target": {"metric": "test/acc", "value": 0.2},
     "network": "1gbe",

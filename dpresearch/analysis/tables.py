@@ -2,7 +2,9 @@
 
 A metric column `m` that has a partner `m std` (as `aggregate` writes) is shown as
 "mean ± std" in markdown and LaTeX, and as two numeric columns in CSV, so the CSV stays
-machine-readable. Missing values are shown as "–".
+machine-readable. Missing values are shown as "–". Besides Python format specs, a column's
+format may be "%" (a fraction shown as a percentage with one decimal) or "MB" (an amount in
+MB shown with three significant figures, in GB from 1000 MB).
 """
 
 from __future__ import annotations
@@ -18,11 +20,34 @@ MISSING = "–"
 DEFAULT_FORMAT = ".4g"
 
 
+def percent(value: Any) -> str:
+    """A fraction as a percentage with one decimal (0.5321 → "53.2")."""
+    return MISSING if not _finite(value) else f"{100 * float(value):.1f}"
+
+
+def megabytes(value: Any) -> str:
+    """An amount in MB (10⁶ bytes) with three significant figures, in GB from 1000 MB."""
+    if not _finite(value):
+        return MISSING
+    value = float(value)
+    return f"{value / 1000:.3g} GB" if abs(value) >= 1000 else f"{value:.3g} MB"
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# Format names `_cell` understands besides Python's format specs.
+SPECIAL = {"%": percent, "MB": megabytes}
+
+
 def _cell(value: Any, fmt: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return MISSING
     if isinstance(value, bool) or type(value).__name__ == "bool_":
         return "✓" if value else ""
+    if fmt in SPECIAL and isinstance(value, numbers.Real):
+        return SPECIAL[fmt](value)
     if isinstance(value, numbers.Real):
         try:
             return format(value, fmt)
