@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
@@ -215,7 +214,9 @@ class Trainer:
         result = {}
         for i, split in enumerate(splits):
             loss, correct, count = sums[0, 3 * i : 3 * i + 3].tolist()
-            result.update({f"{split}/loss": loss / count, f"{split}/acc": correct / count})
+            result[f"{split}/loss"] = loss / count
+            if self.data.classification:
+                result[f"{split}/acc"] = correct / count
         if self.algorithm.evaluates_local_models:
             # Each worker's model lives only where the worker does: it sees the whole test set.
             accs = torch.stack([self._eval_sums(m, 0, 1)[1:] for m in self.replicas.models])
@@ -237,8 +238,9 @@ class Trainer:
                 x = x.contiguous(memory_format=torch.channels_last)
             with self.compute.autocast():
                 out = model(x).float()
-            sums[0] += F.cross_entropy(out, y, reduction="sum").double()
-            sums[1] += (out.argmax(1) == y).sum().double()
+            sums[0] += self.data.loss(out, y, reduction="sum").double()
+            if self.data.classification:
+                sums[1] += self.data.hits(out, y).sum().double()
             sums[2] += y.numel()
         model.train(was_training)
         return sums
@@ -313,7 +315,11 @@ class Trainer:
                     "epoch": done / self.steps_per_epoch,
                     "samples": done * self.gradients_per_step * batch,
                     "train/loss": loss_sum / count if count else math.nan,
-                    "train/acc": acc_sum / count if count else math.nan,
+                    **(
+                        {"train/acc": acc_sum / count if count else math.nan}
+                        if self.data.classification
+                        else {}
+                    ),  # fmt: skip
                     "lr": self.base_lr * multiplier,
                     **bytes_sent,
                     "comm/modeled_s": comm.ledger.modeled_s,
@@ -325,7 +331,8 @@ class Trainer:
                 last.update(self.algorithm_metrics)
                 if done % eval_every == 0 or is_last:
                     last.update(self.evaluate())
-                    self.best_acc = max(self.best_acc, last["test/acc"])
+                    if "test/acc" in last:
+                        self.best_acc = max(self.best_acc, last["test/acc"])
                     self.replicas.train()
                 self.last = last
                 self.logger.log(last)
@@ -343,7 +350,7 @@ class Trainer:
         summary.update(
             {
                 "status": "finished",
-                "best/test_acc": self.best_acc,
+                **self._best(),
                 "steps_per_epoch": self.steps_per_epoch,
                 "total_steps": self.total_steps,
                 "num_params": self.replicas.num_params,
@@ -399,13 +406,16 @@ class Trainer:
             **facts,
             "total_steps": self.total_steps,
             "steps_per_epoch": self.steps_per_epoch,
-            "best/test_acc": self.best_acc,
+            **self._best(),
             **self._data_facts(),
         }
         if self.on_nonfinite == "skip_step":
             summary["train/skipped_steps"] = self.skipped
         self.logger.finish(summary)
         return summary
+
+    def _best(self) -> dict[str, float]:
+        return {"best/test_acc": self.best_acc} if self.data.classification else {}
 
     def _data_facts(self) -> dict[str, int]:
         """The sizes a report needs to judge its numbers: classes (chance level) and the

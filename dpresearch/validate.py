@@ -15,7 +15,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 BACKENDS = ("simulated", "gloo", "nccl")
 LR_SCALINGS = ("none", "linear")
-PARTITIONS = ("iid", "dirichlet")
+PARTITIONS = ("iid", "dirichlet", "shared")
 # Optimizer hyper-parameters that torch requires to be non-negative numbers.
 NON_NEGATIVE_OPTIMIZER_KEYS = ("lr", "momentum", "weight_decay", "dampening", "eps")
 

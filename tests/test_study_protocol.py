@@ -35,18 +35,21 @@ def stub_study(tmp_path, cases: dict, **extra) -> object:
     return load_study(path)
 
 
-def stub_runner(objective, ran: list):
-    """A runner writing the files the trainer writes, with val/acc = objective(case, lr, seed)
-    (test/acc 0.01 below it); `ran` records each point in order."""
+def stub_runner(objective, ran: list, curve=lambda acc, epoch: acc * epoch / STEPS):
+    """A runner writing the files the trainer writes, with val/acc at epoch e =
+    curve(objective(case, lr, seed), e) (test/acc 0.01 below it); `ran` records each point."""
 
     def run(point, run_dir, overrides):
         ran.append(point.id)
         acc = objective(point.case, point.lr, point.seed)
-        config = {"seed": point.seed, "optimizer": {"lr": point.lr}, "train": {"epochs": STEPS}}
+        config = {"seed": point.seed, "optimizer": {"lr": point.lr}, "train": {"epochs": STEPS},
+                  "schedule": {"_target_": "dpresearch.schedules.Constant"}}  # fmt: skip
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+        curves = {s: curve(acc, s) if callable(curve) else curve[point.case](acc, s)
+                  for s in range(1, STEPS + 1)}  # fmt: skip
         lines = [
             {"step": s, "epoch": float(s), "train/loss": 2.0 - 0.3 * s,
-             "val/acc": acc * s / STEPS, "test/acc": (acc - 0.01) * s / STEPS}
+             "val/acc": curves[s], "test/acc": curves[s] - 0.01}
             for s in range(1, STEPS + 1)
         ]  # fmt: skip
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -147,3 +150,36 @@ def test_a_study_selecting_on_one_seed_is_refused(tmp_path):
     with pytest.raises(StudyError, match="at least 2"):
         run_study(study, tmp_path / "out", launcher=stub_runner(peak_at(1.0), []),
                   log=lambda line: None)  # fmt: skip
+
+
+def test_the_report_says_which_result_holds_at_which_horizon(tmp_path):
+    """A claim judged at two horizons of the same runs: "slow" (EF-like: a late start) loses
+    to "fast" after one epoch and beats it after four; each horizon selects its own lr, the
+    verdict table states both, and nothing is said beyond the last horizon."""
+    curves = {
+        "slow": lambda acc, e: 0.15 + (acc - 0.15) * (e - 0.9) / 3.1,  # 17 % after 1 epoch
+        "fast": lambda acc, e: min(acc, 0.55),  # flat at 55 % from the first epoch
+    }
+    accs = {("slow", 0.1): 0.85, ("slow", 0.32): 0.80, ("slow", 0.032): 0.75,
+            ("fast", 0.1): 0.60, ("fast", 0.32): 0.55, ("fast", 0.032): 0.50}  # fmt: skip
+    study = stub_study(
+        tmp_path,
+        {name: {"overrides": [], "lrs": [0.032, 0.1, 0.32]} for name in ("slow", "fast")},
+        claim={"statement": "slow beats fast", "horizons": [1, 4],
+               "expect": [{"better": "slow", "than": "fast"}]},  # fmt: skip
+    )
+    out = tmp_path / "out"
+    ran: list[str] = []
+    run_study(study, out, launcher=stub_runner(lambda c, lr, s: accs[(c, lr)] + 0.001 * s, ran,
+                                               curves), log=lambda line: None)  # fmt: skip
+    assert len(ran) == 12 + 4  # no extension: both horizons pick lr 0.1 (interior)
+    text = report_study(study, out, tmp_path / "results").read_text()
+    claim = text.split("## Claim")[1].split("##")[0]
+    row = next(line for line in claim.splitlines() if line.startswith("| slow > fast"))
+    at_1, at_4 = row.split(" | ")[1:3]
+    slow_1 = statistics.mean(curves["slow"](0.85 + 0.001 * s, 1) for s in (2, 3))
+    assert at_1.startswith(f"does not hold ({100 * (slow_1 - 0.55):+.1f} ± ")
+    assert at_4.startswith(f"holds ({100 * (0.8525 - 0.55):+.1f} ± ")
+    assert "Nothing here is concluded about training longer than 4 epochs." in text
+    assert "## Results at 1 epochs" in text and "## Results at 4 epochs" in text
+    assert (tmp_path / "results" / "table_1_epochs.tex").exists()

@@ -9,9 +9,10 @@
   (s/√n) and, for an accuracy measured on N examples, the binomial sampling error of that
   split, √(p(1−p)/N), combined in quadrature. The second term stays when the split is the same
   for every seed (the validation split is): averaging seeds does not remove it.
-- `truncate` / `at_horizon`: every run as it stood after `epoch` epochs — the metrics frame cut
-  there, and the runs frame's metrics replaced by their last values up to it (a run that
-  diverged later counts as finished at that horizon; one that stopped earlier as unfinished).
+- `truncate` / `at_horizon`: every run as it stood after `epoch` epochs (or any growing
+  column, e.g. simulated seconds) — the metrics frame cut there, and the runs frame's metrics
+  replaced by their last values up to it (a run that diverged later counts as finished at that
+  horizon; one that stopped earlier as unfinished).
 """
 
 from __future__ import annotations
@@ -87,17 +88,18 @@ def mark_untrained(runs, metrics):
     return runs
 
 
-def truncate(metrics, epoch: float):
-    """The logged steps at or before `epoch`."""
-    return metrics[metrics["epoch"] <= epoch + EPS] if "epoch" in metrics else metrics.iloc[:0]
+def truncate(metrics, value: float, key: str = "epoch"):
+    """The logged steps at or before `value` of `key` (epochs by default)."""
+    return metrics[metrics[key] <= value + EPS] if key in metrics else metrics.iloc[:0]
 
 
-def at_horizon(runs, metrics, epoch: float):
-    """(runs, metrics) as they stood after `epoch` epochs (see the module docstring)."""
+def at_horizon(runs, metrics, value: float, key: str = "epoch"):
+    """(runs, metrics) as they stood at `value` of `key` — epochs by default, or any logged
+    column that grows along a run, e.g. simulated seconds (see the module docstring)."""
     import pandas as pd
 
-    cut = truncate(metrics, epoch)
-    reached = metrics.groupby("run", observed=True)["epoch"].max() >= epoch - EPS
+    cut = truncate(metrics, value, key)
+    reached = metrics.groupby("run", observed=True)[key].max() >= value - EPS
     columns = [c for c in cut.columns if c not in ("run",)]
     last = cut.groupby("run", observed=True, sort=False)[columns].last()  # last non-null each
     out = runs.copy()

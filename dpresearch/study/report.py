@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dpresearch.analysis.aggregate import Selection, duplicate_seed_notes
+from dpresearch.analysis.aggregate import Selection, default_mode, duplicate_seed_notes
 from dpresearch.analysis.errors import AnalysisError
 from dpresearch.analysis.quality import examples_for, is_accuracy, mark_untrained, standard_error
 from dpresearch.analysis.runs import FINISHED, STATUSES, find_runs
@@ -347,11 +347,16 @@ def verdict(report: StudyReport, horizon: Horizon, expectation) -> str:
         if n_a and not n_b and why_b in ("diverged", "did not train", "diverged/did not train"):
             return f"holds ({expectation.other}: {why_b})"
         return "not testable (" + "; ".join(x for x in (why_a, why_b) if x) + ")"
-    diff = a - b
+    diff = (a - b) if default_mode(metric) == "max" else (b - a)  # > 0: `case` is better
     se = math.hypot(se_a, se_b) if math.isfinite(se_a) and math.isfinite(se_b) else math.nan
-    scale, unit = (100.0, " points") if is_accuracy(metric) else (1.0, "")
-    text = f"{diff * scale:+.1f} ± {se * scale:.1f}{unit}" if math.isfinite(se) else (
-        f"{diff * scale:+.1f}{unit}, SE unknown")  # fmt: skip
+    if is_accuracy(metric):
+        text = (
+            f"{100 * diff:+.1f}" + (f" ± {100 * se:.1f}" if math.isfinite(se) else "") + " points"
+        )
+    else:
+        text = f"{diff:+.3g} ± {se:.2g}" if math.isfinite(se) else f"{diff:+.3g}"
+    if not math.isfinite(se):
+        text += ", SE unknown"
     if not math.isfinite(se):
         return f"unresolved ({text})"
     low = -expectation.within if expectation.within is not None else 0.0
@@ -415,19 +420,25 @@ def _horizon_sentence(report: StudyReport) -> str:
     length = (f"{float(max(epochs)):g} epochs" if len(epochs) else "their own length") + (
         f" ({int(max(steps))} steps)" if len(steps) else "")  # fmt: skip
     if study.claim and study.claim.horizons:
+        from dpresearch.study.select import HORIZON_UNITS
+
+        unit = HORIZON_UNITS.get(study.claim.horizon_key, study.claim.horizon_key)
         hs = [f"{h:g}" for h in study.claim.horizons]
-        schedule = str(runs.get("cfg.schedule._target_", [""]).iloc[0]) if len(runs) else ""
+        column = runs.get("cfg.schedule._target_")
+        schedule = (
+            str(column.dropna().iloc[0]) if column is not None and column.notna().any() else ""
+        )
         prefix = (
-            "the schedule is constant after its warm-up, so a run's first h epochs are an "
-            "h-epoch run (the same runs serve every horizon; each horizon selects its own lr)"
+            f"the schedule is constant after its warm-up, so a run's first h {unit} are an "
+            f"h-{unit} run (the same runs serve every horizon; each horizon selects its own lr)"
             if schedule.endswith("Constant")
             else f"the schedule ({schedule.rsplit('.', 1)[-1]}) depends on the run length: a "
-            "value at h epochs of a longer run is not an h-epoch run's"
+            f"value at h {unit} of a longer run is not an h-{unit} run's"
         )
         return (
-            f"**Horizons:** {', '.join(hs[:-1])}{' and ' if len(hs) > 1 else ''}{hs[-1]} epochs "
+            f"**Horizons:** {', '.join(hs[:-1])}{' and ' if len(hs) > 1 else ''}{hs[-1]} {unit} "
             f"of runs {length} long; {prefix}. Nothing here is concluded about training longer "
-            f"than {hs[-1]} epochs."
+            f"than {hs[-1]} {unit}."
         )
     return (
         f"**Horizon:** every result is at the end of runs {length} long; nothing here is "
@@ -523,6 +534,7 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
     ys = [m for m in dict.fromkeys([*result_metrics(report), *study.curves]) if m in metrics]
     xs = ["epoch", "comm/bytes", modeled_column(study.network), "time/simulated_s"]
     vlines = list(study.claim.horizons) if study.claim and study.claim.horizons else []
+    horizon_key = study.claim.horizon_key if study.claim else "epoch"
     written = []
     for y in ys:
         for x in xs:
@@ -533,7 +545,7 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
             stem = f"{y}_vs_{x}".replace("/", "_").replace("@", "_")
             path = out / f"{stem}.png"
             fig = plot_groups(metrics, groups, x, y, [path], title=study.title,
-                              vlines=vlines if x == "epoch" else ())  # fmt: skip
+                              vlines=vlines if x == horizon_key else ())  # fmt: skip
             written.append((path, fig))
     return written
 
@@ -599,7 +611,7 @@ def write(report: StudyReport, results: Path, command: str) -> tuple[Path, list]
         grid = grid_frame(report, horizon)
         grid.insert(0, "horizon", horizon.label)
         grids.append(grid)
-        stem = "table" if len(report.horizons) == 1 else f"table_{horizon.epochs:g}ep"
+        stem = "table" if len(report.horizons) == 1 else "table_" + slug(horizon.label)
         (results / f"{stem}.md").write_text(markdown_table(shown, list(shown.columns)) + "\n")
         caption = f"{report.study.title} — {horizon.label}"
         (results / f"{stem}.tex").write_text(

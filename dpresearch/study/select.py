@@ -45,6 +45,9 @@ class Pick:
         return bool(self.edge) and self.next_lr is None
 
 
+HORIZON_UNITS = {"epoch": "epochs", "time/simulated_s": "simulated s", "step": "steps"}
+
+
 @dataclass
 class Horizon:
     """The study at one horizon: `epochs` None is the runs' own end."""
@@ -55,9 +58,13 @@ class Horizon:
     stats: Any  # per (case, lr): the tuning seeds' selection metric (mean, std, n, se)
     picks: dict[str, Pick]
 
+    key: str = "epoch"
+
     @property
     def label(self) -> str:
-        return "the end of training" if self.epochs is None else f"{self.epochs:g} epochs"
+        if self.epochs is None:
+            return "the end of training"
+        return f"{self.epochs:g} {HORIZON_UNITS.get(self.key, self.key)}"
 
 
 def lr_column(study: Study) -> str:
@@ -136,18 +143,20 @@ def horizon_epochs(study: Study) -> list[float | None]:
 
 def horizons(study: Study, runs, metrics) -> list[Horizon]:
     """The study at each of its horizons (`runs` with `did not train` already marked)."""
+    from dpresearch.analysis.quality import mark_untrained
+
     selection = selection_of(study, runs)
+    key = study.claim.horizon_key if study.claim else "epoch"
     out = []
-    for epochs in horizon_epochs(study):
-        if epochs is None:
+    for value in horizon_epochs(study):
+        if value is None:
             at_runs, at_metrics = runs, metrics
         else:
-            from dpresearch.analysis.quality import mark_untrained
-
-            at_runs, at_metrics = at_horizon(runs, metrics, epochs)
+            at_runs, at_metrics = at_horizon(runs, metrics, value, key)
             at_runs = mark_untrained(at_runs, at_metrics)
         stats = tuning_stats(study, at_runs, selection)
-        out.append(Horizon(epochs, at_runs, at_metrics, stats, picks_of(study, stats, selection)))
+        picks = picks_of(study, stats, selection)
+        out.append(Horizon(value, at_runs, at_metrics, stats, picks, key))
     return out
 
 

@@ -21,6 +21,7 @@ metric, the claim it tests and where its run data is shipped; expanded into poin
       statement: error feedback recovers top-k's accuracy
       metric: test/acc
       horizons: [3, 10, 30]              # epochs; the runs' own length when omitted
+      horizon_key: epoch                 # or time/simulated_s: horizons in simulated seconds
       expect:
         - {better: top-k 1% + EF, than: top-k 1% (no EF)}
         - {case: top-k 1% + EF, within: 0.02, of: none}
@@ -142,8 +143,9 @@ class Expectation:
 class Claim:
     statement: str
     metric: str = "test/acc"
-    horizons: tuple[float, ...] = ()  # epochs; () = the runs' own length
+    horizons: tuple[float, ...] = ()  # in `horizon_key` units; () = the runs' own length
     expect: tuple[Expectation, ...] = ()
+    horizon_key: str = "epoch"  # or e.g. time/simulated_s
 
 
 @dataclass(frozen=True)
@@ -343,7 +345,7 @@ def _claim(raw: Any, cases: set[str]) -> Claim | None:
         return None
     if not isinstance(raw, dict) or "statement" not in raw:
         raise StudyError("claim needs a `statement` (and optionally metric, horizons, expect)")
-    unknown = set(raw) - {"statement", "metric", "horizons", "expect"}
+    unknown = set(raw) - {"statement", "metric", "horizons", "expect", "horizon_key"}
     if unknown:
         raise StudyError(f"claim: unknown key {', '.join(sorted(unknown))}")
     horizons = tuple(_positive(h, "claim horizons") for h in raw.get("horizons") or ())
@@ -363,7 +365,7 @@ def _claim(raw: Any, cases: set[str]) -> Claim | None:
             if name not in cases:
                 raise StudyError(f"claim names case {name!r}, which the study does not have")
     return Claim(str(raw["statement"]), str(raw.get("metric", "test/acc")), horizons,
-                 tuple(expect))  # fmt: skip
+                 tuple(expect), str(raw.get("horizon_key", "epoch")))  # fmt: skip
 
 
 def _path(raw: Any, base: Path) -> Path | None:

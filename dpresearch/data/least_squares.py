@@ -1,0 +1,56 @@
+"""Least squares as a data set: f(x) = 1/(2n)‖Ax − b‖², the problem of Mishchenko et al.
+2022 ("Asynchronous SGD beats minibatch SGD under arbitrary delays", konstmish/asynchronous_sgd).
+
+A ∈ R^{n×d} has entries U(0, 1)/√d, b = A·x̄ + noise·N(0, I) with x̄ ~ N(0, I), drawn with
+numpy's generator seeded by `seed` (the authors' 42). The training objective on a batch is
+½·mean((a·x − b)²) (`loss`); the test split is the training set itself, so `test/loss` is
+f(x) on all n rows — this is an optimization problem, not a generalization one. `optimum`
+holds f* (exact least-squares solution, float64). Every worker samples from all n rows by
+default (`partition: shared`), as the authors' workers do.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dpresearch.data.base import Dataset
+
+
+class LeastSquares(Dataset):
+    """A regression data set: one real target per example, squared loss, no accuracy."""
+
+    classification: ClassVar[bool] = False
+    optimum: float = 0.0
+
+    def loss(self, outputs: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
+        squared = 0.5 * (outputs.reshape(targets.shape) - targets).pow(2)
+        return squared.sum() if reduction == "sum" else squared.mean()
+
+    def hits(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        return torch.zeros(targets.shape[0], dtype=torch.bool, device=targets.device)
+
+
+def make_least_squares(
+    num_train: int = 10_000,
+    dim: int = 400,
+    noise: float = 1e-5,
+    seed: int = 42,
+    partition: str = "shared",
+    alpha: float = 1.0,
+    device: str = "cpu",
+) -> LeastSquares:
+    """The problem above; the same arguments always give the same tensors."""
+    rng = np.random.default_rng(seed)
+    a = rng.uniform(size=(num_train, dim)) / np.sqrt(dim)
+    x_bar = rng.normal(size=dim)
+    b = a @ x_bar + noise * rng.normal(size=num_train)
+    x_opt = np.linalg.lstsq(a, b, rcond=None)[0]
+    inputs = torch.from_numpy(a).float()
+    targets = torch.from_numpy(b).float()
+    data = LeastSquares(inputs, targets, inputs, targets, 1, partition=partition, alpha=alpha)
+    data.optimum = 0.5 * float(np.mean((a @ x_opt - b) ** 2))
+    return data.to(device)
