@@ -165,8 +165,11 @@ def test_the_report_says_which_result_holds_at_which_horizon(tmp_path):
     study = stub_study(
         tmp_path,
         {name: {"overrides": [], "lrs": [0.032, 0.1, 0.32]} for name in ("slow", "fast")},
-        claim={"statement": "slow beats fast", "horizons": [1, 4],
-               "expect": [{"better": "slow", "than": "fast"}]},  # fmt: skip
+        claim={
+            "statement": "slow beats fast",
+            "horizons": [1, 4],
+            "expect": [{"better": "slow", "than": "fast"}],
+        },  # fmt: skip
     )
     out = tmp_path / "out"
     ran: list[str] = []
