@@ -56,6 +56,7 @@ def test_one_sgd_step_is_the_closed_form(tmp_path):
     full_a, full_b = data.train_inputs.double(), data.train_targets.double()
     f1 = 0.5 * ((full_a @ x1 - full_b) ** 2).mean()
     assert summary["test/loss"] == pytest.approx(float(f1), rel=1e-5)
+    assert summary["val/loss"] == summary["test/loss"]  # both are f on all rows
     assert summary["train/loss"] == pytest.approx(float(0.5 * (b**2).mean()), rel=1e-5)
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert not any(k.endswith("/acc") for row in logged for k in row)  # no accuracy for a loss

@@ -160,7 +160,8 @@ def test_shipped_studies_compose_and_validate(path):
     configuration (not run)."""
     study = load_study(path)
     for case in study.cases:
-        point = next(p for p in study.points([case.name]))
+        lr = study.case(case.lr_from).lrs[0] if case.lr_from else case.lrs[0]
+        point = study.point(case, lr, study.seeds[0])
         validate(compose_config(*point.overrides))
 
 

@@ -49,6 +49,7 @@ LABELS: dict[str, tuple[str, float]] = {
         1.0,
     ),  # fmt: skip
     "lr": ("learning rate (per-worker batch)", 1.0),
+    "MB_per_epoch": ("data sent per worker per epoch (MB)", 1.0),
 }
 NETWORKS = {"1gbe": "1 GbE", "10gbe": "10 GbE", "25gbe": "25 GbE", "100gb_ib": "100 Gb InfiniBand",
             "nvlink": "NVLink"}  # fmt: skip
@@ -152,6 +153,45 @@ def plot_groups(
     fig.tight_layout()
     for out in outs:
         save(fig, out)
+    return fig
+
+
+def plot_points(
+    points: Sequence[tuple[str, float, float, float]],
+    x: str,
+    y: str,
+    out: str | Path,
+    title: str | None = None,
+    labels: Mapping[str, str] | None = None,
+):
+    """One marker per (label, x, y, y spread) — e.g. each case's final accuracy against its
+    bytes per epoch — with its spread as an error bar; returns the figure."""
+    from matplotlib.figure import Figure
+
+    x_label, x_scale = axis_label(x, labels)
+    y_label, y_scale = axis_label(y, labels)
+    fig = Figure(figsize=(9, 4.8))
+    ax = fig.subplots()
+    for i, (label, xv, yv, spread) in enumerate(points):
+        look = style(i)
+        yerr = spread * y_scale if spread == spread else None
+        ax.errorbar(xv * x_scale, yv * y_scale, yerr=yerr, color=look["color"],
+                    marker=look["marker"], linestyle="none", markersize=6, capsize=3,
+                    label=label)  # fmt: skip
+    import numpy as np
+
+    xs = np.array([p[1] for p in points], dtype=float)
+    if len(xs) and xs.min() > 0 and xs.max() / xs.min() > 10:  # amounts over a decade: log
+        ax.set_xscale("log")
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(y_label)
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    if points:
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    save(fig, out)
     return fig
 
 

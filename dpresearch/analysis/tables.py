@@ -25,12 +25,36 @@ def percent(value: Any) -> str:
     return MISSING if not _finite(value) else f"{100 * float(value):.1f}"
 
 
+def significant(value: Any, digits: int = 3) -> str:
+    """`value` with `digits` significant figures, trailing zeros kept (20 → "20.0")."""
+    if not _finite(value):
+        return MISSING
+    text = f"{float(value):#.{digits}g}"
+    return text.rstrip(".") if "e" not in text else f"{float(value):.{digits}g}"
+
+
+def decimals_of(text: str) -> int:
+    """How many decimals a formatted number shows ("1.31" → 2, "45" → 0)."""
+    return 0 if "." not in text or "e" in text else len(text.split(".", 1)[1])
+
+
+def with_spread(mean: Any, std: Any, digits: int = 3) -> str:
+    """ "mean ± std": the mean with `digits` significant figures, the spread to the same
+    decimal place (1.3052, 0.00643 → "1.31 ± 0.01")."""
+    text = significant(mean, digits)
+    if not _finite(std) or text == MISSING:
+        return text
+    if "e" in text:
+        return f"{text} ± {float(std):.1e}"
+    return f"{text} ± {float(std):.{decimals_of(text)}f}"
+
+
 def megabytes(value: Any) -> str:
     """An amount in MB (10⁶ bytes) with three significant figures, in GB from 1000 MB."""
     if not _finite(value):
         return MISSING
     value = float(value)
-    return f"{value / 1000:.3g} GB" if abs(value) >= 1000 else f"{value:.3g} MB"
+    return f"{significant(value / 1000)} GB" if abs(value) >= 1000 else f"{significant(value)} MB"
 
 
 def _finite(value: Any) -> bool:

@@ -33,7 +33,15 @@ from dpresearch.analysis.aggregate import Selection, default_mode, duplicate_see
 from dpresearch.analysis.errors import AnalysisError
 from dpresearch.analysis.quality import examples_for, is_accuracy, mark_untrained, standard_error
 from dpresearch.analysis.runs import FINISHED, STATUSES, find_runs
-from dpresearch.analysis.tables import MISSING, latex_table, markdown_table, megabytes, percent
+from dpresearch.analysis.tables import (
+    MISSING,
+    latex_table,
+    markdown_table,
+    megabytes,
+    percent,
+    significant,
+    with_spread,
+)
 from dpresearch.study.select import Horizon, Pick, horizons, lr_column, selection_of
 from dpresearch.study.spec import REPO, Study, StudyError, slug
 
@@ -133,10 +141,7 @@ def _final_runs(report: StudyReport, horizon: Horizon, case: str, lr: float):
     study, runs = report.study, horizon.runs
     lr_col = lr_column(study)
     rows = runs[(runs["case"] == case) & (runs[lr_col] == lr)]
-    spec = study.case(case)
-    seeds = study.final_seeds if spec.lr_from is None else study.seeds
-    if spec.lr_from is None and not study.final_seeds:
-        seeds = study.selection_seeds
+    seeds = study.final_seeds or study.selection_seeds
     return rows[rows["cfg.seed"].isin(list(seeds))]
 
 
@@ -165,26 +170,40 @@ def _mean_cell(rows, metric: str, include_failed: bool, fmt) -> tuple[str, float
         return (_failed_text(rows) if len(rows) else MISSING), math.nan, math.nan, 0
     mean = float(values.mean())
     std = float(values.std(ddof=1)) if len(values) > 1 else math.nan
-    text = fmt(mean) + (f" ± {fmt(std)}" if math.isfinite(std) else "")
+    if fmt is None:
+        text = with_spread(mean, std)
+    else:
+        text = fmt(mean) + (f" ± {fmt(std)}" if math.isfinite(std) else "")
     return text, mean, std, len(values)
 
 
 def _fmt_for(metric: str):
-    if is_accuracy(metric):
-        return percent
-    return lambda v: MISSING if not math.isfinite(v) else f"{v:.3g}"
+    """Accuracies in % with one decimal; anything else None: three significant figures, the
+    spread to the same decimal place (`with_spread`)."""
+    return percent if is_accuracy(metric) else None
 
 
-def _metric_head(metric: str) -> str:
+def _metric_head(metric: str, labels: dict[str, str] | None = None) -> str:
     from dpresearch.analysis.plots import axis_label
 
-    return axis_label(metric)[0]
+    return axis_label(metric, labels)[0]
+
+
+def _pm(mean: float, se: float, metric: str) -> str:
+    """ "mean ± SE" in the metric's format (SE "unknown" when it is not known)."""
+    fmt = _fmt_for(metric)
+    if fmt is None:
+        return with_spread(mean, se) if math.isfinite(se) else f"{significant(mean)} ± unknown"
+    return f"{fmt(mean)} ± {fmt(se) if math.isfinite(se) else 'unknown'}"
+
+
+def _one(value: float, metric: str) -> str:
+    fmt = _fmt_for(metric)
+    return significant(value, 2) if fmt is None else fmt(value)
 
 
 def _selection_cell(pick: Pick, metric: str) -> str:
-    fmt = _fmt_for(metric)
-    se = fmt(pick.se) if math.isfinite(pick.se) else "unknown"
-    return f"{fmt(pick.value)} ± {se} (n={pick.n})"
+    return f"{_pm(pick.value, pick.se, metric)} (n={pick.n})"
 
 
 def _pick_note(pick: Pick, metric: str, study: Study) -> str:
@@ -197,10 +216,9 @@ def _pick_note(pick: Pick, metric: str, study: Study) -> str:
             else f"{pick.edge} lr tried: the grid is still being extended"
         )
     if pick.runner_up is not None and pick.close:
-        fmt = _fmt_for(metric)
-        se = fmt(pick.margin_se) if math.isfinite(pick.margin_se) else "unknown"
+        se = _one(pick.margin_se, metric) if math.isfinite(pick.margin_se) else "unknown"
         notes.append(
-            f"won by {fmt(pick.margin)} < SE {se} over lr {pick.runner_up:g}: within noise"
+            f"won by {_one(pick.margin, metric)} < SE {se} over lr {pick.runner_up:g}: within noise"
         )
     return "; ".join(notes)
 
@@ -211,7 +229,7 @@ RESULT_METRICS = ("test/acc", "train/loss")
 def result_metrics(report: StudyReport) -> list[str]:
     study, runs = report.study, report.runs
     wanted = [study.claim.metric] if study.claim else []
-    wanted += [study.target_metric, *RESULT_METRICS]
+    wanted += [study.target_metric, *RESULT_METRICS, *study.metrics]
     return [m for m in dict.fromkeys(wanted) if m in runs]
 
 
@@ -227,10 +245,10 @@ def results_frame(report: StudyReport, horizon: Horizon):
         row = {"case": case.name}
         values: dict[str, Any] = {"case": case.name, "horizon": horizon.epochs}
         if pick is None:
-            row.update({"lr": MISSING, f"selection: {_metric_head(metric)}": MISSING})
+            row.update({"lr": MISSING, f"selection: {_metric_head(metric, study.labels)}": MISSING})
             rows = horizon.runs[horizon.runs["case"] == case.name]
             for m in metrics:
-                row[_metric_head(m)] = _failed_text(rows) if len(rows) else "not run"
+                row[_metric_head(m, study.labels)] = _failed_text(rows) if len(rows) else "not run"
             row["MB sent per worker per epoch"] = MISSING
             row["n"] = "0"
             row["note"] = "no lr could be selected" if len(rows) else "not run"
@@ -240,14 +258,14 @@ def results_frame(report: StudyReport, horizon: Horizon):
         rows = _final_runs(report, horizon, case.name, pick.lr)
         row["lr"] = f"{pick.lr:g}"
         values["lr"] = pick.lr
-        row[f"selection: {_metric_head(metric)}"] = (
+        row[f"selection: {_metric_head(metric, study.labels)}"] = (
             _selection_cell(pick, metric) if case.lr_from is None else f"lr of {case.lr_from}"
         )
         values.update({"selection_mean": pick.value, "selection_se": pick.se})
         n = 0
         for m in metrics:
             text, mean, std, n_m = _mean_cell(rows, m, report.include_failed, _fmt_for(m))
-            row[_metric_head(m)] = text
+            row[_metric_head(m, study.labels)] = text
             values.update({m: mean, f"{m} std": std})
             n = max(n, n_m)
         per_epoch = "comm/bytes_per_epoch"
@@ -295,8 +313,7 @@ def grid_frame(report: StudyReport, horizon: Horizon):
                                                 _fmt_for(metric))  # fmt: skip
                 if name == "tuning" and n:
                     se = standard_error(mean, std, n, _examples(runs, metric))
-                    text = f"{_fmt_for(metric)(mean)} ± {_fmt_for(metric)(se)} (SE)" if (
-                        math.isfinite(se)) else text  # fmt: skip
+                    text = f"{_pm(mean, se, metric)} (SE)" if math.isfinite(se) else text
                 row[f"{name}: {metric}"] = text if len(part) else MISSING
                 if main != metric:
                     row[f"{name}: {main}"] = (
@@ -386,7 +403,9 @@ PUBLISHED_REQUIRED = ("value", "unit", "source")
 
 def published_frame(study: Study):
     """The study's published numbers (a CSV beside it), checked: every row has a value, a
-    unit and a source; shown as they are, in a table of their own."""
+    unit and a source; shown as they are, in a table of their own. `case` names the study's
+    case a row sits beside (empty: context); rows naming a case this study does not have
+    belong to another study reading the same file and are left out."""
     import pandas as pd
 
     if not study.published:
@@ -403,12 +422,9 @@ def published_frame(study: Study):
         empty = [c for c in PUBLISHED_REQUIRED if not str(row[c]).strip()]
         if empty:
             raise StudyError(f"{path.name} row {i + 2}: no {', '.join(empty)}")
-    if "case" in frame:
+    if "case" in frame:  # rows for cases another study of the same file has are left out
         names = {c.name for c in study.cases}
-        unknown = sorted({c for c in frame["case"] if c and c not in names})
-        if unknown:
-            raise StudyError(f"{path.name}: case {', '.join(map(repr, unknown))} is not one "
-                             "of the study's cases (leave it empty for context rows)")  # fmt: skip
+        frame = frame[frame["case"].isin(names) | (frame["case"] == "")]
     return frame
 
 
@@ -514,10 +530,11 @@ def published_markdown(frame) -> list[str]:
 
 
 def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
-    """Curves of each case at its selected lr (the last horizon's pick, final seeds):
-    accuracy and loss against epochs, bytes, modeled and simulated time; the study's extra
-    curves against epochs. Returns (path, figure) pairs."""
-    from dpresearch.analysis.plots import plot_groups
+    """Each case's final accuracy against its bytes per epoch (the last horizon), then curves
+    of each case at its selected lr (the last horizon's pick, final seeds): accuracy and loss
+    against epochs, bytes, modeled and simulated time; the study's extra curves against epochs.
+    Returns (path, figure) pairs."""
+    from dpresearch.analysis.plots import plot_groups, plot_points
     from dpresearch.analysis.timing import add_modeled_time, modeled_column
 
     study, horizon = report.study, report.last
@@ -531,11 +548,25 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
         rows = rows[rows["status"] == FINISHED] if not report.include_failed else rows
         if len(rows):
             groups[f"{case.name}, lr {pick.lr:g}"] = list(rows["run"])
+    written = []
+    _, raw = results_frame(report, horizon)
+    main = study.claim.metric if study.claim else "test/acc"
+    if "MB_per_epoch" in raw and main in raw:
+        points = [
+            (f"{r['case']}, lr {r['lr']:g}", r["MB_per_epoch"], r[main], r[f"{main} std"])
+            for r in raw.to_dict("records")
+            if math.isfinite(r.get("MB_per_epoch", math.nan)) and math.isfinite(r[main])
+        ]
+        if points:
+            stem = f"{main}_vs_MB_per_epoch".replace("/", "_")
+            path = out / f"{stem}.png"
+            suffix = "" if len(report.horizons) == 1 else f", at {horizon.label}"
+            written.append((path, plot_points(points, "MB_per_epoch", main, path,
+                                               study.title + suffix, study.labels)))  # fmt: skip
     ys = [m for m in dict.fromkeys([*result_metrics(report), *study.curves]) if m in metrics]
     xs = ["epoch", "comm/bytes", modeled_column(study.network), "time/simulated_s"]
     vlines = list(study.claim.horizons) if study.claim and study.claim.horizons else []
     horizon_key = study.claim.horizon_key if study.claim else "epoch"
-    written = []
     for y in ys:
         for x in xs:
             if x not in metrics or metrics[x].isna().all() or not metrics[y].notna().any():
@@ -545,7 +576,8 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
             stem = f"{y}_vs_{x}".replace("/", "_").replace("@", "_")
             path = out / f"{stem}.png"
             fig = plot_groups(metrics, groups, x, y, [path], title=study.title,
-                              vlines=vlines if x == horizon_key else ())  # fmt: skip
+                              vlines=vlines if x == horizon_key else (),
+                              labels=study.labels)  # fmt: skip
             written.append((path, fig))
     return written
 

@@ -26,6 +26,8 @@ metric, the claim it tests and where its run data is shipped; expanded into poin
         - {better: top-k 1% + EF, than: top-k 1% (no EF)}
         - {case: top-k 1% + EF, within: 0.02, of: none}
     curves: [gossip/consensus_distance]  # logged columns shipped beside the default ones
+    metrics: [test/acc_local_min]        # final metrics shown beside test/acc and train/loss
+    labels: {test/loss: "f(x) (squared target units)"}   # axis labels the defaults lack
     cases:
       identity: [compressor=identity]    # a list of overrides ...
       top-k 1% + EF:                     # ... or a mapping with its own grid
@@ -59,7 +61,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 KEYS = {"name", "description", "common", "lrs", "lr_key", "seeds", "tune_seeds", "select",
         "target", "network", "published", "cases", "title", "extend", "lr_range", "claim",
-        "run_data", "results", "curves", "min_tune_seeds"}  # fmt: skip
+        "run_data", "results", "curves", "metrics", "min_tune_seeds", "labels"}  # fmt: skip
 CASE_KEYS = {"overrides", "lrs", "extend", "lr_range", "lr_from"}
 DEFAULT_EXTEND = 3
 LOG_SPACING = 1.25  # neighbouring ratios of a list grid may differ by this factor at most
@@ -105,6 +107,8 @@ class Grid:
         return value if self.bounds[0] <= value <= self.bounds[1] else None
 
     def describe(self) -> str:
+        if self.extend == 0:
+            return "no extension allowed: extend 0"
         lo, hi = self.bounds
         bound = f"{self.extend} step(s) of ×{self.ratio:.3g} beyond the initial grid"
         if lo > 0 or hi < math.inf:
@@ -186,6 +190,8 @@ class Study:
     run_data: Path | None = None  # the shipped run data (default: beside the YAML)
     results: Path | None = None  # the report's folder (default: <study dir>/results)
     curves: tuple[str, ...] = ()
+    metrics: tuple[str, ...] = ()
+    labels: dict[str, str] = field(default_factory=dict)
     min_tune_seeds: int = 2
 
     @property
@@ -224,11 +230,12 @@ class Study:
         self, lrs: dict[str, Sequence[float]], only: Sequence[str] | None = None
     ) -> list[Point]:
         """The final seeds of each case at each of its selected lrs `lrs[case]` (a case
-        reusing another's lr: at that case's); a case missing from `lrs` has none."""
+        reusing another's lr: at that case's); a case missing from `lrs` has none. A study
+        without final seeds runs its lr_from cases on the tuning seeds."""
         out = []
         for case in self._cases(only):
             chosen = lrs.get(case.lr_from or case.name, ())
-            seeds = self.final_seeds if case.lr_from is None else self.seeds
+            seeds = self.final_seeds or (self.selection_seeds if case.lr_from else ())
             out += [self.point(case, lr, seed) for lr in sorted(set(chosen)) for seed in seeds]
         return out
 
@@ -423,9 +430,13 @@ def load_study(path: str | Path) -> Study:
     published = raw.get("published") or {}
     if published and "file" not in published:
         raise StudyError("published needs `file` (a CSV beside the study file)")
-    curves = raw.get("curves") or []
-    if not isinstance(curves, list) or not all(isinstance(c, str) for c in curves):
-        raise StudyError(f"curves must be a list of logged metric names, got {curves!r}")
+    curves, metrics = raw.get("curves") or [], raw.get("metrics") or []
+    for what, value in (("curves", curves), ("metrics", metrics)):
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise StudyError(f"{what} must be a list of logged metric names, got {value!r}")
+    labels = raw.get("labels") or {}
+    if not isinstance(labels, dict):
+        raise StudyError(f"labels must map metric names to axis labels, got {labels!r}")
     min_tune = raw.get("min_tune_seeds", 2)
     if not isinstance(min_tune, int) or min_tune < 1:
         raise StudyError(f"min_tune_seeds must be an integer ≥ 1, got {min_tune!r}")
@@ -440,5 +451,6 @@ def load_study(path: str | Path) -> Study:
         tune_seeds=tuple(tune_seeds) if tune_seeds is not None else None,
         claim=_claim(raw.get("claim"), names), run_data=_path(raw.get("run_data"), path.parent),
         results=_path(raw.get("results"), path.parent), curves=tuple(curves),
+        metrics=tuple(metrics), labels={str(k): str(v) for k, v in labels.items()},
         min_tune_seeds=min_tune,
     )  # fmt: skip
