@@ -14,9 +14,10 @@ Launchers:
 - `inprocess`: compose and train in this process, one point at a time (tests, debugging).
 - a callable `(point, run_dir, overrides) -> returncode`.
 
-Every point's run carries `logger.group=<study>` and `logger.tags=[<case>]` (used when the
-W&B logger is on) and a `study_point.json` naming its study, case, lr and seed, which the
-analysis reads.
+Every point's run carries `logger.group=<study>`, `logger.tags=[<case>]` and
+`logger.name="<case> | lr=<lr> | seed=<seed>"` (used when the W&B logger is on: the name holds
+what the study varies, not what every point shares) and a `study_point.json` naming its study,
+case, lr and seed, which the analysis reads.
 """
 
 from __future__ import annotations
@@ -108,11 +109,23 @@ def _set_aside(run_dir: Path, out: Path) -> Path:
     raise StudyError(f"too many aborted attempts of {run_dir}")
 
 
-def _point_overrides(study: Study, point: Point) -> list[str]:
+def run_name(point: Point, seed: str | None = None) -> str:
+    """The W&B name of a point: its case and the values the study varies (lr, seed), never
+    the overrides every point shares."""
+    return f"{point.case} | lr={point.lr:g} | seed={point.seed if seed is None else seed}"
+
+
+def _quoted(value: str) -> str:
+    """`value` as a quoted Hydra override value (a case name may hold any character)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _point_overrides(study: Study, point: Point, seed: str | None = None) -> list[str]:
     return [
         *point.overrides,
         f"logger.group={slug(study.name)}",
         f"logger.tags=[{slug(point.case)}]",
+        f"logger.name={_quoted(run_name(point, seed))}",
         "train.progress=false",
     ]
 
@@ -162,7 +175,7 @@ def run_inprocess(point: Point, run_dir: Path, overrides: list[str]) -> int:
 def _hydra_group(study: Study, points: list[Point], out: Path, launcher: str | None) -> int:
     """One multirun over the seeds of `points` (one case, one lr)."""
     first = points[0]
-    overrides = [o for o in _point_overrides(study, first) if not o.startswith("seed=")]
+    overrides = [o for o in _point_overrides(study, first, "${seed}") if not o.startswith("seed=")]
     lr_dir = out / first.dir.parent
     cmd = [sys.executable, "-m", "dpresearch.train", "-m", *overrides,
            "seed=" + ",".join(str(p.seed) for p in points),
