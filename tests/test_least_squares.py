@@ -49,7 +49,7 @@ def test_one_sgd_step_is_the_closed_form(tmp_path):
     summary = train(compose_config(*SMALL_LS, "workers=1", "train.steps=1", "train.log_every=1",
                                    f"optimizer.lr={lr}", "train.save_model=false"),
                     tmp_path / "run")  # fmt: skip
-    data = make_least_squares(num_train=600, dim=20)
+    data = make_least_squares(num_train=600, dim=20, seed_draws=5)  # as data=least_squares
     rows = SharedPartitioner(600, 1, seed=0).epoch_indices(0, 0)[:50]
     a, b = data.train_inputs[rows].double(), data.train_targets[rows].double()
     x1 = lr * a.T @ b / 50  # x₀ = 0: gradient Aᵀ(A·0 − b)/B
