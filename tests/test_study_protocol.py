@@ -186,3 +186,26 @@ def test_the_report_says_which_result_holds_at_which_horizon(tmp_path):
     assert "Nothing here is concluded about training longer than 4 epochs." in text
     assert "## Results at 1 epochs" in text and "## Results at 4 epochs" in text
     assert (tmp_path / "results" / "table_1_epochs.tex").exists()
+
+
+def test_a_horizon_window_averages_the_last_evaluations():
+    """At a constant lr one evaluation scatters: with `window`, a metric at horizon h is the
+    mean of its values logged in (h·(1 − window), h]; counters keep their last value."""
+    import pandas as pd
+
+    from dpresearch.analysis.quality import at_horizon
+
+    runs = pd.DataFrame({"run": ["a"], "status": ["finished"], "test/acc": [0.9]})
+    metrics = pd.DataFrame({"run": pd.Categorical(["a"] * 10), "step": range(1, 11),
+                            "epoch": [float(e) for e in range(1, 11)],
+                            "test/acc": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.5, 0.9],
+                            "comm/bytes": [float(e) for e in range(1, 11)]})  # fmt: skip
+    last, _ = at_horizon(runs, metrics, 10.0)
+    mean, _ = at_horizon(runs, metrics, 10.0, window=0.3)  # epochs 8, 9, 10
+    assert last["test/acc"].iloc[0] == 0.9
+    assert mean["test/acc"].iloc[0] == pytest.approx((0.8 + 0.5 + 0.9) / 3)
+    assert mean["comm/bytes"].iloc[0] == 10.0
+    early, _ = at_horizon(runs, metrics, 4.0, window=0.3)  # (2.8, 4]: epochs 3 and 4
+    assert (
+        early["test/acc"].iloc[0] == pytest.approx(0.35) and early["status"].iloc[0] == "finished"
+    )

@@ -93,15 +93,26 @@ def truncate(metrics, value: float, key: str = "epoch"):
     return metrics[metrics[key] <= value + EPS] if key in metrics else metrics.iloc[:0]
 
 
-def at_horizon(runs, metrics, value: float, key: str = "epoch"):
+MEASURED = ("test/", "val/", "train/")  # measurements (not counters) a window may average
+
+
+def at_horizon(runs, metrics, value: float, key: str = "epoch", window: float = 0.0):
     """(runs, metrics) as they stood at `value` of `key` — epochs by default, or any logged
-    column that grows along a run, e.g. simulated seconds (see the module docstring)."""
+    column that grows along a run, e.g. simulated seconds (see the module docstring). With
+    `window` > 0, each measured metric (test/, val/, train/) is the mean of its values logged
+    in the last `window` fraction of the horizon, (value·(1 − window), value], instead of the
+    last one: one evaluation at a constant lr scatters by several points."""
     import pandas as pd
 
     cut = truncate(metrics, value, key)
     reached = metrics.groupby("run", observed=True)[key].max() >= value - EPS
     columns = [c for c in cut.columns if c not in ("run",)]
     last = cut.groupby("run", observed=True, sort=False)[columns].last()  # last non-null each
+    if window > 0:
+        recent = cut[cut[key] > value * (1 - window) + EPS]
+        measured = [c for c in columns if c.startswith(MEASURED)]
+        means = recent.groupby("run", observed=True, sort=False)[measured].mean()
+        last[measured] = means.reindex(last.index)[measured].fillna(last[measured])
     out = runs.copy()
     for column in columns:
         values = out["run"].map(last[column]) if column in last else None

@@ -445,16 +445,25 @@ def _horizon_sentence(report: StudyReport) -> str:
             str(column.dropna().iloc[0]) if column is not None and column.notna().any() else ""
         )
         prefix = (
-            f"the schedule is constant after its warm-up, so a run's first h {unit} are an "
-            f"h-{unit} run (the same runs serve every horizon; each horizon selects its own lr)"
+            f"the schedule is constant after its warm-up, so a run's first h {unit} are a run "
+            f"of h {unit} (the same runs serve every horizon; each horizon selects its own lr)"
             if schedule.endswith("Constant")
-            else f"the schedule ({schedule.rsplit('.', 1)[-1]}) depends on the run length: a "
-            f"value at h {unit} of a longer run is not an h-{unit} run's"
+            else f"the schedule ({schedule.rsplit('.', 1)[-1] or 'not recorded'}) may depend on "
+            f"the run length: a value at h {unit} of a longer run need not be that of a run of "
+            f"h {unit}"
+        )
+        window = study.claim.window
+        averaged = (
+            f" Each metric at a horizon h is the mean of its values logged in the last "
+            f"{window:.0%} of it, (h·{1 - window:g}, h] (one evaluation at a constant lr "
+            "scatters by several points)."
+            if window
+            else ""
         )
         return (
             f"**Horizons:** {', '.join(hs[:-1])}{' and ' if len(hs) > 1 else ''}{hs[-1]} {unit} "
-            f"of runs {length} long; {prefix}. Nothing here is concluded about training longer "
-            f"than {hs[-1]} {unit}."
+            f"of runs {length} long; {prefix}.{averaged} Nothing here is concluded about "
+            f"training longer than {hs[-1]} {unit}."
         )
     return (
         f"**Horizon:** every result is at the end of runs {length} long; nothing here is "

@@ -152,7 +152,8 @@ def horizons(study: Study, runs, metrics) -> list[Horizon]:
         if value is None:
             at_runs, at_metrics = runs, metrics
         else:
-            at_runs, at_metrics = at_horizon(runs, metrics, value, key)
+            window = study.claim.window if study.claim else 0.0
+            at_runs, at_metrics = at_horizon(runs, metrics, value, key, window)
             at_runs = mark_untrained(at_runs, at_metrics)
         stats = tuning_stats(study, at_runs, selection)
         picks = picks_of(study, stats, selection)

@@ -22,6 +22,7 @@ metric, the claim it tests and where its run data is shipped; expanded into poin
       metric: test/acc
       horizons: [3, 10, 30]              # epochs; the runs' own length when omitted
       horizon_key: epoch                 # or time/simulated_s: horizons in simulated seconds
+      window: 0.2                        # metrics: mean over the last fifth of each horizon
       expect:
         - {better: top-k 1% + EF, than: top-k 1% (no EF)}
         - {case: top-k 1% + EF, within: 0.02, of: none}
@@ -150,6 +151,7 @@ class Claim:
     horizons: tuple[float, ...] = ()  # in `horizon_key` units; () = the runs' own length
     expect: tuple[Expectation, ...] = ()
     horizon_key: str = "epoch"  # or e.g. time/simulated_s
+    window: float = 0.0  # > 0: metrics averaged over this last fraction of each horizon
 
 
 @dataclass(frozen=True)
@@ -352,7 +354,7 @@ def _claim(raw: Any, cases: set[str]) -> Claim | None:
         return None
     if not isinstance(raw, dict) or "statement" not in raw:
         raise StudyError("claim needs a `statement` (and optionally metric, horizons, expect)")
-    unknown = set(raw) - {"statement", "metric", "horizons", "expect", "horizon_key"}
+    unknown = set(raw) - {"statement", "metric", "horizons", "expect", "horizon_key", "window"}
     if unknown:
         raise StudyError(f"claim: unknown key {', '.join(sorted(unknown))}")
     horizons = tuple(_positive(h, "claim horizons") for h in raw.get("horizons") or ())
@@ -371,8 +373,11 @@ def _claim(raw: Any, cases: set[str]) -> Claim | None:
         for name in (e.case, e.other):
             if name not in cases:
                 raise StudyError(f"claim names case {name!r}, which the study does not have")
+    window = raw.get("window", 0.0)
+    if not isinstance(window, int | float) or not 0 <= window < 1:
+        raise StudyError(f"claim window must be a fraction in [0, 1), got {window!r}")
     return Claim(str(raw["statement"]), str(raw.get("metric", "test/acc")), horizons,
-                 tuple(expect), str(raw.get("horizon_key", "epoch")))  # fmt: skip
+                 tuple(expect), str(raw.get("horizon_key", "epoch")), float(window))  # fmt: skip
 
 
 def _path(raw: Any, base: Path) -> Path | None:
