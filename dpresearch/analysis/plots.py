@@ -50,6 +50,7 @@ LABELS: dict[str, tuple[str, float]] = {
     ),  # fmt: skip
     "lr": ("learning rate (per-worker batch)", 1.0),
     "MB_per_epoch": ("data sent per worker per epoch (MB)", 1.0),
+    "async/tau_histogram": ("staleness τ of an applied gradient (server updates)", 1.0),
 }
 NETWORKS = {"1gbe": "1 GbE", "10gbe": "10 GbE", "25gbe": "25 GbE", "100gb_ib": "100 Gb InfiniBand",
             "nvlink": "NVLink"}  # fmt: skip
@@ -189,6 +190,43 @@ def plot_points(
         ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     if points:
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    save(fig, out)
+    return fig
+
+
+def plot_histograms(
+    series: Mapping[str, Sequence[float]],
+    xlabel: str,
+    ylabel: str,
+    out: str | Path,
+    title: str | None = None,
+):
+    """One step line per labelled histogram (counts of 0, 1, 2, ...). Identical histograms
+    stay visible: each later series is drawn thinner and in another dash over the earlier
+    ones. Log-scaled counts; a symmetric-log x axis when the values reach past 100."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 4.8))
+    ax = fig.subplots()
+    longest = 0
+    for i, (label, counts) in enumerate(series.items()):
+        look = style(i)
+        look["linestyle"] = STYLES[i % len(STYLES)]
+        width = max(0.8, 3.0 - 0.5 * i)
+        ax.step(range(len(counts)), counts, where="mid", linewidth=width, label=label,
+                color=look["color"], linestyle=look["linestyle"])  # fmt: skip
+        longest = max(longest, len(counts))
+    if longest > 100:
+        ax.set_xscale("symlog", linthresh=10)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    if series:
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     save(fig, out)

@@ -572,6 +572,26 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
             suffix = "" if len(report.horizons) == 1 else f", at {horizon.label}"
             written.append((path, plot_points(points, "MB_per_epoch", main, path,
                                                study.title + suffix, study.labels)))  # fmt: skip
+    for name in study.histograms:
+        series = {}
+        for label, runs in groups.items():
+            rows = report.runs[report.runs["run"].isin(runs)]
+            counts: list[float] = []
+            for hist in rows[name] if name in rows else ():
+                if isinstance(hist, list):
+                    counts += [0.0] * max(0, len(hist) - len(counts))
+                    for i, h in enumerate(hist):
+                        counts[i] += h
+            if counts:
+                series[label] = counts
+        if series:
+            from dpresearch.analysis.plots import axis_label, plot_histograms
+
+            path = out / f"{name.replace('/', '_')}.png"
+            xlabel, _ = axis_label(name, study.labels)
+            fig = plot_histograms(series, xlabel, "gradients (count, summed over the runs)",
+                                  path, study.title)  # fmt: skip
+            written.append((path, fig))
     ys = [m for m in dict.fromkeys([*result_metrics(report), *study.curves]) if m in metrics]
     xs = ["epoch", "comm/bytes", modeled_column(study.network), "time/simulated_s"]
     vlines = list(study.claim.horizons) if study.claim and study.claim.horizons else []

@@ -29,6 +29,7 @@ metric, the claim it tests and where its run data is shipped; expanded into poin
     curves: [gossip/consensus_distance]  # logged columns shipped beside the default ones
     metrics: [test/acc_local_min]        # final metrics shown beside test/acc and train/loss
     labels: {test/loss: "f(x) (squared target units)"}   # axis labels the defaults lack
+    histograms: [async/tau_histogram]    # summary histograms plotted per case
     cases:
       identity: [compressor=identity]    # a list of overrides ...
       top-k 1% + EF:                     # ... or a mapping with its own grid
@@ -62,7 +63,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 KEYS = {"name", "description", "common", "lrs", "lr_key", "seeds", "tune_seeds", "select",
         "target", "network", "published", "cases", "title", "extend", "lr_range", "claim",
-        "run_data", "results", "curves", "metrics", "min_tune_seeds", "labels"}  # fmt: skip
+        "run_data", "results", "curves", "metrics", "min_tune_seeds", "labels",
+        "histograms"}  # fmt: skip
 CASE_KEYS = {"overrides", "lrs", "extend", "lr_range", "lr_from"}
 DEFAULT_EXTEND = 3
 LOG_SPACING = 1.25  # neighbouring ratios of a list grid may differ by this factor at most
@@ -194,6 +196,7 @@ class Study:
     curves: tuple[str, ...] = ()
     metrics: tuple[str, ...] = ()
     labels: dict[str, str] = field(default_factory=dict)
+    histograms: tuple[str, ...] = ()
     min_tune_seeds: int = 2
 
     @property
@@ -436,7 +439,8 @@ def load_study(path: str | Path) -> Study:
     if published and "file" not in published:
         raise StudyError("published needs `file` (a CSV beside the study file)")
     curves, metrics = raw.get("curves") or [], raw.get("metrics") or []
-    for what, value in (("curves", curves), ("metrics", metrics)):
+    histograms = raw.get("histograms") or []
+    for what, value in (("curves", curves), ("metrics", metrics), ("histograms", histograms)):
         if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
             raise StudyError(f"{what} must be a list of logged metric names, got {value!r}")
     labels = raw.get("labels") or {}
@@ -457,5 +461,6 @@ def load_study(path: str | Path) -> Study:
         claim=_claim(raw.get("claim"), names), run_data=_path(raw.get("run_data"), path.parent),
         results=_path(raw.get("results"), path.parent), curves=tuple(curves),
         metrics=tuple(metrics), labels={str(k): str(v) for k, v in labels.items()},
+        histograms=tuple(histograms),
         min_tune_seeds=min_tune,
     )  # fmt: skip
