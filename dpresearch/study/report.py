@@ -577,7 +577,7 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
         for label, runs in groups.items():
             rows = report.runs[report.runs["run"].isin(runs)]
             counts: list[float] = []
-            for hist in rows[name] if name in rows else ():
+            for hist in rows.get(name, ()):
                 if isinstance(hist, list):
                     counts += [0.0] * max(0, len(hist) - len(counts))
                     for i, h in enumerate(hist):
