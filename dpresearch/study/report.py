@@ -132,6 +132,8 @@ def build(study: Study, header: dict, runs, metrics, include_failed: bool = Fals
         )
     finished = runs[runs["status"] == FINISHED]
     report.notes += duplicate_seed_notes(finished, ["case", lr_column(study)], "cfg.seed")
+    if header.get("source"):
+        report.notes.append(f"run data: {header['source']}")
     return report
 
 
@@ -488,12 +490,19 @@ def describe(report: StudyReport) -> list[str]:
         'standard error of the difference to the runner-up is marked "within noise". An lr '
         "at which a seed diverged or did not train is never preferred."
     )
-    lines.append(
-        "**Grids:** log-spaced; where a pick is the smallest or largest lr tried, the harness "
-        "adds the next grid value beyond it on the tuning seeds, again until the pick is "
-        "interior or the case's bound is reached, before any final seed runs. A pick still at "
-        'an edge says "bound reached".'
-    )
+    if all(c.grid.extend == 0 for c in study.cases if c.lr_from is None):
+        lines.append(
+            "**Grids:** as listed; this study allowed no grid extension (`extend: 0`), so a "
+            'pick at the smallest or largest lr tried says "bound reached": its optimum may '
+            "lie beyond the grid."
+        )
+    else:
+        lines.append(
+            "**Grids:** log-spaced; where a pick is the smallest or largest lr tried, the "
+            "harness adds the next grid value beyond it on the tuning seeds, again until the "
+            "pick is interior or the case's bound is reached, before any final seed runs. A "
+            'pick still at an edge says "bound reached".'
+        )
     lines.append(
         "**Results:** mean ± sample standard deviation over the final seeds at the selected lr "
         "(`n` runs), never averaged with the tuning seeds; accuracy in %. A run whose final "
