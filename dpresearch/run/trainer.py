@@ -47,6 +47,9 @@ class FaultInjection(Hook):
         self.here = self.worker in run.comm.local_workers
 
     def after_compute(self, step: int) -> None:
+        self._maybe_fail(step)
+
+    def _maybe_fail(self, step: int) -> None:
         if self.here and step == self.step:
             raise InjectedFailure(f"injected failure on worker {self.worker} at step {step}")
 
