@@ -136,11 +136,11 @@ BAD = [
     (["train.resume_allow_changes=[optimizer.lrr]"], "optimizer.lrr is not a config key"),
     # Every other key with a constraint (issue 21, item 7).
     (["train.loss_scale=0"], "train.loss_scale=0.0: must be > 0"),
+    (["train.batched_workers=maybe"], "train.batched_workers=maybe; choose one of"),
     (["train.channels_last=maybe"], "Value 'maybe' is not a valid bool"),
     (["train.epochs=0"], "train.epochs=0.0: must be positive"),
     (["train.val_size=-1"], "train.val_size=-1.0 must be a count of examples"),
     (["train.checkpoint_every=1.5"], "train.checkpoint_every=1.5: a number of steps is whole"),
-    (["train.batched_workers=maybe"], "train.batched_workers=maybe; choose one of"),
     (["data.num_classes=1"], "data.num_classes=1: must be at least 2"),
     (["data.num_features=0"], "data.num_features=0: must be at least 1"),
     (["data.noise=-1"], "data.noise=-1: the noise standard deviation must be >= 0"),

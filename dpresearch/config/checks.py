@@ -24,7 +24,7 @@ from dpresearch.config.environment import check_distributed_environment
 from dpresearch.config.errors import ConfigError
 
 BACKENDS = ("simulated", "gloo", "nccl")
-PARTITIONS = ("iid", "dirichlet")
+PARTITIONS = ("iid", "dirichlet", "shared")
 # Optimizer hyper-parameters that torch requires to be non-negative numbers.
 NON_NEGATIVE_OPTIMIZER_KEYS = ("lr", "momentum", "weight_decay", "dampening", "eps")
 LR_SCALINGS = ("none", "linear")
