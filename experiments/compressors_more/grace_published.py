@@ -29,7 +29,7 @@ ALLOWED = {
     ("pandas.core.indexes.range", "RangeIndex"),
     ("builtins", "slice"),
 }
-# our case → GRACE's run name (the closest GRACE setting; the `grace_setting` column says it)
+# our case → GRACE's run name (the closest GRACE setting; the `setting` column says it)
 CASES = {
     "none": ("none", "momentum SGD, no compression"),
     "top-k 1/64 + EF": ("topk_mem_ratio=0.01", "top-k 1% + residual memory"),
@@ -41,10 +41,10 @@ CASES = {
 }
 
 
-SOURCE = (
-    "GRACE data release (sands-lab/grace-data GRACE_data_release.pickle; table "
-    "cifar10-classification; ResNet-20 v2; 8 workers; full CIFAR-10)"
-)
+SOURCE = "https://github.com/sands-lab/grace-data — GRACE_data_release.pickle, DataFrame "
+SET_UP = ["CIFAR-10 (full: 50,000 train / 10,000 test)", "ResNet-20 v2 (TensorFlow)", "8"]
+ACCURACY_UNIT = "top-1 test accuracy (%), one run"
+VOLUME_UNIT = "bytes per step per worker (GRACE's data-volume mode)"
 
 
 class Restricted(pickle.Unpickler):
@@ -66,21 +66,24 @@ def main(path: str) -> None:
     accuracy = frame[frame["mode"] == "accuracy"].set_index("name")
     volume = frame[frame["mode"] == "data-volume"].set_index("name")
     out = csv.writer(sys.stdout, lineterminator="\n")
-    out.writerow(
-        ["method", "grace_top1_percent", "grace_bytes_per_step", "grace_setting", "grace_run",
-         "source"]
-    )  # fmt: skip
+    out.writerow(["case", "setting", "value", "unit", "data", "model", "workers", "source"])
     for case, (name, setting) in CASES.items():
         row = accuracy.loc[name]
         if row.ndim > 1:  # one optimizer per name is wanted: GRACE's momentum runs first
             row = row[row["optimizer"] == "momentum"].iloc[0]
-        vol = volume["data_volume"].get(name)
-        if vol is None:  # volume measured with memory only for some methods
-            vol = volume["data_volume"].get(name.replace("_mem", "") + "_mem", "")
-        out.writerow(
-            [case, f"{100 * float(row['top_1_accuracy']):.2f}", round(float(vol)), setting,
-             row["id"], SOURCE]
-        )  # fmt: skip
+        where = f"cifar10-classification (run {row['id']}, name {name}, mode accuracy, "
+        where += "model resnet20_v2, workers 8)"
+        top1 = f"{100 * float(row['top_1_accuracy']):.2f}"
+        out.writerow([case, f"GRACE: {setting}", top1, ACCURACY_UNIT, *SET_UP, SOURCE + where])
+        vol_name = name
+        if vol_name not in volume.index:  # volume measured with memory only for some methods
+            vol_name = name.replace("_mem", "") + "_mem"
+        if vol_name in volume.index:
+            vol = volume["data_volume"][vol_name]
+            where = f"cifar10-classification (name {vol_name}, mode data-volume, model "
+            where += "resnet20_v2, workers 8)"
+            out.writerow([case, f"GRACE: {setting}", round(float(vol)), VOLUME_UNIT, *SET_UP,
+                          SOURCE + where])  # fmt: skip
 
 
 if __name__ == "__main__":
