@@ -27,6 +27,7 @@ def stub_study(tmp_path, cases: dict, **extra) -> object:
         "seeds": [0, 1, 2, 3],
         "tune_seeds": [0, 1],
         "select": "val/acc:max",
+        "common": ["train.val_size=0.1"],  # a validation split: the checks before a study
         "cases": cases,
         **extra,
     }

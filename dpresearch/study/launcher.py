@@ -280,6 +280,9 @@ def run_study(
     run = dict(launcher=launcher, jobs=jobs, hydra_launcher=hydra_launcher, dry_run=dry_run,
                log=log, start_until=start_until)  # fmt: skip
     records = _run_points(study, out, study.points(only), **run)
+    if not dry_run and not all(r.get("status") in DONE for r in records.values()):
+        log("== some grid points did not finish; the extensions and final seeds wait for them")
+        return records
     wanted = {c.name for c in study._cases(only)}
     wanted |= {c.lr_from for c in study.cases if c.name in wanted and c.lr_from}
     while True:
