@@ -183,7 +183,7 @@ BAD = [
 ]
 # Keys the source names in a `key=...` message that are not constraints of the user's:
 # overrides the study launcher writes itself.
-NOT_CONSTRAINTS = {"logger.group", "logger.tags", "train.progress"}
+NOT_CONSTRAINTS = {"logger.group", "logger.name", "logger.tags", "train.progress"}
 if not torch.cuda.is_available():
     BAD.append((["backend=nccl"], "use backend=gloo"))
 
