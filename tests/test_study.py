@@ -247,3 +247,15 @@ def test_a_study_whose_points_fail_exits_non_zero(tmp_path, capsys):
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: ")]
     assert code == 1 and len(err) == 1, err
     assert err[0].startswith("error: 1 of 1 points failed: broken | lr 0.1 | seed 0")
+
+
+def test_a_data_set_with_its_own_validation_needs_no_split():
+    """Least squares validates on all its rows (`Dataset.own_validation`): the shipped study
+    selecting on `val/loss` passes the checks without `train.val_size`; CIFAR does not."""
+    from omegaconf import OmegaConf
+
+    from dpresearch.study.check import check_study, dataset_class
+
+    check_study(load_study(REPO / "experiments" / "async" / "least_squares.yaml"))
+    cifar = OmegaConf.create({"_target_": "dpresearch.data.cifar.CIFAR10.load"})
+    assert not dataset_class(cifar).own_validation

@@ -42,6 +42,9 @@ class Dataset:
     """
 
     classification: ClassVar[bool] = True
+    # Whether the data set brings its own validation split (`val/*` reported without
+    # `train.val_size`), e.g. an optimization problem validated on all its rows.
+    own_validation: ClassVar[bool] = False
 
     train_inputs: Tensor
     train_targets: Tensor
