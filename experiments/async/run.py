@@ -41,11 +41,11 @@ WORKERS = 8
 # synchronous update's gradients); for the inverse rule η/τ with τ ≈ K − 1 = 7 lands at about
 # the same effective step as sync's η.
 CIFAR_METHODS: dict[str, tuple[list[str], list[float]]] = {
-    "sync (barrier)": (["async.protocol=sync"], [0.05, 0.1, 0.2]),
-    "asgd": (["async.protocol=asgd"], [0.0125, 0.025, 0.05]),
-    "ssp (s = 4)": (["async.protocol=ssp", "async.max_staleness=4"], [0.0125, 0.025, 0.05]),
+    "sync (barrier)": (["protocol=sync"], [0.05, 0.1, 0.2]),
+    "asgd": (["protocol=asgd"], [0.0125, 0.025, 0.05]),
+    "ssp (s = 4)": (["protocol=ssp", "protocol.max_staleness=4"], [0.0125, 0.025, 0.05]),
     "asgd + inverse lr (η/τ)": (
-        ["async.protocol=asgd", "async.lr_policy=inverse"],
+        ["protocol=asgd", "async.lr_policy=inverse"],
         [0.05, 0.1, 0.2],
     ),
 }
