@@ -93,11 +93,13 @@ BAD = [
     (["train.resume=/nonexistent"], "train.resume=/nonexistent: no such file or directory"),
     (["train.resume={tmp}"], "no complete checkpoint there"),
     (["train.on_nonfinite=foo"], "train.on_nonfinite=foo; choose one of: stop, skip_step"),
-    (
-        ["algorithm=async_sgd", "backend=gloo", "train.checkpoint_every=5"],
-        "on real processes (backend=gloo) cannot checkpoint yet; use backend=simulated",
-    ),
     (["algorithm=async_sgd", "train.on_nonfinite=skip_step"], "skip_step is not supported"),
+    # Asynchrony through the layers, AD-PSGD (issue 17).
+    (["algorithm=async_sgd", "protocol=fifo"], "protocol=fifo is not an option; choose one of"),
+    (["algorithm=async_sgd", "async.protocol=ssp"], "pass protocol=asgd|ssp|softsync|sync"),
+    (["algorithm=sync", "protocol=ssp"], "SyncSGD does not use a protocol"),
+    (["algorithm=adpsgd", "topology=exponential"], "its graph must be undirected and static"),
+    (["algorithm=adpsgd", "backend=gloo"], "add async.order=seeded"),
 ]
 if not torch.cuda.is_available():
     BAD.append((["backend=nccl"], "use backend=gloo"))
@@ -144,6 +146,26 @@ def test_bad_input_is_one_line_exit_2_and_no_run_directory(
         assert "+train.stepz" not in lines[0]  # never suggest adding a key the schema lacks
     assert not run_dir.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing else written
+
+
+def test_real_mode_resume_of_another_world_size_is_one_line(tmp_path):
+    """A real asynchronous run's checkpoint (4 workers + the server: 5 processes) resumed with
+    3 workers: refused from the checkpoint's header, before any process starts."""
+    from conftest import compose_config
+
+    from dpresearch.config.validate import ConfigError
+    from dpresearch.train import train
+
+    checkpoint = tmp_path / "step_10.pt"
+    header = {"format": 2, "step": 10, "workers": 4, "processes": 5,
+              "algorithm": "dpresearch.algorithms.async_sgd.AsyncSGD", "num_params": 1}  # fmt: skip
+    torch.save({**header, "loop": {}, "states": []}, checkpoint)
+    cfg = compose_config(*SYNTHETIC_SMALL, "algorithm=async_sgd", "backend=gloo", "workers=3",
+                         f"train.resume={checkpoint}")  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        train(cfg, tmp_path / "run")
+    assert "was written with workers=4, this run has workers=3" in str(err.value)
+    assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
 
 
 def test_rerun_into_a_directory_holding_a_run_is_refused(tmp_path, monkeypatch, capsys):

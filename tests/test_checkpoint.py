@@ -57,6 +57,8 @@ CASES = {
     "choco": ["algorithm=choco", "compressor=topk", "compressor.ratio=0.25"],
     "dpsgd": ["algorithm=dpsgd", "optimizer.momentum=0.9"],
     "sgp": ["algorithm=sgp", "topology=one_peer_exponential"],
+    # AD-PSGD: reads, event queue, speed and pairing streams, staleness counts
+    "adpsgd": ["algorithm=adpsgd", "async.speed=exponential", "optimizer.momentum=0.9"],
 }
 
 # Simulated asynchronous SGD: 60 pushes of 4 workers; the server, protocol, speed streams,

@@ -67,11 +67,6 @@ def uses_channels_last(replicas: Replicas) -> bool:
     return any(p.dim() == 4 and not p.is_contiguous() for p in replicas.models[0].parameters())
 
 
-def speed_model(opts: AsyncOptions, workers: int, seed: int) -> SpeedModel:
-    return SpeedModel(opts.speed, opts.compute_s, workers, seed, opts.cv, opts.slow_workers,
-                      opts.slowdown, opts.straggler_prob, opts.straggler_factor)  # fmt: skip
-
-
 def push_codec(replicas: Replicas, workers: list[int], compressor, error_feedback, seed: int,
                granularity: str, bucket_mb: float) -> PushCodec:  # fmt: skip
     return PushCodec(replicas.models[0], replicas.params, workers, compressor, error_feedback,
@@ -88,7 +83,7 @@ class AsyncSGD(Algorithm):
 
     # A dropped step (`train.on_nonfinite=skip_step`) would leave the pushing worker without a
     # next arrival, so it is refused. Real ranks: a server process besides the K workers.
-    traits = Traits(skippable=False, extra_processes=1, lockstep=False)
+    traits = Traits(skippable=False, extra_processes=1, lockstep=False, messages=True)
 
     def __init__(
         self,
@@ -120,7 +115,7 @@ class AsyncSGD(Algorithm):
         buffer_bytes = buffers.shape[1] * buffers.element_size()
         self.push_bytes = 8 * HEADER + codec.wire_bytes + buffer_bytes
         self.pull_bytes = 8 * 3 + params.shape[1] * params.element_size() + buffer_bytes
-        self.speed = speed_model(opts, k, seed)
+        self.speed = SpeedModel.from_options(opts, k, seed)
         network = comm.ledger.network
         clock = EventClock(self.speed, transfer_seconds(network, self.pull_bytes),
                            transfer_seconds(network, self.push_bytes))  # fmt: skip
@@ -337,7 +332,7 @@ class AsyncWorker(Algorithm):
             replicas, [self.worker], node.get("compressor"), node.get("error_feedback"), seed,
             node.get("granularity", "tensor"), node.get("bucket_mb", 25.0),
         )  # fmt: skip
-        self.speed = speed_model(opts, comm.num_workers, seed)  # (injected delays)
+        self.speed = SpeedModel.from_options(opts, comm.num_workers, seed)  # (injected delays)
         self.header = torch.zeros(HEADER, dtype=torch.float64)
         self.inbox = [torch.empty(3, dtype=torch.float64), replicas.params[0], replicas.buffers[0]]
         self.window = torch.zeros(1, 3, dtype=torch.float64, device=replicas.params.device)

@@ -69,12 +69,15 @@ class Traits:
     agreement, metrics and evaluation are collectives among them. Otherwise (asynchronous
     algorithms) the processes exchange messages, the algorithm's `agree` tells each process
     when the run checkpoints or ends, and the main process alone logs and evaluates.
+    messages: sends point-to-point messages between processes (`Communicator.isend`; on NCCL
+    they travel in a gloo group the communicator creates beside it).
     """
 
     checkpointable: bool = True
     skippable: bool = True
     extra_processes: int = 0
     lockstep: bool = True
+    messages: bool = False
 
     def processes(self, workers: int) -> int:
         """Processes a real run of `workers` workers starts."""

@@ -132,7 +132,7 @@ def _train(cfg: DictConfig, run_dir: Path | None, device: torch.device) -> dict[
         cfg.comm.reduction,
         deterministic=cfg.comm.deterministic,
         p2p_schedule=cfg.comm.p2p_schedule,
-        messages=not traits.lockstep,
+        messages=traits.messages,
         first_worker=traits.extra_processes,
     )
     writer_dir = run_dir if comm.is_main_process else None
