@@ -116,9 +116,12 @@ def test_ring_of_8_exponential_speeds_keeps_consensus_and_matches_dpsgd(
 
 
 @pytest.mark.distributed
-def test_simulated_equals_four_gloo_ranks_for_a_seeded_order(small_config, tmp_path):
+@pytest.mark.parametrize("exchange", ["average", "topk"])
+def test_simulated_equals_four_gloo_ranks_for_a_seeded_order(small_config, tmp_path, exchange):
     args = ["workers=4", ADPSGD, "topology=ring", "async.speed=exponential",
             "async.order=seeded", "backend.threads=1", "train.steps=40"]  # fmt: skip
+    if exchange == "topk":  # CHOCO-gossip on each pair: both ends keep the edges' copies
+        args += ["compressor=topk", "compressor.ratio=0.25", "algorithm.gamma=0.5"]
     simulated = run_ours(small_config, tmp_path, "sim", *args)
     real = run_ours(small_config, tmp_path, "real", *args, "backend=gloo")
     assert max_diff(simulated, real) <= TOL
@@ -155,6 +158,9 @@ BAD = [
     ([ADPSGD, "algorithm.pairing=nearest"], "choose one of: random, bipartite"),
     ([ADPSGD, "backend=gloo"], "add async.order=seeded"),
     ([ADPSGD, "async.delay=2"], "no fixed-delay mode"),
+    ([ADPSGD, "compressor=topk", "error_feedback=ef14"], "leave error_feedback=none"),
+    ([ADPSGD, "compressor=powersgd"], "choose e.g. compressor=topk"),
+    ([ADPSGD, "algorithm.gamma=1.5"], "must be in (0, 1]"),
 ]
 
 
@@ -163,3 +169,31 @@ def test_bad_adpsgd_input_is_one_line(args, fix):
     with pytest.raises(ConfigError) as err:
         validate(compose_config(*SMALL, *args))
     assert fix in str(err.value) and "\n" not in str(err.value)
+
+
+def test_compressed_pair_exchange_keeps_the_sum_and_contracts_by_gamma(small_config):
+    """CHOCO-gossip on the pair with the identity codec: the copies become the models, so
+    x_i − x_j shrinks by (1 − γ) and x_i + x_j is kept (lr 0: only the exchange moves them)."""
+    cfg = small_config(ADPSGD, "workers=2", "topology=complete", "algorithm.gamma=0.5",
+                       "optimizer.lr=0", "train.steps=1")  # fmt: skip
+    trainer = Trainer(cfg, SimulatedCommunicator(2, NetworkModel.preset("1gbe")), CPU, None)
+    assert trainer.algorithm.codec is not None
+    with torch.no_grad():
+        trainer.replicas.params.add_(torch.randn_like(trainer.replicas.params))
+    x = trainer.replicas.params.double().clone()
+    trainer.run()
+    y = trainer.replicas.params.double()
+    assert torch.allclose(y[0] + y[1], x[0] + x[1], atol=1e-5)
+    assert torch.allclose(y[0] - y[1], 0.5 * (x[0] - x[1]), atol=1e-5)
+
+
+def test_compressed_adpsgd_trains_with_compressed_bytes(small_config, one_thread):
+    cfg = small_config(ADPSGD, "workers=8", "topology=ring", "compressor=topk",
+                       "compressor.ratio=0.25", "algorithm.gamma=0.5", "async.speed=exponential",
+                       "train.steps=400", "train.batch_size=16")  # fmt: skip
+    trainer = Trainer(cfg, SimulatedCommunicator(8, NetworkModel.preset("1gbe")), CPU, None)
+    summary = trainer.run()
+    wire = trainer.algorithm.codec.wire_bytes
+    assert wire < trainer.replicas.num_params * 4 / 2
+    assert summary["comm/bytes"] == 2 * summary["adpsgd/pairs"] * wire / 8
+    assert summary["test/acc"] > 0.5 and summary["gossip/consensus_distance"] < 0.1

@@ -59,6 +59,8 @@ CASES = {
     "sgp": ["algorithm=sgp", "topology=one_peer_exponential"],
     # AD-PSGD: reads, event queue, speed and pairing streams, staleness counts
     "adpsgd": ["algorithm=adpsgd", "async.speed=exponential", "optimizer.momentum=0.9"],
+    "adpsgd_topk": ["algorithm=adpsgd", "compressor=topk", "compressor.ratio=0.25",
+                    "algorithm.gamma=0.5", "async.speed=exponential"],  # + the edges' copies
 }
 
 # Simulated asynchronous SGD: 60 pushes of 4 workers; the server, protocol, speed streams,

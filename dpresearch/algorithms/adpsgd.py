@@ -19,6 +19,14 @@ worker) steps, as in asynchronous SGD. The neighbour is chosen by `pairing`:
 
 The exchange of a pair is two point-to-point messages (x_i to j, x_j to i, float buffers with
 them when `mix_buffers`), each charged to its sender; the event takes compute + α + D/B.
+
+Compressed exchanges (`compressor=` any gossip-capable codec, `algorithm.gamma`): CHOCO-gossip
+(Koloskova et al. 2019) on the pair. Every directed edge keeps the public copy x̂_{i→j} of x_i
+that j holds (i holds the same copy, so both know it exactly). At an event i and j send
+q_i = C(x_i − x̂_{i→j}) and q_j = C(x_j − x̂_{j→i}); both add the decoded messages to their copies,
+then x_i += γ/2·(x̂_{j→i} − x̂_{i→j}) and x_j += γ/2·(x̂_{i→j} − x̂_{j→i}): the pair's sum is kept,
+and with the identity codec and γ = 1 it is the plain average. Float buffers travel
+uncompressed beside the wire row.
 Metrics: `gossip/consensus_distance` Ξ² = (1/K) Σ‖x_i − x̄‖², `adpsgd/staleness_mean` and
 `_max` (τ: how many averagings by other workers changed x_i while i computed its gradient),
 `time/simulated_s`; the summary holds τ's histogram and the pairs averaged.
@@ -40,9 +48,11 @@ import torch
 from omegaconf import DictConfig
 
 from dpresearch.algorithms.base import StepPlan, Traits
+from dpresearch.algorithms.choco import check_gamma
 from dpresearch.algorithms.gossip import Gossip, build_topology
 from dpresearch.asynchrony.clock import EventClock, transfer_seconds
 from dpresearch.asynchrony.options import AsyncOptions, check_options
+from dpresearch.asynchrony.push import IDENTITY, PushCodec, check_codec
 from dpresearch.asynchrony.speed import DrawStream, SpeedModel
 from dpresearch.comm.base import Communicator
 from dpresearch.comm.topology import Topology
@@ -124,7 +134,11 @@ class ADPSGD(Gossip):
         topology: Mapping[str, Any] | None = None,
         options: Mapping[str, Any] | None = None,
         pairing: str = "random",
+        compressor: Mapping[str, Any] | None = None,
+        gamma: float = 1.0,
         seed: int = 0,
+        granularity: str = "tensor",
+        bucket_mb: float = 25.0,
         mix_buffers: bool = True,
         eval_local_models: bool = True,
     ) -> None:
@@ -136,7 +150,23 @@ class ADPSGD(Gossip):
         self.speed = SpeedModel.from_options(opts, k, seed)
         params, buffers = replicas.params, replicas.buffers
         self._has_buffers = mix_buffers and buffers.shape[1] > 0
-        row_bytes = params.shape[1] * params.element_size()
+        check_gamma(gamma)
+        self.gamma = float(gamma)
+        self.codec: PushCodec | None = None
+        if compressor is not None and compressor.get("_target_") != IDENTITY or gamma != 1.0:
+            self.codec = PushCodec(replicas.models[0], params, list(comm.local_workers),
+                                   compressor, None, seed, granularity, bucket_mb)  # fmt: skip
+            # x̂ of every directed edge with an end here (simulated: all of them)
+            peers = self.pairing.peers
+            edges = [(a, b) for a in range(k) for b in peers[a]
+                     if a in comm.local_workers or b in comm.local_workers]  # fmt: skip
+            self.edge = {e: n for n, e in enumerate(edges)}
+            self.hat = params.new_zeros((len(edges), params.shape[1]))
+            self.sent = params.new_empty((2, params.shape[1]))  # each side's decoded message
+        row_bytes = (
+            self.codec.wire_bytes if self.codec is not None
+            else params.shape[1] * params.element_size()
+        )  # fmt: skip
         if self._has_buffers:
             row_bytes += buffers.shape[1] * buffers.element_size()
         self.clock = EventClock(self.speed, 0.0, transfer_seconds(comm.ledger.network, row_bytes))
@@ -166,6 +196,8 @@ class ADPSGD(Gossip):
         check_options(opts, cfg.workers)
         if opts.delay is not None:
             raise ValueError("algorithm=adpsgd has no fixed-delay mode; drop async.delay")
+        check_gamma(alg.get("gamma", 1.0))
+        check_codec(alg.get("compressor"))
         if cfg.backend.name != "simulated" and opts.order != "seeded":
             raise ValueError(
                 f"algorithm=adpsgd on real processes (backend={cfg.backend.name}) replays the "
@@ -221,7 +253,12 @@ class ADPSGD(Gossip):
         if here is not None:
             params[here].copy_(self.live)  # x_i as it is now, the gradient computed at x̂_i
         if j is not None:
-            self._average(i, j)
+            self.pairs += 1
+            self.changed[j] += 1
+            if self.codec is None:
+                self._average(i, j)
+            else:
+                self._choco(i, j, step)
         if here is not None:
             self.optimizers[here].step()
             self.read[here].copy_(params[here])  # i starts its next gradient on this
@@ -236,11 +273,8 @@ class ADPSGD(Gossip):
         """x_i, x_j ← (x_i + x_j) / 2 (and their float buffers), through two messages; both
         received before either is averaged, and the same sum on every rank (a + b is b + a in
         floating point)."""
-        self.pairs += 1
-        self.changed[j] += 1
         params, buffers = self.replicas.params, self.replicas.buffers
-        sides = [(me, peer, self.row[me], slot)
-                 for slot, (me, peer) in enumerate(((i, j), (j, i))) if me in self.row]  # fmt: skip
+        sides = self._sides(i, j)
         for me, peer, row, _ in sides:
             message = [params[row]] + ([buffers[row]] if self._has_buffers else [])
             self.comm.isend(message, dst=peer, src=me)
@@ -251,6 +285,42 @@ class ADPSGD(Gossip):
             self.comm.recv(peer, out, dst=me)
         for _, _, row, slot in sides:
             params[row].add_(self.received[slot]).mul_(0.5)
+            if self._has_buffers:
+                buffers[row].add_(self.received_buffers[slot]).mul_(0.5)
+
+    def _sides(self, i: int, j: int) -> list[tuple[int, int, int, int]]:
+        """(me, peer, my row, slot) of each end of the pair held here."""
+        return [(me, peer, self.row[me], slot)
+                for slot, (me, peer) in enumerate(((i, j), (j, i))) if me in self.row]  # fmt: skip
+
+    def _choco(self, i: int, j: int, step: int) -> None:
+        """The pair's compressed exchange (see the module docstring); every message encoded
+        before any copy moves, the same operations on every rank."""
+        params, buffers = self.replicas.params, self.replicas.buffers
+        codec, hat, edge = self.codec, self.hat, self.edge
+        sides = self._sides(i, j)
+        wires = {}
+        for me, peer, row, slot in sides:
+            delta = torch.sub(params[row], hat[edge[(me, peer)]], out=self.sent[slot])
+            wire, decoded = codec.encode(row, delta, step)
+            self.sent[slot].copy_(decoded)
+            wires[me] = wire
+            message = [wire] + ([buffers[row]] if self._has_buffers else [])
+            self.comm.isend(message, dst=peer, src=me)
+        for me, peer, _, slot in sides:
+            out = [torch.empty_like(wires[me])]
+            if self._has_buffers:
+                out.append(self.received_buffers[slot])
+            self.comm.recv(peer, out, dst=me)
+            codec.decode(out[0], step, self.received[slot])
+        # the copies of both directed edges: one per edge here (both ends here share it)
+        for me, peer, _, slot in sides:
+            hat[edge[(me, peer)]].add_(self.sent[slot])
+            if peer not in self.row:
+                hat[edge[(peer, me)]].add_(self.received[slot])
+        for me, peer, row, slot in sides:
+            diff = torch.sub(hat[edge[(peer, me)]], hat[edge[(me, peer)]], out=self.sent[slot])
+            params[row].add_(diff, alpha=self.gamma / 2)
             if self._has_buffers:
                 buffers[row].add_(self.received_buffers[slot]).mul_(0.5)
 
@@ -279,6 +349,8 @@ class ADPSGD(Gossip):
             "pairing": self.pairing.state_dict(), "changed": list(self.changed),
             "histogram": list(self.histogram), "pairs": self.pairs, "window": list(self._window),
             "started": self._started,
+            "hat": self.hat if self.codec is not None else None,
+            "codec": self.codec.state_dict() if self.codec is not None else None,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
@@ -290,3 +362,8 @@ class ADPSGD(Gossip):
         self.histogram = [int(n) for n in state["histogram"]]
         self.pairs, self._window = int(state["pairs"]), [int(t) for t in state["window"]]
         self._started = bool(state["started"])
+        if (state["hat"] is None) != (self.codec is None):
+            raise ValueError("adpsgd state: saved with another compressor setting")
+        if self.codec is not None:
+            self.hat.copy_(state["hat"])
+            self.codec.load_state_dict(state["codec"])

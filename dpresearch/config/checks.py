@@ -333,10 +333,18 @@ def check_compression(cfg: DictConfig) -> None:
                 "gossip), or leave compressor=identity error_feedback=none"
             )
         return
+    if "error_feedback" not in alg and not _is_default(
+        cfg.error_feedback, "dpresearch.compress.error_feedback.ErrorFeedback", mode="none",
+        momentum=0.0,
+    ):  # fmt: skip
+        raise ConfigError(
+            f"{alg._target_.rsplit('.', 1)[-1]} takes no error_feedback (its messages keep "
+            "their own copies); leave error_feedback=none"
+        )
     try:
         check_compatibility(
             alg.compressor,
-            alg.error_feedback,
+            alg.get("error_feedback"),
             granularity=alg.get("granularity", "auto"),
             bucket_mb=alg.get("bucket_mb", 25.0),
             collective=alg.get("collective", "auto"),
