@@ -52,10 +52,17 @@ from dpresearch.algorithms.choco import check_gamma
 from dpresearch.algorithms.gossip import Gossip, build_topology
 from dpresearch.asynchrony.clock import EventClock, transfer_seconds
 from dpresearch.asynchrony.options import AsyncOptions, check_options
-from dpresearch.asynchrony.push import IDENTITY, PushCodec, check_codec
+from dpresearch.asynchrony.push import parameter_chunks
 from dpresearch.asynchrony.speed import DrawStream, SpeedModel
 from dpresearch.comm.base import Communicator
 from dpresearch.comm.topology import Topology
+from dpresearch.compress import (
+    Codec,
+    Identity,
+    build_compressor,
+    check_algorithm_node,
+    check_pairing,
+)
 from dpresearch.compress.rng import stream_seed
 from dpresearch.replicas import Replicas
 
@@ -152,10 +159,13 @@ class ADPSGD(Gossip):
         self._has_buffers = mix_buffers and buffers.shape[1] > 0
         check_gamma(gamma)
         self.gamma = float(gamma)
-        self.codec: PushCodec | None = None
-        if compressor is not None and compressor.get("_target_") != IDENTITY or gamma != 1.0:
-            self.codec = PushCodec(replicas.models[0], params, list(comm.local_workers),
-                                   compressor, None, seed, granularity, bucket_mb)  # fmt: skip
+        method = build_compressor(compressor, seed)
+        check_pairing(method, None, "gossip")
+        self.codec: Codec | None = None
+        if type(method) is not Identity or gamma != 1.0:  # else the plain average
+            chunks = parameter_chunks(replicas.models[0], granularity, bucket_mb,
+                                      params.element_size())  # fmt: skip
+            self.codec = method.codec(chunks, params.dtype, params.device, comm.local_workers)
             # x̂ of every directed edge with an end here (simulated: all of them)
             peers = self.pairing.peers
             edges = [(a, b) for a in range(k) for b in peers[a]
@@ -163,6 +173,7 @@ class ADPSGD(Gossip):
             self.edge = {e: n for n, e in enumerate(edges)}
             self.hat = params.new_zeros((len(edges), params.shape[1]))
             self.sent = params.new_empty((2, params.shape[1]))  # each side's decoded message
+            self.delta = params.new_empty((1, params.shape[1]))
         row_bytes = (
             self.codec.wire_bytes if self.codec is not None
             else params.shape[1] * params.element_size()
@@ -197,7 +208,7 @@ class ADPSGD(Gossip):
         if opts.delay is not None:
             raise ValueError("algorithm=adpsgd has no fixed-delay mode; drop async.delay")
         check_gamma(alg.get("gamma", 1.0))
-        check_codec(alg.get("compressor"))
+        check_algorithm_node(alg, "gossip")
         if cfg.backend.name != "simulated" and opts.order != "seeded":
             raise ValueError(
                 f"algorithm=adpsgd on real processes (backend={cfg.backend.name}) replays the "
@@ -301,9 +312,9 @@ class ADPSGD(Gossip):
         sides = self._sides(i, j)
         wires = {}
         for me, peer, row, slot in sides:
-            delta = torch.sub(params[row], hat[edge[(me, peer)]], out=self.sent[slot])
-            wire, decoded = codec.encode(row, delta, step)
-            self.sent[slot].copy_(decoded)
+            torch.sub(params[row], hat[edge[(me, peer)]], out=self.delta[0])
+            wire = codec.encode(self.delta, step, (me,))[0].clone()  # the codec's buffer
+            codec.decode(wire.unsqueeze(0), step, self.sent[slot : slot + 1])
             wires[me] = wire
             message = [wire] + ([buffers[row]] if self._has_buffers else [])
             self.comm.isend(message, dst=peer, src=me)
@@ -312,7 +323,7 @@ class ADPSGD(Gossip):
             if self._has_buffers:
                 out.append(self.received_buffers[slot])
             self.comm.recv(peer, out, dst=me)
-            codec.decode(out[0], step, self.received[slot])
+            codec.decode(out[0].unsqueeze(0), step, self.received[slot : slot + 1])
         # the copies of both directed edges: one per edge here (both ends here share it)
         for me, peer, _, slot in sides:
             hat[edge[(me, peer)]].add_(self.sent[slot])
@@ -350,7 +361,6 @@ class ADPSGD(Gossip):
             "histogram": list(self.histogram), "pairs": self.pairs, "window": list(self._window),
             "started": self._started,
             "hat": self.hat if self.codec is not None else None,
-            "codec": self.codec.state_dict() if self.codec is not None else None,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
@@ -366,4 +376,3 @@ class ADPSGD(Gossip):
             raise ValueError("adpsgd state: saved with another compressor setting")
         if self.codec is not None:
             self.hat.copy_(state["hat"])
-            self.codec.load_state_dict(state["codec"])

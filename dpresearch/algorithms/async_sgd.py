@@ -44,7 +44,7 @@ from dpresearch.algorithms.base import Algorithm, StepPlan, Traits, Verdict
 from dpresearch.asynchrony.clock import EventClock, transfer_seconds
 from dpresearch.asynchrony.options import AsyncOptions, check_options
 from dpresearch.asynchrony.protocol import ASGD, Protocol
-from dpresearch.asynchrony.push import PushCodec, check_codec, error_feedback_mode
+from dpresearch.asynchrony.push import PushCodec
 from dpresearch.asynchrony.server import ParameterServer
 from dpresearch.asynchrony.speed import SpeedModel
 from dpresearch.asynchrony.staleness import StalenessPolicy
@@ -57,6 +57,7 @@ from dpresearch.asynchrony.transport import (
     verdict_of,
 )
 from dpresearch.comm.base import Communicator
+from dpresearch.compress import check_algorithm_node
 from dpresearch.replicas import Replicas
 
 DEFAULT_PROTOCOL = {"_target_": "dpresearch.asynchrony.protocol.ASGD"}
@@ -167,8 +168,7 @@ class AsyncSGD(Algorithm):
                     "async.delay fixes τ and replaces the protocol; drop async.delay or set "
                     f"protocol=asgd (it is {protocol.name})"
                 )
-        error_feedback_mode(alg.get("error_feedback"))
-        check_codec(alg.get("compressor"))
+        check_algorithm_node(alg, "push")
 
     def describe(self) -> dict[str, Any]:
         opts = self.options
