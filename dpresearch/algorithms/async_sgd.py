@@ -240,7 +240,8 @@ class AsyncSGD(Algorithm):
         self.transport.end(self._ending, self.server)
 
     def drop_step(self, step: int) -> None:
-        """A non-finite pushed loss ends the run (the push is not applied): tell the workers."""
+        """A non-finite pushed loss or a refused write ends the run (the push is not applied):
+        tell the workers."""
         self.transport.end(self._ending, self.server)
 
     # -- checkpoints -----------------------------------------------------------------------------

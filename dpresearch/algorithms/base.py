@@ -88,12 +88,14 @@ class Traits:
 class Verdict:
     """What every process agreed on after a step's backward (`Algorithm.agree`): a stop
     request's signal (0: none), whether a loss was non-finite (and `train.on_nonfinite` cares),
-    whether to checkpoint after this step and whether it was the run's last."""
+    whether to checkpoint after this step, whether it was the run's last, and whether a write
+    into the run directory was refused (`io_errors.RunIOError`, known to the main process)."""
 
     signum: int = 0
     nonfinite: bool = False
     checkpoint: bool = False
     finished: bool = False
+    io_failed: bool = False
 
 
 class Algorithm(ABC):
@@ -163,22 +165,23 @@ class Algorithm(ABC):
 
     def agree(self, proposal: Verdict) -> Verdict:
         """The step's verdict, the same on every process, from this process's `proposal`
-        (its stop request and non-finite flag; checkpoint and end by the step count, equal
-        everywhere). Lockstep: one 3-number allreduce [SIGINT, other stop signal, non-finite]
-        when there are several processes, none in one process."""
+        (its stop request, non-finite and refused-write flags; checkpoint and end by the step
+        count, equal everywhere). Lockstep: one 4-number allreduce [SIGINT, other stop signal,
+        non-finite, refused write] when there are several processes, none in one process."""
         processes = self.comm.world_size // self.comm.num_local
         if processes == 1:
             return proposal
         signum = proposal.signum
         flags = torch.tensor(
-            [[signum == signal.SIGINT, signum not in (0, signal.SIGINT), proposal.nonfinite]],
+            [[signum == signal.SIGINT, signum not in (0, signal.SIGINT), proposal.nonfinite,
+              proposal.io_failed]],  # fmt: skip
             dtype=torch.float32,
             device=self.replicas.params.device,
         )
         self.comm.all_reduce(flags, op="sum", record=False)
-        interrupt, terminate, bad = flags[0].tolist()
+        interrupt, terminate, bad, io = flags[0].tolist()
         signum = signal.SIGINT if interrupt else signal.SIGTERM if terminate else 0
-        return replace(proposal, signum=int(signum), nonfinite=bad > 0)
+        return replace(proposal, signum=int(signum), nonfinite=bad > 0, io_failed=io > 0)
 
     @abstractmethod
     def after_backward(self, step: int) -> None:

@@ -44,7 +44,7 @@ SERVER = -1  # the server's endpoint in a simulating process (it holds no worker
 SERVER_RANK = 0  # ... and its rank on real processes
 HEADER = 4  # push header: read version, gradient count, loss, accuracy
 # pull header: [version, kind, signal]; the kinds of pull
-PULL, CHECKPOINT, FINISH, STOP, DIVERGED = range(5)
+PULL, CHECKPOINT, FINISH, STOP, DIVERGED, IO_FAILED = range(6)
 
 
 class WorkerLost(RuntimeError):
@@ -70,6 +70,8 @@ def pull_header(version: int, kind: int = PULL, signum: int = 0) -> Tensor:
 
 def control_kind(verdict: Verdict) -> int | None:
     """The control message a server's verdict sends every worker (None: none)."""
+    if verdict.io_failed:
+        return IO_FAILED
     if verdict.nonfinite:
         return DIVERGED
     if verdict.finished:
@@ -86,6 +88,7 @@ def verdict_of(kind: int, signum: int) -> Verdict:
         nonfinite=kind == DIVERGED,
         checkpoint=kind == CHECKPOINT,
         finished=kind == FINISH,
+        io_failed=kind == IO_FAILED,
     )
 
 

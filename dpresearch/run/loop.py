@@ -10,10 +10,13 @@ else — metrics, evaluation, checkpoints, fault injection — is a `Hook` calle
 Ending a run. After each step's backward the processes agree on the step's verdict
 (`Algorithm.agree`: lockstep algorithms in one tiny collective, none in a simulated run;
 asynchronous ones by their messages): a stop request (SIGTERM/SIGINT, `dpresearch.run.stop`),
-a non-finite training loss (`train.on_nonfinite`), a checkpoint due, the run's end. A stop
-finishes the step (its hooks run) and ends with `Outcome("interrupted")`; a non-finite loss
-under `stop` ends before the step's update with `Outcome("diverged")`; `skip_step` drops the
-update and counts it.
+a non-finite training loss (`train.on_nonfinite`), a write into the run directory that the
+machine refused in an earlier step's hooks (`io_errors.RunIOError`: a full disk; the main
+process alone writes, so only it knows), a checkpoint due, the run's end. A stop finishes the
+step (its hooks run) and ends with `Outcome("interrupted")`; a non-finite loss under `stop`
+ends before the step's update with `Outcome("diverged")`; `skip_step` drops the update and
+counts it; a refused write ends before the step's update with `Outcome("failed_io")` (after
+the last step: at once).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dpresearch.algorithms.base import StepPlan, Verdict
 from dpresearch.comm.ledger import CommLedger
 from dpresearch.run import stop
 from dpresearch.run.build import Run
+from dpresearch.run.io_errors import RunIOError
 from dpresearch.run.timing import LoopClock
 
 NONFINITE_MODES = ("stop", "skip_step", "continue")
@@ -44,6 +48,7 @@ class LoopState:
     skipped: int = 0
     clock: LoopClock | None = None  # started with the loop
     _clock_state: dict[str, float] | None = None
+    io_error: RunIOError | None = None  # a write a hook could not make (not checkpointed)
 
     def start_clock(self, ledger: CommLedger) -> LoopClock:
         """The loop clock, starting now (continuing a resumed run's regions)."""
@@ -70,8 +75,9 @@ class LoopState:
 
 @dataclass(frozen=True)
 class Outcome:
-    """How the loop ended: "finished", "interrupted" (after step `step`, by `signum`) or
-    "diverged" (a non-finite loss at step `step`, 1-based as metrics count)."""
+    """How the loop ended: "finished", "interrupted" (after step `step`, by `signum`),
+    "diverged" (a non-finite loss at step `step`, 1-based as metrics count) or "failed_io" (a
+    refused write, `LoopState.io_error`; the run stopped after step `step`)."""
 
     status: str
     step: int
@@ -112,7 +118,13 @@ def run_loop(run: Run, state: LoopState, hooks: Sequence[Hook], on_nonfinite: st
         compute.run(plan.workers)
         for hook in hooks:
             hook.after_compute(step)
-        verdict = algorithm.agree(proposal(run, plan, step + 1, on_nonfinite))
+        verdict = algorithm.agree(
+            proposal(run, plan, step + 1, on_nonfinite, state.io_error is not None)
+        )
+        if verdict.io_failed:
+            algorithm.drop_step(step)
+            clock.step_ends()
+            return Outcome("failed_io", step)
         if verdict.nonfinite:
             algorithm.drop_step(step)
             if on_nonfinite == "stop":
@@ -125,18 +137,23 @@ def run_loop(run: Run, state: LoopState, hooks: Sequence[Hook], on_nonfinite: st
         clock.step_ends()
         done = state.step = step + 1
         for hook in hooks:
-            hook.after_step(done, verdict)
+            try:
+                hook.after_step(done, verdict)
+            except RunIOError as exc:  # ends the run at the next agreement, all together
+                state.io_error = state.io_error or exc
         if verdict.finished:  # (on the last step: finishing is the stop)
-            return Outcome("finished", done)
+            return Outcome("failed_io" if state.io_error is not None else "finished", done)
         if verdict.signum:
             return Outcome("interrupted", done, verdict.signum)
         step = done
 
 
-def proposal(run: Run, plan: StepPlan, done: int, on_nonfinite: str) -> Verdict:
+def proposal(
+    run: Run, plan: StepPlan, done: int, on_nonfinite: str, io_failed: bool = False
+) -> Verdict:
     """This process's view of step `done` (1-based) for the agreement: a stop request, a
-    non-finite loss of its workers (or one that reached it by message), a checkpoint due by
-    `train.checkpoint_every`, and the last step."""
+    non-finite loss of its workers (or one that reached it by message), a refused write, a
+    checkpoint due by `train.checkpoint_every`, and the last step."""
     nonfinite = on_nonfinite != "continue" and not (
         run.compute.last_losses_finite(plan.workers) and run.algorithm.losses_finite()
     )
@@ -147,6 +164,7 @@ def proposal(run: Run, plan: StepPlan, done: int, on_nonfinite: str) -> Verdict:
         nonfinite=nonfinite,
         checkpoint=bool(every) and done % every == 0 and not finished,
         finished=finished,
+        io_failed=io_failed,
     )
 
 
