@@ -299,3 +299,16 @@ def test_study_point_keeps_the_points_overrides_but_the_thread_pin():
     assert "compressor=topk" in overrides and "optimizer.lr=0.06" in overrides
     assert "seed=0" in overrides and not any(o.startswith("backend.threads") for o in overrides)
     assert all("{repo}" not in o for o in overrides)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_async_real_pushes_tiny(tmp_path):
+    """Issue 17's benchmark E at tiny size (after vs after): both sides run real gloo ranks,
+    the rates are read back from their metrics and the ratio line is printed."""
+    out = tmp_path / "pushes.json"
+    done = bench("async_real_pushes.py", "--smoke", "--json", str(out), timeout=900)
+    assert "after / before: median" in done.stdout and "target ≥ 0.95" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["rounds"] == 1 and result["before_pushes_per_s"] > 0
+    assert result["after_pushes_per_s"] > 0

@@ -69,6 +69,10 @@ CASES = {
         "optimizer.var_update_scaler=4", "optimizer.local_step_scaler=3",
         "optimizer.local_step_clipper=4",
     ],
+    # AD-PSGD: reads, event queue, speed and pairing streams, staleness counts
+    "adpsgd": ["algorithm=adpsgd", "async.speed=exponential", "optimizer.momentum=0.9"],
+    "adpsgd_topk": ["algorithm=adpsgd", "compressor=topk", "compressor.ratio=0.25",
+                    "algorithm.gamma=0.5", "async.speed=exponential"],  # + the edges' copies
 }  # fmt: skip
 
 # Simulated asynchronous SGD: 60 pushes of 4 workers; the server, protocol, speed streams,
@@ -79,9 +83,9 @@ ASYNC_CASES = {
         ASYNC, "async.speed=exponential", "async.slow_workers=[0]", "async.slowdown=4",
         "async.straggler_prob=0.2", "optimizer.momentum=0.9",
     ],
-    "ssp": [ASYNC, "async.protocol=ssp", "async.max_staleness=2", "async.speed=exponential"],
+    "ssp": [ASYNC, "protocol=ssp", "protocol.max_staleness=2", "async.speed=exponential"],
     "softsync": [  # c=4: the checkpoint at push 30 holds an open group of 2
-        ASYNC, "async.protocol=softsync", "async.softsync_c=4", "async.speed=lognormal",
+        ASYNC, "protocol=softsync", "protocol.c=4", "async.speed=lognormal",
         "optimizer.momentum=0.9",
     ],
     "fixed_delay": [ASYNC, "async.delay=3", "optimizer.momentum=0.9"],

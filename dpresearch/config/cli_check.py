@@ -92,9 +92,20 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     return CommandLine(overrides, multirun, runs, checkable, config_name)
 
 
-def _group_options(conf_dir: Path, group: str) -> list[str]:
-    folder = conf_dir / group
-    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+def _group_options(conf_dirs: list[Path], group: str) -> list[str]:
+    """The options of config group `group` in the package's and the searchpath's folders."""
+    found = {p.stem for d in conf_dirs if (d / group).is_dir() for p in (d / group).glob("*.yaml")}
+    return sorted(found)
+
+
+def _searchpath_dirs(parsed: list) -> list[Path]:
+    """The folders `hydra.searchpath=[file://...]` adds (a user's own config groups)."""
+    dirs = []
+    for ov in parsed:
+        if ov.key_or_group == "hydra.searchpath" and isinstance(ov.value(), list):
+            dirs += [Path(str(v)[len("file://"):]) for v in ov.value()
+                     if str(v).startswith("file://")]  # fmt: skip
+    return dirs
 
 
 def compose_command_line(cmd: CommandLine, conf_dir: Path) -> DictConfig:
@@ -108,6 +119,7 @@ def compose_command_line(cmd: CommandLine, conf_dir: Path) -> DictConfig:
     except HydraException as exc:
         raise ConfigError(f"cannot parse the overrides: {str(exc).splitlines()[0]}") from None
     first_values = []
+    conf_dirs = [conf_dir, *_searchpath_dirs(parsed)]
     for ov in parsed:
         key = ov.key_or_group
         if ov.is_sweep_override() and not cmd.multirun:
@@ -120,7 +132,7 @@ def compose_command_line(cmd: CommandLine, conf_dir: Path) -> DictConfig:
             first_values.append(ov.input_line)
             continue
         values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else None
-        options = _group_options(conf_dir, key)
+        options = _group_options(conf_dirs, key)
         if options and not ov.is_delete():
             for value in values or [ov.value()]:
                 if isinstance(value, str) and value not in options:

@@ -1,7 +1,7 @@
 """Structured-config schema: types and defaults for every key that is not a plug-in.
 
 Plug-in groups (`data`, `model`, `optimizer`, `schedule`, `algorithm`, `compressor`,
-`error_feedback`, `topology`) are Hydra `_target_`
+`error_feedback`, `topology`, `protocol`) are Hydra `_target_`
 nodes whose keys belong to their target; their arguments are checked against the target's
 signature by `validate.py` before any worker starts. Everything else is typed here, so an
 unknown key or a wrongly typed value fails at composition.
@@ -183,6 +183,7 @@ class Config:
     compressor: Any = None
     error_feedback: Any = None
     topology: Any = None
+    protocol: Any = None
 
 
 def schema() -> DictConfig:

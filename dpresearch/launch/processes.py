@@ -128,12 +128,9 @@ def process_device(cfg: DictConfig) -> torch.device:
 
 
 def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
-    """Run this process as one torch.distributed process (environment set by the launcher):
-    one worker of the training loop, or — for an algorithm with its own `run_process`
-    classmethod (the asynchronous parameter server) — whatever part it gives this rank."""
+    """Run this process as one torch.distributed process of the training loop (environment set
+    by the launcher; rank 0 writes `run_dir`)."""
     import torch.distributed as dist
-
-    from dpresearch.config.checks import algorithm_class
 
     backend = cfg.backend.name
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
@@ -161,9 +158,7 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
             flush=True,
         )
     try:
-        cls = algorithm_class(cfg)
-        own = cls is not None and cls.traits.own_processes
-        summary = cls.run_process(cfg, run_dir) if own else _train(cfg, run_dir, device)
+        summary = _train(cfg, run_dir, device)
         # Leave together: a rank that exits while a peer still uses the gloo pair can abort it.
         dist.barrier()
         return summary
@@ -172,16 +167,21 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
 
 
 def _train(cfg: DictConfig, run_dir: Path | None, device: torch.device) -> dict[str, Any]:
-    """This process as worker `rank` of the training loop (rank 0 writes `run_dir`)."""
+    """This process as rank `rank` of the training loop (rank 0 writes `run_dir`): a worker,
+    or one of the algorithm's extra processes (`Traits.extra_processes`, the first ranks)."""
     from dpresearch.comm.distributed import DistributedCommunicator
+    from dpresearch.config.checks import algorithm_class
     from dpresearch.run.trainer import Trainer
 
+    traits = algorithm_class(cfg).traits
     comm = DistributedCommunicator(
         network_model(cfg),
         cfg.comm.reduction,
         deterministic=cfg.comm.deterministic,
         p2p_schedule=cfg.comm.p2p_schedule,
         hierarchy=hierarchy_of(cfg),
+        messages=traits.messages,
+        first_worker=traits.extra_processes,
     )
     writer_dir = run_dir if comm.is_main_process else None
     return Trainer(cfg, comm, device, writer_dir).run()
@@ -199,8 +199,7 @@ def _worker_entry(cfg_container: dict, run_dir: str | None) -> dict[str, Any]:
     bind_to_launcher()  # first: from here on, this process dies with the launcher
     cfg = OmegaConf.create(cfg_container)
     beats = os.environ.get(HEARTBEAT_ENV)
-    # Stop requests are recorded from the start (the loop honours them at its next step),
-    # unless the algorithm runs its own processes (the agent stops those with SIGTERM).
+    # Stop requests are recorded from the start (the loop honours them at its next step).
     stoppable = STOP_FILE_ENV in os.environ
     with worker_output(), stop.handling() if stoppable else contextlib.nullcontext():
         if not beats:
@@ -220,15 +219,11 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from dpresearch.config.checks import algorithm_class, process_count
+    from dpresearch.config.checks import process_count
     from dpresearch.launch.heartbeat import Watchdog
     from dpresearch.launch.lifeline import launcher_environment
 
     processes = process_count(cfg)
-    # The ordinary training loop stops cleanly on a request; an algorithm that runs its own
-    # processes (the parameter server) is stopped by the agent as before.
-    cls = algorithm_class(cfg)
-    forwards = cls is None or not cls.traits.own_processes
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -239,7 +234,7 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
         max_restarts=0,
         monitor_interval=0.2,
         start_method="spawn",
-        **_elastic_signals(forward_stop=forwards),
+        **_elastic_signals(),
     )
     container = OmegaConf.to_container(cfg, resolve=True)
     if cfg.train.progress:
@@ -260,15 +255,14 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
             stack.enter_context(_environment({HEARTBEAT_ENV: beats}))
             watchdog = Watchdog(Path(beats), heartbeat_s)
             stack.callback(watchdog.stop)
-        if forwards:
-            from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+        from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
 
-            from dpresearch.run.stop import STOP_FILE_ENV, forwarding
+        from dpresearch.run.stop import STOP_FILE_ENV, forwarding
 
-            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="dpresearch-stop-"))
-            stop_file = Path(folder) / "stop"
-            stack.enter_context(_environment({STOP_FILE_ENV: str(stop_file)}))
-            stack.enter_context(forwarding(stop_file, _terminate_process_handler))
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="dpresearch-stop-"))
+        stop_file = Path(folder) / "stop"
+        stack.enter_context(_environment({STOP_FILE_ENV: str(stop_file)}))
+        stack.enter_context(forwarding(stop_file, _terminate_process_handler))
         try:
             results = elastic_launch(config, _worker_entry)(
                 container, str(run_dir) if run_dir else None
@@ -281,16 +275,16 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     return results[0]
 
 
-def _elastic_signals(forward_stop: bool = False) -> dict[str, str]:
-    """`LaunchConfig` settings for the signals torch's elastic agent turns into a stop: all of
-    its default ones, but not SIGHUP when this process ignores it (started under `nohup`), as a
-    simulated run would, and not SIGTERM/SIGINT when `forward_stop` (the launcher forwards
-    them as a clean stop request). (Older torch without the setting: its defaults.)"""
+def _elastic_signals() -> dict[str, str]:
+    """`LaunchConfig` settings for the signals torch's elastic agent turns into a stop: its
+    default ones but SIGTERM/SIGINT (the launcher forwards them as a clean stop request), and
+    not SIGHUP when this process ignores it (started under `nohup`), as a simulated run would.
+    (Older torch without the setting: its defaults.)"""
     from torch.distributed.launcher.api import LaunchConfig
 
     if "signals_to_handle" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
         return {}
-    handled = ["SIGQUIT"] if forward_stop else ["SIGTERM", "SIGINT", "SIGQUIT"]
+    handled = ["SIGQUIT"]
     # (getsignal gives an int 1 for an inherited SIG_IGN, hence `!=`)
     if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
         handled.append("SIGHUP")
