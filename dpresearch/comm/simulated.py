@@ -44,6 +44,7 @@ class SimulatedCommunicator(Communicator):
     ) -> None:
         super().__init__(world_size, range(world_size), network, reduction, deterministic, ledger)
         self._gather_index: dict[tuple[ExchangePlan, torch.device], tuple[Tensor, Tensor]] = {}
+        self._mailbox: dict[int, deque[tuple[int, list[Tensor]]]] = {}
         if hierarchy is not None:
             self.tiers = self._two_level(hierarchy)
 
@@ -61,7 +62,6 @@ class SimulatedCommunicator(Communicator):
             ledger=self.ledger.view(leaders, INTER),
         )
         return Tiers(hierarchy, intra, inter, leaders)
-        self._mailbox: dict[int, deque[tuple[int, list[Tensor]]]] = {}
 
     def _isend(self, parts: list[Tensor], dst: int, src: int, recorded: bool) -> PendingOp:
         box = self._mailbox.get(dst)
