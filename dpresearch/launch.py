@@ -115,6 +115,13 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     try:
         own = getattr(get_object(cfg.algorithm._target_), "run_process", None)
         summary = own(cfg, run_dir) if own is not None else _train(cfg, run_dir, device)
+        if dist.get_rank() == 0 and cfg.train.progress:
+            # (the processes' shutdown takes seconds, more on a busy machine: not a hang)
+            print(
+                f"{backend}: training done, results written; shutting down the "
+                f"{dist.get_world_size()} processes",
+                flush=True,
+            )
         # Leave together: a rank that exits while a peer still uses the gloo pair can abort it.
         dist.barrier()
         return summary

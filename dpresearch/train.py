@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +41,9 @@ from dpresearch.preflight import preflight
 from dpresearch.validate import ConfigError, forget_data
 
 register_configs()
+
+# When this process started the run (main(), or a sweep job's start): the final line's time.
+_STARTED: list[float] = []
 
 
 class PointFailed(RuntimeError):
@@ -80,6 +84,12 @@ def _check_resume(cfg: DictConfig, run_dir: Path | None) -> None:
     try:
         path = find_resume(cfg.train.resume, run_dir)
         if path is None:
+            if run_dir is not None:  # (auto) say so: a forgotten hydra.run.dir looks the same
+                print(
+                    f"train.resume=auto: no checkpoint in {run_dir}; starting from step 0 (to "
+                    "continue an earlier run, pass its directory as hydra.run.dir)",
+                    flush=True,
+                )
             return
         processes = 1 if cfg.backend.name == "simulated" else process_count(cfg)
         run = {
@@ -121,6 +131,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
+    started = _STARTED[0] if _STARTED and not multirun else time.monotonic()
     writes = not under_torchrun() or global_rank() == 0
     run_dir = Path(hc.runtime.output_dir) if writes else None
     overrides = list(hc.overrides.task)
@@ -153,23 +164,36 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             if not (multirun or _is_worker_failure(exc)):
                 raise  # a bug: Hydra shows its traceback
             _fail(_crash_line(exc), 1, multirun)
-        _end_of_run(summary, multirun)
+        _end_of_run(summary, multirun, run_dir, time.monotonic() - started, hc.overrides.task)
     return summary.get("test/acc")
 
 
 DIVERGED_EXIT = 3  # a non-finite loss stopped the run (train.on_nonfinite=stop)
 
 
-def _end_of_run(summary: dict[str, Any], multirun: bool) -> None:
-    """A run that ended short of its last step: one line and its exit status — 128 + signal
-    for a stop request (130 SIGINT, 143 SIGTERM), `DIVERGED_EXIT` for a non-finite loss."""
+def _end_of_run(
+    summary: dict[str, Any],
+    multirun: bool,
+    run_dir: Path | None,
+    seconds: float,
+    overrides: Sequence[str],
+) -> None:
+    """The run's last line (`run_lines`): a finished run's status, steps, time and directory;
+    for a run that ended short of its last step, its one line and exit status — 128 + signal
+    for a stop request (130 SIGINT, 143 SIGTERM, with the command that resumes it),
+    `DIVERGED_EXIT` for a non-finite loss."""
+    from dpresearch.run_lines import final_line, interrupted_line, resume_command
+
     status = summary.get("status")
     if status == "interrupted":
-        where = summary.get("checkpoint") or "none (this algorithm cannot checkpoint)"
-        line = (
-            f"interrupted at step {summary['interrupted_at_step']}: checkpoint {where}; "
-            "resume with train.resume=auto"
+        if run_dir is None:  # a torchrun rank other than 0: rank 0 says it
+            sys.exit(int(summary.get("exit_code", 130)))
+        command = (
+            f"the same torchrun command with hydra.run.dir={run_dir} train.resume=auto"
+            if under_torchrun()
+            else resume_command(run_dir, overrides)
         )
+        line = interrupted_line(summary, run_dir, seconds, command)
         print(line, file=sys.stderr, flush=True)
         # In a sweep too: the user asked the whole job to stop, not this point alone.
         sys.exit(int(summary.get("exit_code", 130)))
@@ -182,6 +206,8 @@ def _end_of_run(summary: dict[str, Any], multirun: bool) -> None:
             + (f"; last finite checkpoint {kept}" if kept else "")
         )
         _fail(line, DIVERGED_EXIT, multirun)
+    if run_dir is not None:
+        print(final_line(summary, run_dir, seconds), flush=True)
 
 
 def _is_worker_failure(exc: BaseException) -> bool:
@@ -248,14 +274,17 @@ def _quote(value: str) -> str:
 def main() -> None:
     """Console entry: check everything that can be checked before Hydra, then hand over."""
     from dpresearch.provenance import remember_command
+    from dpresearch.run_lines import program, remember_invocation
 
+    _STARTED[:] = [time.monotonic()]
     if not CONF_DIR.is_dir():
         print(
             f"error: config directory {CONF_DIR} is missing; install with pip install -e .",
             file=sys.stderr,
         )
         sys.exit(2)
-    remember_command([Path(sys.executable).name, "-m", "dpresearch.train", *sys.argv[1:]])
+    remember_invocation(sys.argv[0], sys.argv[1:])
+    remember_command([*program(sys.argv[0]), *sys.argv[1:]])
     try:
         args = _check_before_hydra(sys.argv[1:])
     except ConfigError as exc:

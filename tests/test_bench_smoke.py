@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import cli_env
+from conftest import cli_env, load_scaled
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "experiments" / "bench" / "emulated_network.py"
@@ -81,7 +81,7 @@ def test_tiny_run_leaves_no_namespace() -> None:
         "--steps", "4", "--warmup", "2", "--compressors", "identity",
     ]  # fmt: skip
     done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=cli_env()
+        cmd, capture_output=True, text=True, timeout=load_scaled(120), cwd=REPO, env=cli_env()
     )  # this checkout's package in every rank, whatever the editable install points at
     assert done.returncode == 0, done.stderr[-2000:]
     if "skipped:" in done.stdout:

@@ -12,7 +12,15 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, SMALL, compose_config, free_port, run_cli, torchrun_two_nodes
+from conftest import (
+    REPO,
+    SMALL,
+    compose_config,
+    free_port,
+    load_scaled,
+    run_cli,
+    torchrun_two_nodes,
+)
 from test_equivalence import TOL, max_diff, run_ours
 
 from dpresearch.algorithms.gossip import DPSGD
@@ -241,6 +249,7 @@ def test_small_rings_finish_on_gloo(tmp_path, k):
             f"workers={k}",
             "backend=gloo",
             *SMALL,
+            "train.progress=true",
             "train.steps=10",
             f"hydra.run.dir={tmp_path}",
         ],
@@ -248,7 +257,13 @@ def test_small_rings_finish_on_gloo(tmp_path, k):
         timeout=90,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert time.perf_counter() - start < 60
+    assert time.perf_counter() - start < load_scaled(60)
+    # issue 22: after the last step the shutdown is announced, and the run's last line says
+    # it finished, how far and where (not seconds of silence)
+    lines = result.stdout.strip().splitlines()
+    assert lines[-2] == f"gloo: training done, results written; shutting down the {k} processes"
+    assert lines[-1].startswith("finished: 10/10 steps in ")
+    assert lines[-1].endswith(f" s; results in {tmp_path.resolve()}")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["topology"]["num_workers"] == k
     assert summary["topology"]["degree_max"] == (1 if k == 2 else 2)
