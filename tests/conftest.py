@@ -127,3 +127,48 @@ def torchrun_two_nodes(
         )
     outputs = [p.communicate(timeout=load_scaled(timeout))[0] for p in nodes]
     return [p.returncode for p in nodes], outputs
+
+
+# -- CPU seconds per test (`--cpu-durations=N`): a ranking that the machine's load barely moves,
+# unlike wall time on a shared machine (the processes a test starts are counted once they end).
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-durations", type=int, default=None, metavar="N",
+        help="list the N tests that used the most CPU seconds (this process and the processes "
+        "it started; 0: all)",
+    )  # fmt: skip
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
+                                                       resource.RUSAGE_CHILDREN))  # fmt: skip
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+_CPU: dict[str, tuple[float, float]] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    import time
+
+    if item.config.getoption("--cpu-durations") is None:
+        yield
+        return
+    cpu, wall = _cpu_seconds(), time.perf_counter()
+    yield
+    _CPU[item.nodeid] = (_cpu_seconds() - cpu, time.perf_counter() - wall)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    n = config.getoption("--cpu-durations")
+    if n is None or not _CPU:
+        return
+    rows = sorted(_CPU.items(), key=lambda kv: -kv[1][0])
+    total_cpu, total_wall = (sum(v[i] for v in _CPU.values()) for i in (0, 1))
+    terminalreporter.section(f"CPU seconds per test (load average now {os.getloadavg()[0]:.1f})")
+    for nodeid, (cpu, wall) in rows[: n or None]:
+        terminalreporter.write_line(f"{cpu:8.1f} cpu {wall:8.1f} wall  {nodeid}")
+    terminalreporter.write_line(f"{total_cpu:8.1f} cpu {total_wall:8.1f} wall  in all")

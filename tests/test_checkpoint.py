@@ -168,6 +168,35 @@ def test_killed_and_resumed_async_equals_uninterrupted(case, tmp_path, one_threa
 
 
 @pytest.mark.skipif(not SUBSET.is_dir(), reason=f"no CIFAR subset at {SUBSET}")
+def test_augmented_images_and_batchnorm_resume_exactly(tmp_path):
+    """The default suite's form of the ResNet-20 test below (slow): CIFAR images with random
+    crop + flip (each worker's augmentation generator) into an MLP with BatchNorm (running
+    statistics), killed at step 35 and resumed, equals the uninterrupted run bit for bit."""
+    args = [
+        "data=cifar10",
+        f"data.root={SUBSET}",
+        "data.subset=512",
+        "data.augment=true",
+        "model=mlp",
+        "model.hidden=[16]",
+        "model.batch_norm=true",
+        "workers=2",
+        "train.batch_size=4",
+        f"train.steps={STEPS}",
+        "train.log_every=1",
+        "train.eval_every=60",
+        "train.progress=false",
+        "backend.threads=1",
+    ]
+    reference = tmp_path / "reference"
+    train(compose_config(*args), reference)
+    resumed = kill_and_resume(tmp_path, args, InjectedFailure)
+    assert same(final_params(resumed), final_params(reference))
+    assert [m["step"] for m in metric_lines(resumed)] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SUBSET.is_dir(), reason=f"no CIFAR subset at {SUBSET}")
 def test_resnet20_with_augmentation_and_batchnorm_resumes_exactly(tmp_path):
     """ResNet-20 (BatchNorm) on the CIFAR subset with random crop + flip: 60 steps of 2 workers
     × 4 images on the first 512 images."""

@@ -43,6 +43,47 @@ CASES = {
 }
 
 
+def _args(name: str, deterministic: bool) -> tuple[str, ...]:
+    overrides, ef, _ = CASES[name]
+    extra = ("comm.deterministic=true",) if deterministic else ()
+    return ("workers=4", *overrides, f"error_feedback={ef}", *extra, ONE_THREAD)
+
+
+DETERMINISTIC = ["fp16", "bf16", "powersgd", "topk_exact"]
+
+
+@pytest.mark.distributed
+def test_every_compressor_simulated_equals_gloo_in_one_process_group(small_config, tmp_path):
+    """The default suite's form of the two parametrized tests below (slow: one launch per
+    compressor): every compressor, and the deterministic reduction, trained on the same 4 gloo
+    processes one configuration after another (`gloo_session`), each equal to its simulated
+    run within its tolerance."""
+    from gloo_session import train_on_gloo
+    from reference import BATCH, LR, SEED, STEPS
+
+    jobs = [(name, False) for name in CASES] + [(name, True) for name in DETERMINISTIC]
+    common = (f"seed={SEED}", f"optimizer.lr={LR}", f"train.steps={STEPS}",
+              f"train.batch_size={BATCH}", "backend=gloo")  # fmt: skip
+    gloo = train_on_gloo(
+        4,
+        [
+            (small_config(*common, *_args(n, d)), tmp_path / f"gloo-{n}-{d}")
+            for n, d in jobs
+        ],
+    )
+    initial = run_ours(small_config, tmp_path, "init", "workers=4", "train.steps=1")
+    for (name, deterministic), theirs in zip(jobs, gloo, strict=True):
+        simulated = run_ours(small_config, tmp_path, f"sim-{name}-{deterministic}",
+                             *_args(name, deterministic))  # fmt: skip
+        assert max_diff(simulated, initial) > 1e-3
+        if not deterministic:
+            tol = CASES[name][2]
+        else:
+            tol = 0.0 if name in ("fp16", "bf16", "powersgd") else TOL
+        assert max_diff(simulated, theirs) <= tol, (name, deterministic)
+
+
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_compressor_simulated_equals_gloo(small_config, tmp_path, name):
@@ -55,8 +96,9 @@ def test_every_compressor_simulated_equals_gloo(small_config, tmp_path, name):
     assert max_diff(simulated, gloo) <= tol
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["fp16", "bf16", "powersgd", "topk_exact"])
+@pytest.mark.parametrize("name", DETERMINISTIC)
 def test_deterministic_reduction_brings_every_compressor_within_tolerance(
     small_config, tmp_path, name
 ):
