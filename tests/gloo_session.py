@@ -48,7 +48,7 @@ def spawn_sequence(world: int, calls: Sequence[tuple[Callable[..., Any], tuple]]
 def train_rank(rank: int, world: int, cfg: dict, run_dir: str, port: int) -> None:
     """This process as rank `rank` of a `world`-process run of `cfg` (rank 0 writes
     `run_dir`): the environment torch's launcher would give it, then `run_as_worker`."""
-    from dpresearch.launch import run_as_worker
+    from dpresearch.launch.processes import run_as_worker
 
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),

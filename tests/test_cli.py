@@ -16,16 +16,17 @@ import yaml
 from analysis_fixtures import ramp, write_run
 from conftest import SMALL, compose_config, run_cli
 
-from dpresearch import CONF_DIR, __version__, cli, run_lines
+from dpresearch import CONF_DIR, __version__, cli
 from dpresearch.analysis import report as analysis_report
 from dpresearch.analysis.__main__ import main as analysis_main
-from dpresearch.cli_check import compose_command_line, parse_command_line, task_config
-from dpresearch.preflight import preflight
+from dpresearch.config.cli_check import compose_command_line, parse_command_line, task_config
+from dpresearch.config.preflight import preflight
+from dpresearch.config.validate import ConfigError
+from dpresearch.run import ending as run_lines
 from dpresearch.study import StudyError, load_study, run_study
 from dpresearch.study.__main__ import main as study_main
 from dpresearch.train import train
 from dpresearch.tune_gamma import main as tune_gamma_main
-from dpresearch.validate import ConfigError
 
 # -- the `dpresearch` command and --help on every entry point ----------------------------------
 

@@ -255,7 +255,7 @@ def _points(args: list[str]) -> list[list[str]]:
     """The command line of each sweep point (a single run: itself)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from dpresearch.cli_check import parse_command_line
+    from dpresearch.config.cli_check import parse_command_line
 
     overrides = parse_command_line(args).overrides
     parsed = OverridesParser.create().parse_overrides(overrides)
@@ -273,8 +273,8 @@ def check_command_line(args: list[str]) -> None:
     """What `python -m dpresearch.train ARGS` checks before Hydra starts (no directory is
     claimed): raises `ConfigError`."""
     from dpresearch import CONF_DIR
-    from dpresearch.cli_check import compose_command_line, parse_command_line, task_config
-    from dpresearch.preflight import preflight
+    from dpresearch.config.cli_check import compose_command_line, parse_command_line, task_config
+    from dpresearch.config.preflight import preflight
 
     cmd = parse_command_line(args)
     composed = compose_command_line(cmd, CONF_DIR)
@@ -303,8 +303,8 @@ def test_readme_training_command_passes_the_checks(command, tmp_path, monkeypatc
 def test_readme_transcript_shows_what_the_checks_print(command):
     """The `error:` lines shown are the ones the checks produce (a sweep: one per bad point,
     then the sweep's last line)."""
-    from dpresearch.sweep import FailedPoint, report_failures
-    from dpresearch.validate import ConfigError
+    from dpresearch.config.sweep import FailedPoint, report_failures
+    from dpresearch.config.validate import ConfigError
 
     points = _points(command.args)
     lines, failed = [], []
@@ -377,9 +377,9 @@ def test_readme_yaml_blocks_parse_and_the_study_composes(tmp_path, cifar_subset)
     preflight (data, model, optimizer, schedule)."""
     from conftest import compose_config
 
-    from dpresearch.preflight import preflight
+    from dpresearch.config.preflight import preflight
+    from dpresearch.config.validate import validate
     from dpresearch.study import load_study
-    from dpresearch.validate import validate
 
     for block in blocks():
         if block.lang == "yaml":
