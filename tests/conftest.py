@@ -75,6 +75,31 @@ def load_scaled(seconds: float) -> float:
     return seconds * slowdown()
 
 
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def worker_processes(launcher: int) -> list[int]:
+    """The worker processes a launching process started (`launch_local`): its children started
+    with multiprocessing's spawn, or the processes its fork server forked (forkserver)."""
+    parent_of = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent_of[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    kids = [p for p, parent in parent_of.items() if parent == launcher]
+    workers = [p for p in kids if "--multiprocessing-fork" in cmdline(p)]
+    servers = {p for p in kids if "multiprocessing.forkserver" in cmdline(p)}
+    workers += [p for p, parent in parent_of.items() if parent in servers]
+    return sorted(workers)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -137,14 +162,31 @@ def pytest_addoption(parser):
         help="list the N tests that used the most CPU seconds (this process and the processes "
         "it started; 0: all)",
     )  # fmt: skip
+    parser.addoption(
+        "--cpu-log", default=None, metavar="FILE",
+        help="append each test's CPU and wall seconds to FILE as it ends (a long run's figures "
+        "so far)",
+    )  # fmt: skip
 
 
 def _cpu_seconds() -> float:
+    """CPU seconds of this process and the processes it started that have ended, including
+    worker processes forked by its fork server (`dpresearch.launch.forkserver`), which the
+    server reaps, not this process."""
     import resource
+    from multiprocessing import forkserver
 
     own, children = (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
                                                        resource.RUSAGE_CHILDREN))  # fmt: skip
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    total = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    server = forkserver._forkserver._forkserver_pid
+    if server is not None:
+        try:  # utime, stime, cutime, cstime: fields 14-17 of /proc/PID/stat
+            fields = Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()
+            total += sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError):
+            pass
+    return total
 
 
 _CPU: dict[str, tuple[float, float]] = {}
@@ -154,12 +196,18 @@ _CPU: dict[str, tuple[float, float]] = {}
 def pytest_runtest_protocol(item, nextitem):
     import time
 
-    if item.config.getoption("--cpu-durations") is None:
+    log = item.config.getoption("--cpu-log")
+    if item.config.getoption("--cpu-durations") is None and log is None:
         yield
         return
     cpu, wall = _cpu_seconds(), time.perf_counter()
     yield
     _CPU[item.nodeid] = (_cpu_seconds() - cpu, time.perf_counter() - wall)
+    if log is not None:
+        with open(log, "a") as f:
+            load = os.getloadavg()[0]
+            f.write(f"{_CPU[item.nodeid][0]:.2f} {_CPU[item.nodeid][1]:.2f} {load:.1f} "
+                    f"{item.nodeid}\n")  # fmt: skip
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -1,8 +1,8 @@
 """Many real-process checks for the price of one process start.
 
-Starting gloo worker processes (each imports torch and joins a rendezvous) costs seconds per
-process on a small machine, far more than the tiny trainings the equivalence tests run in
-them. `spawn_sequence` starts `world` processes once and runs a list of calls in them, one
+Starting gloo worker processes (each joins a rendezvous; spawned, each imports torch) costs
+seconds per process on a small machine, far more than the tiny trainings the equivalence tests
+run in them. `spawn_sequence` starts `world` processes once and runs a list of calls in them, one
 after another; each call sets up and tears down its own process group, exactly as a launched
 worker does, so the checks stay independent. `train_on_gloo` trains several configurations that
 way through `dpresearch.launch.run_as_worker`, the code a launched worker runs (the launcher
@@ -34,15 +34,25 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _run_calls(rank: int, calls: Sequence[tuple[Callable[..., Any], tuple]]) -> None:
+def _run_calls(rank: int, calls: Sequence[tuple[Callable[..., Any], tuple]], context) -> None:
+    from dpresearch.launch.forkserver import adopt
+
+    adopt(context)
     for fn, args in calls:
         fn(rank, *args)
 
 
 def spawn_sequence(world: int, calls: Sequence[tuple[Callable[..., Any], tuple]]) -> None:
     """Start `world` processes once; each runs `fn(rank, *args)` for every call in order
-    (functions importable by the children: module-level in a test module)."""
-    torch.multiprocessing.spawn(_run_calls, args=(list(calls),), nprocs=world, join=True)
+    (functions importable by the children: module-level in a test module). They start as the
+    launcher starts workers: forked from its fork server where it can (the same server, so it
+    is started once per test session), else spawned (`dpresearch.launch.forkserver`)."""
+    from dpresearch.launch.forkserver import choose
+
+    method, context = choose("forkserver")
+    torch.multiprocessing.start_processes(
+        _run_calls, args=(list(calls), context), nprocs=world, join=True, start_method=method
+    )
 
 
 def train_rank(rank: int, world: int, cfg: dict, run_dir: str, port: int) -> None:

@@ -76,9 +76,9 @@ def ddp_worker(
 def run_ddp(
     world: int, out_path: str, port: int, batch_norm: bool = False, hook: dict | None = None
 ) -> dict:
-    torch.multiprocessing.spawn(
-        ddp_worker, args=(world, port, out_path, batch_norm, hook), nprocs=world, join=True
-    )
+    from gloo_session import spawn_sequence
+
+    spawn_sequence(world, [(ddp_worker, (world, port, out_path, batch_norm, hook))])
     return torch.load(out_path)
 
 

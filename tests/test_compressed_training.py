@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compose_config, free_port
+from conftest import compose_config
 from omegaconf import OmegaConf
-from reference import run_ddp
+from reference import run_ddp_many
 from test_equivalence import TOL, max_diff, run_ours
 
 from dpresearch.comm.network import NetworkModel
@@ -138,23 +138,36 @@ def test_recorded_bytes_match_the_reducer_formula(small_config, name):
     assert per_step < trainer.replicas.num_params * 4
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize(
-    "compressor,ef",
-    [("topk", "ef14"), ("qsgd", "none"), ("powersgd", "ef14"), ("randomk", "ef14")],
-)
-def test_ddp_comm_hook_matches_our_sync(small_config, tmp_path, compressor, ef):
-    """Acceptance D: torch DDP + our hook (2 gloo ranks) = our own sync, same compressor/EF."""
+HOOKED = [("topk", "ef14"), ("qsgd", "none"), ("powersgd", "ef14"), ("randomk", "ef14")]
+
+
+def _hook_overrides(compressor: str, ef: str) -> list[str]:
     overrides = [f"compressor={compressor}", f"error_feedback={ef}"]
     if compressor in ("topk", "randomk"):
         overrides.append("compressor.ratio=0.05")
     if compressor == "powersgd":
         overrides.append("compressor.min_compression_rate=1.1")
+    return overrides
+
+
+@pytest.fixture(scope="module")
+def hooked_ddp(tmp_path_factory) -> dict[str, dict]:
+    """Torch DDP with our hook for every case of HOOKED, on the same two gloo processes."""
+    variants = {}
+    for compressor, ef in HOOKED:
+        cfg = compose_config(*_hook_overrides(compressor, ef))
+        hook = {
+            "compressor": OmegaConf.to_container(cfg.compressor),
+            "error_feedback": OmegaConf.to_container(cfg.error_feedback),
+        }
+        variants[f"{compressor}-{ef}"] = {"hook": hook}
+    return run_ddp_many(2, variants, str(tmp_path_factory.mktemp("hooked")))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("compressor,ef", HOOKED)
+def test_ddp_comm_hook_matches_our_sync(small_config, tmp_path, compressor, ef, hooked_ddp):
+    """Acceptance D: torch DDP + our hook (2 gloo ranks) = our own sync, same compressor/EF."""
+    overrides = _hook_overrides(compressor, ef)
     ours = run_ours(small_config, tmp_path, "ours", "workers=2", *overrides, ONE_THREAD)
-    cfg = compose_config(*overrides)
-    hook = {
-        "compressor": OmegaConf.to_container(cfg.compressor),
-        "error_feedback": OmegaConf.to_container(cfg.error_feedback),
-    }
-    ddp = run_ddp(2, str(tmp_path / "ddp.pt"), free_port(), hook=hook)
-    assert max_diff(ours, ddp) <= TOL
+    assert max_diff(ours, hooked_ddp[f"{compressor}-{ef}"]) <= TOL

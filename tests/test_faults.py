@@ -14,35 +14,22 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SMALL, cli_env, load_scaled
+from conftest import SMALL, cli_env, load_scaled, worker_processes
 
 QUICK = [*SMALL, "data.num_train=256", "data.num_test=64", "train.log_every=1"]
 
 
 def wait_for_metrics(path: Path, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + load_scaled(timeout)
     while not (path.exists() and path.read_text().strip()):
         assert proc.poll() is None, "the run ended before it logged a step"
         assert time.monotonic() < deadline, "no step logged in time"
         time.sleep(0.2)
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
 def worker_pid(parent: int, rank: int) -> int:
     """The pid of worker `rank` under launcher `parent`, from the heartbeat file it writes."""
-    mine = set(children(parent))
+    mine = set(worker_processes(parent))
     for beat in Path(tempfile.gettempdir()).glob(f"dpresearch-beats-*/worker-{rank}"):
         try:
             pid = int(beat.read_text())

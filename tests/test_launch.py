@@ -15,9 +15,12 @@ def run_dirs(root):
     return sorted(p.parent for p in root.rglob("config.yaml") if p.parent.name != ".hydra")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_node_torchrun_writes_exactly_one_run_directory(tmp_path):
-    """Acceptance C: 2 nodes × 2 processes, c10d rendezvous on 127.0.0.1."""
+    """Acceptance C: 2 nodes × 2 processes, c10d rendezvous on 127.0.0.1. (Slow: the default
+    suite checks the same of its torchrun job in
+    `test_gossip.py::test_dpsgd_under_torchrun_two_nodes_matches_simulated`.)"""
     codes, outputs = torchrun_two_nodes(
         tmp_path, ["backend=gloo", "workers=4", "train.steps=12", *SMALL]
     )

@@ -476,6 +476,7 @@ def _as_run(command: Command) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # some 40 commands: the default hang guard is per test
 @pytest.mark.usefixtures("cifar_subset")
 def test_readme_commands_run_in_order(tmp_path):
     """Every command not in SKIPPED, as written (plus TINY and SUBSTITUTE), in README order in

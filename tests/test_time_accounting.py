@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import compose_config, free_port
+from gloo_session import spawn_sequence
 
 from dpresearch.comm.ledger import CommLedger
 from dpresearch.comm.network import NetworkModel
@@ -143,7 +144,7 @@ def overlap_blocks(
     """The logged rows of each timed block with overlap on and with it off (gloo × 2), `rounds`
     blocks of each after a warm-up block."""
     out = tmp_path / "blocks.json"
-    torch.multiprocessing.spawn(_overlap_worker, args=(free_port(), str(out), rounds), nprocs=2)
+    spawn_sequence(2, [(_overlap_worker, (free_port(), str(out), rounds))])
     blocks = json.loads(out.read_text())
     return blocks["true"], blocks["false"]
 

@@ -14,6 +14,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 BACKENDS = ("simulated", "gloo", "nccl")
+START_METHODS = ("forkserver", "spawn")  # backend.start_method (dpresearch.launch.forkserver)
 LR_SCALINGS = ("none", "linear")
 PARTITIONS = ("iid", "dirichlet")
 # Optimizer hyper-parameters that torch requires to be non-negative numbers.
@@ -151,6 +152,11 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
         raise ConfigError(
             f"backend.heartbeat_s={cfg.backend.heartbeat_s}: must be > 0 seconds "
             "(or null: no watchdog)"
+        )
+    if cfg.backend.start_method not in START_METHODS:
+        raise ConfigError(
+            f"backend.start_method={cfg.backend.start_method}; choose one of: "
+            f"{', '.join(START_METHODS)}"
         )
     if cfg.train.autocast not in (None, "bf16", "fp16"):
         raise ConfigError(f"train.autocast={cfg.train.autocast}; choose one of: null, bf16, fp16")

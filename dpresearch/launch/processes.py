@@ -2,13 +2,15 @@
 
 - simulated: all K workers in this process.
 - gloo / nccl on one machine: K worker processes started with torch's elastic launcher (the
-  engine under torchrun); if any worker fails, the agent stops the others and the job fails
-  with that worker's traceback. A worker that stops showing signs of life for
-  `backend.heartbeat_s` (stopped, frozen) is killed by a watchdog and the job fails naming it
-  (`WorkerFrozen`). Started under `nohup` (SIGHUP ignored), the job keeps ignoring SIGHUP.
-  SIGTERM and SIGINT are not the agent's to act on: the launcher forwards the first one to the
-  workers through a stop file (`dpresearch.run.stop`), and they stop together at a step boundary
-  with a final checkpoint; a second one stops them at once (the agent's own shutdown).
+  engine under torchrun), forked from a server that imported torch once
+  (`dpresearch.launch.forkserver`; `backend.start_method=spawn`: a new interpreter each); if
+  any worker fails, the agent stops the others and the job fails with that worker's traceback.
+  A worker that stops showing signs of life for `backend.heartbeat_s` (stopped, frozen) is
+  killed by a watchdog and the job fails naming it (`WorkerFrozen`). Started under `nohup`
+  (SIGHUP ignored), the job keeps ignoring SIGHUP. SIGTERM and SIGINT are not the agent's to
+  act on: the launcher forwards the first one to the workers through a stop file
+  (`dpresearch.run.stop`), and they stop together at a step boundary with a final checkpoint; a
+  second one stops them at once (the agent's own shutdown).
 - under torchrun (its environment variables present): this process *is* one worker.
 """
 
@@ -32,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dpresearch.comm.network import NetworkModel
+from dpresearch.launch import forkserver
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 HEARTBEAT_ENV = "DPRESEARCH_HEARTBEAT_DIR"
@@ -145,8 +148,14 @@ def _train(cfg: DictConfig, run_dir: Path | None, device: torch.device) -> dict[
 
 
 @record
-def _worker_entry(cfg_container: dict, run_dir: str | None) -> dict[str, Any]:
-    """Entry point of a process started by `launch_local` (must be importable: spawn)."""
+def _worker_entry(
+    cfg_container: dict, run_dir: str | None, context: Any = None
+) -> dict[str, Any]:
+    """Entry point of a process started by `launch_local` (must be importable: spawn); a
+    forked one first takes over its launcher's environment (`forkserver.adopt`)."""
+    from dpresearch.launch.forkserver import adopt
+
+    adopt(context)
     from dpresearch.launch.console import worker_output
     from dpresearch.launch.heartbeat import Heartbeat
     from dpresearch.run import stop
@@ -199,7 +208,7 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     if cfg.train.progress:
         print(
             f"{cfg.backend.name}: starting {processes} worker processes on this machine "
-            "(each imports torch and joins the rendezvous; this takes a while)",
+            "(they join a rendezvous and build the run; this takes a few seconds)",
             flush=True,
         )
     heartbeat_s = cfg.backend.get("heartbeat_s")
@@ -221,9 +230,11 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
             stop_file = Path(folder) / "stop"
             stack.enter_context(_environment({STOP_FILE_ENV: str(stop_file)}))
             stack.enter_context(forwarding(stop_file, _terminate_process_handler))
+        method, context = forkserver.choose(cfg.backend.start_method)
+        config = dataclasses.replace(config, start_method=method)
         try:
             results = elastic_launch(config, _worker_entry)(
-                container, str(run_dir) if run_dir else None
+                container, str(run_dir) if run_dir else None, context
             )
         except ChildFailedError as exc:
             if watchdog is not None and watchdog.frozen is not None:

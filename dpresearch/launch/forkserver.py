@@ -1,0 +1,96 @@
+"""Local worker processes forked from a server that imported torch and the worker's code once.
+
+Spawning a worker starts a new interpreter that imports torch, Hydra and dpresearch again:
+seconds of CPU per process, which on a small machine dominate short runs, sweeps of them and
+the test suite. multiprocessing's fork server imports them once, in a server process, and forks
+each worker from it; the server lives as long as this process, so later launches (sweep points
+run one after another, tests) start their workers in a fraction of a second.
+
+A forked worker starts with the environment, working directory and standard streams the server
+had when it started, where a spawned one inherits the launcher's current ones. The launcher's
+environment and directory travel to the worker in a `LaunchContext`, which the worker adopts
+(`adopt`), keeping what torch's agent set for it; standard streams cannot travel, so a launch
+whose streams are no longer the server's (output redirected since) spawns instead, as does
+`backend.start_method=spawn`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import multiprocessing
+import os
+from multiprocessing import forkserver
+
+# What a worker imports, imported once by the server (each a module path).
+PRELOAD = ["dpresearch.launch.processes", "dpresearch.run.trainer", "dpresearch.comm.distributed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchContext:
+    """What a worker takes over from its launcher: its environment and working directory, and
+    (forked workers) the server's environment, to tell what torch's agent added."""
+
+    env: dict[str, str]
+    cwd: str
+    server_env: dict[str, str] | None = None  # None: a spawned worker, already the launcher's
+
+
+# The fork server this process started: (pid, its environment, its standard streams).
+_server: tuple[int, dict[str, str], tuple] | None = None
+
+
+def _streams() -> tuple:
+    return tuple((s.st_dev, s.st_ino) for s in (os.fstat(1), os.fstat(2)))
+
+
+def choose(requested: str) -> tuple[str, LaunchContext]:
+    """The start method of this launch (`requested`, or spawn where forking cannot reproduce
+    what a spawned worker would see) and the context its workers adopt."""
+    context = LaunchContext(dict(os.environ), os.getcwd())
+    if requested != "forkserver" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn", context
+    server_env = _running_server()
+    if server_env is None:
+        return "spawn", context
+    return "forkserver", dataclasses.replace(context, server_env=server_env)
+
+
+def _running_server() -> dict[str, str] | None:
+    """Start (or restart) this process's fork server; its environment, or None where its
+    environment is unknown (started by someone else) or its streams are not this launch's."""
+    global _server
+    try:
+        streams = _streams()
+    except OSError:  # a closed standard stream: nothing to compare
+        return None
+    server = forkserver._forkserver  # (the module keeps one server per process)
+    if _server is None and server._forkserver_pid is not None:
+        return None  # another part of this process started it, with its own environment
+    if _server is None:
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        atexit.register(_stop)
+    server.ensure_running()  # starts it, or restarts it if it died
+    if _server is None or _server[0] != server._forkserver_pid:
+        _server = (server._forkserver_pid, dict(os.environ), streams)
+    return _server[1] if _server[2] == streams else None
+
+
+def _stop() -> None:
+    """At exit: stop the server and wait for it, so that it does not outlive this process
+    (holding its output pipes open) and its CPU time counts as this process's children's."""
+    with contextlib.suppress(Exception):  # (a private method of the server: best effort)
+        forkserver._forkserver._stop()
+
+
+def adopt(context: LaunchContext | None) -> None:
+    """In a worker: take over the launcher's environment (plus what torch's agent set for this
+    worker: rank, world size, rendezvous) and working directory."""
+    if context is None or context.server_env is None:
+        return
+    agent = {k: v for k, v in os.environ.items() if context.server_env.get(k) != v}
+    os.environ.clear()
+    os.environ.update(context.env)
+    os.environ.update(agent)
+    os.chdir(context.cwd)
