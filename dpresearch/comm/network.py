@@ -95,23 +95,25 @@ class NetworkModel:
     def total_seconds(self, op_table: list[list]) -> float:
         """Modeled seconds of a run's `comm/ops` table (`CommLedger.op_table`) on this
         network: re-prices a finished run on another fabric."""
-        from dpresearch.comm.ledger import CommOp
-
         return sum(
-            count * self.op_seconds(CommOp(kind, nbytes, group, peers))
+            count * self.seconds(kind, nbytes, group, peers)
             for kind, nbytes, group, peers, count in op_table
         )
 
     def op_seconds(self, op: CommOp) -> float:
         """Modeled duration of one collective (see the module docstring for the formulas)."""
-        n, d, b = op.group, op.nbytes, self.bandwidth_Bps
+        return self.seconds(op.kind, op.nbytes, op.group, op.peers)
+
+    def seconds(self, kind: str, nbytes: int, group: int, peers: int = 0) -> float:
+        """Modeled duration of one collective of `kind` moving `nbytes` per worker among
+        `group` workers (`peers`: a point-to-point op's largest out-degree)."""
         latency = self.latency_s
-        if op.kind == "allgather" and self.allgather_latency_s is not None:
+        if kind == "allgather" and self.allgather_latency_s is not None:
             latency = self.allgather_latency_s
         a = latency + self.overhead_s
-        if n <= 1 or (op.kind == "p2p" and not op.peers):
+        if group <= 1 or (kind == "p2p" and not peers):
             return 0.0
-        return self._seconds(op.kind, n, d, a, b, op.peers)
+        return self._seconds(kind, group, nbytes, a, self.bandwidth_Bps, peers)
 
     def messages(self, op: CommOp) -> int:
         """Message rounds of `op`: how many times its formula charges α (and o)."""
