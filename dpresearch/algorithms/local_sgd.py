@@ -56,8 +56,7 @@ class LocalSGD(Algorithm):
         return {"local_sgd/sync_steps": self.sync_steps} if self.sync_steps else {}
 
     def after_backward(self, step: int) -> None:
-        for opt in self.optimizers:
-            opt.step()
+        self.step_optimizers()
         if self.averages_after(step):
             self.comm.all_reduce(self.replicas.params, op="mean")
             if self.average_buffers and self.replicas.buffers.shape[1] > 0:

@@ -192,15 +192,20 @@ class CommLedger:
         self.step_ops.clear()
 
     def state_dict(self) -> dict:
-        """The cumulative counters, for a checkpoint (the busy time as a closed total)."""
+        """The cumulative counters, for a checkpoint (the busy time as a closed total), as
+        plain data (`torch.load(weights_only=True)` reads it): each distinct op as
+        `[kind, nbytes, group, peers, purpose, count]`."""
         return {
             "bytes_by_purpose": {p: list(v) for p, v in self.bytes_by_purpose.items()},
             "modeled_by_purpose": dict(self.modeled_by_purpose),
             "exposed_s": self.exposed_s,
             "busy_s": self.busy_s,
             "op_counts": dict(self.op_counts),
-            "op_totals": dict(self.op_totals),
-            "purpose_op_counts": dict(self.purpose_op_counts),
+            "op_totals": [
+                [op.kind, op.nbytes, op.group, op.peers, op.purpose, n]
+                for op, n in self.op_totals.items()
+            ],
+            "purpose_op_counts": [[p, k, n] for (p, k), n in self.purpose_op_counts.items()],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -211,8 +216,15 @@ class CommLedger:
         self.exposed_s = state["exposed_s"]
         self._busy_closed = state["busy_s"]
         self.op_counts.update(state["op_counts"])
-        self.op_totals.update(state["op_totals"])
-        self.purpose_op_counts.update(state["purpose_op_counts"])
+        totals, purposes = state["op_totals"], state["purpose_op_counts"]
+        if isinstance(totals, dict):  # written before the counters were plain lists
+            self.op_totals.update(totals)
+            self.purpose_op_counts.update(purposes)
+            return
+        for kind, nbytes, group, peers, purpose, n in totals:
+            self.op_totals[CommOp(kind, nbytes, group, peers, purpose)] += n
+        for purpose, kind, n in purposes:
+            self.purpose_op_counts[(purpose, kind)] += n
 
     def op_table(self) -> list[list]:
         """Every distinct op with its count, `[kind, nbytes, group, peers, count]`, so a run

@@ -134,7 +134,8 @@ def check_device(cfg: DictConfig) -> None:
 
 
 def check_train(cfg: DictConfig) -> None:
-    """Batch sizes, run length, logging and evaluation intervals, lr scaling."""
+    """Batch sizes, run length, logging and evaluation intervals, lr scaling, how several
+    workers compute."""
     tc = cfg.train
     if tc.batch_size < 1:
         raise ConfigError(f"train.batch_size={tc.batch_size}: must be at least 1")
@@ -154,6 +155,12 @@ def check_train(cfg: DictConfig) -> None:
     if tc.lr_scaling not in LR_SCALINGS:
         raise ConfigError(
             f"train.lr_scaling={tc.lr_scaling}; choose one of: {', '.join(LR_SCALINGS)}"
+        )
+    from dpresearch.run.batched import MODES, batched_mode
+
+    if batched_mode(tc.batched_workers) not in MODES:
+        raise ConfigError(
+            f"train.batched_workers={tc.batched_workers}; choose one of: {', '.join(MODES)}"
         )
 
 
@@ -202,8 +209,7 @@ def check_comm(cfg: DictConfig) -> None:
         )
     if cfg.comm.p2p_schedule not in P2P_SCHEDULES:
         raise ConfigError(
-            f"comm.p2p_schedule={cfg.comm.p2p_schedule}; choose one of: "
-            f"{', '.join(P2P_SCHEDULES)}"
+            f"comm.p2p_schedule={cfg.comm.p2p_schedule}; choose one of: {', '.join(P2P_SCHEDULES)}"
         )
 
 

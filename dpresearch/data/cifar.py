@@ -84,16 +84,32 @@ def random_crop_flip(
     and only then moved to the images' device, so a CPU generator gives the same crops on every
     device. One gather over the padded batch; no per-image loop.
     """
-    n, c, h, w = images.shape
-    device = images.device
+    offsets, flips = crop_flip_draws(images.shape[0], generator, padding, flip)
+    return apply_crop_flip(images, offsets, flips, padding)
+
+
+def crop_flip_draws(
+    n: int, generator: torch.Generator | None, padding: int = 4, flip: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """The draws of `random_crop_flip` for `n` images, in its order, on the generator's
+    device: offsets `[2, n]` (rows, then columns) and flip bits `[n]` (None without `flip`)."""
     rng_device = generator.device if generator is not None else torch.device("cpu")
     offsets = torch.randint(0, 2 * padding + 1, (2, n), generator=generator, device=rng_device)
+    flips = torch.randint(0, 2, (n,), generator=generator, device=rng_device) if flip else None
+    return offsets, flips
+
+
+def apply_crop_flip(
+    images: Tensor, offsets: Tensor, flips: Tensor | None, padding: int = 4
+) -> Tensor:
+    """Crop and flip `images` as drawn (`crop_flip_draws`, moved to the images' device)."""
+    n, c, h, w = images.shape
+    device = images.device
     offsets = offsets.to(device)
     rows = offsets[0, :, None] + torch.arange(h, device=device)
     cols = offsets[1, :, None] + torch.arange(w, device=device)
-    if flip:
-        flips = torch.randint(0, 2, (n,), generator=generator, device=rng_device).to(device)
-        cols = torch.where(flips[:, None].bool(), cols.flip(1), cols)
+    if flips is not None:
+        cols = torch.where(flips.to(device)[:, None].bool(), cols.flip(1), cols)
     padded = images.new_zeros(n, c, h + 2 * padding, w + 2 * padding)
     padded[:, :, padding : padding + h, padding : padding + w] = images
     batch = torch.arange(n, device=device)[:, None, None, None]
@@ -133,6 +149,7 @@ class CifarDataset(Dataset):
     """
 
     LAYOUT: ClassVar[Layout]
+    transform_draws: ClassVar[bool] = True
 
     label_names: tuple[str, ...] = ()
     mean: tuple[float, ...] = (0.5, 0.5, 0.5)
@@ -233,6 +250,19 @@ class CifarDataset(Dataset):
         """Random crop + flip drawn from `generator` (if `augment`), then normalisation."""
         if self.augment:
             inputs = random_crop_flip(inputs, generator, self.padding)
+        return normalize(inputs, *self._channel_stats(inputs.device))
+
+    def transform_batches(
+        self, inputs: Tensor, generators: Sequence[torch.Generator | None]
+    ) -> Tensor:
+        """Each batch's crops and flips drawn from its own generator (as `transform_train`
+        draws them), then applied and normalised once for all batches."""
+        if self.augment:
+            n = inputs.shape[0] // len(generators)
+            draws = [crop_flip_draws(n, g, self.padding) for g in generators]
+            offsets = torch.cat([d[0].cpu() for d in draws], dim=1)
+            flips = torch.cat([d[1].cpu() for d in draws])  # type: ignore[union-attr]
+            inputs = apply_crop_flip(inputs, offsets, flips, self.padding)
         return normalize(inputs, *self._channel_stats(inputs.device))
 
     def transform_test(self, inputs: Tensor) -> Tensor:

@@ -66,21 +66,29 @@ def network_model(cfg: DictConfig) -> NetworkModel:
 
 
 def threads_per_process(cfg: DictConfig, local_processes: int) -> int:
-    if cfg.backend.threads:
-        return int(cfg.backend.threads)
-    return max(1, (os.cpu_count() or 1) // local_processes)
+    """Intra-op threads of one of `local_processes` processes of a gloo/nccl run
+    (`dpresearch.launch.threads`)."""
+    from dpresearch.launch.threads import choose
+
+    return choose(cfg, "cpu", None, local_processes)[0]
 
 
 def run_simulated(cfg: DictConfig, run_dir: Path | None, dataset: Any = None) -> dict[str, Any]:
-    """Run all K workers in this process (on `dataset` if already loaded)."""
+    """Run all K workers in this process (on `dataset` if already loaded), with the intra-op
+    threads `dpresearch.launch.threads` chooses (printed)."""
     from dpresearch.comm.simulated import SimulatedCommunicator
+    from dpresearch.config.validate import prepare_data
+    from dpresearch.launch.threads import describe, for_simulated
     from dpresearch.run.trainer import Trainer
 
-    if cfg.backend.threads:
-        torch.set_num_threads(int(cfg.backend.threads))
     device_name = cfg.train.device
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    dataset = dataset if dataset is not None else prepare_data(cfg)
+    threads, why = for_simulated(cfg, dataset, torch.device(device_name).type)
+    torch.set_num_threads(threads)
+    if cfg.train.progress:
+        print(describe(threads, why), flush=True)
     comm = SimulatedCommunicator(
         cfg.workers, network_model(cfg), cfg.comm.reduction, cfg.comm.deterministic
     )

@@ -37,12 +37,14 @@ from dpresearch.run.compute import WorkerCompute
 
 class GlobalRandom:
     """The process's global random streams: torch (CPU, and CUDA where initialised), numpy,
-    Python."""
+    Python — as plain data (numpy's key as a tensor), so a checkpoint loads with
+    `torch.load(weights_only=True)`."""
 
     def state_dict(self) -> dict[str, Any]:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
         state: dict[str, Any] = {
             "torch": torch.get_rng_state(),
-            "numpy": np.random.get_state(),
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
             "python": random.getstate(),
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -51,7 +53,9 @@ class GlobalRandom:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(state["torch"])
-        np.random.set_state(state["numpy"])
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        keys = keys.numpy().astype(np.uint32) if torch.is_tensor(keys) else keys
+        np.random.set_state((kind, keys, int(pos), int(has_gauss), float(cached)))
         random.setstate(state["python"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
@@ -87,7 +91,7 @@ class Run:
     steps_per_epoch: int
     total_steps: int
     gradients_per_step: int
-    setup: dict[str, Any]  # the algorithm's description of its set-up
+    setup: dict[str, Any]  # the algorithm's and the compute's description of the set-up
     rng: GlobalRandom
 
     # The parts whose state is the run's state, each with state_dict / load_state_dict.
@@ -168,7 +172,8 @@ def build_run(
         replicas=replicas, eval_model=copy.deepcopy(model).to(device), optimizers=optimizers,
         base_lr=optimizers[0].param_groups[0]["lr"], algorithm=algorithm, schedule=schedule,
         compute=compute, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-        gradients_per_step=per_step, setup=algorithm.describe(), rng=GlobalRandom(),
+        gradients_per_step=per_step, rng=GlobalRandom(),
+        setup={**algorithm.describe(), **compute.describe()},
     )  # fmt: skip
     comm.ledger.reset()  # the set-up's traffic is not the run's
     return run

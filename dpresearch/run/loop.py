@@ -164,18 +164,13 @@ def agree(run: Run, plan: StepPlan, on_nonfinite: str, stoppable: bool) -> Verdi
 
 
 class _Rows:
-    """Loads a plan's reads into their parameter rows and zeroes its gradient rows."""
+    """Loads a plan's reads into their parameter rows (the compute overwrites the planned
+    gradient rows: nothing to zero)."""
 
     def __init__(self, run: Run) -> None:
         self.replicas = run.replicas
-        self.grad_rows = list(run.replicas.grads.unbind(0))  # views made once
 
     def prepare(self, plan: StepPlan) -> None:
         params = self.replicas.params
         for w, source in plan.reads.items():
             params[w].copy_(source)
-        if len(plan.workers) == self.replicas.num_local:
-            self.replicas.zero_grad()
-        else:
-            for w in plan.workers:
-                self.grad_rows[w].zero_()

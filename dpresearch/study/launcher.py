@@ -8,7 +8,9 @@ rewritten after each point, so a study killed at any moment resumes with `run_st
 
 Launchers:
 - `local`: one `python -m dpresearch.train ... hydra.run.dir=<point>` per point, `jobs` at once;
-  the children die with the study (Linux: parent-death signal).
+  the children die with the study (Linux: parent-death signal) and are told how many run at
+  once (`DPRESEARCH_JOBS`), so each takes at most its share of the cores
+  (`dpresearch/launch/threads.py`).
 - `hydra`: one `python -m dpresearch.train -m ...` per case and lr over the seeds left, through
   the configured Hydra launcher (`hydra_launcher`: e.g. `parallel` = joblib, `slurm`).
 - `inprocess`: compose and train in this process, one point at a time (tests, debugging).
@@ -22,6 +24,7 @@ analysis reads.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -125,8 +128,12 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _popen_kwargs() -> dict[str, Any]:
+def _popen_kwargs(jobs: int = 1) -> dict[str, Any]:
+    from dpresearch.launch.threads import JOBS_ENV
+
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if jobs > 1:
+        env[JOBS_ENV] = str(jobs)  # jobs × threads within the cores
     if SOURCE_ROOT is not None:
         # The children import this checkout's dpresearch, whatever the interpreter has
         # installed (an installed wheel is what the interpreter imports anyway).
@@ -140,14 +147,15 @@ def _popen_kwargs() -> dict[str, Any]:
     return kwargs
 
 
-def run_local(point: Point, run_dir: Path, overrides: list[str]) -> int:
-    """`python -m dpresearch.train` for one point; output in `run_dir/launcher.log`."""
+def run_local(point: Point, run_dir: Path, overrides: list[str], jobs: int = 1) -> int:
+    """`python -m dpresearch.train` for one point, one of `jobs` running at once; output in
+    `run_dir/launcher.log`."""
     cmd = [sys.executable, "-m", "dpresearch.train", *overrides, f"hydra.run.dir={run_dir}"]
     with (run_dir / "launcher.log").open("w") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
         return subprocess.run(
-            cmd, stdout=log, stderr=subprocess.STDOUT, **_popen_kwargs()
+            cmd, stdout=log, stderr=subprocess.STDOUT, **_popen_kwargs(jobs)
         ).returncode
 
 
@@ -374,6 +382,8 @@ def _run_points(
     )  # type: ignore[arg-type]
     if isinstance(runner, str):
         raise StudyError(f"launcher {launcher!r}: choose local, hydra or inprocess")
+    if runner is run_local and jobs > 1:
+        runner = functools.partial(run_local, jobs=jobs)
 
     def one(point: Point) -> None:
         if start_until is not None and time.time() > start_until:
