@@ -11,7 +11,8 @@ a new one nobody checked) fails here:
   `tune_gamma`, analysis and study commands run on tiny inputs (studies as `--dry-run`);
 - unlabelled blocks of `$ command` lines with their output (transcripts) print what the README
   shows (`...` stands for text left out);
-- the `python` block (a DDP communication hook) runs in a one-process gloo group.
+- `python` blocks: the DDP communication hook runs in a one-process gloo group; the "Add a
+  compressor" example (a `ChunkCompressor`) is run by `tests/test_readme_compressor.py`.
 
 `test_readme_commands_run_in_order` (slow) runs every command as written, one after another in
 one scratch directory as a reader would, with tiny step counts appended (`TINY`) and the
@@ -239,6 +240,9 @@ def test_every_block_is_one_this_file_checks():
     for block in blocks():
         if block.lang == "":
             assert block.text.startswith("$ "), f"README.md:{block.line}: not a transcript"
+    python = [b for b in blocks() if b.lang == "python"]
+    others = [b.line for b in python if b not in (ddp_hook_block(), compressor_block())]
+    assert not others, f"python blocks at README.md lines {others}: none of ours runs them"
     unknown = [str(c) for c in commands() if c.kind is None and c.text not in SKIPPED]
     assert not unknown, "commands neither checked nor in SKIPPED (with a reason):\n" + "\n".join(
         unknown
@@ -436,13 +440,24 @@ def test_readme_analysis_command_runs(command, tmp_path, monkeypatch, capsys):
     assert "cfg.optimizer.lr" in out.split() if "--keys" in command.args else "test/acc" in out
 
 
+def ddp_hook_block() -> Block:
+    (block,) = [b for b in blocks() if b.lang == "python" and "register_comm_hook" in b.text]
+    return block
+
+
+def compressor_block() -> Block:
+    """The "Add a compressor" example; `tests/test_readme_compressor.py` runs it."""
+    (block,) = [b for b in blocks() if b.lang == "python" and "(ChunkCompressor)" in b.text]
+    return block
+
+
 def test_readme_python_block_runs_in_a_one_process_gloo_group():
     """The DDP communication-hook example, with the model and DDP it assumes."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    (block,) = [b for b in blocks() if b.lang == "python"]
+    block = ddp_hook_block()
     started = not dist.is_initialized()
     if started:
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())

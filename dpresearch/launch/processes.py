@@ -250,8 +250,40 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
             if watchdog is not None and watchdog.frozen is not None:
                 who = "worker" if processes == cfg.workers else "rank"  # ranks are workers?
                 raise WorkerFrozen(watchdog.frozen.message(heartbeat_s, who)) from exc
-            raise
+            raise every_failure(exc, processes) from None
     return results[0]
+
+
+def every_failure(exc: Any, processes: int) -> Any:
+    """`exc` (torch's `ChildFailedError`) with every worker's recorded failure, earliest first.
+
+    torch's agent reports the first failed process it notices. When one worker raises, its
+    peers fail a moment later on the broken connection, and the agent may notice a peer first
+    (forked workers' exits reach it through the fork server) and report the peer's connection
+    error as the root cause. Every worker that raised wrote its error file before exiting; the
+    earliest written is the root cause, and `ChildFailedError.get_first_failure` picks it
+    (earliest timestamp in seconds, ties in the order given here)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failures = dict(exc.failures)
+    attempts = {Path(f.error_file).parent.parent for f in failures.values()}
+    if len(attempts) != 1 or not all(Path(f.error_file).is_file() for f in failures.values()):
+        return exc  # (no error files to compare)
+    (attempt,) = attempts
+    for rank in range(processes):  # one machine: a global rank is its local rank
+        path = attempt / str(rank) / "error.json"
+        if rank not in failures and path.is_file():
+            # (raised, so exited with 1 (torch's wrapper); its pid is not recorded)
+            failures[rank] = ProcessFailure(rank, pid=-1, exitcode=1, error_file=str(path))
+
+    def written(rank: int) -> int:
+        try:
+            return os.stat(failures[rank].error_file).st_mtime_ns
+        except OSError:
+            return 2**63
+
+    ordered = {rank: failures[rank] for rank in sorted(failures, key=written)}
+    return ChildFailedError(exc.name, ordered)
 
 
 def _elastic_signals(forward_stop: bool = False) -> dict[str, str]:
