@@ -299,3 +299,13 @@ def test_study_point_keeps_the_points_overrides_but_the_thread_pin():
     assert "compressor=topk" in overrides and "optimizer.lr=0.06" in overrides
     assert "seed=0" in overrides and not any(o.startswith("backend.threads") for o in overrides)
     assert all("{repo}" not in o for o in overrides)
+
+
+# -- issue 22 ----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_worker_start_tiny():
+    """Three gloo launches (~10-40 s each on a loaded 2-core machine): slow."""
+    done = bench("worker_start.py", "--rounds", "1", "--steps", "1", timeout=600)
+    assert re.search(r"first forkserver launch \(server start included\): \d+\.\d+ s", done.stdout)
+    assert re.search(r"spawn / forkserver: median \d+\.\d+ \(range", done.stdout)
+    assert re.search(r"^load [\d. ]+ on \d+ CPUs -> load ", done.stdout, re.M)  # the load
