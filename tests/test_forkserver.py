@@ -17,9 +17,13 @@ from dpresearch.launch import forkserver
 def _report(rank: int, context: forkserver.LaunchContext, out: str) -> None:
     os.environ["RANK"] = str(rank)  # as torch's agent sets it before the entry point runs
     forkserver.adopt(context)
+    from multiprocessing.forkserver import _forkserver
+
     Path(out, f"{rank}.json").write_text(
-        json.dumps({"env": dict(os.environ), "cwd": os.getcwd()})
-    )
+        json.dumps({"env": dict(os.environ), "cwd": os.getcwd(), "parent": os.getppid(),
+                    "dies_with": forkserver.parent_to_die_with(context),
+                    "holds_alive_pipe": _forkserver._forkserver_alive_fd is not None})
+    )  # fmt: skip
 
 
 def test_forked_workers_take_the_launchers_environment_and_directory(tmp_path, monkeypatch):
@@ -45,6 +49,10 @@ def test_forked_workers_take_the_launchers_environment_and_directory(tmp_path, m
         assert "DPRESEARCH_TEST_GONE" not in seen["env"]
         assert seen["env"]["RANK"] == str(rank)  # the agent's setting kept
         assert seen["env"].items() >= os.environ.items()  # the launcher's, every variable
+        # bound to its parent, the server, which exits with the launcher: no worker keeps
+        # the server's "alive" pipe open
+        assert seen["dies_with"] == seen["parent"] == context.server_pid != os.getpid()
+        assert not seen["holds_alive_pipe"]
 
 
 def test_spawn_when_asked_or_when_the_streams_changed(monkeypatch):

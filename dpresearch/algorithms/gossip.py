@@ -227,16 +227,17 @@ class DPSGD(Gossip):
         eval_local_models: bool = True,
     ) -> None:
         super().__init__(replicas, comm, optimizers, topology, mix_buffers, eval_local_models)
-        if order not in ORDERS:
-            raise ValueError(f"algorithm.order={order}; choose one of: {', '.join(ORDERS)}")
-        if global_average_every is not None and global_average_every < 1:
-            raise ValueError(
-                f"algorithm.global_average_every={global_average_every}: must be >= 1 or null"
-            )
+        check_dpsgd_options(order, global_average_every)
         self.order = order
         self.overlap = overlap and order == "combine_then_adapt"
         self.global_average_every = global_average_every
         self._pending: PendingOp | None = None
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig) -> None:
+        super().check_config(cfg)
+        alg = cfg.algorithm
+        check_dpsgd_options(alg.get("order", "combine_then_adapt"), alg.get("global_average_every"))
 
     def before_forward(self, step: int) -> None:
         if self.overlap:
@@ -262,3 +263,15 @@ class DPSGD(Gossip):
             self.comm.all_reduce(params, op="mean")
             if self.mix_buffers and self.replicas.buffers.shape[1] > 0:
                 self.comm.all_reduce(self.replicas.buffers, op="mean", record=BUFFERS)
+
+
+def check_dpsgd_options(order: Any, global_average_every: Any) -> None:
+    """Raise ValueError (one line) for an unknown order or a global-averaging period that is
+    not a whole number >= 1 (null: never)."""
+    if order not in ORDERS:
+        raise ValueError(f"algorithm.order={order}; choose one of: {', '.join(ORDERS)}")
+    every = global_average_every
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(
+            f"algorithm.global_average_every={every}: average every H >= 1 steps, or null"
+        )

@@ -192,9 +192,9 @@ class CommLedger:
         self.step_ops.clear()
 
     def state_dict(self) -> dict:
-        """The cumulative counters, for a checkpoint (the busy time as a closed total), as
-        plain data (`torch.load(weights_only=True)` reads it): each distinct op as
-        `[kind, nbytes, group, peers, purpose, count]`."""
+        """The cumulative counters, for a checkpoint (the busy time as a closed total), as plain
+        data (a checkpoint holds no class of ours: see `checkpoint.load_checkpoint`): the ops
+        as `[kind, nbytes, group, peers, purpose, count]` rows."""
         return {
             "bytes_by_purpose": {p: list(v) for p, v in self.bytes_by_purpose.items()},
             "modeled_by_purpose": dict(self.modeled_by_purpose),
@@ -216,14 +216,9 @@ class CommLedger:
         self.exposed_s = state["exposed_s"]
         self._busy_closed = state["busy_s"]
         self.op_counts.update(state["op_counts"])
-        totals, purposes = state["op_totals"], state["purpose_op_counts"]
-        if isinstance(totals, dict):  # written before the counters were plain lists
-            self.op_totals.update(totals)
-            self.purpose_op_counts.update(purposes)
-            return
-        for kind, nbytes, group, peers, purpose, n in totals:
+        for kind, nbytes, group, peers, purpose, n in state["op_totals"]:
             self.op_totals[CommOp(kind, nbytes, group, peers, purpose)] += n
-        for purpose, kind, n in purposes:
+        for purpose, kind, n in state["purpose_op_counts"]:
             self.purpose_op_counts[(purpose, kind)] += n
 
     def op_table(self) -> list[list]:

@@ -38,7 +38,10 @@ class TrainConfig:
     SIGTERM/SIGINT always write a final checkpoint (as Lightning does), whatever
     `checkpoint_every` says. `resume`: null (start fresh), `auto` (continue from the run
     directory's latest complete checkpoint if there is one, else start fresh) or a path (a
-    checkpoint file or a run directory). `on_nonfinite`: what a non-finite training loss does —
+    checkpoint file or a run directory); a checkpoint written with other settings in anything
+    that shapes the trajectory is refused, naming the keys, unless `resume_allow_changes` lists
+    them (keys or whole nodes, e.g. `[train.steps, optimizer]`: deliberate changes; see
+    `dpresearch/resume.py`). `on_nonfinite`: what a non-finite training loss does —
     `stop` (exit 3, `status: diverged`, no model written), `skip_step` (that step's update is
     dropped and counted) or `continue`.
 
@@ -66,6 +69,7 @@ class TrainConfig:
     checkpoint_every: str | None = None
     checkpoint_keep: int = 2
     resume: str | None = None
+    resume_allow_changes: list[str] = field(default_factory=list)
     on_nonfinite: str = "stop"
     batched_workers: str = "auto"
 

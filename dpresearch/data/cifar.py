@@ -122,19 +122,30 @@ def normalize(images: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     return images.float().div_(255).sub_(mean).div_(std)
 
 
+def _numeric_dtype(spec: Any, *args: Any) -> np.dtype:
+    """`numpy.dtype(...)` as a pickle rebuilds it, for numeric types only: an object array
+    would hand its elements to the unpickler as Python objects."""
+    dtype = np.dtype(spec, *args)
+    if dtype.hasobject:
+        raise pickle.UnpicklingError(f"object arrays are not read ({spec})")
+    return dtype
+
+
 class _ArrayUnpickler(pickle.Unpickler):
-    """Unpickler that only rebuilds numpy arrays, so a planted file in `data.root` cannot run
-    code (plain pickle.load executes whatever callable the file names)."""
+    """Unpickler that rebuilds only numeric numpy arrays besides the plain containers (dicts,
+    lists, strings, bytes, numbers), so a planted file in `data.root` cannot run code (plain
+    pickle.load executes whatever callable the file names)."""
 
     ALLOWED = {
         ("numpy.core.multiarray", "_reconstruct"),
         ("numpy._core.multiarray", "_reconstruct"),
         ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-        ("_codecs", "encode"),
+        ("_codecs", "encode"),  # how a Python 2 pickle spells a byte string
     }
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("numpy", "dtype"):
+            return _numeric_dtype
         if (module, name) not in self.ALLOWED:
             raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
         return super().find_class(module, name)

@@ -12,6 +12,12 @@ environment and directory travel to the worker in a `LaunchContext`, which the w
 (`adopt`), keeping what torch's agent set for it; standard streams cannot travel, so a launch
 whose streams are no longer the server's (output redirected since) spawns instead, as does
 `backend.start_method=spawn`.
+
+A worker dies with its launcher (`dpresearch.launch.lifeline`): a forked worker's parent is the
+server, so it is bound to the server, and the server exits when the launcher is gone (the
+launcher holds the only write end of the server's "alive" pipe: multiprocessing hands a copy
+to every forked child, which `adopt` closes — or a worker would keep the server, and itself,
+alive after the launcher's death).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class LaunchContext:
     env: dict[str, str]
     cwd: str
     server_env: dict[str, str] | None = None  # None: a spawned worker, already the launcher's
+    server_pid: int | None = None  # the fork server (a forked worker's parent)
 
 
 # The fork server this process started: (pid, its environment, its standard streams).
@@ -54,7 +61,8 @@ def choose(requested: str) -> tuple[str, LaunchContext]:
     server_env = _running_server()
     if server_env is None:
         return "spawn", context
-    return "forkserver", dataclasses.replace(context, server_env=server_env)
+    pid = forkserver._forkserver._forkserver_pid
+    return "forkserver", dataclasses.replace(context, server_env=server_env, server_pid=pid)
 
 
 def _running_server() -> dict[str, str] | None:
@@ -84,11 +92,27 @@ def _stop() -> None:
         forkserver._forkserver._stop()
 
 
+def parent_to_die_with(context: LaunchContext | None) -> int | None:
+    """In a worker: the process it must not outlive (`dpresearch.launch.lifeline`). A forked
+    worker's parent is the fork server, which exits as soon as the launcher that started it is
+    gone (see the module docstring), so the worker is bound to the server (by the pid the
+    launcher saw: a server already gone is no longer this process's parent); None for a
+    spawned worker, whose parent is the launcher itself (lifeline's default)."""
+    if context is None or context.server_env is None:
+        return None
+    return context.server_pid
+
+
 def adopt(context: LaunchContext | None) -> None:
     """In a worker: take over the launcher's environment (plus what torch's agent set for this
-    worker: rank, world size, rendezvous) and working directory."""
+    worker: rank, world size, rendezvous) and working directory; a forked one also lets go of
+    the server's "alive" pipe (the server must not outlive the launcher for its workers' sake)."""
     if context is None or context.server_env is None:
         return
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:  # the launcher's end of the server's pipe
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
     agent = {k: v for k, v in os.environ.items() if context.server_env.get(k) != v}
     os.environ.clear()
     os.environ.update(context.env)

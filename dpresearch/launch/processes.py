@@ -12,6 +12,8 @@
   (`dpresearch.run.stop`), and they stop together at a step boundary with a final checkpoint; a
   second one stops them at once (the agent's own shutdown).
 - under torchrun (its environment variables present): this process *is* one worker.
+
+Every worker process dies with its launcher, whatever killed it (`dpresearch.launch.lifeline`).
 """
 
 from __future__ import annotations
@@ -34,9 +36,14 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dpresearch.comm.network import NetworkModel
+from dpresearch.config.environment import (
+    TORCHRUN_VARS,
+    describe_init_failure,
+    environment_names,
+    from_agent,
+)
 from dpresearch.launch import forkserver
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 HEARTBEAT_ENV = "DPRESEARCH_HEARTBEAT_DIR"
 LAUNCHED_AT_ENV = "DPRESEARCH_LAUNCHED_AT"
 
@@ -116,7 +123,18 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     device = process_device(cfg)
     if backend == "nccl":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.backend.timeout_s))
+    if not from_agent() and global_rank() == 0:
+        print(
+            f"{environment_names()} (from the environment, not torchrun): waiting up to "
+            f"backend.timeout_s={cfg.backend.timeout_s:g} s for the other processes",
+            flush=True,
+        )
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.backend.timeout_s))
+    except (dist.DistError, TimeoutError) as exc:
+        from dpresearch.config.validate import ConfigError
+
+        raise ConfigError(describe_init_failure(exc, cfg.backend.timeout_s)) from None
     if dist.get_rank() == 0 and cfg.train.progress and LAUNCHED_AT_ENV in os.environ:
         took = time.time() - float(os.environ[LAUNCHED_AT_ENV])
         print(
@@ -163,14 +181,16 @@ def _worker_entry(
 ) -> dict[str, Any]:
     """Entry point of a process started by `launch_local` (must be importable: spawn); a
     forked one first takes over its launcher's environment (`forkserver.adopt`)."""
-    from dpresearch.launch.forkserver import adopt
-
-    adopt(context)
+    forkserver.adopt(context)
     from dpresearch.launch.console import worker_output
     from dpresearch.launch.heartbeat import Heartbeat
+    from dpresearch.launch.lifeline import bind_to_launcher
     from dpresearch.run import stop
     from dpresearch.run.stop import STOP_FILE_ENV
 
+    # First: from here on, this process dies with the launcher (a forked one with the fork
+    # server, its parent, which exits when the launcher does).
+    bind_to_launcher(forkserver.parent_to_die_with(context))
     cfg = OmegaConf.create(cfg_container)
     beats = os.environ.get(HEARTBEAT_ENV)
     # Stop requests are recorded from the start (the loop honours them at its next step),
@@ -196,6 +216,7 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
 
     from dpresearch.config.checks import algorithm_class, process_count
     from dpresearch.launch.heartbeat import Watchdog
+    from dpresearch.launch.lifeline import launcher_environment
 
     processes = process_count(cfg)
     # The ordinary training loop stops cleanly on a request; an algorithm that runs its own
@@ -224,7 +245,9 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     heartbeat_s = cfg.backend.get("heartbeat_s")
     with contextlib.ExitStack() as stack:
         stack.enter_context(_spawnable_start_method())
-        stack.enter_context(_environment({LAUNCHED_AT_ENV: str(time.time())}))
+        stack.enter_context(
+            _environment({LAUNCHED_AT_ENV: str(time.time()), **launcher_environment()})
+        )
         watchdog = None
         if heartbeat_s:
             beats = stack.enter_context(tempfile.TemporaryDirectory(prefix="dpresearch-beats-"))

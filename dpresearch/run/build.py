@@ -36,15 +36,16 @@ from dpresearch.run.compute import WorkerCompute
 
 
 class GlobalRandom:
-    """The process's global random streams: torch (CPU, and CUDA where initialised), numpy,
-    Python — as plain data (numpy's key as a tensor), so a checkpoint loads with
-    `torch.load(weights_only=True)`."""
+    """The process's global random streams: torch (CPU, and CUDA where initialised), numpy
+    (its key as an int64 tensor: a checkpoint holds no numpy array), Python."""
 
     def state_dict(self) -> dict[str, Any]:
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        numpy_state = np.random.get_state(legacy=False)
+        key = torch.from_numpy(numpy_state["state"]["key"].astype(np.int64))
+        numpy_state["state"] = dict(numpy_state["state"], key=key)
         state: dict[str, Any] = {
             "torch": torch.get_rng_state(),
-            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+            "numpy": numpy_state,
             "python": random.getstate(),
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -53,9 +54,10 @@ class GlobalRandom:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(state["torch"])
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        keys = keys.numpy().astype(np.uint32) if torch.is_tensor(keys) else keys
-        np.random.set_state((kind, keys, int(pos), int(has_gauss), float(cached)))
+        numpy_state = dict(state["numpy"])
+        key = numpy_state["state"]["key"].numpy().astype(np.uint32)
+        numpy_state["state"] = dict(numpy_state["state"], key=key)
+        np.random.set_state(numpy_state)
         random.setstate(state["python"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])

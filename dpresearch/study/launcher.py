@@ -113,10 +113,12 @@ def _set_aside(run_dir: Path, out: Path) -> Path:
 
 
 def _point_overrides(study: Study, point: Point) -> list[str]:
+    from dpresearch.config.cli_check import quote_value
+
     return [
         *point.overrides,
-        f"logger.group={slug(study.name)}",
-        f"logger.tags=[{slug(point.case)}]",
+        f"logger.group={quote_value(slug(study.name))}",  # quoted: unicode, or a leading digit
+        f"logger.tags=[{quote_value(slug(point.case))}]",
         "train.progress=false",
     ]
 
@@ -150,7 +152,10 @@ def _popen_kwargs(jobs: int = 1) -> dict[str, Any]:
 def run_local(point: Point, run_dir: Path, overrides: list[str], jobs: int = 1) -> int:
     """`python -m dpresearch.train` for one point, one of `jobs` running at once; output in
     `run_dir/launcher.log`."""
-    cmd = [sys.executable, "-m", "dpresearch.train", *overrides, f"hydra.run.dir={run_dir}"]
+    from dpresearch.config.cli_check import quote_value
+
+    cmd = [sys.executable, "-m", "dpresearch.train", *overrides,
+           f"hydra.run.dir={quote_value(str(run_dir))}"]  # fmt: skip
     with (run_dir / "launcher.log").open("w") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
@@ -175,12 +180,14 @@ def run_inprocess(point: Point, run_dir: Path, overrides: list[str]) -> int:
 
 def _hydra_group(study: Study, points: list[Point], out: Path, launcher: str | None) -> int:
     """One multirun over the seeds of `points` (one case, one lr)."""
+    from dpresearch.config.cli_check import quote_value
+
     first = points[0]
     overrides = [o for o in _point_overrides(study, first) if not o.startswith("seed=")]
     lr_dir = out / first.dir.parent
     cmd = [sys.executable, "-m", "dpresearch.train", "-m", *overrides,
            "seed=" + ",".join(str(p.seed) for p in points),
-           f"hydra.sweep.dir={lr_dir}", "hydra.sweep.subdir=seed${seed}",
+           f"hydra.sweep.dir={quote_value(str(lr_dir))}", "hydra.sweep.subdir=seed${seed}",
            *([f"hydra/launcher={launcher}"] if launcher else [])]  # fmt: skip
     with (lr_dir / "launcher.log").open("a") as log:
         log.write(" ".join(cmd) + "\n")
@@ -247,6 +254,9 @@ def run_study(
     allocation: the points started finish, the rest wait for the next `run_study`).
     A study with `tune_seeds` runs its grid first, selects each case's lr on it, then the
     other seeds at that lr."""
+    from dpresearch.study.check import check_study
+
+    check_study(study)  # every case composes and passes the checks: a dry run too
     out = Path(out).resolve()
     run = dict(launcher=launcher, jobs=jobs, hydra_launcher=hydra_launcher, dry_run=dry_run,
                log=log, start_until=start_until)  # fmt: skip
