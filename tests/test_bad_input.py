@@ -120,6 +120,7 @@ BAD = [
     (["train.resume_allow_changes=[optimizer.lrr]"], "optimizer.lrr is not a config key"),
     # Every other key with a constraint (issue 21, item 7).
     (["train.loss_scale=0"], "train.loss_scale=0.0: must be > 0"),
+    (["train.batched_workers=maybe"], "train.batched_workers=maybe; choose one of"),
     (["train.channels_last=maybe"], "Value 'maybe' is not a valid bool"),
     (["train.epochs=0"], "train.epochs=0.0: must be positive"),
     (["train.val_size=-1"], "train.val_size=-1.0 must be a count of examples"),
@@ -166,7 +167,7 @@ BAD = [
 ]
 # Keys the source names in a `key=...` message that are not constraints of the user's:
 # overrides the study launcher writes itself.
-NOT_CONSTRAINTS = {"logger.group", "logger.tags", "train.progress"}
+NOT_CONSTRAINTS = {"logger.group", "logger.name", "logger.tags", "train.progress"}
 if not torch.cuda.is_available():
     BAD.append((["backend=nccl"], "use backend=gloo"))
 

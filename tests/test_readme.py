@@ -72,8 +72,12 @@ SKIPPED = {
     "python -m dpresearch.study run experiments/compression_subset/study.yaml --jobs 2 "
     "--report": "the shipped study (about 6.5 h on this machine); its YAML composes and "
     "validates in tests/test_study.py",
-    "python experiments/gossip_subset/run.py": "the shipped gossip study (about 75 min)",
-    "python experiments/async/run.py": "the shipped asynchronous study (tens of minutes)",
+    "python -m dpresearch.study run experiments/gossip_subset/study.yaml --jobs 2 --report":
+    "the shipped gossip study (about 50 points of minutes each); its YAML composes and "
+    "validates in tests/test_study.py",
+    "python -m dpresearch.study run experiments/async/least_squares.yaml --jobs 2 --report":
+    "the shipped asynchronous study (about 40 points); its YAML composes and validates in "
+    "tests/test_study.py",
     "python experiments/bench/async_overhead.py": "a benchmark (64 workers x 10,000 pushes)",
 }
 # Appended to each command of a kind in the slow run: tiny step counts.
@@ -370,9 +374,12 @@ def write_readme_study(folder: Path, tiny: bool) -> Path:
     if tiny:
         raw["common"] = [*raw["common"], *TINY["train"]]
     (folder / "my_study.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    cases = ",".join(["case", *raw["published"]["columns"], "source"])
-    rows = [f"{case},90.0,a paper" for case in raw["cases"]]
-    (folder / "published.csv").write_text("\n".join([cases, *rows]) + "\n")
+    from dpresearch.study.report import PUBLISHED_REQUIRED
+
+    header = ",".join(["case", *PUBLISHED_REQUIRED])  # value, unit, source
+    rows = [f"{case},90.0,top-1 test accuracy (%),a paper" for case in raw["cases"]]
+    assert len(rows[0].split(",")) == len(PUBLISHED_REQUIRED) + 1
+    (folder / "published.csv").write_text("\n".join([header, *rows]) + "\n")
     return folder / "my_study.yaml"
 
 
@@ -389,7 +396,7 @@ def test_readme_yaml_blocks_parse_and_the_study_composes(tmp_path, cifar_subset)
         if block.lang == "yaml":
             assert isinstance(yaml.safe_load(block.text), dict), f"README.md:{block.line}"
     study = load_study(write_readme_study(tmp_path, tiny=False))
-    assert study.tune_seeds == (0,) and len(study.cases) == 2
+    assert len(study.selection_seeds) >= study.min_tune_seeds and len(study.cases) == 2
     points = study.points()
     for point in points:
         validate(compose_config(*point.overrides), point.overrides)
@@ -399,6 +406,7 @@ def test_readme_yaml_blocks_parse_and_the_study_composes(tmp_path, cifar_subset)
 @pytest.mark.parametrize("command", of_kind("study"), ids=ids(of_kind("study")))
 def test_readme_study_command_parses_and_plans(command, tmp_path, monkeypatch, capsys):
     """Each study command, as a dry run (nothing is launched) on the README's study."""
+    from dpresearch.study import load_study
     from dpresearch.study.__main__ import main
 
     monkeypatch.chdir(tmp_path)
@@ -408,8 +416,9 @@ def test_readme_study_command_parses_and_plans(command, tmp_path, monkeypatch, c
         args = ["status", *args[1:]]  # nothing to report yet: its argument parsing and study
     assert main([*args, "--dry-run"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
-    assert "== study my_study: 6 points" in out  # the grid on the tuning seed first
-    assert "== then the other seeds at each case's selected lr" in out
+    grid = len(load_study(tmp_path / "my_study.yaml").points())
+    assert f"== study my_study: {grid} points" in out  # the grid on the tuning seeds first
+    assert "== then the final seeds at each case's selected lr(s)" in out
 
 
 def fixture_runs(root: Path) -> None:
@@ -427,6 +436,12 @@ def fixture_runs(root: Path) -> None:
             config["compressor"] = {"_target_": f"dpresearch.compress.{compressor}"}
             config["error_feedback"] = {"mode": "none"}
             (run / "config.yaml").write_text(yaml.safe_dump(config))
+            # the config-group choices Hydra records (`choice.*` columns)
+            (run / ".hydra").mkdir(exist_ok=True)
+            (run / ".hydra" / "hydra.yaml").write_text(
+                f"hydra:\n  runtime:\n    choices:\n      compressor: {compressor}\n"
+                "      error_feedback: none\n"
+            )
 
 
 @pytest.mark.parametrize("command", of_kind("analysis"), ids=ids(of_kind("analysis")))

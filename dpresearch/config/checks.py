@@ -25,7 +25,7 @@ from dpresearch.config.errors import ConfigError
 
 BACKENDS = ("simulated", "gloo", "nccl")
 START_METHODS = ("forkserver", "spawn")  # backend.start_method (dpresearch.launch.forkserver)
-PARTITIONS = ("iid", "dirichlet")
+PARTITIONS = ("iid", "dirichlet", "shared")
 # Optimizer hyper-parameters that torch requires to be non-negative numbers.
 NON_NEGATIVE_OPTIMIZER_KEYS = ("lr", "momentum", "weight_decay", "dampening", "eps")
 LR_SCALINGS = ("none", "linear")

@@ -24,7 +24,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", type=Path, help="runs folder (default: runs/<study name> in the current directory)"
     )
-    p.add_argument("--results", type=Path, help="report folder (default: <study dir>/results)")
+    p.add_argument(
+        "--results",
+        type=Path,
+        help="report folder (default: the study's `results`, else <study dir>/results)",
+    )
     p.add_argument("--launcher", default="local", choices=("local", "hydra", "inprocess"))
     p.add_argument("--hydra-launcher", help="with --launcher hydra: e.g. parallel, slurm")
     p.add_argument("--jobs", type=int, default=1, help="local launcher: points at once")
@@ -49,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "report" or args.report:  # before any point runs, not after
             require_modules("pandas", "matplotlib", purpose="the study report")
         out = args.out or Path("runs") / slug(study.name)
-        results = args.results or study.path.parent / "results"
+        results = args.results or study.results_dir
         if args.action == "report" or args.report:
             from dpresearch.analysis.report import check_out_dir
 
