@@ -146,7 +146,8 @@ def test_installed_wheel_trains_studies_and_analyses_outside_the_checkout(tmp_pa
         f"{summary_path.parent.relative_to(work)}"
     )
 
-    study = {"name": "tiny", "common": ["train.steps=5", "train.progress=false", *small],
+    # 40 steps: enough to train (the analysis leaves out runs at chance accuracy)
+    study = {"name": "tiny", "common": ["train.steps=40", "train.progress=false", *small],
              "lrs": [0.1], "seeds": [0], "cases": {"sync": ["algorithm=sync"]}}  # fmt: skip
     (work / "tiny.yaml").write_text(yaml.safe_dump(study))
     run(bin_ / "dpresearch-study", "run", "tiny.yaml", "--report")
