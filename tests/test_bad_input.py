@@ -41,6 +41,7 @@ BAD = [
     (["train.eval_batch_size=0"], "train.eval_batch_size=0: must be at least 1"),
     (["backend.threads=-1"], "backend.threads=-1: must be at least 1"),
     (["backend.timeout_s=0"], "backend.timeout_s=0.0: must be > 0"),
+    (["backend.start_method=fork"], "backend.start_method=fork; choose one of: forkserver, spawn"),
     (["schedule=step", "schedule.milestones=abc"], "schedule.milestones=abc: must be a list"),
     (["optimizer.lr=fast"], "optimizer.lr=fast: must be a number"),
     (["model=resnet20"], "cannot take this data set's inputs of shape (32,)"),

@@ -24,6 +24,7 @@ from dpresearch.config.environment import check_distributed_environment
 from dpresearch.config.errors import ConfigError
 
 BACKENDS = ("simulated", "gloo", "nccl")
+START_METHODS = ("forkserver", "spawn")  # backend.start_method (dpresearch.launch.forkserver)
 PARTITIONS = ("iid", "dirichlet", "shared")
 # Optimizer hyper-parameters that torch requires to be non-negative numbers.
 NON_NEGATIVE_OPTIMIZER_KEYS = ("lr", "momentum", "weight_decay", "dampening", "eps")
@@ -125,6 +126,10 @@ def check_backend(cfg: DictConfig) -> None:
     if bc.heartbeat_s is not None and bc.heartbeat_s <= 0:
         raise ConfigError(
             f"backend.heartbeat_s={bc.heartbeat_s}: must be > 0 seconds (or null: no watchdog)"
+        )
+    if bc.start_method not in START_METHODS:
+        raise ConfigError(
+            f"backend.start_method={bc.start_method}; choose one of: {', '.join(START_METHODS)}"
         )
 
 

@@ -84,12 +84,16 @@ class BackendConfig:
     bit-level comparisons across runs and backends fix it (e.g. 1). `timeout_s`: how long a
     collective may wait for a peer. `heartbeat_s`: a worker process started by this
     machine's launcher that shows no sign of life for this long (stopped, frozen) ends the job
-    with one line naming it (null: no watchdog; torchrun jobs rely on `timeout_s`)."""
+    with one line naming it (null: no watchdog; torchrun jobs rely on `timeout_s`).
+    `start_method`: how this machine's launcher starts its worker processes: `forkserver`
+    (forked from a server that imported torch once: a fraction of a second each after the
+    first launch) or `spawn` (a new interpreter each; see `dpresearch/launch/forkserver.py`)."""
 
     name: str = "simulated"
     threads: int | None = None
     timeout_s: float = 600.0
     heartbeat_s: float | None = 60.0
+    start_method: str = "forkserver"
 
 
 @dataclass

@@ -2,13 +2,15 @@
 
 - simulated: all K workers in this process.
 - gloo / nccl on one machine: K worker processes started with torch's elastic launcher (the
-  engine under torchrun); if any worker fails, the agent stops the others and the job fails
-  with that worker's traceback. A worker that stops showing signs of life for
-  `backend.heartbeat_s` (stopped, frozen) is killed by a watchdog and the job fails naming it
-  (`WorkerFrozen`). Started under `nohup` (SIGHUP ignored), the job keeps ignoring SIGHUP.
-  SIGTERM and SIGINT are not the agent's to act on: the launcher forwards the first one to the
-  workers through a stop file (`dpresearch.run.stop`), and they stop together at a step boundary
-  with a final checkpoint; a second one stops them at once (the agent's own shutdown).
+  engine under torchrun), forked from a server that imported torch once
+  (`dpresearch.launch.forkserver`; `backend.start_method=spawn`: a new interpreter each); if
+  any worker fails, the agent stops the others and the job fails with that worker's traceback.
+  A worker that stops showing signs of life for `backend.heartbeat_s` (stopped, frozen) is
+  killed by a watchdog and the job fails naming it (`WorkerFrozen`). Started under `nohup`
+  (SIGHUP ignored), the job keeps ignoring SIGHUP. SIGTERM and SIGINT are not the agent's to
+  act on: the launcher forwards the first one to the workers through a stop file
+  (`dpresearch.run.stop`), and they stop together at a step boundary with a final checkpoint; a
+  second one stops them at once (the agent's own shutdown).
 - under torchrun (its environment variables present): this process *is* one worker.
 
 Every worker process dies with its launcher, whatever killed it (`dpresearch.launch.lifeline`).
@@ -41,6 +43,7 @@ from dpresearch.config.environment import (
     environment_names,
     from_agent,
 )
+from dpresearch.launch import forkserver
 
 HEARTBEAT_ENV = "DPRESEARCH_HEARTBEAT_DIR"
 LAUNCHED_AT_ENV = "DPRESEARCH_LAUNCHED_AT"
@@ -159,6 +162,13 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
         )
     try:
         summary = _train(cfg, run_dir, device)
+        if dist.get_rank() == 0 and cfg.train.progress:
+            # (the processes' shutdown takes seconds, more on a busy machine: not a hang)
+            print(
+                f"{backend}: training done, results written; shutting down the "
+                f"{dist.get_world_size()} processes",
+                flush=True,
+            )
         # Leave together: a rank that exits while a peer still uses the gloo pair can abort it.
         dist.barrier()
         return summary
@@ -188,15 +198,21 @@ def _train(cfg: DictConfig, run_dir: Path | None, device: torch.device) -> dict[
 
 
 @record
-def _worker_entry(cfg_container: dict, run_dir: str | None) -> dict[str, Any]:
-    """Entry point of a process started by `launch_local` (must be importable: spawn)."""
+def _worker_entry(
+    cfg_container: dict, run_dir: str | None, context: Any = None
+) -> dict[str, Any]:
+    """Entry point of a process started by `launch_local` (must be importable: spawn); a
+    forked one first takes over its launcher's environment (`forkserver.adopt`)."""
+    forkserver.adopt(context)
     from dpresearch.launch.console import worker_output
     from dpresearch.launch.heartbeat import Heartbeat
     from dpresearch.launch.lifeline import bind_to_launcher
     from dpresearch.run import stop
     from dpresearch.run.stop import STOP_FILE_ENV
 
-    bind_to_launcher()  # first: from here on, this process dies with the launcher
+    # First: from here on, this process dies with the launcher (a forked one with the fork
+    # server, its parent, which exits when the launcher does).
+    bind_to_launcher(forkserver.parent_to_die_with(context))
     cfg = OmegaConf.create(cfg_container)
     beats = os.environ.get(HEARTBEAT_ENV)
     # Stop requests are recorded from the start (the loop honours them at its next step).
@@ -240,7 +256,7 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     if cfg.train.progress:
         print(
             f"{cfg.backend.name}: starting {processes} worker processes on this machine "
-            "(each imports torch and joins the rendezvous; this takes a while)",
+            "(they join a rendezvous and build the run; this takes a few seconds)",
             flush=True,
         )
     heartbeat_s = cfg.backend.get("heartbeat_s")
@@ -263,16 +279,50 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
         stop_file = Path(folder) / "stop"
         stack.enter_context(_environment({STOP_FILE_ENV: str(stop_file)}))
         stack.enter_context(forwarding(stop_file, _terminate_process_handler))
+        method, context = forkserver.choose(cfg.backend.start_method)
+        config = dataclasses.replace(config, start_method=method)
         try:
             results = elastic_launch(config, _worker_entry)(
-                container, str(run_dir) if run_dir else None
+                container, str(run_dir) if run_dir else None, context
             )
         except ChildFailedError as exc:
             if watchdog is not None and watchdog.frozen is not None:
                 who = "worker" if processes == cfg.workers else "rank"  # ranks are workers?
                 raise WorkerFrozen(watchdog.frozen.message(heartbeat_s, who)) from exc
-            raise
+            raise every_failure(exc, processes) from None
     return results[0]
+
+
+def every_failure(exc: Any, processes: int) -> Any:
+    """`exc` (torch's `ChildFailedError`) with every worker's recorded failure, earliest first.
+
+    torch's agent reports the first failed process it notices. When one worker raises, its
+    peers fail a moment later on the broken connection, and the agent may notice a peer first
+    (forked workers' exits reach it through the fork server) and report the peer's connection
+    error as the root cause. Every worker that raised wrote its error file before exiting; the
+    earliest written is the root cause, and `ChildFailedError.get_first_failure` picks it
+    (earliest timestamp in seconds, ties in the order given here)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failures = dict(exc.failures)
+    attempts = {Path(f.error_file).parent.parent for f in failures.values()}
+    if len(attempts) != 1 or not all(Path(f.error_file).is_file() for f in failures.values()):
+        return exc  # (no error files to compare)
+    (attempt,) = attempts
+    for rank in range(processes):  # one machine: a global rank is its local rank
+        path = attempt / str(rank) / "error.json"
+        if rank not in failures and path.is_file():
+            # (raised, so exited with 1 (torch's wrapper); its pid is not recorded)
+            failures[rank] = ProcessFailure(rank, pid=-1, exitcode=1, error_file=str(path))
+
+    def written(rank: int) -> int:
+        try:
+            return os.stat(failures[rank].error_file).st_mtime_ns
+        except OSError:
+            return 2**63
+
+    ordered = {rank: failures[rank] for rank in sorted(failures, key=written)}
+    return ChildFailedError(exc.name, ordered)
 
 
 def _elastic_signals() -> dict[str, str]:

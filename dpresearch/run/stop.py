@@ -15,8 +15,8 @@ ending the job after another worker failed: it ends the process at once.
 
 SIGUSR2 is what SLURM sends through submitit before a time limit or a preemption (Hydra's
 submitit launcher, `dpresearch/conf/hydra/launcher/slurm.yaml`). It stops the run like SIGTERM,
-and then, once the final checkpoint is written and the handlers are restored, it is handed on to the
-handler that was there before ours (submitit's, which requeues the job; with
+and then, once the final checkpoint is written and the handlers are restored, it is handed on
+to the handler that was there before ours (submitit's, which requeues the job; with
 `train.resume=auto` the requeued job continues from that checkpoint). Without such a handler
 the run ends with exit 140 (128 + SIGUSR2).
 """
