@@ -32,7 +32,7 @@ from typing import Any
 from dpresearch import SOURCE_ROOT
 from dpresearch.analysis.aggregate import Selection, default_mode, duplicate_seed_notes
 from dpresearch.analysis.errors import AnalysisError
-from dpresearch.analysis.quality import examples_for, is_accuracy, mark_untrained, standard_error
+from dpresearch.analysis.quality import is_accuracy, mark_untrained, standard_error
 from dpresearch.analysis.runs import FINISHED, STATUSES, find_runs
 from dpresearch.analysis.tables import (
     MISSING,
@@ -43,7 +43,14 @@ from dpresearch.analysis.tables import (
     significant,
     with_spread,
 )
-from dpresearch.study.select import Horizon, Pick, horizons, lr_column, selection_of
+from dpresearch.study.select import (
+    Horizon,
+    Pick,
+    examples_behind,
+    horizons,
+    lr_column,
+    selection_of,
+)
 from dpresearch.study.spec import Study, StudyError, slug
 
 MB = 1e6
@@ -316,7 +323,7 @@ def grid_frame(report: StudyReport, horizon: Horizon):
                 text, mean, std, n = _mean_cell(part, metric, report.include_failed,
                                                 _fmt_for(metric))  # fmt: skip
                 if name == "tuning" and n:
-                    se = standard_error(mean, std, n, _examples(runs, metric))
+                    se = standard_error(mean, std, n, examples_behind(runs, metric))
                     text = f"{_pm(mean, se, metric)} (SE)" if math.isfinite(se) else text
                 row[f"{name}: {metric}"] = text if len(part) else MISSING
                 if main != metric:
@@ -337,14 +344,6 @@ def grid_frame(report: StudyReport, horizon: Horizon):
     return frame
 
 
-def _examples(runs, metric: str) -> float | None:
-    key = examples_for(metric)
-    if key is None or key not in runs:
-        return None
-    values = runs[key].dropna()
-    return float(values.iloc[0]) if len(values) else None
-
-
 def _side(report: StudyReport, horizon: Horizon, case: str, metric: str):
     """(mean, SE, n, failure text) of a case's results row on `metric`."""
     pick = _pick_for(horizon, report.study, case)
@@ -352,7 +351,7 @@ def _side(report: StudyReport, horizon: Horizon, case: str, metric: str):
         return math.nan, math.nan, 0, "no lr selected"
     rows = _final_runs(report, horizon, case, pick.lr)
     text, mean, std, n = _mean_cell(rows, metric, report.include_failed, str)
-    se = standard_error(mean, std, n, _examples(horizon.runs, metric))
+    se = standard_error(mean, std, n, examples_behind(horizon.runs, metric))
     return mean, se, n, ("" if n else (text if len(rows) else "not run"))
 
 
@@ -481,7 +480,7 @@ def describe(report: StudyReport) -> list[str]:
     if study.claim:
         lines.append(f"**Claim tested:** {study.claim.statement}")
     lines.append(_horizon_sentence(report))
-    examples = _examples(report.runs, selection.metric)
+    examples = examples_behind(report.runs, selection.metric)
     se_rule = "the seeds' spread s/√n" + (
         f" combined with the binomial error √(p(1−p)/N) of the {int(examples)}-example split "
         "it is measured on (the same split in every seed, so averaging seeds cannot remove "

@@ -75,7 +75,8 @@ def selection_of(study: Study, runs) -> Selection:
     return choose_selection(list(runs.columns), study.select)
 
 
-def _examples(runs, metric: str) -> float | None:
+def examples_behind(runs, metric: str) -> float | None:
+    """How many examples stand behind `metric` in `runs` (its binomial standard error), if known."""
     key = examples_for(metric)
     if key is None or key not in runs:
         return None
@@ -91,7 +92,7 @@ def tuning_stats(study: Study, runs, selection: Selection):
     if basis.empty:
         return None
     stats = aggregate(basis, ["case", lr], [selection.metric], seed)
-    examples = _examples(runs, selection.metric)
+    examples = examples_behind(runs, selection.metric)
     stats["se"] = [
         standard_error(m, s, int(n), examples)
         for m, s, n in zip(
