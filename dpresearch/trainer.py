@@ -40,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from dpresearch import stop
+from dpresearch.algorithms import outer
 from dpresearch.algorithms.base import Algorithm, StepPlan
 from dpresearch.checkpoint import (
     FORMAT,
@@ -143,8 +144,9 @@ class Trainer:
         extra = dict(algorithm_kwargs or {})
         if algorithm_target is not None:
             extra["_target_"] = algorithm_target
-        self.algorithm: Algorithm = instantiate(
-            cfg.algorithm, replicas=self.replicas, comm=comm, optimizers=self.optimizers, **extra
+        runtime = dict(replicas=self.replicas, comm=comm, optimizers=self.optimizers)
+        self.algorithm: Algorithm = outer.wrap(
+            cfg, instantiate(cfg.algorithm, **runtime, **extra), **runtime
         )
         # One epoch = every worker's shard once: K × worker_steps gradients in all.
         self.gradients_per_step = self.algorithm.gradients_per_step
@@ -456,7 +458,7 @@ class Trainer:
                 "step": done,
                 "workers": self.cfg.workers,
                 "processes": self.processes,
-                "algorithm": self.cfg.algorithm._target_,
+                "algorithm": outer.algorithm_name(self.cfg),
                 "num_params": self.replicas.num_params,
                 "loop": {
                     "best_acc": self.best_acc,
@@ -512,7 +514,7 @@ class Trainer:
             {
                 "workers": self.cfg.workers,
                 "processes": self.processes,
-                "algorithm": self.cfg.algorithm._target_,
+                "algorithm": outer.algorithm_name(self.cfg),
                 "num_params": self.replicas.num_params,
             },
         )

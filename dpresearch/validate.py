@@ -29,6 +29,7 @@ RUNTIME_ARGS = {
     "compressor": {"seed", "worker"},
     "error_feedback": {"inner"},
     "topology": {"num_workers"},
+    "outer": {"base", "replicas", "comm", "optimizers"},
 }
 OWN_KEYS = {"optimizer": {"exclude_bn_bias_from_weight_decay"}}
 
@@ -182,6 +183,10 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
         raise ConfigError(
             f"network.allgather_latency_us={ag_latency}: must be >= 0 (or null: latency_us)"
         )
+    if cfg.network.get("compute_step_s", 0.0) < 0:
+        raise ConfigError(
+            f"network.compute_step_s={cfg.network.compute_step_s}: must be >= 0 seconds"
+        )
     if cfg.logger.mode is not None and cfg.logger.mode not in ("online", "offline", "disabled"):
         raise ConfigError(
             f"logger.mode={cfg.logger.mode}; choose one of: online, offline, disabled"
@@ -190,12 +195,14 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
         raise ConfigError(f"logger.init_timeout_s={cfg.logger.init_timeout_s}: must be > 0")
     check_run_control(cfg)
     for group in RUNTIME_ARGS:
-        check_target(group, cfg[group])
+        if group != "outer" or cfg.get("outer"):  # outer=none: no node
+            check_target(group, cfg[group])
     check_data_options(cfg.data)
     check_optimizer_values(cfg.optimizer)
     check_schedule_values(cfg.schedule)
     check_compression(cfg)
     check_algorithm(cfg)
+    check_outer(cfg)
     OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg)))
 
 
@@ -267,7 +274,12 @@ def check_schema_keys(cfg: DictConfig) -> None:
             if key not in schema:
                 raise ConfigError(unknown_key_message(f"{prefix}{key}", list(schema)))
             sub, sub_schema = node[key], schema[key]
-            if isinstance(sub, DictConfig) and isinstance(sub_schema, DictConfig):
+            # an open node of the schema (`outer`) is a plug-in: its keys are its target's
+            if (
+                isinstance(sub, DictConfig)
+                and isinstance(sub_schema, DictConfig)
+                and OmegaConf.is_struct(sub_schema)
+            ):
                 walk(sub, sub_schema, f"{prefix}{key}.")
 
     walk(cfg, _schema(), "")
@@ -381,6 +393,26 @@ def check_algorithm(cfg: DictConfig) -> None:
         if isinstance(cause, ValueError):
             raise ConfigError(str(cause).strip().splitlines()[0]) from None
         raise
+
+
+def check_outer(cfg: DictConfig) -> None:
+    """An outer optimizer (`outer=...`) over the algorithm: its optimizer node's values and the
+    outer node's own checks (`algorithms.outer.check_config`)."""
+    from dpresearch.algorithms import outer
+
+    node = outer.outer_node(cfg)
+    if node is None:
+        return
+    if "optimizer" in node:
+        check_target("optimizer", node.optimizer)
+        try:
+            check_optimizer_values(node.optimizer)
+        except ConfigError as exc:
+            raise ConfigError(f"outer.{exc}") from None
+    try:
+        outer.check_config(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc).strip().splitlines()[0]) from None
 
 
 def _is_default(node: Any, target: str, **defaults: Any) -> bool:

@@ -65,6 +65,10 @@ class Algorithm(ABC):
     checkpointable: bool = True
     # Whether `drop_step` leaves the algorithm able to go on (`train.on_nonfinite=skip_step`).
     skippable: bool = True
+    # Whether the workers' models drift apart between the algorithm's synchronisations (local
+    # SGD, gossip), so an outer optimizer has pseudo-gradients to work on; synchronous SGD's
+    # workers always hold one model, a parameter server's workers none of their own.
+    workers_drift: bool = False
 
     def __init__(
         self, replicas: Replicas, comm: Communicator, optimizers: list[torch.optim.Optimizer]
@@ -132,6 +136,24 @@ class Algorithm(ABC):
     def summary(self) -> dict[str, Any]:
         """Facts known only at the end of the run (e.g. a histogram), added to summary.json."""
         return {}
+
+    # -- under an outer optimizer (`algorithms/outer`) ------------------------------------------
+    @classmethod
+    def outer_handover(cls, node: Any) -> int | None:
+        """The period, in steps, of the exact averaging the algorithm configured by `node` does
+        on its own, which an outer optimizer wrapping it takes over (None: it has none). Raise
+        ValueError (one line naming the fix) where the algorithm cannot hand it over."""
+        return None
+
+    def hand_over_averaging(self) -> int | None:
+        """Called once, before the first step, by an outer optimizer wrapping this algorithm:
+        stop the exact averaging `outer_handover` names (the outer step replaces it) and
+        return its period (None: none)."""
+        return None
+
+    def restarted(self) -> None:
+        """Every worker's parameters and buffers were just set to one common model by an outer
+        optimizer: reset whatever the algorithm derives from the workers' spread."""
 
     def state_dict(self) -> dict:
         """Algorithm state to checkpoint beyond what the trainer saves itself (every replica's

@@ -53,6 +53,7 @@ class Gossip(Algorithm):
     """
 
     evaluates_local_models = True
+    workers_drift = True
 
     def __init__(
         self,

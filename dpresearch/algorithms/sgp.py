@@ -105,6 +105,10 @@ class SGP(Gossip):
         self.comm.all_reduce(buffers, op="mean", record="eval")
         return numerators[0] / weights[0], buffers[0] / weights[0]
 
+    def restarted(self) -> None:
+        """Every worker restarts from one model z with weight 1 (x = z), as at the start."""
+        self.ps_weight.fill_(1.0)
+
     def state_dict(self) -> dict:
         return {"ps_weight": self.ps_weight.clone()}
 

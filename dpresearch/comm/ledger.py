@@ -25,8 +25,9 @@ is communication hidden behind computation.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 from dpresearch.comm.network import NetworkModel
 
@@ -61,6 +62,8 @@ class CommOp:
     peers: for "p2p", the largest number of peers any worker sent its row to (the round ends
     when the busiest link is done).
     purpose: why it was sent (see the module docstring).
+    hidden_steps: steps of computation the op runs behind (launched at one step, needed only
+    that many steps later); the network model charges only what they do not hide.
     """
 
     kind: str
@@ -68,6 +71,7 @@ class CommOp:
     group: int
     peers: int = 0
     purpose: str = ALGORITHM
+    hidden_steps: int = 0
 
 
 @dataclass
@@ -85,6 +89,7 @@ class CommLedger:
     op_totals: Counter = field(default_factory=Counter)  # CommOp -> times recorded
     purpose_op_counts: Counter = field(default_factory=Counter)
     step_ops: list[CommOp] = field(default_factory=list)
+    _hidden_steps: int = 0
     _busy_closed: float = 0.0
     _frontier: tuple[float, float] | None = None
     _pending: list[tuple[float, float]] = field(default_factory=list)
@@ -116,6 +121,8 @@ class CommLedger:
     def record(self, op: CommOp, sent_by_worker: Sequence[int] | None = None) -> None:
         """Record `op` under `op.purpose`. `sent_by_worker`: bytes each local worker sent
         (default: `op.nbytes` each, the case of allreduce and allgather)."""
+        if self._hidden_steps and not op.hidden_steps:
+            op = replace(op, hidden_steps=self._hidden_steps)
         sent = sent_by_worker if sent_by_worker is not None else [op.nbytes] * self.num_local
         if len(sent) != self.num_local:
             raise ValueError(f"sent_by_worker needs {self.num_local} entries, got {len(sent)}")
@@ -131,6 +138,16 @@ class CommLedger:
         if op.purpose not in OFF_STEP_PURPOSES:  # what `modeled_s` prices
             self.op_totals[op] += 1
         self.step_ops.append(op)
+
+    @contextmanager
+    def hidden_behind(self, steps: int) -> Iterator[None]:
+        """Ops recorded inside run behind `steps` steps of computation (`CommOp.hidden_steps`):
+        e.g. a fragment's outer communication, launched at step t and merged at t + steps."""
+        before, self._hidden_steps = self._hidden_steps, int(steps)
+        try:
+            yield
+        finally:
+            self._hidden_steps = before
 
     # -- time --------------------------------------------------------------------------------
     def add_time(self, in_flight: tuple[float, float], blocked: tuple[float, float]) -> None:
@@ -215,6 +232,11 @@ class CommLedger:
         self.purpose_op_counts.update(state["purpose_op_counts"])
 
     def op_table(self) -> list[list]:
-        """Every distinct op with its count, `[kind, nbytes, group, peers, count]`, so a run
-        can be re-priced on any network afterwards (`NetworkModel.total_seconds`)."""
-        return [[op.kind, op.nbytes, op.group, op.peers, n] for op, n in self.op_totals.items()]
+        """Every distinct op with its count, `[kind, nbytes, group, peers, count]` (and
+        `hidden_steps` after them where non-zero), so a run can be re-priced on any network
+        afterwards (`NetworkModel.total_seconds`)."""
+        rows = []
+        for op, n in self.op_totals.items():
+            row = [op.kind, op.nbytes, op.group, op.peers, n]
+            rows.append(row + [op.hidden_steps] if op.hidden_steps else row)
+        return rows

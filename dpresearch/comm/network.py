@@ -10,8 +10,13 @@ D bytes per worker:
 - broadcast (binomial tree): ⌈log₂ n⌉ · (α + D/B)
 - neighbour exchange to p peers (sends serialised on one full-duplex link): α + p · D/B
 
-A group of one worker costs nothing. The presets are nominal figures for common fabrics; pass
-`network=custom network.latency_us=... network.bandwidth_gbit=...` for your own.
+A group of one worker costs nothing. An op recorded as hidden behind h steps of computation
+(`CommOp.hidden_steps`: a Streaming DiLoCo fragment launched at step t and merged at t + τ has
+h = τ) costs only what exceeds them: max(0, T − h·c), with T its formula above and c the
+modeled compute seconds of one step (`compute_step_s`, `network.compute_step_s`; 0 by default,
+so nothing is hidden unless a compute time is given). The presets are nominal figures for
+common fabrics; pass `network=custom network.latency_us=... network.bandwidth_gbit=...` for
+your own.
 
 Three optional terms make the model predict a CPU cluster's gloo rather than an ideal fabric
 (all off by default; `experiments/bench/emulated_network.py` measures them on a shaped link):
@@ -57,13 +62,15 @@ PRESETS: dict[str, tuple[float, float]] = {
 class NetworkModel:
     """α-β model: `latency_s` per message, `bandwidth_Bps` bytes per second per link, plus
     host `overhead_s` per message, `allgather_factor` on allgather's bandwidth term and
-    `allgather_latency_s` per allgather round in place of `latency_s` (None: the same)."""
+    `allgather_latency_s` per allgather round in place of `latency_s` (None: the same);
+    `compute_step_s`: the compute seconds of one training step an overlapped op hides behind."""
 
     latency_s: float
     bandwidth_Bps: float
     overhead_s: float = 0.0
     allgather_factor: float = 1.0
     allgather_latency_s: float | None = None
+    compute_step_s: float = 0.0
 
     @classmethod
     def from_units(
@@ -73,6 +80,7 @@ class NetworkModel:
         message_overhead_us: float = 0.0,
         allgather_factor: float = 1.0,
         allgather_latency_us: float | None = None,
+        compute_step_s: float = 0.0,
     ) -> NetworkModel:
         return cls(
             latency_s=latency_us * 1e-6,
@@ -82,28 +90,31 @@ class NetworkModel:
             allgather_latency_s=(
                 None if allgather_latency_us is None else allgather_latency_us * 1e-6
             ),
+            compute_step_s=compute_step_s,
         )
 
     @classmethod
-    def preset(cls, name: str) -> NetworkModel:
+    def preset(cls, name: str, compute_step_s: float = 0.0) -> NetworkModel:
         if name not in PRESETS:
             raise ValueError(
                 f"unknown network preset {name!r}; choose one of: {', '.join(PRESETS)}"
             )
-        return cls.from_units(*PRESETS[name])
+        return cls.from_units(*PRESETS[name], compute_step_s=compute_step_s)
 
     def total_seconds(self, op_table: list[list]) -> float:
-        """Modeled seconds of a run's `comm/ops` table (`CommLedger.op_table`) on this
+        """Modeled seconds of a run's `comm/ops` table (`CommLedger.op_table`: rows
+        `[kind, nbytes, group, peers, count]`, plus `hidden_steps` where non-zero) on this
         network: re-prices a finished run on another fabric."""
         from dpresearch.comm.ledger import CommOp
 
         return sum(
-            count * self.op_seconds(CommOp(kind, nbytes, group, peers))
-            for kind, nbytes, group, peers, count in op_table
+            row[4] * self.op_seconds(CommOp(*row[:4], hidden_steps=row[5] if len(row) > 5 else 0))
+            for row in op_table
         )
 
     def op_seconds(self, op: CommOp) -> float:
-        """Modeled duration of one collective (see the module docstring for the formulas)."""
+        """Modeled exposed duration of one collective (see the module docstring for the
+        formulas and for ops hidden behind computation)."""
         n, d, b = op.group, op.nbytes, self.bandwidth_Bps
         latency = self.latency_s
         if op.kind == "allgather" and self.allgather_latency_s is not None:
@@ -111,7 +122,10 @@ class NetworkModel:
         a = latency + self.overhead_s
         if n <= 1 or (op.kind == "p2p" and not op.peers):
             return 0.0
-        return self._seconds(op.kind, n, d, a, b, op.peers)
+        seconds = self._seconds(op.kind, n, d, a, b, op.peers)
+        if op.hidden_steps:
+            return max(0.0, seconds - op.hidden_steps * self.compute_step_s)
+        return seconds
 
     def messages(self, op: CommOp) -> int:
         """Message rounds of `op`: how many times its formula charges α (and o)."""
