@@ -27,8 +27,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from dpresearch import CONF_DIR
-from dpresearch.config import register_configs
-from dpresearch.launch import (
+from dpresearch.config.preflight import preflight
+from dpresearch.config.schema import register_configs
+from dpresearch.config.validate import ConfigError, forget_data
+from dpresearch.launch.processes import (
     WorkerFrozen,
     global_rank,
     launch_local,
@@ -36,8 +38,6 @@ from dpresearch.launch import (
     run_simulated,
     under_torchrun,
 )
-from dpresearch.preflight import preflight
-from dpresearch.validate import ConfigError, forget_data
 
 register_configs()
 
@@ -72,8 +72,8 @@ def _check_resume(cfg: DictConfig, run_dir: Path | None) -> None:
     """The checkpoint `train.resume` names fits this run (workers, processes, algorithm), read
     from its header before any worker starts; raises `ConfigError` (the trainer checks the
     parameter count once the model is built)."""
-    from dpresearch.checkpoint import CheckpointError, find_resume, incompatibility, read_header
-    from dpresearch.validate import process_count
+    from dpresearch.config.validate import process_count
+    from dpresearch.run.checkpoint import CheckpointError, find_resume, incompatibility, read_header
 
     if cfg.train.resume is None or under_torchrun():
         return
@@ -114,10 +114,10 @@ def _already_finished(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any] |
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _hydra_main(cfg: DictConfig) -> float | None:
-    from dpresearch.console import job_output
-    from dpresearch.provenance import write_provenance
-    from dpresearch.run_dir import claim_run_dir
-    from dpresearch.wandb_names import default_names
+    from dpresearch.launch.console import job_output
+    from dpresearch.launch.provenance import write_provenance
+    from dpresearch.launch.run_dir import claim_run_dir
+    from dpresearch.run.wandb_names import default_names
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
@@ -214,8 +214,8 @@ def _check_before_hydra(argv: list[str]) -> list[str]:
     """Check the command line and, for a single run, the whole run and its directory, before
     Hydra creates anything; returns the arguments to hand Hydra (the run directory pinned, as
     the default one holds the time). Raises `ConfigError`."""
-    from dpresearch.cli_check import compose_command_line, parse_command_line, task_config
-    from dpresearch.run_dir import claim_run_dir
+    from dpresearch.config.cli_check import compose_command_line, parse_command_line, task_config
+    from dpresearch.launch.run_dir import claim_run_dir
 
     cmd = parse_command_line(argv)  # raises for impossible flag combinations
     if not cmd.checkable:
@@ -232,7 +232,7 @@ def _check_before_hydra(argv: list[str]) -> list[str]:
     pinned_by_user = any(a.split("=", 1)[0].lstrip("+") == "hydra.run.dir" for a in argv)
     if resume not in (None, "auto") and not pinned_by_user:
         # train.resume=<checkpoint or run directory>: continue in that run's directory.
-        from dpresearch.checkpoint import find_resume, run_dir_of
+        from dpresearch.run.checkpoint import find_resume, run_dir_of
 
         run_dir = run_dir_of(find_resume(resume, None)) or run_dir
     claim_run_dir(run_dir, resume=resume is not None)  # held until this process ends
@@ -247,7 +247,7 @@ def _quote(value: str) -> str:
 
 def main() -> None:
     """Console entry: check everything that can be checked before Hydra, then hand over."""
-    from dpresearch.provenance import remember_command
+    from dpresearch.launch.provenance import remember_command
 
     if not CONF_DIR.is_dir():
         print(

@@ -8,9 +8,10 @@ after `steps` steps, with Ξ²_t/Ξ²_0 along the way for every γ. This is what
 `tune_consensus_stepsize.py` did by hand (they report γ = 0.04 for top-1%, 0.01 for random-1%,
 0.34 for QSGD with 16 levels on a ring of 9 workers, d = 2000).
 
-Options (Hydra overrides, composed from `dpresearch/conf/tune_gamma.yaml`): `topology=…`, `compressor=…`
-with their keys, `workers`, `seed`, `dim`, `steps`, `gammas` (a list; default a log grid from
-0.001 to 1), `points` (curve points printed), `output` (a JSON file for the curves).
+Options (Hydra overrides, composed from `dpresearch/conf/tune_gamma.yaml`): `topology=…`,
+`compressor=…` with their keys, `workers`, `seed`, `dim`, `steps`, `gammas` (a list; default a
+log grid from 0.001 to 1), `points` (curve points printed), `output` (a JSON file for the
+curves).
 """
 
 from __future__ import annotations

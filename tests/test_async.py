@@ -25,11 +25,11 @@ from dpresearch.asynchrony.speed import SpeedModel
 from dpresearch.asynchrony.staleness import StalenessPolicy
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
+from dpresearch.config.validate import ConfigError, validate
 from dpresearch.data.synthetic import make_synthetic
 from dpresearch.models.mlp import MLP
 from dpresearch.replicas import Replicas
-from dpresearch.trainer import Trainer
-from dpresearch.validate import ConfigError, validate
+from dpresearch.run.trainer import Trainer
 
 ASYNC = "algorithm=async_sgd"
 CPU = torch.device("cpu")
@@ -338,7 +338,7 @@ def test_bad_async_input_on_the_command_line(tmp_path):
 
 
 def test_tau_histogram_becomes_a_wandb_histogram():
-    from dpresearch.run_logger import wandb_value
+    from dpresearch.run.logger import wandb_value
 
     assert wandb_value("async/staleness_mean", 2.5) == 2.5
     small = wandb_value("async/tau_histogram", [3, 0, 5])
@@ -348,7 +348,7 @@ def test_tau_histogram_becomes_a_wandb_histogram():
 
 
 def test_torchrun_world_is_workers_plus_the_server(monkeypatch):
-    from dpresearch.validate import process_count
+    from dpresearch.config.validate import process_count
 
     cfg = compose_config(*SMALL, ASYNC, "backend=gloo", "workers=4")
     assert process_count(cfg) == 5 and process_count(compose_config(*SMALL, "workers=4")) == 4

@@ -16,7 +16,7 @@ import torch
 from conftest import SHARED, run_cli
 
 import dpresearch.train as entry
-from dpresearch.provenance import COMMAND_ENV
+from dpresearch.launch.provenance import COMMAND_ENV
 
 SUBSET = SHARED / "data" / "cifar10-subset"
 SYNTHETIC_SMALL = ["data.num_train=256", "data.num_test=64"]
@@ -160,7 +160,7 @@ def test_rerun_into_a_directory_holding_a_run_is_refused(tmp_path, monkeypatch, 
 
 
 def test_a_directory_locked_by_another_run_is_refused(tmp_path, monkeypatch, capsys):
-    from dpresearch.run_dir import claim_run_dir
+    from dpresearch.launch.run_dir import claim_run_dir
 
     run_dir = tmp_path / "run"
     with claim_run_dir(run_dir):  # as if another process held it: flock is per open file

@@ -17,7 +17,7 @@ from dpresearch.comm.ledger import CommOp
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.data.base import Dataset
-from dpresearch.trainer import Trainer
+from dpresearch.run.trainer import Trainer
 
 NET = NetworkModel.preset("1gbe")
 

@@ -21,14 +21,14 @@ import torch
 from conftest import SHARED, SMALL, cli_env, compose_config, run_cli
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from dpresearch.checkpoint import (
+from dpresearch.run.checkpoint import (
     checkpoint_files,
     checkpoint_interval,
     find_resume,
     latest_checkpoint,
 )
+from dpresearch.run.trainer import InjectedFailure
 from dpresearch.train import train
-from dpresearch.trainer import InjectedFailure
 
 SUBSET = SHARED / "data" / "cifar10-subset"
 STEPS, KILL_AT, EVERY = 60, 35, 10
@@ -232,7 +232,7 @@ def test_resume_auto_without_a_checkpoint_starts_fresh_and_drops_old_lines(tmp_p
 
 
 def test_resume_of_another_layout_is_one_line_before_any_worker_starts(tmp_path):
-    from dpresearch.validate import ConfigError
+    from dpresearch.config.validate import ConfigError
 
     run_dir = tmp_path / "run"
     args = [*QUICK, "workers=2", "train.steps=10", "train.checkpoint_every=5"]
@@ -364,7 +364,7 @@ def test_sigterm_gloo_stops_within_10_s_and_resumes_exactly(tmp_path):
 
 
 def test_progress_line_shows_throughput_and_eta():
-    from dpresearch.progress import format_progress
+    from dpresearch.run.progress import format_progress
 
     line = format_progress(
         {

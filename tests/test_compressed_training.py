@@ -13,7 +13,7 @@ from test_equivalence import TOL, max_diff, run_ours
 
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
-from dpresearch.trainer import Trainer
+from dpresearch.run.trainer import Trainer
 
 # (compressor overrides, error feedback, tolerance with the default ring allreduce). gloo's
 # ring adds in another order than the in-process sum: casts sum in 16 bits, so they agree only

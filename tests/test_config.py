@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import CONF_DIR, compose_config, run_cli
 
-from dpresearch.validate import ConfigError, validate
+from dpresearch.config.validate import ConfigError, validate
 
 GROUPS = ["data", "model", "optimizer", "schedule", "algorithm", "backend", "network", "logger"]
 NEEDS_GPU = {("backend", "nccl")}

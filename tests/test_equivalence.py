@@ -16,8 +16,8 @@ from reference import BATCH, LR, SEED, STEPS, run_ddp, run_single_process
 
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
+from dpresearch.run.trainer import Trainer
 from dpresearch.train import train
-from dpresearch.trainer import Trainer
 
 TOL = 1e-6
 

@@ -19,12 +19,12 @@ from dpresearch.algorithms.gossip import DPSGD
 from dpresearch.comm.distributed import DistributedCommunicator
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
-from dpresearch.launch import network_model
+from dpresearch.config.validate import ConfigError, validate
+from dpresearch.launch.processes import network_model
 from dpresearch.models.mlp import MLP
 from dpresearch.replicas import Replicas
+from dpresearch.run.trainer import Trainer
 from dpresearch.train import train
-from dpresearch.trainer import Trainer
-from dpresearch.validate import ConfigError, validate
 
 NET = NetworkModel.preset("1gbe")
 STEPS = 20

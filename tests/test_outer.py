@@ -21,8 +21,8 @@ from hydra.utils import instantiate
 
 from dpresearch.algorithms.outer.fragments import Schedule, blocks_of, split
 from dpresearch.comm.simulated import SimulatedCommunicator
-from dpresearch.launch import network_model
-from dpresearch.trainer import Trainer
+from dpresearch.launch.processes import network_model
+from dpresearch.run.trainer import Trainer
 
 SUBSET = SHARED / "data" / "cifar10-subset"
 TOL = 1e-6

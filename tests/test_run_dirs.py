@@ -13,8 +13,8 @@ from conftest import CONF_DIR, SMALL, cli_env, run_cli
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from dpresearch.run_dir import claim_run_dir
-from dpresearch.validate import ConfigError
+from dpresearch.config.validate import ConfigError
+from dpresearch.launch.run_dir import claim_run_dir
 
 QUICK = [*SMALL, "data.num_train=256", "data.num_test=64", "train.steps=4", "train.log_every=1"]
 
@@ -95,8 +95,8 @@ def test_claim_is_exclusive_between_processes(tmp_path):
     with one line naming the holder; after release it succeeds."""
     run_dir = tmp_path / "run"
     probe = (
-        "import sys; from dpresearch.run_dir import claim_run_dir\n"
-        "from dpresearch.validate import ConfigError\n"
+        "import sys; from dpresearch.launch.run_dir import claim_run_dir\n"
+        "from dpresearch.config.validate import ConfigError\n"
         "try:\n    claim_run_dir(sys.argv[1])\nexcept ConfigError as e:\n"
         "    print(e); sys.exit(3)\n"
     )

@@ -8,12 +8,12 @@ import pytest
 import yaml
 from conftest import REPO, SMALL, compose_config
 
+from dpresearch.config.validate import validate
+from dpresearch.run.trainer import InjectedFailure
 from dpresearch.study import StudyError, load_study, run_study
 from dpresearch.study.__main__ import main as study_main
 from dpresearch.study.launcher import run_inprocess
 from dpresearch.study.report import report_study
-from dpresearch.trainer import InjectedFailure
-from dpresearch.validate import validate
 
 TINY = {
     "name": "tiny",

@@ -13,7 +13,7 @@ from conftest import compose_config, free_port
 
 from dpresearch.comm.ledger import CommLedger
 from dpresearch.comm.network import NetworkModel
-from dpresearch.run_logger import NullLogger
+from dpresearch.run.logger import NullLogger
 from dpresearch.train import train
 
 NET = NetworkModel.preset("1gbe")
@@ -103,9 +103,9 @@ def _overlap_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from dpresearch.comm.distributed import DistributedCommunicator
-    from dpresearch.launch import network_model
-    from dpresearch.trainer import Trainer
-    from dpresearch.validate import prepare_data
+    from dpresearch.config.validate import prepare_data
+    from dpresearch.launch.processes import network_model
+    from dpresearch.run.trainer import Trainer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

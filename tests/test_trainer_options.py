@@ -8,10 +8,10 @@ from conftest import SHARED, compose_config, run_cli
 
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
+from dpresearch.config.validate import ConfigError, validate
 from dpresearch.optim import make_optimizer
+from dpresearch.run.trainer import Trainer
 from dpresearch.train import train
-from dpresearch.trainer import Trainer
-from dpresearch.validate import ConfigError, validate
 
 SUBSET = SHARED / "data" / "cifar10-subset"
 needs_subset = pytest.mark.skipif(not SUBSET.is_dir(), reason=f"no CIFAR subset at {SUBSET}")

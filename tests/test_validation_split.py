@@ -9,10 +9,10 @@ from conftest import SMALL, compose_config
 
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
+from dpresearch.config.preflight import preflight
+from dpresearch.config.validate import ConfigError
 from dpresearch.data.synthetic import make_synthetic
-from dpresearch.preflight import preflight
-from dpresearch.trainer import Trainer
-from dpresearch.validate import ConfigError
+from dpresearch.run.trainer import Trainer
 
 
 def data():

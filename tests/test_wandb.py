@@ -9,8 +9,8 @@ import socket
 from conftest import SMALL, run_cli
 from omegaconf import OmegaConf
 
-from dpresearch.run_logger import RunLogger
-from dpresearch.wandb_names import default_names
+from dpresearch.run.logger import RunLogger
+from dpresearch.run.wandb_names import default_names
 
 
 def closed_port() -> int:

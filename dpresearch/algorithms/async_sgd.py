@@ -302,7 +302,7 @@ class AsyncSGD(Algorithm):
 
 def checkpoints_asked(train: Mapping[str, Any]) -> bool:
     """Whether a `train` node asks for checkpoints (`checkpoint_every`) or a resume."""
-    from dpresearch.checkpoint import CheckpointError, checkpoint_interval
+    from dpresearch.run.checkpoint import CheckpointError, checkpoint_interval
 
     try:
         every = checkpoint_interval(train.get("checkpoint_every"), 1)

@@ -294,8 +294,8 @@ class RemoteServer(Algorithm):
 # -- a worker --------------------------------------------------------------------------------
 def run_worker(cfg: DictConfig, worker: int, device: torch.device, group) -> None:
     """Worker `worker`'s loop: pull, compute on its next batch, push, until told to stop."""
-    from dpresearch.compute import WorkerCompute
-    from dpresearch.trainer import InjectedFailure
+    from dpresearch.run.compute import WorkerCompute
+    from dpresearch.run.trainer import InjectedFailure
 
     opts = AsyncOptions.from_node(cfg.algorithm.get("options"))
     alg, tc, k = cfg.algorithm, cfg.train, cfg.workers
@@ -363,8 +363,8 @@ def run_worker(cfg: DictConfig, worker: int, device: torch.device, group) -> Non
 def run_process(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     """This process's part of a real asynchronous run; rank 0 returns the run's summary."""
     from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.launch import network_model, process_device
-    from dpresearch.trainer import Trainer
+    from dpresearch.launch.processes import network_model, process_device
+    from dpresearch.run.trainer import Trainer
 
     group = exchange_group()
     rank = dist.get_rank()

@@ -84,10 +84,10 @@ class Stopwatch:
 def simulated(args) -> dict[str, float]:
     """CPU seconds of `Trainer.run()` (the loop, not the set-up) and of its forward,
     backward, server-optimizer and batch-gather parts."""
-    import dpresearch.compute as compute
+    import dpresearch.run.compute as compute
     from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.launch import network_model
-    from dpresearch.trainer import Trainer
+    from dpresearch.launch.processes import network_model
+    from dpresearch.run.trainer import Trainer
 
     cfg = compose(args)
     comm = SimulatedCommunicator(cfg.workers, network_model(cfg))

@@ -1,6 +1,6 @@
 """How the benchmarks time things, in one place, so both sides of a comparison are timed alike.
 
-- A *step* is what the trainer's step region holds (`dpresearch/timing.py`): producing the
+- A *step* is what the trainer's step region holds (`dpresearch/run/timing.py`): producing the
   batch, forward, backward, communication, optimizer — not logging, evaluation or the
   schedule. Our side reads it from the logged `time/compute_s + time/comm_s`; a reference loop
   times the same work with `perf_counter` around it.

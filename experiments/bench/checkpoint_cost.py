@@ -41,8 +41,8 @@ def build(args: argparse.Namespace, run_dir: Path):
     from conftest import compose_config
 
     from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.launch import network_model
-    from dpresearch.trainer import Trainer
+    from dpresearch.launch.processes import network_model
+    from dpresearch.run.trainer import Trainer
 
     cfg = compose_config(
         "experiment=powersgd_resnet18_cifar10",

@@ -82,9 +82,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from dpresearch.comm.distributed import DistributedCommunicator
-    from dpresearch.launch import network_model
-    from dpresearch.trainer import Trainer
-    from dpresearch.validate import prepare_data, validate
+    from dpresearch.config.validate import prepare_data, validate
+    from dpresearch.launch.processes import network_model
+    from dpresearch.run.trainer import Trainer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

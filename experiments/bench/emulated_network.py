@@ -396,9 +396,9 @@ def worker(spec: dict) -> None:
     import torch.distributed as dist
 
     from dpresearch.comm.ledger import OFF_STEP_PURPOSES
-    from dpresearch.launch import network_model
-    from dpresearch.trainer import Trainer
-    from dpresearch.validate import prepare_data, validate
+    from dpresearch.config.validate import prepare_data, validate
+    from dpresearch.launch.processes import network_model
+    from dpresearch.run.trainer import Trainer
 
     rank, out = spec["rank"], Path(spec["out"])
     torch.set_num_threads(1)

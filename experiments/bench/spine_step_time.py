@@ -81,10 +81,10 @@ class Sides:
     def __init__(self, model: str, name: str, args: argparse.Namespace) -> None:
         from hydra.utils import instantiate
 
-        from dpresearch.launch import network_model
+        from dpresearch.config.validate import prepare_data, validate
+        from dpresearch.launch.processes import network_model
         from dpresearch.optim import make_optimizer
-        from dpresearch.trainer import Trainer
-        from dpresearch.validate import prepare_data, validate
+        from dpresearch.run.trainer import Trainer
 
         backend, workers = ("gloo", 2) if name == "gloo2" else ("simulated", 4)
         cfg = compose(

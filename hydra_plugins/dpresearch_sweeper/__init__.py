@@ -3,7 +3,7 @@
 Hydra's basic sweeper stops a whole sweep at its first bad point (and before that, our task's
 `sys.exit` for a bad config ends the process). This one checks every point before launching
 any, launches only the good ones, keeps going when one fails while running, and exits non-zero
-listing the failed points at the end. The logic lives in `dpresearch.sweep`; Hydra only
+listing the failed points at the end. The logic lives in `dpresearch.config.sweep`; Hydra only
 instantiates plugins from the `hydra_plugins` package, hence this module.
 """
 
@@ -22,7 +22,7 @@ class DpresearchSweeper(BasicSweeper):
     """Cartesian-product sweeps (as `BasicSweeper`) that run every good point."""
 
     def sweep(self, arguments: list[str]) -> Any:
-        from dpresearch.sweep import FailedPoint, check_point, job_failure, report_failures
+        from dpresearch.config.sweep import FailedPoint, check_point, job_failure, report_failures
 
         assert self.config is not None and self.launcher is not None
         assert self.hydra_context is not None

@@ -9,7 +9,7 @@ consensus model; the test set is split across processes and the sums combined, s
 costs each process 1/P of the test set.
 
 Ending a run. After each step's backward the processes agree, in one tiny collective (none in
-a simulated run), on two flags: a stop request (SIGTERM/SIGINT, `dpresearch.stop`) and a
+a simulated run), on two flags: a stop request (SIGTERM/SIGINT, `dpresearch.run.stop`) and a
 non-finite training loss (`train.on_nonfinite`). A stop finishes the step, writes a final
 checkpoint (even with `train.checkpoint_every` off, as Lightning does) and ends with
 `status: interrupted`; a non-finite loss under `stop` ends before the step's update with
@@ -19,7 +19,7 @@ Checkpoints (`checkpoint`, `_restore`): every process's replicas (parameters, fl
 buffers), optimizers, algorithm state (`Algorithm.state_dict`), data cursors and augmentation
 generators, RNG streams and ledger, gathered by the main process into one file with the
 loop's own position (step, best accuracy, last metrics, loop clock, skipped steps); see
-`dpresearch/checkpoint.py` for the files. Compressor randomness needs no state: it is seeded
+`dpresearch/run/checkpoint.py` for the files. Compressor randomness needs no state: it is seeded
 by (seed, worker, chunk, step). A resumed run restores all of it and continues bit for bit.
 """
 
@@ -39,10 +39,15 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from dpresearch import stop
 from dpresearch.algorithms import outer
 from dpresearch.algorithms.base import Algorithm, StepPlan
-from dpresearch.checkpoint import (
+from dpresearch.comm.base import Communicator
+from dpresearch.comm.ledger import ALGORITHM, EVAL, METRICS
+from dpresearch.data.base import Dataset
+from dpresearch.optim import make_optimizer
+from dpresearch.replicas import Replicas
+from dpresearch.run import stop
+from dpresearch.run.checkpoint import (
     FORMAT,
     CheckpointError,
     checkpoint_interval,
@@ -53,15 +58,10 @@ from dpresearch.checkpoint import (
     to_cpu,
     write_checkpoint,
 )
-from dpresearch.comm.base import Communicator
-from dpresearch.comm.ledger import ALGORITHM, EVAL, METRICS
-from dpresearch.compute import WorkerCompute, worker_seed
-from dpresearch.data.base import Dataset
-from dpresearch.optim import make_optimizer
-from dpresearch.progress import format_progress, format_setup
-from dpresearch.replicas import Replicas
-from dpresearch.run_logger import NullLogger, RunLogger
-from dpresearch.timing import LoopClock
+from dpresearch.run.compute import WorkerCompute, worker_seed
+from dpresearch.run.logger import NullLogger, RunLogger
+from dpresearch.run.progress import format_progress, format_setup
+from dpresearch.run.timing import LoopClock
 
 
 class InjectedFailure(RuntimeError):
@@ -495,7 +495,7 @@ class Trainer:
         if mine is None:
             return 0
         if mine[0] == "error":
-            from dpresearch.validate import ConfigError
+            from dpresearch.config.validate import ConfigError
 
             raise ConfigError(mine[1])
         _, loop, state = mine

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from dpresearch.validate import (
+from dpresearch.config.validate import (
     RUNTIME_ARGS,
     ConfigError,
     not_an_option_message,

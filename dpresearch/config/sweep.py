@@ -40,10 +40,10 @@ def check_point(
     config_loader: Any, master: DictConfig, overrides: Sequence[str], num: int
 ) -> str | None:
     """None if the point can be launched as job `num`; otherwise its one-line reason."""
-    from dpresearch.cli_check import task_config
-    from dpresearch.preflight import preflight
-    from dpresearch.run_dir import holds_run
-    from dpresearch.validate import ConfigError
+    from dpresearch.config.cli_check import task_config
+    from dpresearch.config.preflight import preflight
+    from dpresearch.config.validate import ConfigError
+    from dpresearch.launch.run_dir import holds_run
 
     try:
         sweep_config = config_loader.load_sweep_config(master, list(overrides))

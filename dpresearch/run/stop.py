@@ -12,8 +12,8 @@ whose path the workers inherit (`STOP_FILE_ENV`); `requested()` reads it. Ctrl-C
 also reaches the workers directly (one process group); either way they stop at the same step.
 
 SIGUSR2 is what SLURM sends through submitit before a time limit or a preemption (Hydra's
-submitit launcher, `dpresearch/conf/hydra/launcher/slurm.yaml`). It stops the run like SIGTERM, and then,
-once the final checkpoint is written and the handlers are restored, it is handed on to the
+submitit launcher, `dpresearch/conf/hydra/launcher/slurm.yaml`). It stops the run like SIGTERM,
+and then, once the final checkpoint is written and the handlers are restored, it is handed on to the
 handler that was there before ours (submitit's, which requeues the job; with
 `train.resume=auto` the requeued job continues from that checkpoint). Without such a handler
 the run ends with exit 140 (128 + SIGUSR2).

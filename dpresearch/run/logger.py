@@ -26,7 +26,7 @@ WANDB_ID_FILE = "wandb_id"  # the run's W&B id, so a resumed run continues the s
 def truncate_metrics(path: Path, last_step: int) -> int:
     """Keep only the lines of `path` (metrics.jsonl) whose step is at most `last_step`
     (rewritten atomically; a torn last line is dropped); returns how many were kept."""
-    from dpresearch.checkpoint import atomic_write_text
+    from dpresearch.run.checkpoint import atomic_write_text
 
     if not path.exists():
         return 0

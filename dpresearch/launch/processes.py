@@ -7,7 +7,7 @@
   `backend.heartbeat_s` (stopped, frozen) is killed by a watchdog and the job fails naming it
   (`WorkerFrozen`). Started under `nohup` (SIGHUP ignored), the job keeps ignoring SIGHUP.
   SIGTERM and SIGINT are not the agent's to act on: the launcher forwards the first one to the
-  workers through a stop file (`dpresearch.stop`), and they stop together at a step boundary
+  workers through a stop file (`dpresearch.run.stop`), and they stop together at a step boundary
   with a final checkpoint; a second one stops them at once (the agent's own shutdown).
 - under torchrun (its environment variables present): this process *is* one worker.
 """
@@ -72,7 +72,7 @@ def threads_per_process(cfg: DictConfig, local_processes: int) -> int:
 def run_simulated(cfg: DictConfig, run_dir: Path | None, dataset: Any = None) -> dict[str, Any]:
     """Run all K workers in this process (on `dataset` if already loaded)."""
     from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.trainer import Trainer
+    from dpresearch.run.trainer import Trainer
 
     if cfg.backend.threads:
         torch.set_num_threads(int(cfg.backend.threads))
@@ -126,7 +126,7 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
 def _train(cfg: DictConfig, run_dir: Path | None, device: torch.device) -> dict[str, Any]:
     """This process as worker `rank` of the training loop (rank 0 writes `run_dir`)."""
     from dpresearch.comm.distributed import DistributedCommunicator
-    from dpresearch.trainer import Trainer
+    from dpresearch.run.trainer import Trainer
 
     comm = DistributedCommunicator(
         network_model(cfg),
@@ -141,10 +141,10 @@ def _train(cfg: DictConfig, run_dir: Path | None, device: torch.device) -> dict[
 @record
 def _worker_entry(cfg_container: dict, run_dir: str | None) -> dict[str, Any]:
     """Entry point of a process started by `launch_local` (must be importable: spawn)."""
-    from dpresearch import stop
-    from dpresearch.console import worker_output
-    from dpresearch.heartbeat import Heartbeat
-    from dpresearch.stop import STOP_FILE_ENV
+    from dpresearch.launch.console import worker_output
+    from dpresearch.launch.heartbeat import Heartbeat
+    from dpresearch.run import stop
+    from dpresearch.run.stop import STOP_FILE_ENV
 
     cfg = OmegaConf.create(cfg_container)
     beats = os.environ.get(HEARTBEAT_ENV)
@@ -170,8 +170,8 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from dpresearch.heartbeat import Watchdog
-    from dpresearch.validate import process_count
+    from dpresearch.config.validate import process_count
+    from dpresearch.launch.heartbeat import Watchdog
 
     processes = process_count(cfg)
     # The ordinary training loop stops cleanly on a request; an algorithm that runs its own
@@ -209,7 +209,7 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
         if forwards:
             from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
 
-            from dpresearch.stop import STOP_FILE_ENV, forwarding
+            from dpresearch.run.stop import STOP_FILE_ENV, forwarding
 
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="dpresearch-stop-"))
             stop_file = Path(folder) / "stop"

@@ -20,8 +20,8 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from dpresearch.config.validate import ConfigError, prepare_data, validate
 from dpresearch.data.base import Dataset
-from dpresearch.validate import ConfigError, prepare_data, validate
 
 # Configurations that passed in this process: the entry point checks a run before Hydra starts
 # and `train()` checks it again inside; the second time costs nothing.

@@ -211,7 +211,7 @@ NONFINITE_MODES = ("stop", "skip_step", "continue")
 
 def check_run_control(cfg: DictConfig) -> None:
     """`train.checkpoint_every`, `checkpoint_keep`, `resume` and `on_nonfinite`."""
-    from dpresearch.checkpoint import CheckpointError, checkpoint_interval, find_resume
+    from dpresearch.run.checkpoint import CheckpointError, checkpoint_interval, find_resume
 
     tc = cfg.train
     if str(tc.checkpoint_every).strip().startswith("-"):
