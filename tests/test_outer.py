@@ -15,11 +15,14 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import SHARED, SMALL, compose_config
+from conftest import SHARED, SMALL, compose_config, free_port, run_cli
 from hydra.utils import instantiate
+from test_bad_input import SYNTHETIC_SMALL, run_main
 
 from dpresearch.algorithms.outer.fragments import Schedule, blocks_of, split
+from dpresearch.comm.distributed import DistributedCommunicator
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.launch.processes import network_model
 from dpresearch.run.trainer import Trainer
@@ -43,7 +46,7 @@ def run(*overrides: str) -> Trainer:
 
 
 def gap(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).abs().max().item()
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
 def spread(rows: torch.Tensor) -> float:
@@ -273,8 +276,10 @@ def test_streaming_bytes_per_step_are_the_fragments():
     summary = trainer.run()
     numel = [f.numel for f in algorithm.fragments]
     assert sum(numel) == trainer.replicas.num_params and len(set(numel)) > 1
-    expected = [sum(4 * numel[f] for f in algorithm.schedule.launches(n)) for n in range(1, 33)]
-    assert per_step == expected
+    # a fragment whose merge would come after the last step (sent at 32, τ = 1) is not sent
+    launched = [algorithm.schedule.launches(n) if n < 32 else [] for n in range(1, 33)]
+    expected = [sum(4 * numel[f] for f in fs) for fs in launched]
+    assert per_step == expected and algorithm.schedule.launches(32) == [0]
     assert sorted(set(per_step) - {0}) == sorted({4 * n for n in numel})
     assert summary["outer/peak_step_bytes"] == 4 * max(numel) <= 4 * sum(numel) / 4 * 1.5
     assert summary["comm/bytes"] == sum(expected)
@@ -287,3 +292,95 @@ def test_schedule_staggers_fragments_and_merges_after_the_overlap():
         (2, [1]), (4, [2]), (6, [3]), (8, [0]), (10, [1]), (12, [2]), (14, [3]), (16, [0]),
     ]  # fmt: skip
     assert s.merges(5) == [1] and s.merges(11) == [0] and s.merges(4) == []
+
+
+# -- simulated ≡ gloo × 4 -------------------------------------------------------------------------
+GLOO_CASES = {
+    # a background allreduce per fragment (ring sums, not deterministic), BatchNorm buffers.
+    # Inner SGD: AdamW on an MLP with BatchNorm turns a 1-ulp difference of the ring's sums into
+    # 1e-3 within a step (the biases before BatchNorm have ~0 gradients, which Adam normalises)
+    "streaming": [*[a for a in DILOCO if not a.startswith("optimizer")], "optimizer.lr=0.05",
+                  "optimizer.momentum=0.9", "model.hidden=[32,32]", "model.batch_norm=true",
+                  "outer=streaming", "outer.overlap=2", "train.steps=38"],
+    "slowmo_sgp": ["algorithm=sgp", "topology=one_peer_exponential", "outer=slowmo",
+                   "outer.period=6", "optimizer.momentum=0.9", "workers=4", "train.steps=36"],
+}  # fmt: skip
+
+
+def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    results = {}
+    for name, args in GLOO_CASES.items():
+        cfg = compose_config(*QUICK, *args)
+        trainer = Trainer(cfg, DistributedCommunicator(network_model(cfg)), torch.device("cpu"),
+                          None)  # fmt: skip
+        summary = trainer.run()
+        results[name] = (trainer.replicas.params[0].clone(), trainer.replicas.buffers[0].clone(),
+                         summary)  # fmt: skip
+    torch.save(results, f"{out}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_every_worker_matches_between_simulated_and_gloo(tmp_path):
+    torch.multiprocessing.spawn(_gloo_worker, args=(4, free_port(), str(tmp_path)), nprocs=4,
+                                join=True)  # fmt: skip
+    real = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    for name, args in GLOO_CASES.items():
+        simulated = run(*args)
+        params, buffers, summary = simulated.replicas.params, simulated.replicas.buffers, {}
+        summary = simulated.summary
+        if name == "streaming":
+            assert spread(params) > 1e-4 and buffers.shape[1] > 0  # α = 0.5: workers apart
+        for rank in range(4):
+            got_params, got_buffers, got_summary = real[rank][name]
+            assert gap(got_params, params[rank]) <= TOL, (name, rank)
+            assert gap(got_buffers, buffers[rank]) <= TOL, (name, rank)
+            assert got_summary["comm/bytes"] == summary["comm/bytes"], name
+            assert got_summary["outer/peak_step_bytes"] == summary["outer/peak_step_bytes"]
+            # the same ops (recorded in another order: a background op at its wait)
+            assert sorted(got_summary["comm/ops"]) == sorted(summary["comm/ops"]), name
+
+
+# -- bad input: one line naming the fix, before any worker starts --------------------------------
+DRIFT = ["algorithm=local_sgd", "outer=nesterov"]
+BAD = [
+    (["outer=nesterov"], "SyncSGD's never do; use algorithm=local_sgd (period 1 is synchronous"),
+    (["algorithm=async_sgd", "outer=nesterov"], "AsyncSGD's never do"),
+    (["algorithm=sgp", "outer=slowmo"], "outer.period is required: SGP has no averaging period"),
+    ([*DRIFT, "outer.fragments=4"], "outer.fragments=4: the model has 3 blocks of layers"),
+    ([*DRIFT, "algorithm.period=8", "outer.overlap=8"], "use 0 <= overlap < period"),
+    ([*DRIFT, "algorithm.period=2", "outer.fragments=3"], "at most one fragment starts per step"),
+    ([*DRIFT, "outer.mix=1"], "outer.mix=1: the share of local progress kept at a merge"),
+    ([*DRIFT, "outer.inner_state=zero"], "outer.inner_state=zero; choose one of: keep, reset"),
+    ([*DRIFT, "outer.fragment_pattern=random"], "choose one of: sequential, strided"),
+    ([*DRIFT, "outer.optimizer.lr=-1"], "outer.optimizer.lr=-1: must be a number >= 0"),
+    ([*DRIFT, "outer.optimizer.momentum=0"], "outer: Nesterov momentum requires a momentum"),
+    ([*DRIFT, "outer.perod=4"], "outer.perod is not an option of"),
+    ([*DRIFT, "algorithm.sync_epochs=1"], "set algorithm.sync_epochs=0"),
+    ([*DRIFT, "algorithm.average_optimizer_state=true"], "outer.inner_state=average"),
+]
+
+
+@pytest.mark.parametrize("args,fragment", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_outer_input_is_one_line_before_any_worker(args, fragment, tmp_path, monkeypatch,
+                                                       capsys):  # fmt: skip
+    run_dir = tmp_path / "run"
+    args = [*SYNTHETIC_SMALL, *args, f"hydra.run.dir={run_dir}"]
+    code, out, err = run_main(args, tmp_path, monkeypatch, capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert fragment in lines[0], lines[0]
+    assert not run_dir.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_bad_outer_input_on_the_command_line_with_gloo(tmp_path):
+    out = run_cli([*SYNTHETIC_SMALL, "backend=gloo", "workers=2", "outer=nesterov"], tmp_path)
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and "SyncSGD's never do" in lines[0], lines
+    assert list(tmp_path.iterdir()) == []

@@ -40,7 +40,7 @@ step (≈ 4·D/F). Ops of a fragment in flight are recorded as hidden behind τ 
 (`CommLedger.hidden_behind`), so the network model charges only what τ steps of
 `network.compute_step_s` do not hide. On real ranks, an uncompressed fragment with τ > 0 is a
 background allreduce where the communicator can overlap (`start_all_reduce_sum`), waited for at
-the merge. A fragment still in flight when the run ends is never merged.
+the merge. A fragment whose merge would come after the run's last step is not sent.
 
 Evaluation (`evaluate`): "anchor" (the global model θ, as DiLoCo evaluates; between outer steps
 it lags the workers) or "average" (the base algorithm's consensus).
@@ -161,6 +161,7 @@ class OuterOptimizer(Algorithm):
             replicas.params.new_empty(replicas.num_local, f.numel) for f in self.fragments
         ]
         self.in_flight: dict[int, InFlight] = {}
+        self.total_steps = 2**62  # told by `set_run_length`
         self.merges = 0  # fragment merges so far
         self.peak_step_bytes = 0  # the most the outer optimizer sent in one step
         self.last_delta_norm = 0.0
@@ -207,6 +208,7 @@ class OuterOptimizer(Algorithm):
 
     def set_run_length(self, steps_per_epoch: int, total_steps: int) -> None:
         self.base.set_run_length(steps_per_epoch, total_steps)
+        self.total_steps = total_steps
 
     def summary(self) -> dict[str, Any]:
         return self.base.summary()
@@ -225,7 +227,8 @@ class OuterOptimizer(Algorithm):
         done = step + 1
         sent = self.comm.ledger.bytes_by_worker[0]
         for f in self.schedule.launches(done):
-            self._launch(f, step)
+            if done + self.schedule.overlap <= self.total_steps:  # else never merged: not sent
+                self._launch(f, step)
         for f in self.schedule.merges(done):
             self._merge(f)
         self.peak_step_bytes = max(self.peak_step_bytes, self.comm.ledger.bytes_by_worker[0] - sent)
