@@ -72,6 +72,7 @@ def _check_resume(cfg: DictConfig, run_dir: Path | None) -> None:
     """The checkpoint `train.resume` names fits this run (workers, processes, algorithm), read
     from its header before any worker starts; raises `ConfigError` (the trainer checks the
     parameter count once the model is built)."""
+    from dpresearch.algorithms.outer import algorithm_name
     from dpresearch.config.validate import process_count
     from dpresearch.run.checkpoint import CheckpointError, find_resume, incompatibility, read_header
 
@@ -85,7 +86,7 @@ def _check_resume(cfg: DictConfig, run_dir: Path | None) -> None:
         run = {
             "workers": cfg.workers,
             "processes": processes,
-            "algorithm": cfg.algorithm._target_,
+            "algorithm": algorithm_name(cfg),
         }
         problem = incompatibility(read_header(path), path, run)
     except CheckpointError as exc:

@@ -12,6 +12,8 @@ Bad input: one line naming the fix, before any worker starts.
 from __future__ import annotations
 
 import copy
+import os
+import signal
 
 import pytest
 import torch
@@ -25,7 +27,9 @@ from dpresearch.algorithms.outer.fragments import Schedule, blocks_of, split
 from dpresearch.comm.distributed import DistributedCommunicator
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.launch.processes import network_model
-from dpresearch.run.trainer import Trainer
+from dpresearch.run.checkpoint import latest_checkpoint
+from dpresearch.run.trainer import InjectedFailure, Trainer
+from dpresearch.train import train
 
 SUBSET = SHARED / "data" / "cifar10-subset"
 TOL = 1e-6
@@ -384,3 +388,68 @@ def test_bad_outer_input_on_the_command_line_with_gloo(tmp_path):
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert out.returncode == 2 and len(lines) == 1 and "SyncSGD's never do" in lines[0], lines
     assert list(tmp_path.iterdir()) == []
+
+
+# -- D: killed and resumed, bit for bit ----------------------------------------------------------
+RESUME_CASES = {
+    "diloco": ["algorithm=local_sgd", "algorithm.period=4", "outer=nesterov",
+               "optimizer.momentum=0.9"],
+    "slowmo_sgp": ["algorithm=sgp", "topology=one_peer_exponential", "outer=slowmo",
+                   "outer.period=4", "optimizer.momentum=0.9", "outer.inner_state=reset"],
+    # H = 8, F = 4, τ = 3: fragments sent every 2 steps, each merged 3 steps later, so every
+    # checkpoint (steps 10, 20, 30) holds two fragments in flight
+    "streaming": ["algorithm=local_sgd", "algorithm.period=8", "outer=streaming",
+                  "outer.overlap=3", "model.hidden=[32,32,32]", "optimizer.momentum=0.9",
+                  "outer.inner_state=average"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_killed_and_resumed_equals_uninterrupted(case, tmp_path, one_thread):
+    from test_checkpoint import QUICK as CHECKPOINTED
+    from test_checkpoint import check_resumed
+
+    args = [*CHECKPOINTED, "workers=4", *RESUME_CASES[case]]
+    if case == "streaming":
+        cfg = compose_config(*args)
+        schedule = Schedule(8, cfg.outer.fragments, cfg.outer.overlap)
+        in_flight = [f for n in (28, 29, 30) for f in schedule.launches(n)]  # sent, not merged
+        assert len(in_flight) == 2
+    check_resumed(tmp_path, args, InjectedFailure)
+
+
+def test_kill_9_with_a_fragment_in_flight_resumes_exactly(tmp_path):
+    """A real SIGKILL of a Streaming DiLoCo run: every checkpoint it could resume from holds
+    fragments in flight; the resumed run ends bit for bit as an uninterrupted one."""
+    from test_checkpoint import QUICK as CHECKPOINTED
+    from test_checkpoint import final_params, metric_lines, same, start_cli, wait_for_step
+
+    run_dir = tmp_path / "run"
+    args = [*CHECKPOINTED, "workers=4", *RESUME_CASES["streaming"], "train.steps=300",
+            "train.eval_every=150", "train.checkpoint_every=10"]  # fmt: skip
+    proc = start_cli([*args, f"hydra.run.dir={run_dir}"], tmp_path)
+    try:
+        wait_for_step(run_dir, proc, 25, timeout=240)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert latest_checkpoint(run_dir) is not None and not (run_dir / "summary.json").exists()
+    state = torch.load(latest_checkpoint(run_dir), weights_only=False)
+    assert len(state["states"][0]["algorithm"]["in_flight"]) == 2
+    out = run_cli([*args, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [m["step"] for m in metric_lines(run_dir)] == list(range(1, 301))
+    reference = tmp_path / "reference"
+    train(compose_config(*args), reference)
+    assert same(final_params(run_dir), final_params(reference))
+
+
+def test_resume_without_the_outer_optimizer_is_refused_in_one_line(tmp_path):
+    from dpresearch.config.validate import ConfigError
+
+    args = [*QUICK, "algorithm=local_sgd", "train.steps=10", "train.checkpoint_every=5"]
+    train(compose_config(*args, "outer=nesterov"), tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"LocalSGD\+dpresearch.algorithms.outer.Outer"):
+        train(compose_config(*args, f"train.resume={tmp_path / 'run'}"), tmp_path / "new")
