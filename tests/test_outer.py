@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,6 +26,8 @@ from test_bad_input import SYNTHETIC_SMALL, run_main
 
 from dpresearch.algorithms.outer.fragments import Schedule, blocks_of, split
 from dpresearch.comm.distributed import DistributedCommunicator
+from dpresearch.comm.ledger import CommOp
+from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.launch.processes import network_model
 from dpresearch.run.checkpoint import latest_checkpoint
@@ -296,6 +299,34 @@ def test_schedule_staggers_fragments_and_merges_after_the_overlap():
         (2, [1]), (4, [2]), (6, [3]), (8, [0]), (10, [1]), (12, [2]), (14, [3]), (16, [0]),
     ]  # fmt: skip
     assert s.merges(5) == [1] and s.merges(11) == [0] and s.merges(4) == []
+
+
+def test_overlapped_fragments_are_priced_behind_the_compute_they_hide():
+    """An op hidden behind h steps costs max(0, T − h·c) (c = network.compute_step_s); a
+    Streaming DiLoCo run records its fragments with h = τ, so its modeled time is what τ steps
+    of compute do not hide, and its op table re-prices to exactly that."""
+    net = NetworkModel.preset("1gbe", compute_step_s=0.002)
+    op = CommOp("allreduce", 1_000_000, 4)
+    full = 2 * 3 * 50e-6 + 2 * 3 / 4 * 1_000_000 / (1e9 / 8)
+    assert net.op_seconds(op) == pytest.approx(full)
+    assert net.op_seconds(replace(op, hidden_steps=3)) == pytest.approx(full - 0.006)
+    assert net.op_seconds(replace(op, hidden_steps=10)) == 0.0
+    # 34 steps: 16 fragments sent and merged, 4 whole rounds
+    args = [*DILOCO, "model.hidden=[32,32,32]", "outer=streaming", "outer.overlap=2",
+            "network=1gbe", "train.steps=34"]  # fmt: skip
+    seconds = {}
+    for c in (0.0, 1e-5):
+        trainer = run(*args, f"network.compute_step_s={c}")
+        summary = trainer.summary
+        hidden = [row for row in summary["comm/ops"] if len(row) == 6]
+        assert hidden and all(row[5] == 2 for row in hidden)  # τ = 2
+        priced = NetworkModel.from_units(50.0, 1.0, compute_step_s=c)
+        assert priced.total_seconds(summary["comm/ops"]) == pytest.approx(summary["comm/modeled_s"])
+        seconds[c] = summary["comm/modeled_s"]
+        frag = 4 * max(f.numel for f in trainer.algorithm.fragments)
+        assert summary["outer/peak_step_bytes"] == frag
+        assert summary["outer/bytes_per_round"] == 4 * trainer.replicas.num_params
+    assert 0 < seconds[1e-5] < seconds[0.0]
 
 
 # -- simulated ≡ gloo × 4 -------------------------------------------------------------------------

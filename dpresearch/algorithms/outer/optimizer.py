@@ -36,11 +36,13 @@ one allreduce). Float buffers (BatchNorm statistics) are averaged with their fra
 
 Bytes: the pseudo-gradients are the algorithm's traffic (`comm/bytes`), one `[n_f]` row per
 worker per fragment sync; `outer/peak_step_bytes` is the most the outer optimizer sent in one
-step (≈ 4·D/F). Ops of a fragment in flight are recorded as hidden behind τ steps
-(`CommLedger.hidden_behind`), so the network model charges only what τ steps of
-`network.compute_step_s` do not hide. On real ranks, an uncompressed fragment with τ > 0 is a
-background allreduce where the communicator can overlap (`start_all_reduce_sum`), waited for at
-the merge. A fragment whose merge would come after the run's last step is not sent.
+step (≈ 4·D/F); `outer/bytes_per_round` and `outer/modeled_s_per_round` its bytes per worker and
+modeled seconds (buffers included) per outer step of the whole model (F fragment merges). Ops
+of a fragment in flight are recorded as hidden behind τ steps (`CommLedger.hidden_behind`), so
+the network model charges only what τ steps of `network.compute_step_s` do not hide. On real
+ranks, an uncompressed fragment with τ > 0 is a background allreduce where the communicator can
+overlap (`start_all_reduce_sum`), waited for at the merge. A fragment whose merge would come
+after the run's last step is not sent.
 
 Evaluation (`evaluate`): "anchor" (the global model θ, as DiLoCo evaluates; between outer steps
 it lags the workers) or "average" (the base algorithm's consensus).
@@ -48,7 +50,8 @@ it lags the workers) or "average" (the base algorithm's consensus).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,6 +167,7 @@ class OuterOptimizer(Algorithm):
         self.total_steps = 2**62  # told by `set_run_length`
         self.merges = 0  # fragment merges so far
         self.peak_step_bytes = 0  # the most the outer optimizer sent in one step
+        self.outer_bytes, self.outer_modeled_s = 0, 0.0  # its traffic so far
         self.last_delta_norm = 0.0
 
     # -- configuration checks ----------------------------------------------------------------------
@@ -225,13 +229,27 @@ class OuterOptimizer(Algorithm):
 
     def _outer(self, step: int) -> None:
         done = step + 1
-        sent = self.comm.ledger.bytes_by_worker[0]
-        for f in self.schedule.launches(done):
-            if done + self.schedule.overlap <= self.total_steps:  # else never merged: not sent
-                self._launch(f, step)
-        for f in self.schedule.merges(done):
-            self._merge(f)
-        self.peak_step_bytes = max(self.peak_step_bytes, self.comm.ledger.bytes_by_worker[0] - sent)
+        with self._accounted() as sent:
+            for f in self.schedule.launches(done):
+                if done + self.schedule.overlap <= self.total_steps:  # else never merged
+                    self._launch(f, step)
+            for f in self.schedule.merges(done):
+                self._merge(f)
+        self.peak_step_bytes = max(self.peak_step_bytes, sent[0])
+
+    @contextmanager
+    def _accounted(self) -> Iterator[list[int]]:
+        """Count the outer optimizer's own traffic inside (bytes of local worker 0, every
+        worker sends the same rows; modeled seconds of every purpose); yields a one-element list
+        that holds the bytes once the block is done."""
+        ledger, sent = self.comm.ledger, [0]
+        bytes_before, seconds_before = ledger.bytes_by_worker[0], ledger.modeled_s
+        try:
+            yield sent
+        finally:
+            sent[0] = ledger.bytes_by_worker[0] - bytes_before
+            self.outer_bytes += sent[0]
+            self.outer_modeled_s += ledger.modeled_s - seconds_before
 
     def _launch(self, f: int, step: int) -> None:
         """Send fragment f's pseudo-gradients (and average its buffers)."""
@@ -327,10 +345,13 @@ class OuterOptimizer(Algorithm):
         return self.anchor.params[0].clone(), self.anchor.buffers[0].clone()
 
     def metrics(self) -> dict[str, float]:
+        rounds = self.merges / len(self.fragments)
         return {
             **self.base.metrics(),
-            "outer/rounds": self.merges / len(self.fragments),
+            "outer/rounds": rounds,
             "outer/peak_step_bytes": float(self.peak_step_bytes),
+            "outer/bytes_per_round": self.outer_bytes / rounds if rounds else 0.0,
+            "outer/modeled_s_per_round": self.outer_modeled_s / rounds if rounds else 0.0,
             "outer/delta_norm": self.last_delta_norm,
         }
 
@@ -345,8 +366,9 @@ class OuterOptimizer(Algorithm):
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        for flight in self.in_flight.values():
-            self._resolve(flight)
+        with self._accounted():
+            for flight in self.in_flight.values():
+                self._resolve(flight)
         return {
             "base": self.base.state_dict(),
             "anchor": self.anchor.params,
@@ -358,6 +380,8 @@ class OuterOptimizer(Algorithm):
             },
             "merges": self.merges,
             "peak_step_bytes": self.peak_step_bytes,
+            "outer_bytes": self.outer_bytes,
+            "outer_modeled_s": self.outer_modeled_s,
             "last_delta_norm": self.last_delta_norm,
         }
 
@@ -378,6 +402,8 @@ class OuterOptimizer(Algorithm):
         }
         self.merges = int(state["merges"])
         self.peak_step_bytes = int(state["peak_step_bytes"])
+        self.outer_bytes = int(state["outer_bytes"])
+        self.outer_modeled_s = float(state["outer_modeled_s"])
         self.last_delta_norm = float(state["last_delta_norm"])
 
 
