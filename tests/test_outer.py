@@ -84,6 +84,26 @@ def test_outer_sgd_lr_1_over_sgp_is_sgp_with_periodic_exact_averaging():
     assert gap(outer.replicas.params, alone.replicas.params) > 1e-4  # the averages matter
 
 
+def test_outer_sgd_lr_1_over_dpsgd_is_gossip_pga():
+    """D-PSGD with an exact average every H steps (Gossip-PGA, the algorithm's own option)."""
+    common = ["algorithm=dpsgd", "optimizer.momentum=0.9", "train.steps=40", "workers=4"]
+    outer = run(*common, "outer=sgd", "outer.period=8")
+    pga = run(*common, "algorithm.global_average_every=8")
+    assert gap(outer.replicas.params, pga.replicas.params) <= TOL
+
+
+def test_any_base_that_drifts_restarts_every_worker_from_the_anchor():
+    """CHOCO-SGD (compressed gossip) under outer Adam: after the last outer step every worker
+    holds θ; the outer optimizer is any optimizer node."""
+    trainer = run("algorithm=choco", "compressor=topk", "compressor.ratio=0.25", "workers=4",
+                  "outer=nesterov", "optimizer@outer.optimizer=adam", "outer.optimizer.lr=0.01",
+                  "outer.period=5", "train.steps=20")  # fmt: skip
+    assert isinstance(trainer.algorithm.outer[0], torch.optim.Adam)
+    assert spread(trainer.replicas.params) == 0.0
+    assert torch.equal(trainer.replicas.params[0], trainer.algorithm.anchor.params[0])
+    assert trainer.summary["outer/rounds"] == 4
+
+
 def test_diloco_with_h_1_and_outer_lr_1_is_synchronous_sgd():
     """One inner step then averaging: x − η·mean(g), synchronous SGD (plain SGD inner)."""
     common = ["train.steps=40", "workers=4"]
@@ -97,7 +117,7 @@ def diloco_reference(cfg, steps: int, period: int, streaming=None):
     """DiLoCo, Algorithm 1 of Douillard et al. (2023), written directly against torch: K
     copies of the model, each on its shard's batches in the IID partitioner's order, H inner
     AdamW steps, Δ = θ − mean_i θ_i, θ ← Nesterov-SGD(θ, Δ), θ_i ← θ. BatchNorm statistics are
-    averaged at each outer step. `streaming` = (fragments, overlap, mix): Streaming DiLoCo
+    averaged at each outer step. `streaming` = (fragments, overlap, mix, pattern): Streaming DiLoCo
     (Douillard et al. 2025): fragment p's Δ_p taken at steps ≡ ⌊p·H/F⌋ (mod H), its outer step
     τ steps later, then θ_i,p ← (1 − α)·θ̃_p + α·θ_i,p."""
     k, batch = cfg.workers, cfg.train.batch_size
@@ -112,8 +132,8 @@ def diloco_reference(cfg, steps: int, period: int, streaming=None):
     options = {k: v for k, v in cfg.optimizer.items() if not k.startswith(("_", "exclude"))}
     inner_class = getattr(torch.optim, cfg.optimizer._target_.rsplit(".", 1)[-1])
     inner = [inner_class(m.parameters(), **options) for m in workers]
-    fragments, overlap, mix = streaming or (1, 0, 0.0)
-    blocks = split(blocks_of(global_model), fragments)
+    fragments, overlap, mix, pattern = streaming or (1, 0, 0.0, "sequential")
+    blocks = split(blocks_of(global_model), fragments, pattern)
     names = [n for n, p in global_model.named_parameters()]
     groups = [[names[t] for t in frag.tensors] for frag in blocks]
     params = dict(global_model.named_parameters())
@@ -254,11 +274,15 @@ def test_streaming_with_one_fragment_and_no_overlap_is_diloco():
     assert torch.equal(diloco.replicas.params, streaming.replicas.params)
 
 
-def test_streaming_equals_the_papers_algorithm_written_apart():
-    args = [*DILOCO, "model.hidden=[32,32]", "outer=streaming", "outer.fragments=2",
-            "outer.overlap=2", "outer.mix=0.5", "train.steps=38"]  # fmt: skip
-    trainer = ours_against_reference(args, 8, streaming=(2, 2, 0.5))
+@pytest.mark.parametrize("pattern", ["sequential", "strided"])
+def test_streaming_equals_the_papers_algorithm_written_apart(pattern):
+    args = [*DILOCO, "model.hidden=[32,32,32]", "outer=streaming", "outer.fragments=2",
+            "outer.overlap=2", "outer.mix=0.5", "train.steps=38",
+            f"outer.fragment_pattern={pattern}"]  # fmt: skip
+    trainer = ours_against_reference(args, 8, streaming=(2, 2, 0.5, pattern))
     assert spread(trainer.replicas.params) > 1e-4  # α = 0.5 keeps the workers apart
+    strided = not isinstance(trainer.algorithm.fragments[0].params, slice)
+    assert strided == (pattern == "strided")
 
 
 def test_streaming_bytes_per_step_are_the_fragments():

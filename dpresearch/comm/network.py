@@ -55,6 +55,8 @@ PRESETS: dict[str, tuple[float, float]] = {
     "25gbe": (10.0, 25.0),
     "100gb_ib": (2.0, 100.0),
     "nvlink": (2.0, 2400.0),  # 300 GB/s per direction (A100 NVLink 3)
+    # a wide-area link between sites (DiLoCo's setting): 100 Mbit/s, 10 ms one way
+    "wan_100mbit": (10_000.0, 0.1),
 }
 
 
