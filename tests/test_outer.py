@@ -84,6 +84,32 @@ def test_outer_sgd_lr_1_over_sgp_is_sgp_with_periodic_exact_averaging():
     assert gap(outer.replicas.params, alone.replicas.params) > 1e-4  # the averages matter
 
 
+def test_the_exact_average_over_push_sum_is_its_consensus():
+    """On a star with uniform weights the push-sum weights drift from 1: the outer step's mean
+    is SGP's consensus Σx/Σw (its numerators' mean), not the mean of the de-biased models."""
+    cfg = compose_config(*QUICK, "algorithm=sgp", "topology=star", "topology.weights=uniform",
+                         "workers=4", "outer=sgd", "outer.period=4", "train.steps=12")  # fmt: skip
+    torch.set_num_threads(1)
+    trainer = Trainer(cfg, SimulatedCommunicator(4, network_model(cfg)), torch.device("cpu"), None)
+    algorithm, seen = trainer.algorithm, []
+    merge = algorithm._merge
+
+    def recorded(f: int) -> None:
+        weights = algorithm.base.ps_weight.clone()
+        consensus = algorithm.base.consensus()[0]
+        plain = trainer.replicas.params.mean(0)
+        merge(f)
+        seen.append((weights, consensus, plain, algorithm.anchor.params[0].clone()))
+
+    algorithm._merge = recorded
+    trainer.run()
+    assert len(seen) == 3
+    for weights, consensus, plain, anchor in seen:
+        assert gap(weights, torch.ones_like(weights)) > 1e-3  # the weights really differ
+        assert gap(anchor, consensus) <= TOL < gap(anchor, plain)
+    assert torch.equal(algorithm.base.ps_weight, torch.ones_like(algorithm.base.ps_weight))
+
+
 def test_outer_sgd_lr_1_over_dpsgd_is_gossip_pga():
     """D-PSGD with an exact average every H steps (Gossip-PGA, the algorithm's own option)."""
     common = ["algorithm=dpsgd", "optimizer.momentum=0.9", "train.steps=40", "workers=4"]

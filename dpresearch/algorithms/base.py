@@ -151,6 +151,12 @@ class Algorithm(ABC):
         return its period (None: none)."""
         return None
 
+    def model_rows(self) -> Tensor:
+        """The `[W, D]` rows whose mean over all K workers is the exact average of the workers'
+        models (an outer optimizer's pseudo-gradients are taken against it): by default the
+        parameters themselves."""
+        return self.replicas.params
+
     def restarted(self) -> None:
         """Every worker's parameters and buffers were just set to one common model by an outer
         optimizer: reset whatever the algorithm derives from the workers' spread."""

@@ -25,8 +25,9 @@ exact average of the workers' models into a pseudo-gradient and steps a global m
 What the base algorithm had as its own periodic exact average (local SGD's) is handed over:
 `period` defaults to local SGD's `algorithm.period`, and local SGD stops averaging by itself.
 Gossip algorithms keep gossiping; `period` must be given for them. The exact average is the
-plain mean of the models the workers train (SGP: the de-biased z_i; SGP restarts its push-sum
-weights at 1 after a whole-model restart).
+mean of the base algorithm's `model_rows()`: the workers' parameters, or for SGP the push-sum
+numerators w_i·z_i, whose mean is its consensus Σx/Σw (SGP restarts its weights at 1 after a
+whole-model restart).
 
 Inner optimizer state at each outer step (`inner_state`, per fragment): "keep" (DiLoCo; the
 SlowMo authors' fairscale implementation keeps the base momentum too), "reset" (the state of the
@@ -255,7 +256,7 @@ class OuterOptimizer(Algorithm):
         """Send fragment f's pseudo-gradients (and average its buffers)."""
         frag, delta = self.fragments[f], self._deltas[f]
         anchor = take(self.anchor.params[0], frag.params)
-        torch.sub(anchor.unsqueeze(0), take(self.replicas.params, frag.params), out=delta)
+        torch.sub(anchor.unsqueeze(0), take(self.base.model_rows(), frag.params), out=delta)
         flight = InFlight(merge_at=step + 1 + self.schedule.overlap)
         with self.comm.ledger.hidden_behind(self.schedule.overlap):
             flight.finish = self._average(delta)
