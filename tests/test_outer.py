@@ -534,3 +534,18 @@ def test_resume_without_the_outer_optimizer_is_refused_in_one_line(tmp_path):
     train(compose_config(*args, "outer=nesterov"), tmp_path / "run")
     with pytest.raises(ConfigError, match=r"LocalSGD\+dpresearch.algorithms.outer.Outer"):
         train(compose_config(*args, f"train.resume={tmp_path / 'run'}"), tmp_path / "new")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_killed_and_resumed_gloo_with_background_fragments_in_flight(tmp_path):
+    """Streaming DiLoCo on 2 gloo processes, fragments allreduced in the background (ring,
+    not deterministic): the checkpoint waits for the ones in flight; a worker process dies at
+    step 35, the resumed run ends bit for bit as the uninterrupted one."""
+    from test_checkpoint import QUICK as CHECKPOINTED
+    from test_checkpoint import check_resumed
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    args = [*CHECKPOINTED, "workers=2", *RESUME_CASES["streaming"], "backend=gloo",
+            "backend.threads=1"]  # fmt: skip
+    check_resumed(tmp_path, args, ChildFailedError)
