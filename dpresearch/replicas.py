@@ -72,6 +72,27 @@ class Replicas:
         for m in self.models:
             m.train(mode)
 
+    def state_dict(self) -> dict:
+        """Every replica's parameters and float buffers (the flat `[W, ·]` tensors, live) and
+        integer buffers (per replica)."""
+        return {
+            "params": self.params,
+            "buffers": self.buffers,
+            "int_buffers": [
+                [b for b in m.buffers() if not b.is_floating_point()] for m in self.models
+            ],
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Copy `state_dict()`'s tensors back into place (the views stay the replicas')."""
+        self.params.copy_(state["params"])
+        self.buffers.copy_(state["buffers"])
+        for model, saved in zip(self.models, state["int_buffers"], strict=True):
+            ints = [b for b in model.buffers() if not b.is_floating_point()]
+            for dst, src in zip(ints, saved, strict=True):
+                dst.copy_(src)
+
     def load_into(self, target: nn.Module, params: Tensor, buffers: Tensor) -> nn.Module:
         """Copy one flat parameter row and buffer row into `target` (same architecture);
         integer buffers are taken from local replica 0."""

@@ -38,6 +38,7 @@ from dpresearch.launch.processes import (
     run_simulated,
     under_torchrun,
 )
+from dpresearch.run.checkpoint import CheckpointError
 
 register_configs()
 
@@ -74,7 +75,7 @@ def _check_resume(cfg: DictConfig, run_dir: Path | None) -> None:
     parameter count once the model is built)."""
     from dpresearch.algorithms.outer import algorithm_name
     from dpresearch.config.validate import process_count
-    from dpresearch.run.checkpoint import CheckpointError, find_resume, incompatibility, read_header
+    from dpresearch.run.checkpoint import find_resume, incompatibility, read_header
 
     if cfg.train.resume is None or under_torchrun():
         return
@@ -146,8 +147,9 @@ def _hydra_main(cfg: DictConfig) -> float | None:
                     with open_dict(cfg):
                         cfg.logger.name, cfg.logger.group = default_names(cfg, hc)
                 summary = train(cfg, run_dir, overrides)
-        except (ConfigError, WorkerFrozen) as exc:
-            _fail(f"error: {exc}", 2 if isinstance(exc, ConfigError) else 1, multirun)
+        except (ConfigError, CheckpointError, WorkerFrozen) as exc:
+            user_error = isinstance(exc, (ConfigError, CheckpointError))
+            _fail(f"error: {exc}", 2 if user_error else 1, multirun)
         except KeyboardInterrupt:  # Ctrl-C before the training loop took over the signal
             _fail("error: interrupted before training started; nothing to resume", 130, multirun)
         except Exception as exc:

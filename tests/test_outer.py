@@ -275,7 +275,7 @@ def test_slowmo_is_the_papers_update_with_the_base_lr():
     theta, u = initial(cfg), None
     gammas = []
     for r, (mean, anchor) in enumerate(rounds):
-        gamma = 0.2 * trainer.schedule(4 * r + 3)  # the inner lr of the round's last step
+        gamma = 0.2 * trainer.built.schedule(4 * r + 3)  # the inner lr of the round's last step
         gammas.append(gamma)
         u = (theta - mean) / gamma + (0.6 * u if u is not None else 0)
         theta = theta - 0.8 * gamma * u

@@ -34,7 +34,8 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
-from dpresearch.algorithms.base import Algorithm, StepPlan
+from dpresearch.algorithms.base import Algorithm, StepPlan, Traits
+from dpresearch.asynchrony.accounting import push_accounting, run_summary, transfer_seconds
 from dpresearch.asynchrony.clock import EventClock
 from dpresearch.asynchrony.options import AsyncOptions, check_options
 from dpresearch.asynchrony.protocol import Protocol
@@ -43,13 +44,7 @@ from dpresearch.asynchrony.server import ParameterServer
 from dpresearch.asynchrony.speed import SpeedModel
 from dpresearch.asynchrony.staleness import StalenessPolicy
 from dpresearch.comm.base import Communicator
-from dpresearch.comm.ledger import CommOp
 from dpresearch.replicas import Replicas
-
-
-def transfer_seconds(network, nbytes: int) -> float:
-    """One point-to-point message of `nbytes` between a worker and the server: α + bytes/B."""
-    return network.op_seconds(CommOp("p2p", nbytes, 2, peers=1))
 
 
 def uses_channels_last(replicas: Replicas) -> bool:
@@ -67,8 +62,9 @@ class AsyncSGD(Algorithm):
     # Checkpoints: the simulated mode's whole state is in `state_dict` (server, protocol,
     # speed streams, event queue, push codec, history); the real mode refuses them
     # (`check_config`). A dropped step (`train.on_nonfinite=skip_step`) would leave the popped
-    # worker without a next arrival, so it is refused.
-    skippable = False
+    # worker without a next arrival, so it is refused. Real ranks: a server and K workers,
+    # each process running `run_process`.
+    traits = Traits(skippable=False, extra_processes=1, own_processes=True)
 
     def __init__(
         self,
@@ -170,11 +166,6 @@ class AsyncSGD(Algorithm):
             )
         error_feedback_mode(alg.get("error_feedback"))
         check_codec(alg.get("compressor"))
-
-    @classmethod
-    def num_processes(cls, workers: int) -> int:
-        """Processes a real (gloo/nccl) run needs: the server and K workers."""
-        return workers + 1
 
     @classmethod
     def run_process(cls, cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
@@ -309,25 +300,3 @@ def checkpoints_asked(train: Mapping[str, Any]) -> bool:
     except CheckpointError:  # reported by the run-control checks
         every = 0
     return bool(every) or train.get("resume") is not None
-
-
-def push_accounting(pushes: list[int], push_bytes: int, push_s: float) -> dict[str, float]:
-    """`comm/bytes` (mean over workers), `comm/bytes_max` and `comm/modeled_s` of the pushes
-    made so far (`pushes[w]` by worker w)."""
-    return {
-        "comm/bytes": sum(pushes) * push_bytes / len(pushes),
-        "comm/bytes_max": float(max(pushes) * push_bytes),
-        "comm/modeled_s": sum(pushes) * push_s,
-    }
-
-
-def run_summary(
-    server: ParameterServer, protocol: Protocol, pushes: list[int], push_bytes: int
-) -> dict[str, Any]:
-    """End-of-run facts: the τ histogram and counts, and the pushes as an op table."""
-    out: dict[str, Any] = {**server.stats.summary(), "async/updates": server.version}
-    if protocol.name == "ssp":
-        out["async/ssp_max_ahead"] = protocol.max_ahead
-    out["comm/op_counts"] = {"p2p": sum(pushes)}
-    out["comm/ops"] = [["p2p", push_bytes, len(pushes), 1, sum(pushes)]]
-    return out

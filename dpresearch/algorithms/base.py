@@ -20,9 +20,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from omegaconf import DictConfig
 from torch import Tensor
 
 from dpresearch.comm.base import Communicator
@@ -52,23 +53,50 @@ class StepPlan:
         return cls(tuple(range(num_local)))
 
 
+@dataclass(frozen=True)
+class Traits:
+    """What the run-control layers need to know about an algorithm class before building it,
+    declared once on the class (`Algorithm.traits`) and read only from there.
+
+    checkpointable: `state_dict` holds all the algorithm's state beyond replicas and
+    optimizers, so a checkpoint resumes it exactly (otherwise the checks refuse
+    `train.checkpoint_every` and `train.resume`, and a stop request writes none).
+    skippable: `drop_step` leaves the algorithm able to go on (`train.on_nonfinite=skip_step`).
+    extra_processes: processes a real (gloo/nccl) run starts besides one per worker (a
+    parameter server: 1).
+    own_processes: on real ranks every process runs the class's `run_process` instead of the
+    training loop.
+    drifts: the workers' models drift apart between the algorithm's synchronisations (local
+    SGD, gossip), so an outer optimizer has pseudo-gradients to work on (synchronous SGD's
+    workers always hold one model, a parameter server's workers none of their own).
+    """
+
+    checkpointable: bool = True
+    skippable: bool = True
+    extra_processes: int = 0
+    own_processes: bool = False
+    drifts: bool = False
+
+    def processes(self, workers: int) -> int:
+        """Processes a real run of `workers` workers starts."""
+        return workers + self.extra_processes
+
+
 class Algorithm(ABC):
     """Base class; subclasses implement `after_backward` and may override the rest.
 
-    `evaluates_local_models`: the workers' models differ (gossip, local SGD between averages),
-    so evaluation also reports each worker's own model (`test/acc_local_mean`, `_min`).
+    `traits` (class level): see `Traits`. `evaluates_local_models` (instance level, may be a
+    config option): the workers' models differ (gossip, local SGD between averages), so
+    evaluation also reports each worker's own model (`test/acc_local_mean`, `_min`).
     """
 
+    traits: ClassVar[Traits] = Traits()
     evaluates_local_models: bool = False
-    # Whether `state_dict` holds all the algorithm's state beyond replicas and optimizers, so
-    # that a checkpoint resumes it exactly (the trainer refuses checkpoints otherwise).
-    checkpointable: bool = True
-    # Whether `drop_step` leaves the algorithm able to go on (`train.on_nonfinite=skip_step`).
-    skippable: bool = True
-    # Whether the workers' models drift apart between the algorithm's synchronisations (local
-    # SGD, gossip), so an outer optimizer has pseudo-gradients to work on; synchronous SGD's
-    # workers always hold one model, a parameter server's workers none of their own.
-    workers_drift: bool = False
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig) -> None:
+        """Raise ValueError (one line naming the fix) for a configuration this algorithm
+        cannot run; called with the whole composed config before any worker starts."""
 
     def __init__(
         self, replicas: Replicas, comm: Communicator, optimizers: list[torch.optim.Optimizer]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dpresearch.algorithms.base import Algorithm
+from dpresearch.algorithms.base import Algorithm, Traits
 from dpresearch.comm.base import Communicator
 from dpresearch.replicas import Replicas
 
@@ -29,7 +29,7 @@ class LocalSGD(Algorithm):
     steps becomes the outer step's exact average: `period` is the outer period unless
     `outer.period` says otherwise, and the algorithm itself no longer averages."""
 
-    workers_drift = True
+    traits = Traits(drifts=True)
 
     def __init__(
         self,

@@ -36,8 +36,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import Tensor
 
-from dpresearch.algorithms.async_sgd import push_accounting, run_summary, transfer_seconds
-from dpresearch.algorithms.base import Algorithm, StepPlan
+from dpresearch.algorithms.base import Algorithm, StepPlan, Traits
+from dpresearch.asynchrony.accounting import push_accounting, run_summary, transfer_seconds
 from dpresearch.asynchrony.options import AsyncOptions
 from dpresearch.asynchrony.protocol import Protocol
 from dpresearch.asynchrony.push import PushCodec
@@ -109,10 +109,9 @@ class RemoteServer(Algorithm):
     = one push received from any worker. `replicas` holds one row; the server's state is the
     `ParameterServer`."""
 
-    evaluates_local_models = False
     # The workers' processes and messages in flight are not saved: the real mode cannot
     # checkpoint (refused by `AsyncSGD.check_config`; a stop request writes none).
-    checkpointable = skippable = False
+    traits = Traits(checkpointable=False, skippable=False)
 
     def __init__(
         self,

@@ -107,26 +107,31 @@ class NetworkModel:
         """Modeled seconds of a run's `comm/ops` table (`CommLedger.op_table`: rows
         `[kind, nbytes, group, peers, count]`, plus `hidden_steps` where non-zero) on this
         network: re-prices a finished run on another fabric."""
-        from dpresearch.comm.ledger import CommOp
-
         return sum(
-            row[4] * self.op_seconds(CommOp(*row[:4], hidden_steps=row[5] if len(row) > 5 else 0))
+            row[4] * self.seconds(*row[:4], hidden_steps=row[5] if len(row) > 5 else 0)
             for row in op_table
         )
 
     def op_seconds(self, op: CommOp) -> float:
         """Modeled exposed duration of one collective (see the module docstring for the
         formulas and for ops hidden behind computation)."""
-        n, d, b = op.group, op.nbytes, self.bandwidth_Bps
+        return self.seconds(op.kind, op.nbytes, op.group, op.peers, op.hidden_steps)
+
+    def seconds(
+        self, kind: str, nbytes: int, group: int, peers: int = 0, hidden_steps: int = 0
+    ) -> float:
+        """Modeled exposed duration of one collective of `kind` moving `nbytes` per worker
+        among `group` workers (`peers`: a point-to-point op's largest out-degree), run behind
+        `hidden_steps` steps of computation."""
         latency = self.latency_s
-        if op.kind == "allgather" and self.allgather_latency_s is not None:
+        if kind == "allgather" and self.allgather_latency_s is not None:
             latency = self.allgather_latency_s
         a = latency + self.overhead_s
-        if n <= 1 or (op.kind == "p2p" and not op.peers):
+        if group <= 1 or (kind == "p2p" and not peers):
             return 0.0
-        seconds = self._seconds(op.kind, n, d, a, b, op.peers)
-        if op.hidden_steps:
-            return max(0.0, seconds - op.hidden_steps * self.compute_step_s)
+        seconds = self._seconds(kind, group, nbytes, a, self.bandwidth_Bps, peers)
+        if hidden_steps:
+            return max(0.0, seconds - hidden_steps * self.compute_step_s)
         return seconds
 
     def messages(self, op: CommOp) -> int:

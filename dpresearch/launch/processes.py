@@ -97,7 +97,8 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     one worker of the training loop, or — for an algorithm with its own `run_process`
     classmethod (the asynchronous parameter server) — whatever part it gives this rank."""
     import torch.distributed as dist
-    from hydra.utils import get_object
+
+    from dpresearch.config.checks import algorithm_class
 
     backend = cfg.backend.name
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
@@ -114,8 +115,9 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
             flush=True,
         )
     try:
-        own = getattr(get_object(cfg.algorithm._target_), "run_process", None)
-        summary = own(cfg, run_dir) if own is not None else _train(cfg, run_dir, device)
+        cls = algorithm_class(cfg)
+        own = cls is not None and cls.traits.own_processes
+        summary = cls.run_process(cfg, run_dir) if own else _train(cfg, run_dir, device)
         # Leave together: a rank that exits while a peer still uses the gloo pair can abort it.
         dist.barrier()
         return summary
@@ -159,24 +161,24 @@ def _worker_entry(cfg_container: dict, run_dir: str | None) -> dict[str, Any]:
 
 
 def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
-    """Start the K worker processes (`validate.process_count`) on this machine; return rank 0's
-    summary.
+    """Start the run's processes (`config.checks.process_count`) on this machine; return rank
+    0's summary.
 
     Raises torch's `ChildFailedError` (which carries the failed worker's traceback) if any
     worker fails, or `WorkerFrozen` if the watchdog killed a silent one; the others are stopped
     at once.
     """
-    from hydra.utils import get_object
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from dpresearch.config.validate import process_count
+    from dpresearch.config.checks import algorithm_class, process_count
     from dpresearch.launch.heartbeat import Watchdog
 
     processes = process_count(cfg)
     # The ordinary training loop stops cleanly on a request; an algorithm that runs its own
     # processes (the parameter server) is stopped by the agent as before.
-    forwards = getattr(get_object(cfg.algorithm._target_), "run_process", None) is None
+    cls = algorithm_class(cfg)
+    forwards = cls is None or not cls.traits.own_processes
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -10,10 +10,10 @@ A checkpoint is written to a temporary file in the same directory, flushed and f
 renamed into place (`os.replace`, atomic on POSIX); only then is `latest` rewritten the same
 way, so `latest` never names a partial file and a crash at any moment leaves the previous
 checkpoint intact. Under real processes rank 0 gathers every rank's state (a collective) and is
-the only writer, so a file that exists holds every rank (see `Trainer.checkpoint`). Older
+the only writer, so a file that exists holds every rank (see `checkpointing.Checkpoints`). Older
 checkpoints beyond `keep` are deleted after the pointer moved.
 
-What a checkpoint holds is the trainer's business (`trainer.Trainer.checkpoint`); this module
+What a checkpoint holds is the run's business (`checkpointing.Checkpoints`); this module
 only moves files.
 """
 
@@ -31,7 +31,7 @@ import torch
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
-FORMAT = 1
+FORMAT = 2  # 2: each process's state by part (`Run.STATEFUL`)
 _STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 _INTERVAL = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ep|epoch|epochs|steps?)?\s*$")
 

@@ -2,7 +2,7 @@
 
 `handling()` (a context manager, main thread only) replaces the handlers of SIGTERM and SIGINT
 with ones that only record the signal; the training loop asks `requested()` once per step, and
-all processes agree on it through one tiny collective (`Trainer`), then finish the step, write
+all processes agree on it through one tiny collective (`loop.agree`), then finish the step, write
 a final checkpoint, and end with `status: interrupted`. A second signal while the first is
 being honoured ends the process at once (exit 128 + signal, no checkpoint).
 

@@ -128,7 +128,7 @@ class OuterOptimizer(Algorithm):
         check_options(inner_state, buffers, evaluate, mix, fragment_pattern)
         if compresses(compressor, error_feedback):
             raise ValueError("outer.compressor: compressed pseudo-gradients are not built yet")
-        if not type(base).workers_drift:
+        if not base.traits.drifts:
             raise ValueError(no_drift_message(type(base).__name__))
         self.base = base
         handed = base.hand_over_averaging()
@@ -139,7 +139,7 @@ class OuterOptimizer(Algorithm):
         self.mix, self.scale_by_inner_lr = float(mix), bool(scale_by_inner_lr)
         self.inner_state, self.buffer_mode, self.evaluate = inner_state, buffers, evaluate
         self.evaluates_local_models = base.evaluates_local_models
-        self.checkpointable, self.skippable = base.checkpointable, base.skippable
+        self.traits = base.traits  # checkpointable, skippable: the base algorithm's
 
         device = replicas.params.device
         model = replicas.models[0]
@@ -179,7 +179,7 @@ class OuterOptimizer(Algorithm):
 
         node = cfg.outer
         base = get_object(cfg.algorithm._target_)
-        if not base.workers_drift:
+        if not base.traits.drifts:
             raise ValueError(no_drift_message(base.__name__))
         handed = base.outer_handover(cfg.algorithm)
         period = node.get("period")

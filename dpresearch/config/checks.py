@@ -1,0 +1,388 @@
+"""The checks of each typed config node (`schema.py`), one function per node, and the table
+`NODE_CHECKS` that `validate.validate` runs in order. Plug-in nodes own their checks where they
+are defined: data (`data.base.check_data_node`), optimizer (`optim.check_optimizer_node`),
+schedule (`schedules.check_schedule_node`), compression (`compress.build.check_compatibility`),
+the algorithm (`Algorithm.check_config`, with `Algorithm.traits` for what the run-control
+layers need to know) and the `async` node (`asynchrony.options.check_options`).
+
+Every check raises `ConfigError` (a typed node's) or ValueError (a plug-in's; the first line
+becomes the `ConfigError`), one line naming the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from hydra.utils import get_object
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from dpresearch.algorithms.base import Algorithm
+from dpresearch.config.errors import ConfigError
+
+BACKENDS = ("simulated", "gloo", "nccl")
+PARTITIONS = ("iid", "dirichlet")
+# Optimizer hyper-parameters that torch requires to be non-negative numbers.
+NON_NEGATIVE_OPTIMIZER_KEYS = ("lr", "momentum", "weight_decay", "dampening", "eps")
+LR_SCALINGS = ("none", "linear")
+AUTOCASTS = (None, "bf16", "fp16")
+NONFINITE_MODES = ("stop", "skip_step", "continue")
+REDUCTIONS = ("ring", "centralized")
+P2P_SCHEDULES = ("auto", "by_distance", "one_batch")
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def algorithm_class(cfg: DictConfig) -> type[Algorithm] | None:
+    """The class `algorithm._target_` names, or None where it cannot be imported (reported by
+    the target check). Raises `ConfigError` for a target that is not an `Algorithm`."""
+    try:
+        cls = get_object(cfg.algorithm._target_)
+    except Exception:  # noqa: BLE001 - a bad target is reported by check_target
+        return None
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise ConfigError(
+            f"algorithm._target_={cfg.algorithm._target_} is not an Algorithm subclass "
+            "(dpresearch.algorithms.base.Algorithm); pick one with algorithm=<option>"
+        )
+    return cls
+
+
+def process_count(cfg: DictConfig) -> int:
+    """Processes a gloo/nccl run of `cfg` starts: one per worker, plus the algorithm's
+    `traits.extra_processes` (e.g. a parameter server)."""
+    cls = algorithm_class(cfg)
+    return cls.traits.processes(cfg.workers) if cls is not None else int(cfg.workers)
+
+
+def check_workers(cfg: DictConfig) -> None:
+    if cfg.workers < 1:
+        raise ConfigError(f"workers={cfg.workers}: need at least 1 worker; set workers=1 or more")
+
+
+def check_backend(cfg: DictConfig) -> None:
+    """The backend exists, its devices are there, a torchrun world fits, thread and time
+    limits are positive."""
+    import torch
+
+    backend, bc = cfg.backend.name, cfg.backend
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend={backend} is unknown; choose one of: {', '.join(BACKENDS)}")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "backend=nccl needs CUDA GPUs but none is visible; "
+                "use backend=gloo (CPU processes) or backend=simulated"
+            )
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", process_count(cfg)))
+        if torch.cuda.device_count() < local:
+            raise ConfigError(
+                f"backend=nccl puts one worker per GPU: {local} workers here but only "
+                f"{torch.cuda.device_count()} GPUs; lower workers or use backend=simulated"
+            )
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        world, expected = int(os.environ["WORLD_SIZE"]), process_count(cfg)
+        if world != expected:
+            fix = cfg.workers + world - expected
+            raise ConfigError(
+                f"torchrun started {world} processes but workers={cfg.workers} needs "
+                f"{expected}; pass workers={fix}"
+            )
+        if backend == "simulated":
+            raise ConfigError(
+                "started by torchrun but backend=simulated; pass backend=gloo or nccl"
+            )
+    if bc.threads is not None and bc.threads < 1:
+        raise ConfigError(
+            f"backend.threads={bc.threads}: must be at least 1 "
+            "(or null: the cores divided among this machine's processes)"
+        )
+    if bc.timeout_s <= 0:
+        raise ConfigError(
+            f"backend.timeout_s={bc.timeout_s}: must be > 0 seconds "
+            "(how long a collective waits for a peer)"
+        )
+    if bc.heartbeat_s is not None and bc.heartbeat_s <= 0:
+        raise ConfigError(
+            f"backend.heartbeat_s={bc.heartbeat_s}: must be > 0 seconds (or null: no watchdog)"
+        )
+
+
+def check_device(cfg: DictConfig) -> None:
+    """`train.device` and `train.autocast` for the devices there are."""
+    import torch
+
+    tc = cfg.train
+    if tc.device not in ("auto", "cpu") and not tc.device.startswith("cuda"):
+        raise ConfigError(f"train.device={tc.device}: use auto, cpu or cuda[:N]")
+    if tc.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={tc.device} but no GPU is visible; use train.device=cpu")
+    if tc.autocast not in AUTOCASTS:
+        raise ConfigError(f"train.autocast={tc.autocast}; choose one of: null, bf16, fp16")
+    if (
+        tc.autocast == "fp16"
+        and cfg.backend.name != "nccl"
+        and not (tc.device.startswith("cuda") or torch.cuda.is_available())
+    ):
+        raise ConfigError("train.autocast=fp16 needs a GPU; use train.autocast=bf16 on CPUs")
+
+
+def check_train(cfg: DictConfig) -> None:
+    """Batch sizes, run length, logging and evaluation intervals, lr scaling."""
+    tc = cfg.train
+    if tc.batch_size < 1:
+        raise ConfigError(f"train.batch_size={tc.batch_size}: must be at least 1")
+    if tc.steps is not None and tc.steps < 1:
+        raise ConfigError(f"train.steps={tc.steps}: must be at least 1 (or null to use epochs)")
+    if tc.steps is None and tc.epochs <= 0:
+        raise ConfigError(f"train.epochs={tc.epochs}: must be positive")
+    if tc.log_every < 1:
+        raise ConfigError(f"train.log_every={tc.log_every}: must be at least 1")
+    if tc.eval_every is not None and tc.eval_every < 1:
+        raise ConfigError(
+            f"train.eval_every={tc.eval_every}: must be at least 1 "
+            "(or null: evaluate at every epoch end)"
+        )
+    if tc.eval_batch_size < 1:
+        raise ConfigError(f"train.eval_batch_size={tc.eval_batch_size}: must be at least 1")
+    if tc.lr_scaling not in LR_SCALINGS:
+        raise ConfigError(
+            f"train.lr_scaling={tc.lr_scaling}; choose one of: {', '.join(LR_SCALINGS)}"
+        )
+
+
+def check_run_control(cfg: DictConfig) -> None:
+    """`train.checkpoint_every`, `checkpoint_keep`, `resume` and `on_nonfinite`, and what the
+    algorithm's traits allow of them."""
+    from dpresearch.run.checkpoint import CheckpointError, checkpoint_interval, find_resume
+
+    tc = cfg.train
+    if str(tc.checkpoint_every).strip().startswith("-"):
+        raise ConfigError(
+            f"train.checkpoint_every={tc.checkpoint_every}: must be >= 0 (steps, e.g. 500, "
+            "or epochs, e.g. 1ep; 0 or null: off)"
+        )
+    try:
+        interval = checkpoint_interval(tc.checkpoint_every, 1)
+        find_resume(tc.resume if tc.resume != "auto" else None, None)
+    except CheckpointError as exc:
+        raise ConfigError(str(exc)) from None
+    if tc.checkpoint_keep < 1:
+        raise ConfigError(f"train.checkpoint_keep={tc.checkpoint_keep}: must be at least 1")
+    if tc.on_nonfinite not in NONFINITE_MODES:
+        raise ConfigError(
+            f"train.on_nonfinite={tc.on_nonfinite}; choose one of: {', '.join(NONFINITE_MODES)}"
+        )
+    cls = algorithm_class(cfg)
+    if cls is None:
+        return
+    traits = cls.traits
+    if not traits.checkpointable and (interval or tc.resume is not None):
+        raise ConfigError(
+            f"{cfg.algorithm._target_} cannot checkpoint yet (its state has no state_dict); "
+            "leave train.checkpoint_every and train.resume unset"
+        )
+    if tc.on_nonfinite == "skip_step" and not (traits.checkpointable and traits.skippable):
+        raise ConfigError(
+            f"train.on_nonfinite=skip_step is not supported by {cfg.algorithm._target_}; "
+            "use stop or continue"
+        )
+
+
+def check_comm(cfg: DictConfig) -> None:
+    if cfg.comm.reduction not in REDUCTIONS:
+        raise ConfigError(
+            f"comm.reduction={cfg.comm.reduction}; choose one of: {', '.join(REDUCTIONS)}"
+        )
+    if cfg.comm.p2p_schedule not in P2P_SCHEDULES:
+        raise ConfigError(
+            f"comm.p2p_schedule={cfg.comm.p2p_schedule}; choose one of: "
+            f"{', '.join(P2P_SCHEDULES)}"
+        )
+
+
+def check_network(cfg: DictConfig) -> None:
+    net = cfg.network
+    if net.bandwidth_gbit <= 0 or net.latency_us < 0:
+        raise ConfigError("network.bandwidth_gbit must be > 0 and network.latency_us >= 0")
+    if net.message_overhead_us < 0 or net.allgather_factor <= 0:
+        raise ConfigError(
+            "network.message_overhead_us must be >= 0 and network.allgather_factor > 0"
+        )
+    ag_latency = net.get("allgather_latency_us")
+    if ag_latency is not None and ag_latency < 0:
+        raise ConfigError(
+            f"network.allgather_latency_us={ag_latency}: must be >= 0 (or null: latency_us)"
+        )
+    if net.get("compute_step_s", 0.0) < 0:
+        raise ConfigError(f"network.compute_step_s={net.compute_step_s}: must be >= 0 seconds")
+
+
+def check_logger(cfg: DictConfig) -> None:
+    lc = cfg.logger
+    if lc.mode is not None and lc.mode not in WANDB_MODES:
+        raise ConfigError(f"logger.mode={lc.mode}; choose one of: {', '.join(WANDB_MODES)}")
+    if lc.init_timeout_s <= 0:
+        raise ConfigError(f"logger.init_timeout_s={lc.init_timeout_s}: must be > 0")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value)
+    return json.dumps(value).replace(" ", "") if isinstance(value, list) else str(value)
+
+
+def check_data(cfg: DictConfig) -> None:
+    """The partition options every `Dataset` takes, and the download deadline."""
+    node = cfg.data
+    partition = node.get("partition", "iid")
+    if partition not in PARTITIONS:
+        raise ConfigError(f"data.partition={partition}; choose one of: {', '.join(PARTITIONS)}")
+    alpha = node.get("alpha", 1.0)
+    if not _is_number(alpha) or alpha <= 0:
+        raise ConfigError(
+            f"data.alpha={_show(alpha)}: the Dirichlet concentration must be a number > 0 "
+            "(0.1: few classes per worker; 100: nearly iid)"
+        )
+    deadline = node.get("download_timeout_s", 1.0)
+    if not _is_number(deadline) or deadline <= 0:
+        raise ConfigError(f"data.download_timeout_s={_show(deadline)}: must be > 0 seconds")
+
+
+def check_optimizer(cfg: DictConfig) -> None:
+    """The hyper-parameters torch would reject mid-start, named by their key."""
+    check_optimizer_values(cfg.optimizer, "optimizer")
+
+
+def check_optimizer_values(node: DictConfig, where: str) -> None:
+    """An optimizer node's values torch would reject mid-start, named `where.<key>`."""
+    for key in NON_NEGATIVE_OPTIMIZER_KEYS:
+        if key in node and (not _is_number(node[key]) or node[key] < 0):
+            raise ConfigError(f"{where}.{key}={_show(node[key])}: must be a number >= 0")
+    if "betas" in node:
+        betas = node.betas
+        values = list(betas) if isinstance(betas, ListConfig) else None
+        if (
+            values is None
+            or len(values) != 2
+            or not all(_is_number(b) and 0 <= b < 1 for b in values)
+        ):
+            raise ConfigError(
+                f"{where}.betas={_show(betas)}: must be two numbers in [0, 1), e.g. [0.9,0.999]"
+            )
+
+
+def check_schedule(cfg: DictConfig) -> None:
+    """Milestones and warm-up, whose errors would otherwise surface at the first step."""
+    node = cfg.schedule
+    if "milestones" in node:
+        milestones = node.milestones
+        if not isinstance(milestones, ListConfig) or not all(_is_number(m) for m in milestones):
+            raise ConfigError(
+                f"schedule.milestones={_show(milestones)}: must be a list of epochs, e.g. [150,250]"
+            )
+    for key in ("warmup_epochs", "warmup_from", "gamma"):
+        if key in node and (not _is_number(node[key]) or node[key] < 0):
+            raise ConfigError(f"schedule.{key}={_show(node[key])}: must be a number >= 0")
+
+
+def check_algorithm(cfg: DictConfig) -> None:
+    """The algorithm class's own checks (`Algorithm.check_config`), raising ValueError (e.g. a
+    topology that cannot exist for `workers`); the first line becomes the `ConfigError`."""
+    cls = algorithm_class(cfg)
+    if cls is None:
+        return
+    try:
+        cls.check_config(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc).strip().splitlines()[0]) from None
+    except Exception as exc:  # noqa: BLE001 - Hydra wraps constructor errors
+        cause = exc
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(cause, ValueError):
+            raise ConfigError(str(cause).strip().splitlines()[0]) from None
+        raise
+
+
+def _is_default(node: Any, target: str, **defaults: Any) -> bool:
+    return node is None or (
+        node.get("_target_") == target and all(node.get(k, v) == v for k, v in defaults.items())
+    )
+
+
+def check_compression(cfg: DictConfig) -> None:
+    """Compressor and error feedback pair with each other and with the algorithm."""
+    from dpresearch.compress.build import check_compatibility
+
+    alg = cfg.algorithm
+    if "compressor" not in alg:
+        idle = _is_default(cfg.compressor, "dpresearch.compress.casts.Identity") and _is_default(
+            cfg.error_feedback,
+            "dpresearch.compress.error_feedback.ErrorFeedback",
+            mode="none",
+            momentum=0.0,
+        )
+        if not idle:
+            raise ConfigError(
+                f"{alg._target_.rsplit('.', 1)[-1]} does not use compressor/error_feedback; "
+                "use algorithm=sync (compressed gradients) or algorithm=choco (compressed "
+                "gossip), or leave compressor=identity error_feedback=none"
+            )
+        return
+    try:
+        check_compatibility(
+            alg.compressor,
+            alg.error_feedback,
+            granularity=alg.get("granularity", "auto"),
+            bucket_mb=alg.get("bucket_mb", 25.0),
+            collective=alg.get("collective", "auto"),
+            optimizer_momentum=float(cfg.optimizer.get("momentum", 0.0) or 0.0),
+            where="algorithm",
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_outer(cfg: DictConfig) -> None:
+    """An outer optimizer (`outer=...`): its optimizer node's values, then the outer node's
+    own checks (`algorithms.outer.check_config`: the base algorithm, the schedule, the codec);
+    nothing for `outer=none`. The nested nodes are built once by preflight."""
+    from dpresearch.algorithms import outer
+
+    node = outer.outer_node(cfg)
+    if node is None:
+        return
+    if node.get("optimizer") is not None:
+        check_optimizer_values(node.optimizer, "outer.optimizer")
+    try:
+        outer.check_config(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc).strip().splitlines()[0]) from None
+
+
+# Every node's check, in the order `validate` runs them: the typed nodes, then (after the
+# plug-in targets are known to import and take their keys) the plug-in nodes.
+NODE_CHECKS: dict[str, Callable[[DictConfig], None]] = {
+    "workers": check_workers,
+    "backend": check_backend,
+    "train.device": check_device,
+    "train": check_train,
+    "comm": check_comm,
+    "network": check_network,
+    "logger": check_logger,
+    "train.run_control": check_run_control,
+}
+PLUGIN_CHECKS: dict[str, Callable[[DictConfig], None]] = {
+    "data": check_data,
+    "optimizer": check_optimizer,
+    "schedule": check_schedule,
+    "compressor": check_compression,
+    "algorithm": check_algorithm,
+    "outer": check_outer,
+}

@@ -1,0 +1,176 @@
+"""The run, built once from its configuration: every part the loop drives, by name.
+
+`build_run` makes, for the workers this process holds, in this order (each from the config's
+own factories, seeded as before so a run is reproducible): the data set (validation split held
+out) and its partitioner, the replicas (worker 0's initial state broadcast to every process),
+one optimizer per replica, the algorithm, the run length, the learning-rate schedule and the
+workers' forward/backward (`WorkerCompute`). The result is a `Run`.
+
+A `Run`'s stateful parts checkpoint themselves: `Run.state_dict()` is this process's part of
+a checkpoint, one entry per part in `Run.STATEFUL` (replicas, optimizers, algorithm, compute,
+the ledger and the global random streams), and `load_state_dict` puts it back; the loop's own
+position (step, best accuracy, last metrics, clock) is the loop's (`run.loop.LoopState`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch import nn
+
+from dpresearch.algorithms import outer
+from dpresearch.algorithms.base import Algorithm
+from dpresearch.comm.base import Communicator
+from dpresearch.data.base import Dataset
+from dpresearch.data.partition import Partitioner
+from dpresearch.optim import make_optimizer
+from dpresearch.replicas import Replicas
+from dpresearch.run.compute import WorkerCompute
+
+
+class GlobalRandom:
+    """The process's global random streams: torch (CPU, and CUDA where initialised), numpy,
+    Python."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+        np.random.set_state(state["numpy"])
+        random.setstate(state["python"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Optimizers(list):
+    """One optimizer per local replica; checkpoints as the list of their state dicts."""
+
+    def state_dict(self) -> list[dict]:
+        return [opt.state_dict() for opt in self]
+
+    def load_state_dict(self, state: list[dict]) -> None:
+        for opt, saved in zip(self, state, strict=True):
+            opt.load_state_dict(saved)
+
+
+@dataclass
+class Run:
+    """Everything one process of a run drives, built once (`build_run`)."""
+
+    cfg: DictConfig
+    comm: Communicator
+    device: torch.device
+    data: Dataset
+    partitioner: Partitioner
+    replicas: Replicas
+    eval_model: nn.Module  # the architecture evaluation loads the consensus model into
+    optimizers: Optimizers
+    base_lr: float
+    algorithm: Algorithm
+    schedule: Any  # step -> lr multiplier
+    compute: WorkerCompute
+    steps_per_epoch: int
+    total_steps: int
+    gradients_per_step: int
+    setup: dict[str, Any]  # the algorithm's description of its set-up
+    rng: GlobalRandom
+
+    # The parts whose state is the run's state, each with state_dict / load_state_dict.
+    STATEFUL: ClassVar[tuple[str, ...]] = (
+        "replicas", "optimizers", "algorithm", "compute", "ledger", "rng",
+    )  # fmt: skip
+
+    @property
+    def ledger(self):
+        return self.comm.ledger
+
+    @property
+    def processes(self) -> int:
+        """Processes taking part in the run's collectives."""
+        return self.comm.world_size // self.comm.num_local
+
+    def state_dict(self) -> dict[str, Any]:
+        """This process's part of a checkpoint: each stateful part's own (live tensors: read
+        between steps)."""
+        return {name: getattr(self, name).state_dict() for name in self.STATEFUL}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s parts, in `STATEFUL` order (replicas and optimizers before
+        the algorithm, which may read them)."""
+        for name in self.STATEFUL:
+            getattr(self, name).load_state_dict(state[name])
+
+
+def build_run(
+    cfg: DictConfig,
+    comm: Communicator,
+    device: torch.device,
+    dataset: Dataset | None = None,
+    algorithm_extra: dict[str, Any] | None = None,
+) -> Run:
+    """Build the run of `cfg` for the workers `comm` says this process holds (`dataset`: the
+    data set if already loaded, on any device). `algorithm_extra`: arguments added to the
+    `algorithm` node's instantiation (may override its `_target_`)."""
+    k, tc = cfg.workers, cfg.train
+    torch.manual_seed(cfg.seed)
+    data: Dataset = (
+        dataset.to(device) if dataset is not None else instantiate(cfg.data, device=str(device))
+    ).hold_out(tc.val_size)
+    partitioner = data.make_partitioner(k, cfg.seed)
+    worker_steps = partitioner.samples_per_worker // tc.batch_size  # one pass over a shard
+    if worker_steps < 1:
+        raise ValueError(
+            f"train.batch_size={tc.batch_size} is larger than the "
+            f"{partitioner.samples_per_worker} examples each of {k} workers holds; "
+            "lower train.batch_size or workers"
+        )
+    torch.manual_seed(cfg.seed)
+    model: nn.Module = instantiate(
+        cfg.model, num_classes=data.num_classes, input_shape=data.input_shape
+    )
+    replicas = Replicas(model, comm.num_local, device, tc.channels_last)
+    # Replicas built from one seed are identical, but broadcasting worker 0's state makes
+    # that true even where initialisation draws differ between processes.
+    comm.broadcast(replicas.params, src=0, record=False)
+    comm.broadcast(replicas.buffers, src=0, record=False)
+    lr_scale = float(k) if tc.lr_scaling == "linear" else 1.0
+    optimizers = Optimizers(make_optimizer(cfg.optimizer, m, lr_scale) for m in replicas.models)
+    runtime = dict(replicas=replicas, comm=comm, optimizers=optimizers)
+    # the `outer` node (an outer optimizer) wraps the algorithm the `algorithm` node builds
+    algorithm: Algorithm = outer.wrap(
+        cfg, instantiate(cfg.algorithm, **runtime, **(algorithm_extra or {})), **runtime
+    )
+    # One epoch = every worker's shard once: K × worker_steps gradients in all.
+    per_step = algorithm.gradients_per_step
+    steps_per_epoch = max(1, round(worker_steps * k / per_step))
+    total_steps = tc.steps or max(1, math.ceil(tc.epochs * steps_per_epoch))
+    algorithm.set_run_length(steps_per_epoch, total_steps)
+    schedule = instantiate(cfg.schedule, steps_per_epoch=steps_per_epoch, total_steps=total_steps)
+    compute = WorkerCompute.for_run(
+        cfg, data, partitioner, replicas, comm.local_workers, worker_steps, device
+    )
+    run = Run(
+        cfg=cfg, comm=comm, device=device, data=data, partitioner=partitioner,
+        replicas=replicas, eval_model=copy.deepcopy(model).to(device), optimizers=optimizers,
+        base_lr=optimizers[0].param_groups[0]["lr"], algorithm=algorithm, schedule=schedule,
+        compute=compute, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+        gradients_per_step=per_step, setup=algorithm.describe(), rng=GlobalRandom(),
+    )  # fmt: skip
+    comm.ledger.reset()  # the set-up's traffic is not the run's
+    return run

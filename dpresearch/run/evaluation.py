@@ -1,0 +1,65 @@
+"""Evaluation of the model a run stands for: the algorithm's consensus model on the test set
+(and the validation split, if held out), split across processes with the sums combined, so
+evaluation costs each process 1/P of the test set; with an algorithm whose workers hold
+different models, also every worker's own model."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dpresearch.comm.ledger import EVAL
+from dpresearch.run.build import Run
+
+
+class Evaluator:
+    """Evaluates `run` (see the module docstring)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    @torch.no_grad()
+    def __call__(self) -> dict[str, float]:
+        """`test/loss`, `test/acc` (and `val/…`) of the consensus model; with local models,
+        `test/acc_local_mean` and `_min` over every worker's own model."""
+        run = self.run
+        comm = run.comm
+        params, buffers = run.algorithm.consensus()
+        model = run.replicas.load_into(run.eval_model, params, buffers)
+        process_index = comm.local_workers[0] // comm.num_local
+        splits = ["test"] + (["val"] if run.data.val_targets is not None else [])
+        sums = torch.zeros(comm.num_local, 3 * len(splits), dtype=torch.float64,
+                           device=run.device)  # fmt: skip
+        for i, split in enumerate(splits):
+            sums[0, 3 * i : 3 * i + 3] = self.sums(model, process_index, run.processes, split)
+        comm.all_reduce(sums, op="sum", record=EVAL)
+        result = {}
+        for i, split in enumerate(splits):
+            loss, correct, count = sums[0, 3 * i : 3 * i + 3].tolist()
+            result.update({f"{split}/loss": loss / count, f"{split}/acc": correct / count})
+        if run.algorithm.evaluates_local_models:
+            # Each worker's model lives only where the worker does: it sees the whole test set.
+            accs = torch.stack([self.sums(m, 0, 1)[1:] for m in run.replicas.models])
+            accs = comm.all_gather(accs[:, :1] / accs[:, 1:], record=EVAL)[:, 0]
+            result["test/acc_local_mean"] = accs.mean().item()
+            result["test/acc_local_min"] = accs.min().item()
+        run.replicas.train()
+        return result
+
+    def sums(self, model: nn.Module, part: int, parts: int, split: str = "test") -> Tensor:
+        """(summed loss, correct, count) of `model` on shard `part` of `parts` of `split`."""
+        run, tc = self.run, self.run.cfg.train
+        was_training = model.training
+        model.eval()
+        sums = torch.zeros(3, dtype=torch.float64, device=run.device)
+        for x, y in run.data.test_batches(tc.eval_batch_size, part, parts, split):
+            if tc.channels_last and x.dim() == 4:
+                x = x.contiguous(memory_format=torch.channels_last)
+            with run.compute.autocast():
+                out = model(x).float()
+            sums[0] += F.cross_entropy(out, y, reduction="sum").double()
+            sums[1] += (out.argmax(1) == y).sum().double()
+            sums[2] += y.numel()
+        model.train(was_training)
+        return sums

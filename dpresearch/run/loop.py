@@ -1,0 +1,181 @@
+"""The training loop, the same for every algorithm and every worker layout.
+
+Per step: the algorithm plans which local workers compute and on which parameters
+(`Algorithm.plan`; lockstep algorithms: all of them, on their own), receives the schedule's lr
+multiplier, and each planned worker runs forward and backward on its own next batch into its
+row of the flat gradient buffer (`WorkerCompute`); then the processes agree on the step's
+verdict and the algorithm does what it does between backward and the next forward. Everything
+else — metrics, evaluation, checkpoints, fault injection — is a `Hook` called at fixed points.
+
+Ending a run. After each step's backward the processes agree, in one tiny collective (none in
+a simulated run), on two flags: a stop request (SIGTERM/SIGINT, `dpresearch.run.stop`) and a
+non-finite training loss (`train.on_nonfinite`). A stop finishes the step (its hooks run) and
+ends with `Outcome("interrupted")`; a non-finite loss under `stop` ends before the step's update
+with `Outcome("diverged")`; `skip_step` drops the update and counts it.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dpresearch.algorithms.base import StepPlan
+from dpresearch.comm.ledger import CommLedger
+from dpresearch.run import stop
+from dpresearch.run.build import Run
+from dpresearch.run.timing import LoopClock
+
+NONFINITE_MODES = ("stop", "skip_step", "continue")
+
+
+@dataclass
+class LoopState:
+    """The loop's own position, checkpointed beside the run's parts: steps done, the best test
+    accuracy, the last logged metrics (and the algorithm's among them), the loop clock and the
+    skipped steps."""
+
+    step: int = 0
+    best_acc: float = 0.0
+    last: dict[str, Any] = field(default_factory=dict)
+    algorithm_metrics: dict[str, Any] = field(default_factory=dict)
+    skipped: int = 0
+    clock: LoopClock | None = None  # started with the loop
+    _clock_state: dict[str, float] | None = None
+
+    def start_clock(self, ledger: CommLedger) -> LoopClock:
+        """The loop clock, starting now (continuing a resumed run's regions)."""
+        self.clock = LoopClock(ledger)
+        if self._clock_state is not None:
+            self.clock.load_state_dict(self._clock_state)
+        return self.clock
+
+    def state_dict(self) -> dict[str, Any]:
+        clock = self.clock.state_dict() if self.clock is not None else self._clock_state
+        return {
+            "best_acc": self.best_acc,
+            "last": self.last,
+            "algorithm_metrics": self.algorithm_metrics,
+            "clock": clock,
+            "skipped": self.skipped,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        self.step, self.best_acc, self.last = step, state["best_acc"], state["last"]
+        self.algorithm_metrics, self.skipped = state["algorithm_metrics"], state["skipped"]
+        self._clock_state = state["clock"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What every process agreed on after a step's backward: a stop request's signal (0:
+    none) and whether some worker's loss was non-finite (and `train.on_nonfinite` cares)."""
+
+    signum: int = 0
+    nonfinite: bool = False
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How the loop ended: "finished", "interrupted" (after step `step`, by `signum`) or
+    "diverged" (a non-finite loss at step `step`, 1-based as metrics count)."""
+
+    status: str
+    step: int
+    signum: int = 0
+
+
+class Hook:
+    """Something the loop calls at fixed points; every method is optional."""
+
+    def after_compute(self, step: int) -> None:
+        """After the planned workers' forward/backward of `step` (0-based), before the
+        agreement (fault injection)."""
+
+    def after_step(self, done: int, final: bool, verdict: Verdict) -> None:
+        """After step `done` (1-based) was applied or dropped; `final`: the run's last."""
+
+
+def run_loop(
+    run: Run,
+    state: LoopState,
+    hooks: Sequence[Hook],
+    on_nonfinite: str = "stop",
+    stoppable: bool = True,
+) -> Outcome:
+    """Run steps `state.step` … `run.total_steps − 1` (see the module docstring).
+    `stoppable`: honour stop requests (the caller records them: `stop.handling()`, held
+    until the run's ending is written, since a scheduler's signal is handed on afterwards)."""
+    if on_nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"train.on_nonfinite={on_nonfinite}")
+    algorithm, compute = run.algorithm, run.compute
+    clock = state.start_clock(run.ledger)
+    rows = _Rows(run)
+    run.replicas.train()
+    for step in range(state.step, run.total_steps):
+        plan = algorithm.plan(step)
+        algorithm.set_lr(run.schedule(step))
+        clock.step_begins()
+        algorithm.before_forward(step)
+        rows.prepare(plan)
+        compute.run(plan.workers)
+        for hook in hooks:
+            hook.after_compute(step)
+        verdict = agree(run, plan, on_nonfinite, stoppable)
+        if verdict.nonfinite:
+            algorithm.drop_step(step)
+            if on_nonfinite == "stop":
+                clock.step_ends()
+                return Outcome("diverged", step + 1)
+            compute.forget_last(plan.workers)
+            state.skipped += 1
+        else:
+            algorithm.after_backward(step)
+        clock.step_ends()
+        done = state.step = step + 1
+        final = done == run.total_steps
+        for hook in hooks:
+            hook.after_step(done, final, verdict)
+        if verdict.signum and not final:  # (on the last step: finishing is the stop)
+            return Outcome("interrupted", done, verdict.signum)
+    return Outcome("finished", run.total_steps)
+
+
+def agree(run: Run, plan: StepPlan, on_nonfinite: str, stoppable: bool) -> Verdict:
+    """The step's verdict, the same on every process: one 3-number allreduce [SIGINT seen,
+    other stop signal seen, non-finite loss] when there are several processes, none in a
+    simulated run."""
+    signum = (stop.requested() or 0) if stoppable else 0
+    nonfinite = on_nonfinite != "continue" and not run.compute.last_losses_finite(plan.workers)
+    if run.processes > 1:
+        flags = torch.tensor(
+            [[signum == signal.SIGINT, signum not in (0, signal.SIGINT), nonfinite]],
+            dtype=torch.float32,
+            device=run.device,
+        )
+        run.comm.all_reduce(flags, op="sum", record=False)
+        interrupt, terminate, bad = flags[0].tolist()
+        signum = signal.SIGINT if interrupt else signal.SIGTERM if terminate else 0
+        nonfinite = bad > 0
+    return Verdict(int(signum), nonfinite)
+
+
+class _Rows:
+    """Loads a plan's reads into their parameter rows and zeroes its gradient rows."""
+
+    def __init__(self, run: Run) -> None:
+        self.replicas = run.replicas
+        self.grad_rows = list(run.replicas.grads.unbind(0))  # views made once
+
+    def prepare(self, plan: StepPlan) -> None:
+        params = self.replicas.params
+        for w, source in plan.reads.items():
+            params[w].copy_(source)
+        if len(plan.workers) == self.replicas.num_local:
+            self.replicas.zero_grad()
+        else:
+            for w in plan.workers:
+                self.grad_rows[w].zero_()

@@ -1,0 +1,84 @@
+"""The metrics a run logs: at every log step a row (training loss and accuracy over the window,
+lr, bytes per worker, modeled communication time, the loop clock, the algorithm's own metrics,
+and at evaluation points the evaluation), written by the run's logger and printed as the
+progress line; and the bytes every worker sent, per purpose."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from dpresearch.comm.ledger import ALGORITHM, METRICS
+from dpresearch.run.build import Run
+from dpresearch.run.evaluation import Evaluator
+from dpresearch.run.logger import NullLogger, RunLogger
+from dpresearch.run.loop import Hook, LoopState, Verdict
+from dpresearch.run.progress import format_progress
+
+
+def bytes_per_worker(run: Run) -> dict[str, float]:
+    """`comm/bytes`, `comm/bytes_max`: the mean and the max over all K workers of the
+    algorithm's bytes each has sent; `comm/bytes_<purpose>`: the mean over all K workers for
+    every other purpose recorded (buffers, eval, metrics, ...). One gather, recorded as metrics
+    traffic; every process records the same purposes, so the rows line up."""
+    ledger = run.ledger
+    purposes = [ALGORITHM] + sorted(p for p in ledger.bytes_by_purpose if p != ALGORITHM)
+    mine = torch.tensor(
+        [ledger.bytes_of(p) for p in purposes], dtype=torch.float64, device=run.device
+    ).T.contiguous()
+    every = run.comm.all_gather(mine, record=METRICS)  # [K, purposes]
+    mean = every.mean(0).tolist()
+    result = {"comm/bytes": mean[0], "comm/bytes_max": every[:, 0].max().item()}
+    result.update({f"comm/bytes_{p}": m for p, m in zip(purposes[1:], mean[1:], strict=True)})
+    return result
+
+
+class MetricsLog(Hook):
+    """Logs a metrics row every `train.log_every` steps, at every evaluation point
+    (`train.eval_every`, default: every epoch end) and at the last step; evaluates at the
+    evaluation points (keeping the best test accuracy in the loop state)."""
+
+    def __init__(
+        self, run: Run, state: LoopState, logger: RunLogger | NullLogger, progress: bool
+    ) -> None:
+        tc = run.cfg.train
+        self.run, self.state, self.logger = run, state, logger
+        self.evaluate = Evaluator(run)
+        self.log_every = tc.log_every
+        self.eval_every = tc.eval_every or run.steps_per_epoch
+        self.progress = progress and run.comm.is_main_process
+        self.counts_skipped = tc.on_nonfinite == "skip_step"
+        self.window = torch.zeros(run.comm.num_local, 3, dtype=torch.float64, device=run.device)
+
+    def after_step(self, done: int, final: bool, verdict: Verdict) -> None:
+        evaluates = done % self.eval_every == 0 or final
+        if not (evaluates or done % self.log_every == 0):
+            return
+        run, state = self.run, self.state
+        run.compute.drain(self.window)
+        run.comm.all_reduce(self.window, op="sum", record=METRICS)
+        loss_sum, acc_sum, count = self.window[0].tolist()
+        row: dict[str, Any] = {
+            "step": done,
+            "epoch": done / run.steps_per_epoch,
+            "samples": done * run.gradients_per_step * run.cfg.train.batch_size,
+            "train/loss": loss_sum / count if count else math.nan,
+            "train/acc": acc_sum / count if count else math.nan,
+            "lr": run.base_lr * run.schedule(done - 1),
+            **bytes_per_worker(run),
+            "comm/modeled_s": run.ledger.modeled_s,
+            **state.clock.metrics(),
+        }
+        if self.counts_skipped:
+            row["train/skipped_steps"] = state.skipped
+        state.algorithm_metrics = run.algorithm.metrics()
+        row.update(state.algorithm_metrics)
+        if evaluates:
+            row.update(self.evaluate())
+            state.best_acc = max(state.best_acc, row["test/acc"])
+        state.last = row
+        self.logger.log(row)
+        if self.progress:
+            print(format_progress(row, run.total_steps), flush=True)
