@@ -44,7 +44,7 @@ def ddp_worker(
     """One rank of a torch DDP run; rank 0 saves the final state dict to `out_path`.
 
     hook: {"compressor": node, "error_feedback": node} registers dpresearch's compressed comm
-    hook (compressors seeded like our workers: (SEED, rank))."""
+    hook (the compressor seeded like our run: SEED; rank r draws worker r's streams)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -55,9 +55,7 @@ def ddp_worker(
         from dpresearch.compress import build_compressor, make_comm_hook
 
         state, fn = make_comm_hook(
-            lambda r: build_compressor(hook["compressor"], None, SEED, r),
-            error_feedback=hook["error_feedback"],
-            model=ddp,
+            build_compressor(hook["compressor"], SEED), ddp, error_feedback=hook["error_feedback"]
         )
         ddp.register_comm_hook(state, fn)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)

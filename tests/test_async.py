@@ -211,8 +211,9 @@ def test_compressed_push_keeps_error_feedback_memory():
     )  # fmt: skip
     g = torch.randn(params.shape[1])
     wire, sent = codec.encode(1, g, step=0)
-    assert codec.memory[0].abs().max() == 0
-    assert torch.allclose(sent + codec.memory[1], g)  # e = p − D(C(p)), p = g
+    memory = codec.memory.memory  # [2, D]: each local worker's e_w
+    assert memory[0].abs().max() == 0
+    assert torch.allclose(sent + memory[1], g)  # e = p − D(C(p)), p = g
     assert (sent != 0).sum() <= sum(max(1, round(0.1 * p.numel())) for p in model.parameters())
     assert codec.wire_bytes == wire.numel() * wire.element_size() < 4 * g.numel()
     decoded = codec.decode(wire, 0, torch.empty_like(g))

@@ -175,3 +175,20 @@ def test_peer_wait_is_the_union_of_waits() -> None:
     assert fit.peer_wait(mine, peer, 0, 1) == [pytest.approx(1.5)]  # [1, 2] ∪ [1.5, 2.5]
     with pytest.raises(ValueError, match="different collectives"):
         fit.peer_wait(mine, peer[:2], 0, 1)
+
+
+def test_stacked_codecs_bench_runs_and_both_sides_agree(capsys) -> None:
+    """The codec benchmark at a tiny size: both sides compute the same aggregate (top-k the
+    same entries, sign the same scales), and it prints one ratio line per case."""
+    spec = importlib.util.spec_from_file_location(
+        "stacked_codecs", SCRIPT.parent / "stacked_codecs.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = bench.main(["--workers", "2", "--rounds", "2", "--steps", "1", "--clock", "cpu"])
+    assert [(r["compressor"], r["workers"]) for r in results] == [("topk", 2), ("sign", 2)]
+    for r in results:
+        assert r["max_abs_diff"] == 0.0
+        assert r["ratio"] > 0 and r["ratio_range"][0] <= r["ratio"] <= r["ratio_range"][1]
+    out = capsys.readouterr().out
+    assert "ratio = ours / per-tensor loop" in out and len(out.strip().splitlines()) == 4

@@ -142,7 +142,7 @@ def gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_identity_equals_plain_allreduce_mean(granularity):
     k = 4
     comm = SimulatedCommunicator(k, NET)
-    reducer = CompressedReducer([Identity() for _ in range(k)], comm, LAYOUT, granularity, 0.001)
+    reducer = CompressedReducer(Identity(), comm, LAYOUT, None, granularity, 0.001)
     g = torch.randn(k, D)
     expected = g.clone()
     comm.all_reduce(expected, op="mean")
@@ -152,13 +152,12 @@ def test_identity_equals_plain_allreduce_mean(granularity):
 
 def test_workers_draw_independent_randomness():
     comm = SimulatedCommunicator(2, NET)
-    reducer = CompressedReducer([QSGD(seed=1, worker=w) for w in range(2)], comm, LAYOUT)
+    reducer = CompressedReducer(QSGD(seed=1), comm, LAYOUT)
     same = torch.randn(1, D).expand(2, D).clone()
-    payloads = [
-        c.compress(same[w, :288], reducer.buckets[0].chunks[0], 0)
-        for w, c in enumerate(reducer.compressors)
-    ]
-    assert not torch.equal(payloads[0][1], payloads[1][1])
+    codec = reducer.compressor.codec(reducer.buckets[0].chunks[:1], workers=comm.local_workers)
+    wire = codec.encode(same[:, :288], 0)
+    packed = [codec.layout.read(wire[w], 0)[1] for w in range(2)]
+    assert not torch.equal(packed[0], packed[1])
 
 
 def test_plan_buckets():
@@ -221,9 +220,7 @@ def test_reducer_refuses_to_sum_non_linear_payloads():
     from dpresearch.compress import TopK
 
     with pytest.raises(ValueError, match="not linear"):
-        CompressedReducer(
-            [TopK(), TopK()], SimulatedCommunicator(2, NET), LAYOUT, collective="allreduce"
-        )
+        CompressedReducer(TopK(), SimulatedCommunicator(2, NET), LAYOUT, collective="allreduce")
 
 
 # -- simulated K = 4 equals 4 gloo processes ----------------------------------------------------

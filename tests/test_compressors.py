@@ -33,10 +33,20 @@ DRAWS = 10_000
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def roundtrip(compressor, x: torch.Tensor, step: int = 0, key: str = "x") -> torch.Tensor:
-    chunk = Chunk(key, 0, x.numel())
+_CODECS: dict = {}
+
+
+def roundtrip(
+    compressor, x: torch.Tensor, step: int = 0, key: str = "x", worker: int = 0
+) -> torch.Tensor:
+    """D(C(x)) for one chunk of one worker, through the compressor's codec (built once)."""
+    cache_key = (id(compressor), x.numel(), key, worker)
+    if cache_key not in _CODECS:
+        _CODECS.clear()
+        _CODECS[cache_key] = compressor.codec([Chunk(key, 0, x.numel())], x.dtype, "cpu", [worker])
+    codec = _CODECS[cache_key]
     out = torch.empty_like(x)
-    compressor.decompress(compressor.compress(x, chunk, step), chunk, step, out)
+    codec.decode(codec.encode(x.unsqueeze(0), step), step, out.unsqueeze(0))
     return out
 
 
@@ -65,9 +75,13 @@ def test_scaled_random_k_is_unbiased():
 
 
 def test_random_k_indices_are_shared_and_change_with_step():
-    a, b = RandomK(ratio=0.05, seed=7, worker=0), RandomK(ratio=0.05, seed=7, worker=3)
+    a = RandomK(ratio=0.05, seed=7)
     chunk = Chunk("layer", 0, 1000)
-    assert torch.equal(a.indices(chunk, 5, torch.device("cpu")), b.indices(chunk, 5, "cpu"))
+    x = torch.randn(1000)
+    codec = a.codec([chunk], workers=[0, 3])
+    wire = codec.encode(x.expand(2, -1), 5)
+    assert torch.equal(wire[0], wire[1])  # workers 0 and 3 send the same positions
+    assert torch.equal(wire[0], x[a.indices(chunk, 5)])
     assert not torch.equal(a.indices(chunk, 5, "cpu"), a.indices(chunk, 6, "cpu"))
 
 
@@ -150,13 +164,15 @@ def test_powersgd_reconstructs_a_rank_r_matrix():
     rows = [(basis @ torch.randn(r, c, generator=gen)).reshape(-1) for _ in range(k)]
     target = torch.stack(rows).mean(0)
     comm = SimulatedCommunicator(k, NET)
-    workers = [PowerSGD(rank=r, min_compression_rate=1.0, seed=1, worker=w) for w in range(k)]
+    compressor = PowerSGD(rank=r, min_compression_rate=1.0, seed=1)
     chunk = Chunk("w", 0, m * c, (m, c))
+    aggregation = compressor.aggregation([chunk], range(k), torch.float32, "cpu")
     out = torch.empty(m * c)
     for step in range(2):  # first step, then warm-started
-        PowerSGD.aggregate(workers, rows, [chunk], comm, step, out)
+        aggregation.run(torch.stack(rows), comm, step, out)
         assert (out - target).norm() / target.norm() < 1e-5
-    assert torch.equal(workers[0].q["w"], workers[2].q["w"])
+    # one Q per process, shared by all its workers (the averaged round-2 factor)
+    assert compressor.q["w"].shape == (c, r)
 
 
 def test_orthogonalize_gives_orthonormal_columns_and_keeps_zero_columns():
@@ -182,7 +198,8 @@ def test_majority_vote_takes_the_sign_of_the_vote():
     rows.append(torch.tensor([-1.0, -1.0, -1.0, 0.0]))
     comm = SimulatedCommunicator(k, NET)
     out = torch.empty(4)
-    MajorityVote.aggregate([MajorityVote()] * k, rows, [Chunk("x", 0, 4)], comm, 0, out)
+    aggregation = MajorityVote().aggregation([Chunk("x", 0, 4)], range(k), torch.float32, "cpu")
+    aggregation.run(torch.stack(rows), comm, 0, out)
     assert out.tolist() == [1.0, -1.0, -1.0, -1.0]
 
 
@@ -223,24 +240,40 @@ def test_sign_bits_round_trip_exactly():
     assert torch.allclose(roundtrip(ScaledSign(), x).abs(), scale.expand(1003))
 
 
+def qsgd_reference_codes(x: torch.Tensor, levels: int, bucket: int, seed: int) -> torch.Tensor:
+    """ξ + s = ⌊v·s/ν + u + s⌋ per entry, written out: norms per bucket, the worker's 16-bit
+    dither stream (u = (r + ½)/2¹⁶), the documented rounding."""
+    from dpresearch.compress import rng
+
+    v = x.view(-1, bucket)
+    norms = torch.linalg.vector_norm(v, 2, dim=1)
+    dither = rng.Int16Stream(seed, torch.device("cpu")).fill(torch.empty(x.numel()))
+    part = dither.view(-1, bucket).addcmul_(v, (levels * 65536.0 / norms).unsqueeze(1))
+    level = torch.add(torch.tensor(levels + 32768.5 / 65536.0), part, alpha=1 / 65536)
+    return level.to(torch.uint8).clamp_(max=2 * levels).view(-1), norms
+
+
 @pytest.mark.parametrize("levels", [1, 2, 3, 7, 15, 127])
 def test_qsgd_levels_round_trip_exactly(levels):
     from dpresearch.compress import rng
-    from dpresearch.compress.quantize import level_bits, quantize
+    from dpresearch.compress.quantize import level_bits
 
     x = torch.randn(3000)
     chunk = Chunk("x", 0, 3000)
     c = QSGD(levels=levels, bucket_size=100)
-    norms, packed = c.compress(x, chunk, step=0)
-    codes = quantize(x, norms, levels, 100, rng.stream_seed("QSGD", 0, 0, "x", 0)).clone()
+    codec = c.codec([chunk])
+    wire = codec.encode(x.unsqueeze(0), step=0)
+    norms, packed = codec.layout.read(wire[0], 0)
+    codes, ref_norms = qsgd_reference_codes(x, levels, 100, rng.stream_seed("QSGD", 0, 0, "x", 0))
+    assert torch.equal(norms, ref_norms)
     assert int(codes.max()) <= 2 * levels
     bits = level_bits(levels)
-    assert packed.numel() == (3000 * bits + 7) // 8
+    assert packed.numel() == (3000 * bits + 7) // 8 == wire.numel() - 4 * 30
     assert torch.equal(unpack_bits(packed, bits, 3000), codes)  # the wire carries the codes
-    out = torch.empty(3000)
-    c.decompress([norms, packed], chunk, 0, out)
+    out = torch.empty(1, 3000)
+    codec.decode(wire, 0, out)
     expected = (codes.float() - levels).view(-1, 100) * (norms / levels).unsqueeze(1)
-    assert torch.equal(out, expected.view(-1))
+    assert torch.equal(out[0], expected.view(-1))
 
 
 # -- B. bytes: ledger = bytes handed to the collective = documented formula --------------------
@@ -295,7 +328,7 @@ def test_recorded_bytes_equal_the_documented_formula(name):
     k = 3
     layout, d = layout_of(SHAPES)
     comm = SimulatedCommunicator(k, NET)
-    reducer = CompressedReducer([make() for _ in range(k)], comm, layout, "tensor", bucket_mb=0)
+    reducer = CompressedReducer(make(), comm, layout, granularity="tensor", bucket_mb=0)
     reducer.reduce(torch.randn(k, d), step=0)
     expected = sum(formula(math.prod(shape), shape) for shape in SHAPES)
     assert comm.ledger.bytes_sent == expected == reducer.payload_bytes()
@@ -309,7 +342,7 @@ def test_one_collective_per_bucket_and_round(name):
     k = 2
     layout, d = layout_of(SHAPES)
     comm = SimulatedCommunicator(k, NET)
-    reducer = CompressedReducer([make() for _ in range(k)], comm, layout, "tensor", bucket_mb=25)
+    reducer = CompressedReducer(make(), comm, layout, granularity="tensor", bucket_mb=25)
     reducer.reduce(torch.randn(k, d), step=0)
     rounds = 2 if name == "powersgd" else 1
     assert len(comm.ledger.step_ops) == rounds
@@ -320,7 +353,7 @@ def test_bucket_and_model_granularity_bytes():
     layout, d = layout_of(SHAPES)
     for granularity, sizes in [("model", [d]), ("bucket", [math.prod(s) for s in SHAPES])]:
         comm = SimulatedCommunicator(2, NET)
-        reducer = CompressedReducer([ScaledSign(), ScaledSign()], comm, layout, granularity, 0)
+        reducer = CompressedReducer(ScaledSign(), comm, layout, None, granularity, 0)
         reducer.reduce(torch.randn(2, d), 0)
         assert comm.ledger.bytes_sent == sum(math.ceil(n / 8) + 4 for n in sizes)
 
@@ -339,7 +372,7 @@ def test_torch_paths_agree_with_numpy_paths(name, monkeypatch):
     for numpy_paths in (True, False):
         monkeypatch.setattr(kernels, "NUMPY_PATHS", numpy_paths)
         comm = SimulatedCommunicator(3, NET)
-        reducer = CompressedReducer([make() for _ in range(3)], comm, layout, "tensor", 0)
+        reducer = CompressedReducer(make(), comm, layout, None, "tensor", 0)
         out = g.clone()
         reducer.reduce(out, step=0)
         results.append((out, comm.ledger.bytes_sent))

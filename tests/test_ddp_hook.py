@@ -36,16 +36,16 @@ WORLD, STEPS, LR, SEED = 2, 5, 0.1, 3
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-# name: (compressor factory (seed, worker), error-feedback kwargs or None)
+# name: (compressor factory, error-feedback kwargs or None)
 CASES = {
-    "topk_ef14": (lambda w: TopK(ratio=0.1, seed=SEED, worker=w), {"mode": "ef14"}),
-    "qsgd_ef14": (lambda w: QSGD(levels=3, bucket_size=32, seed=SEED, worker=w), {"mode": "ef14"}),
+    "topk_ef14": (lambda: TopK(ratio=0.1, seed=SEED), {"mode": "ef14"}),
+    "qsgd_ef14": (lambda: QSGD(levels=3, bucket_size=32, seed=SEED), {"mode": "ef14"}),
     "powersgd_ef14": (
-        lambda w: PowerSGD(rank=1, min_compression_rate=1.0, seed=SEED, worker=w),
+        lambda: PowerSGD(rank=1, min_compression_rate=1.0, seed=SEED),
         {"mode": "ef14"},
     ),
-    "randomk": (lambda w: RandomK(ratio=0.2, seed=SEED, worker=w), None),
-    "signum": (lambda w: MajorityVote(seed=SEED, worker=w), {"mode": "none", "momentum": 0.5}),
+    "randomk": (lambda: RandomK(ratio=0.2, seed=SEED), None),
+    "signum": (lambda: MajorityVote(seed=SEED), {"mode": "none", "momentum": 0.5}),
 }
 
 
@@ -72,7 +72,7 @@ def ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         results = {}
         for name, (factory, ef) in CASES.items():
             ddp = DistributedDataParallel(make_model())
-            state, hook = make_comm_hook(factory, error_feedback=ef, model=ddp)
+            state, hook = make_comm_hook(factory(), ddp, error_feedback=ef)
             ddp.register_comm_hook(state, hook)
             opt = torch.optim.SGD(ddp.parameters(), lr=LR)
             for step in range(STEPS):
@@ -92,10 +92,8 @@ def simulated(name: str) -> tuple[torch.Tensor, int]:
     model = make_model()
     replicas = Replicas(model, WORLD, torch.device("cpu"))
     comm = SimulatedCommunicator(WORLD, NET)
-    compressors = [factory(w) for w in range(WORLD)]
-    if ef is not None:
-        compressors = [ErrorFeedback(c, **ef) for c in compressors]
-    reducer = CompressedReducer(compressors, comm, param_layout(model), granularity="tensor")
+    memory = None if ef is None else ErrorFeedback(**ef)
+    reducer = CompressedReducer(factory(), comm, param_layout(model), memory, granularity="tensor")
     for step in range(STEPS):
         replicas.zero_grad()
         for w, replica in enumerate(replicas.models):
@@ -115,7 +113,7 @@ def free_port() -> int:
 
 def test_hook_rejects_model_granularity():
     with pytest.raises(ValueError, match="one bucket at a time"):
-        make_comm_hook(lambda w: TopK(), granularity="model")
+        make_comm_hook(TopK(), nn.Linear(2, 2), granularity="model")
 
 
 @pytest.mark.distributed

@@ -39,11 +39,12 @@ from dpresearch.asynchrony.accounting import push_accounting, run_summary, trans
 from dpresearch.asynchrony.clock import EventClock
 from dpresearch.asynchrony.options import AsyncOptions, check_options
 from dpresearch.asynchrony.protocol import Protocol
-from dpresearch.asynchrony.push import PushCodec, check_codec, error_feedback_mode
+from dpresearch.asynchrony.push import PushCodec
 from dpresearch.asynchrony.server import ParameterServer
 from dpresearch.asynchrony.speed import SpeedModel
 from dpresearch.asynchrony.staleness import StalenessPolicy
 from dpresearch.comm.base import Communicator
+from dpresearch.compress import check_algorithm_node
 from dpresearch.replicas import Replicas
 
 
@@ -164,8 +165,7 @@ class AsyncSGD(Algorithm):
                 "checkpoint yet; use backend=simulated, or leave train.checkpoint_every and "
                 "train.resume unset"
             )
-        error_feedback_mode(alg.get("error_feedback"))
-        check_codec(alg.get("compressor"))
+        check_algorithm_node(alg, "push")
 
     @classmethod
     def run_process(cls, cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:

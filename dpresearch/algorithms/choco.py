@@ -30,7 +30,14 @@ from omegaconf import DictConfig
 from dpresearch.algorithms.gossip import Gossip
 from dpresearch.comm.base import Communicator
 from dpresearch.comm.topology import Topology
-from dpresearch.compress import build_compressor, param_layout, plan_buckets
+from dpresearch.compress import (
+    build_compressor,
+    build_memory,
+    check_algorithm_node,
+    check_pairing,
+    param_layout,
+    plan_buckets,
+)
 from dpresearch.compress.base import Chunk, SingleRoundCompressor
 from dpresearch.replicas import Replicas
 
@@ -66,25 +73,18 @@ class ChocoSGD(Gossip):
         super().__init__(replicas, comm, optimizers, topology, mix_buffers, eval_local_models)
         check_gamma(gamma)
         self.gamma = gamma
-        node = compressor or {"_target_": "dpresearch.compress.casts.Identity"}
-        if error_feedback is not None and _ef_active(error_feedback):
-            raise ValueError(EF_MESSAGE)
-        self.codecs = [build_compressor(node, None, seed, w) for w in comm.local_workers]
-        lead = self.codecs[0]
-        if not isinstance(lead, SingleRoundCompressor) or not lead.gossip:
-            raise ValueError(codec_message(type(lead).__name__))
+        method = build_compressor(compressor, seed)
+        check_pairing(method, build_memory(error_feedback), "gossip")
+        assert isinstance(method, SingleRoundCompressor)
+        params = replicas.params
         chunks = [
             Chunk(ch.key, bucket.start + ch.offset, ch.numel, ch.shape)
             for bucket in plan_buckets(
-                param_layout(replicas.models[0]),
-                granularity,
-                bucket_mb,
-                replicas.params.element_size(),
+                param_layout(replicas.models[0]), granularity, bucket_mb, params.element_size()
             )
             for ch in bucket.chunks
         ]
-        params = replicas.params
-        self.wire_plan = lead.wire_plan(chunks, params.dtype)
+        self.codec = method.codec(chunks, params.dtype, params.device, comm.local_workers)
         if state_dtype not in STATE_DTYPES:
             raise ValueError(
                 f"algorithm.state_dtype={state_dtype}; choose one of: {', '.join(STATE_DTYPES)}"
@@ -92,24 +92,13 @@ class ChocoSGD(Gossip):
         dtype = STATE_DTYPES[state_dtype]
         self.x_hat = torch.zeros_like(params, dtype=dtype)
         self.s = torch.zeros_like(params, dtype=dtype)
-        layout = self.wire_plan.layout
-        self.wire = torch.empty(
-            comm.num_local, layout.size, dtype=layout.dtype, device=params.device
-        )
 
     @classmethod
     def check_config(cls, cfg: DictConfig) -> None:
         super().check_config(cfg)
         alg = cfg.algorithm
         check_gamma(alg.get("gamma", 0.5))
-        if alg.get("error_feedback") is not None and _ef_active(alg.error_feedback):
-            raise ValueError(EF_MESSAGE)
-        from hydra.utils import instantiate
-
-        node = alg.get("compressor") or {"_target_": "dpresearch.compress.casts.Identity"}
-        codec = instantiate(node, seed=0, worker=0)
-        if not isinstance(codec, SingleRoundCompressor) or not codec.gossip:
-            raise ValueError(codec_message(type(codec).__name__))
+        check_algorithm_node(alg, "gossip")
 
     @classmethod
     def check_topology(cls, topology: Topology) -> None:
@@ -120,25 +109,17 @@ class ChocoSGD(Gossip):
     def after_backward(self, step: int) -> None:
         for opt in self.optimizers:
             opt.step()
-        params, x_hat, s, plan = self.replicas.params, self.x_hat, self.s, self.wire_plan
-        delta = (params - x_hat).to(params.dtype)
-        for w, codec in enumerate(self.codecs):
-            codec.encode(delta[w], plan, step, self.wire[w])
-        received = self.start_exchange(self.wire, step, "wire").wait()
+        params, x_hat, s, codec = self.replicas.params, self.x_hat, self.s, self.codec
+        wire = codec.encode((params - x_hat).to(params.dtype), step)
+        received = self.start_exchange(wire, step, "wire").wait()  # [W, P, L]
         own_w, peer_w = self.local_weights(step)
-        in_degree = [len(self.topology.in_peers(step)[i]) for i in self.comm.local_workers]
-        decoded, term = torch.empty_like(params[0]), torch.empty_like(s[0])
-        lead = self.codecs[0]
-        for w in range(self.comm.num_local):
-            lead.decode(self.wire[w], plan, step, decoded)
-            x_hat[w].add_(decoded)
-            torch.mul(decoded, own_w[w], out=term)
-            s[w].add_(term)
-            for p in range(in_degree[w]):
-                lead.decode(received[w, p], plan, step, decoded)
-                torch.mul(decoded, peer_w[w, p], out=term)
-                s[w].add_(term)
-        # x^{t+1} = x^{t+½} + γ (s − x̂)
+        # x̂_i += D(q_i); s_i += w_ii·D(q_i) + Σ_j w_ij·D(q_j), self first, then in-peers in
+        # ascending order (padding slots are zero rows with weight 0).
+        codec.accumulate(wire.unsqueeze(1), step, x_hat)
+        rows = self.workspace("rows", (wire.shape[0], 1 + received.shape[1], wire.shape[1]), wire)
+        rows[:, 0].copy_(wire)
+        rows[:, 1:].copy_(received)
+        codec.accumulate(rows, step, s, torch.cat([own_w.unsqueeze(1), peer_w], 1))
         # x^{t+1} = x^{t+½} + γ (s − x̂), formed in the state's precision
         params.copy_(params + self.gamma * (s - x_hat))
         self.mix_float_buffers(step)
@@ -160,27 +141,12 @@ class ChocoSGD(Gossip):
 
 
 STATE_DTYPES = {"float64": torch.float64, "float32": torch.float32}
-EF_MESSAGE = (
-    "CHOCO-SGD's public copies x̂ already compensate the compression error; set error_feedback=none"
-)
 TIME_VARYING_MESSAGE = (
     "algorithm=choco keeps s_i = Σ_j w_ij x̂_j, which needs a fixed graph; "
     "topology={name} changes every step: use a static topology (ring, torus, exponential, ...)"
 )
 
 
-def codec_message(name: str) -> str:
-    return (
-        f"compressor {name} cannot be used for gossip (multi-round protocol or a vote, not a "
-        "weighted sum of decoded messages); choose e.g. compressor=topk, randomk, qsgd, sign, "
-        "terngrad, fp16 or identity"
-    )
-
-
 def check_gamma(gamma: float) -> None:
     if not 0.0 < float(gamma) <= 1.0:
         raise ValueError(f"algorithm.gamma={gamma}: the consensus step size must be in (0, 1]")
-
-
-def _ef_active(node: Mapping[str, Any]) -> bool:
-    return node.get("mode", "none") != "none" or float(node.get("momentum", 0.0) or 0.0) > 0

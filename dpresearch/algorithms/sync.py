@@ -30,8 +30,9 @@ BUFFER_MODES = ("broadcast", "local")
 class SyncSGD(Algorithm):
     """Gradient aggregation (compressed or not), then one optimizer step per worker.
 
-    compressor / error_feedback: config nodes (`_target_`s) built once per local worker, seeded
-    by (`seed`, worker id); None means identity without error feedback. overlap: average
+    compressor / error_feedback: config nodes (`_target_`s) built once for this process's
+    workers (worker w's random streams seeded by (`seed`, w)); None means identity without
+    error feedback. overlap: average
     uncompressed gradients during backward where a process holds one worker (see
     `overlap.py`); the result is the same as after backward.
     """
@@ -54,7 +55,6 @@ class SyncSGD(Algorithm):
         if buffers not in BUFFER_MODES:
             raise ValueError(f"algorithm.buffers={buffers!r}; choose one of: {BUFFER_MODES}")
         self.buffer_mode = buffers
-        compressor = compressor or {"_target_": "dpresearch.compress.casts.Identity"}
         self.reducer = build_reducer(
             compressor,
             error_feedback,
@@ -64,6 +64,8 @@ class SyncSGD(Algorithm):
             granularity=granularity,
             bucket_mb=bucket_mb,
             collective=collective,
+            dtype=replicas.grads.dtype,
+            device=replicas.grads.device,
         )
         # Uncompressed gradients on one-worker processes are averaged during backward.
         self.overlap = (

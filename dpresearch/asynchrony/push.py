@@ -2,13 +2,14 @@
 worker's own error-feedback memory.
 
 Uncompressed (identity, no error feedback): the gradient row travels as it is, D elements.
-Compressed, worker w with any single-round codec C of the library (top-k, random-k, QSGD,
-sign, TernGrad, casts):
+Compressed, worker w with any gossip-capable codec C of the library (top-k, random-k, QSGD,
+sign, TernGrad, casts) and the library's error-feedback memory (`compress.ErrorFeedback`, mode
+none or ef14):
 
-    p = g + e_w (ef14; p = g without error feedback)
-    wire = C(p)                   (one row laid out by a `WirePlan`, `wire_bytes` bytes)
+    p = memory.compensate(g)      (ef14: p = g + e_w; none: p = g)
+    wire = C(p)                   (one row laid out by the codec's `WirePlan`, `wire_bytes`)
     d = D(wire)                   (decoded from the wire bytes: exactly what the server sees)
-    e_w ← p − d (ef14)
+    memory.update(p, d)           (ef14: e_w ← p − d)
 
 The codec's `step` argument is the worker's own gradient count, which the server also knows,
 so codecs with shared randomness (random-k) decode the same indices on both sides.
@@ -22,42 +23,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dpresearch.compress import build_compressor, param_layout, plan_buckets
+from dpresearch.compress import build_compressor, build_memory, param_layout, plan_buckets
 from dpresearch.compress.base import Chunk, SingleRoundCompressor
-
-IDENTITY = "dpresearch.compress.casts.Identity"
-EF_MODES = ("none", "ef14")
-
-
-def error_feedback_mode(node: Mapping[str, Any] | None) -> str:
-    """The error-feedback mode of an `error_feedback` node; ValueError for what pushes cannot do
-    (EF21's shared estimate, DGC momentum, dense warm-up)."""
-    if node is None:
-        return "none"
-    mode = node.get("mode", "none")
-    if mode not in EF_MODES:
-        raise ValueError(
-            f"error_feedback.mode={mode}: asynchronous pushes support error_feedback=none or "
-            "ef14 (each worker's own memory)"
-        )
-    if float(node.get("momentum", 0.0) or 0.0) > 0 or int(node.get("start_after_steps", 0) or 0):
-        raise ValueError(
-            "asynchronous pushes take no error_feedback.momentum or start_after_steps; use the "
-            "server optimizer's momentum (optimizer.momentum) instead"
-        )
-    return mode
-
-
-def check_codec(node: Mapping[str, Any] | None) -> SingleRoundCompressor:
-    """The codec a compressor node builds (worker 0's); ValueError if it cannot encode a push."""
-    codec = build_compressor(node or {"_target_": IDENTITY}, None, 0, 0)
-    if not isinstance(codec, SingleRoundCompressor) or not codec.gossip:
-        raise ValueError(
-            f"compressor {type(codec).__name__} cannot compress a push (a multi-round protocol "
-            "or a vote needs every worker at once); choose e.g. compressor=topk, randomk, qsgd, "
-            "sign, terngrad, fp16 or identity"
-        )
-    return codec
+from dpresearch.compress.casts import Identity
+from dpresearch.compress.pairing import check_pairing
 
 
 def parameter_chunks(
@@ -76,7 +45,7 @@ class PushCodec:
 
     compressor / error_feedback: config nodes (None: identity, none). model: the model whose
     flat parameter row is pushed (`Replicas` order). granularity: "tensor", "bucket" or
-    "model" (what one codec call sees).
+    "model" (what one chunk covers).
     """
 
     def __init__(
@@ -90,22 +59,21 @@ class PushCodec:
         granularity: str = "tensor",
         bucket_mb: float = 25.0,
     ) -> None:
-        node = compressor or {"_target_": IDENTITY}
-        self.ef = error_feedback_mode(error_feedback)
-        self.passthrough = node.get("_target_") == IDENTITY and self.ef == "none"
+        method = build_compressor(compressor, seed)
+        self.memory = build_memory(error_feedback)
+        check_pairing(method, self.memory, "push")
+        assert isinstance(method, SingleRoundCompressor)
+        self.workers = tuple(workers)
         self.numel, self.dtype, self.device = params.shape[-1], params.dtype, params.device
-        check_codec(node)
+        self.passthrough = type(method) is Identity and not self.memory.active
         if self.passthrough:
             self.wire_dtype, self.wire_size = params.dtype, self.numel
             return
-        self.codecs = [build_compressor(node, None, seed, w) for w in workers]
         chunks = parameter_chunks(model, granularity, bucket_mb, params.element_size())
-        self.plan = self.codecs[0].wire_plan(chunks, params.dtype)
-        self.wire_dtype, self.wire_size = self.plan.layout.dtype, self.plan.layout.size
-        rows = len(self.codecs)
-        self.memory = torch.zeros(rows, self.numel, dtype=self.dtype, device=self.device)
-        self.wire = torch.empty(rows, self.wire_size, dtype=self.wire_dtype, device=self.device)
-        self.decoded = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        self.codec = method.codec(chunks, params.dtype, params.device, self.workers)
+        self.wire_dtype, self.wire_size = self.codec.layout.dtype, self.codec.wire_size
+        self.memory.bind(len(self.workers), self.numel, params.dtype, params.device)
+        self.decoded = torch.empty(1, self.numel, dtype=self.dtype, device=self.device)
 
     @property
     def wire_bytes(self) -> int:
@@ -118,33 +86,28 @@ class PushCodec:
         Both results are owned by this object and overwritten by the next call."""
         if self.passthrough:
             return grad, grad
-        wire, decoded = self.wire[row], self.decoded
-        p = self.memory[row].add_(grad) if self.ef == "ef14" else grad
-        self.codecs[row].encode(p, self.plan, step, wire)
-        self.codecs[0].decode(wire, self.plan, step, decoded)
-        if self.ef == "ef14":
-            p.sub_(decoded)
-        return wire, decoded
+        rows = slice(row, row + 1)
+        p = self.memory.compensate(grad.unsqueeze(0), step, rows)
+        wire = self.codec.encode(p, step, self.workers[rows])
+        self.codec.decode(wire, step, self.decoded)
+        self.memory.update(p, self.decoded, rows)
+        return wire[0], self.decoded[0]
 
     def state_dict(self) -> dict:
-        """The local workers' error-feedback memories and codec states (none when pushes pass
-        through uncompressed)."""
-        if self.passthrough:
-            return {}
-        return {"memory": self.memory, "codecs": [c.state_dict() for c in self.codecs]}
+        """The local workers' error-feedback memories (none when pushes pass through
+        uncompressed); live tensors."""
+        return {} if self.passthrough else {"memory": self.memory.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if self.passthrough:
             if state:
                 raise ValueError("push codec state: saved compressed, this run pushes plainly")
             return
-        self.memory.copy_(state["memory"])
-        for codec, saved in zip(self.codecs, state["codecs"], strict=True):
-            codec.load_state_dict(saved)
+        self.memory.load_state_dict(state["memory"])
 
     def decode(self, wire: Tensor, step: int, out: Tensor) -> Tensor:
         """The gradient a pushed wire row carries (server side), into `out`."""
         if self.passthrough:
             return out.copy_(wire)
-        self.codecs[0].decode(wire, self.plan, step, out)
+        self.codec.decode(wire.unsqueeze(0), step, out.unsqueeze(0))
         return out

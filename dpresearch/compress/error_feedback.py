@@ -1,32 +1,45 @@
-"""Error feedback as a decorator over any compressor, with DGC momentum correction and a
-dense warm-up."""
+"""Error feedback over stacked rows: the one memory every compressed exchange uses.
+
+    p = memory.compensate(g, step)        # what to compress instead of g   ([W, n] -> [W, n])
+    wire = codec.encode(p, step); sent = codec.decode(wire, ...)   # as the receivers decode it
+    memory.update(p, sent)                # what was not sent is remembered
+
+Synchronous SGD (`reducer.py`), the DDP hook and asynchronous pushes (`asynchrony/push.py`) call
+it; an algorithm that compresses something else (e.g. an outer optimizer's pseudo-gradients)
+does the same. `sent` must be decoded from the wire bytes, never taken from the encoder's
+tensors: the memory then holds exactly what the receivers have not seen.
+
+A memory is configured by the `error_feedback` node and then bound to a `[rows, numel]` state
+(`bind`); every call names the rows and columns it works on (default: all), a slice or, for
+columns, an index tensor (a DDP bucket's parameters in the model's flat order).
+"""
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from dpresearch.comm.base import Communicator
-from dpresearch.compress.base import Chunk, Compressor
-from dpresearch.compress.state import ChunkBuffers
-from dpresearch.compress.workspace import scratch
+from dpresearch.compress.workspace import Workspace
 
 MODES = ("none", "ef14", "ef21")
+ALL = slice(None)
+
+Columns = slice | Tensor
 
 
-class ErrorFeedback(Compressor):
-    """Wraps `inner` (any compressor, any protocol) with per-worker, per-chunk memory.
+class ErrorFeedback:
+    """Per-worker error-feedback memory over stacked rows, with DGC momentum correction and a
+    dense warm-up.
 
-    With g_w the worker's gradient (or its local momentum, below), C the inner compressor and
-    D(C(·)) the message as every receiver decodes it:
+    With g_w the worker's gradient (or its local momentum, below), C the compressor and D(C(·))
+    the message as every receiver decodes it:
     - mode="none":  send C(g_w).
     - mode="ef14" (Seide et al. 2014; Karimireddy et al. 2019):
           p_w = g_w + e_w;  send C(p_w);  e_w ← p_w − D(C(p_w)).
     - mode="ef21" (Richtárik et al. 2021): worker state h_w, shared estimate H = mean_w h_w
       (both start at 0):
           c_w = C(g_w − h_w);  h_w ← h_w + D(c_w);  H ← H + mean_w D(c_w);  aggregate = H.
+      (`combine` turns the aggregate of the messages into H.)
 
     momentum > 0: DGC's momentum correction (Lin et al. 2018): u_w ← m·u_w + g_w, and u_w
     replaces g_w above, so momentum is applied before compression — run the optimizer without
@@ -34,126 +47,132 @@ class ErrorFeedback(Compressor):
     (DGC's momentum factor masking, meant for sparsifiers; leave it off for dense compressors,
     e.g. Signum = majority vote with local momentum, where it would erase the momentum).
 
-    start_after_steps: steps before that are dense (allreduce-mean of g_w, 4 bytes per entry).
-    They leave EF14's memory at zero; EF21 sets h_w = g_w and H = mean_w g_w (its full-gradient
-    initialisation), so the estimate carries over into compression.
-
-    Wire bytes: those of `inner`.
+    start_after_steps: steps before that are dense (`warming_up`; the caller exchanges p
+    uncompressed, an allreduce-mean, 4 bytes per entry, and calls `warm`). They leave EF14's
+    memory at zero; EF21 sets h_w = g_w and H = mean_w g_w (its full-gradient initialisation),
+    so the estimate carries over into compression.
     """
 
     def __init__(
         self,
-        inner: Compressor,
         mode: str = "ef14",
         momentum: float = 0.0,
         momentum_masking: bool = False,
         start_after_steps: int = 0,
     ) -> None:
-        super().__init__(inner.seed, inner.worker)
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}; choose one of: {', '.join(MODES)}")
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum={momentum}: must be in [0, 1)")
         if start_after_steps < 0:
             raise ValueError(f"start_after_steps={start_after_steps}: must be >= 0")
-        self.inner, self.mode, self.momentum = inner, mode, momentum
-        self.momentum_masking, self.start_after_steps = momentum_masking, start_after_steps
-        self.memory = ChunkBuffers()  # e_w (ef14) or h_w (ef21)
-        self.estimate = ChunkBuffers()  # H (ef21), identical on every worker
-        self.velocity = ChunkBuffers()  # u_w
+        self.mode, self.momentum = mode, float(momentum)
+        self.momentum_masking, self.start_after_steps = momentum_masking, int(start_after_steps)
+        self.memory: Tensor | None = None  # e_w (ef14) or h_w (ef21): [rows, numel]
+        self.velocity: Tensor | None = None  # u_w: [rows, numel]
+        self.estimate: Tensor | None = None  # H (ef21), the same for every worker: [numel]
+        self.ws = Workspace()
 
     @property
-    def linear(self) -> bool:  # type: ignore[override]
-        return self.inner.linear
+    def active(self) -> bool:
+        """Whether this memory changes anything (else p = g and nothing is kept)."""
+        return self.mode != "none" or self.momentum > 0 or self.start_after_steps > 0
 
     @property
-    def wraps(self) -> Compressor:
-        return self.inner.wraps
+    def wants_sent(self) -> bool:
+        """Whether `update` needs the decoded messages."""
+        return self.mode != "none" or (self.momentum > 0 and self.momentum_masking)
 
-    def payload_bytes(
-        self, numel: int, shape: tuple[int, ...] | None = None, dtype: torch.dtype = torch.float32
-    ) -> int:
-        return self.inner.payload_bytes(numel, shape, dtype)
+    def bind(
+        self, rows: int, numel: int, dtype: torch.dtype = torch.float32, device="cpu"
+    ) -> ErrorFeedback:
+        """Allocate the state for `rows` workers of `numel` entries (zeros); returns self."""
 
-    def state_dict(self) -> dict:
-        return {
-            "memory": self.memory.state_dict(),
-            "estimate": self.estimate.state_dict(),
-            "velocity": self.velocity.state_dict(),
-            "inner": self.inner.state_dict(),
-        }
+        def zeros(*shape: int) -> Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.memory.load_state_dict(state["memory"])
-        self.estimate.load_state_dict(state["estimate"])
-        self.velocity.load_state_dict(state["velocity"])
-        self.inner.load_state_dict(state["inner"])
+        self.memory = zeros(rows, numel) if self.mode != "none" else None
+        self.velocity = zeros(rows, numel) if self.momentum else None
+        self.estimate = zeros(numel) if self.mode == "ef21" else None
+        return self
 
-    @classmethod
-    def aggregate(
-        cls,
-        workers: Sequence[Compressor],
-        rows: Sequence[Tensor],
-        chunks: Sequence[Chunk],
-        comm: Communicator,
-        step: int,
-        out: Tensor,
-        local: Sequence[Tensor] | None = None,
-        collective: str = "auto",
-    ) -> None:
-        efs = [w for w in workers if isinstance(w, ErrorFeedback)]
-        assert len(efs) == len(workers)
-        lead, n_workers, numel = efs[0], len(rows), rows[0].numel()
-        inners = [ef.inner for ef in efs]
-        protocol = type(inners[0]).aggregate
+    def warming_up(self, step: int) -> bool:
+        """Whether `step` is a dense warm-up step."""
+        return step < self.start_after_steps
 
-        grads: Sequence[Tensor] = rows
-        if lead.momentum:
-            grads = []
-            for ef, row in zip(efs, rows, strict=True):
-                velocity = ef.velocity.get(chunks, row)
-                grads.append(velocity.mul_(lead.momentum).add_(row))
+    # -- the protocol -----------------------------------------------------------------------
+    def compensate(self, g: Tensor, step: int, rows: slice = ALL, cols: Columns = ALL) -> Tensor:
+        """p for the gradients `g` `[r, n]` of rows `rows`, columns `cols` of the state (see the
+        class docstring). During warm-up: g (or u_w) itself. p may be a view of the state:
+        pass it unchanged to `update` (or `warm`) before the next call."""
+        u = g
+        if self.velocity is not None:
+            u = _take(self.velocity, rows, cols)
+            u.mul_(self.momentum).add_(g)
+            _put(self.velocity, rows, cols, u)
+        if self.mode == "none" or self.warming_up(step):
+            return u
+        memory = _take(self.memory, rows, cols)
+        if self.mode == "ef14":
+            return memory.add_(u)  # stored back by `update`
+        delta = self.ws.get("delta", tuple(u.shape), u.dtype, u.device)
+        return torch.sub(u, memory, out=delta)
 
-        if step < lead.start_after_steps:
-            wire = scratch("ef.dense", (n_workers, numel), rows[0].dtype, rows[0].device)
-            for w, g in enumerate(grads):
-                wire[w].copy_(g)
-            comm.all_reduce(wire, op="sum")
-            torch.div(wire[0], comm.world_size, out=out)
-            if lead.mode == "ef21":  # start from the full gradients, as EF21 allows
-                for ef, g in zip(efs, grads, strict=True):
-                    ef.memory.get(chunks, g).copy_(g)
-                    ef.estimate.get(chunks, out).copy_(out)
-            if local is not None:
-                for w, g in enumerate(grads):
-                    local[w].copy_(g)
+    def update(self, p: Tensor, sent: Tensor, rows: slice = ALL, cols: Columns = ALL) -> None:
+        """After sending `p`: `sent` `[r, n]` is each row's message as decoded from the wire."""
+        if self.mode == "ef14":
+            _put(self.memory, rows, cols, p.sub_(sent))
+        elif self.mode == "ef21":
+            memory = _take(self.memory, rows, cols)
+            _put(self.memory, rows, cols, memory.add_(sent))
+        if self.velocity is not None and self.momentum_masking:
+            velocity = _take(self.velocity, rows, cols)
+            sent_entries = self.ws.get("masked", tuple(sent.shape), torch.bool, sent.device)
+            torch.ne(sent, 0, out=sent_entries)
+            _put(self.velocity, rows, cols, velocity.masked_fill_(sent_entries, 0.0))
+
+    def combine(self, aggregate: Tensor, cols: Columns = ALL) -> None:
+        """EF21: H ← H + aggregate; aggregate ← H (in place, `[n]`). Other modes: nothing."""
+        if self.mode != "ef21":
             return
+        estimate = _take(self.estimate, None, cols)
+        estimate.add_(aggregate)
+        _put(self.estimate, None, cols, estimate)
+        aggregate.copy_(estimate)
 
-        masking = lead.momentum > 0 and lead.momentum_masking
-        sent = scratch("ef.sent", (n_workers, numel), rows[0].dtype, rows[0].device)
-        if lead.mode == "none":
-            wanted = masking or local is not None
-            protocol(inners, grads, chunks, comm, step, out, sent if wanted else None, collective)
-        elif lead.mode == "ef14":
-            memories = [ef.memory.get(chunks, g).add_(g) for ef, g in zip(efs, grads, strict=True)]
-            protocol(inners, memories, chunks, comm, step, out, sent, collective)
-            for memory, message in zip(memories, sent, strict=True):
-                memory.sub_(message)
-        else:
-            memories = [ef.memory.get(chunks, g) for ef, g in zip(efs, grads, strict=True)]
-            deltas = scratch("ef.delta", (n_workers, numel), rows[0].dtype, rows[0].device)
-            for delta, g, memory in zip(deltas, grads, memories, strict=True):
-                torch.sub(g, memory, out=delta)
-            protocol(inners, list(deltas), chunks, comm, step, out, sent, collective)
-            for memory, message in zip(memories, sent, strict=True):
-                memory.add_(message)
-            for ef in efs:
-                ef.estimate.get(chunks, out).add_(out)
-            out.copy_(lead.estimate.get(chunks, out))
+    def warm(self, p: Tensor, mean: Tensor, rows: slice = ALL, cols: Columns = ALL) -> None:
+        """After a dense warm-up step that sent `p` and agreed on `mean` `[n]`: EF21 starts
+        from the full gradients (h_w = p_w, H = mean); other modes keep their memory."""
+        if self.mode == "ef21":
+            _put(self.memory, rows, cols, p)
+            _put(self.estimate, None, cols, mean)
 
-        if masking:
-            for velocity, message in zip(grads, sent, strict=True):
-                velocity.masked_fill_(message != 0, 0.0)
-        if local is not None:
-            for w in range(n_workers):
-                local[w].copy_(sent[w])
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Tensor | None]:
+        """The state tensors (live, not copies: read them between steps)."""
+        return {"memory": self.memory, "velocity": self.velocity, "estimate": self.estimate}
+
+    def load_state_dict(self, state: dict[str, Tensor | None]) -> None:
+        for name in ("memory", "velocity", "estimate"):
+            mine, saved = getattr(self, name), state.get(name)
+            if (mine is None) != (saved is None):
+                raise ValueError(f"error-feedback state: {name} saved with another configuration")
+            if mine is not None:
+                mine.copy_(saved)
+
+
+def _take(state: Tensor, rows: slice | None, cols: Columns) -> Tensor:
+    """state[rows, cols] (a 1-D state when rows is None): a view for slices, else a copy."""
+    part = state if rows is None else state[rows]
+    return part[..., cols]
+
+
+def _put(state: Tensor, rows: slice | None, cols: Columns, value: Tensor) -> None:
+    """state[rows, cols] = value, unless value already is that view."""
+    part = state if rows is None else state[rows]
+    if isinstance(cols, slice):
+        target = part[..., cols]
+        if target.data_ptr() != value.data_ptr() or target.stride() != value.stride():
+            target.copy_(value)
+        return
+    part.index_copy_(-1, cols, value)

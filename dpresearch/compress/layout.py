@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from dpresearch.compress.base import Chunk
+from dpresearch.compress.chunks import Chunk
 
 GRANULARITIES = ("tensor", "bucket", "model")
 ParamLayout = Sequence[tuple[int, tuple[int, ...]]]

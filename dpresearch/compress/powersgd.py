@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from dpresearch.comm.base import Communicator
 from dpresearch.compress import rng
-from dpresearch.compress.base import Chunk, Compressor
-from dpresearch.compress.workspace import scratch
+from dpresearch.compress.base import Aggregation, Compressor
 
 
 def orthogonalize(matrix: Tensor) -> None:
@@ -23,6 +21,72 @@ def orthogonalize(matrix: Tensor) -> None:
         if i + 1 < matrix.shape[1]:
             rest = matrix[:, i + 1 :]
             rest.sub_(col * (col.T @ rest))
+
+
+class PowerSGDAggregation(Aggregation):
+    """PowerSGD's two rounds for one bucket: the plan (which chunks are low-rank, their m × c)
+    and both rounds' wire buffers, built once; Q from the compressor's per-process state."""
+
+    compressor: PowerSGD
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        c, chunks = self.compressor, self.chunks
+        r, rows = c.rank, len(self.workers)
+        plans = [(ch, c.matrix_shape(ch.numel, ch.shape)) for ch in chunks]
+        self.dense = [ch for ch, mc in plans if mc is None]
+        self.low = [(ch, mc[0], mc[1]) for ch, mc in plans if mc is not None]
+        # where each chunk's part sits in the round-1 rows (dense chunks, then P factors) and
+        # in the round-2 rows (Q factors)
+        self.dense_at, self.p_at, self.q_at = [], [], []
+        size1 = size2 = 0
+        for ch in self.dense:
+            self.dense_at.append(slice(size1, size1 + ch.numel))
+            size1 += ch.numel
+        for _, m, cc in self.low:
+            self.p_at.append(slice(size1, size1 + m * r))
+            self.q_at.append(slice(size2, size2 + cc * r))
+            size1, size2 = size1 + m * r, size2 + cc * r
+        self.wire1 = torch.empty(rows, size1, dtype=self.dtype, device=self.device)
+        self.wire2 = torch.empty(rows, size2, dtype=self.dtype, device=self.device)
+
+    def run(
+        self, x: Tensor, comm: Communicator, step: int, out: Tensor, sent: Tensor | None = None
+    ) -> None:
+        c, wire, wire2 = self.compressor, self.wire1, self.wire2
+        r, k = c.rank, comm.world_size
+        rows = list(x.unbind(0))
+        matrices = [[_Matrix(row[ch.slice], m, cc) for ch, m, cc in self.low] for row in rows]
+        qs = [c.current_q(ch.key, step, cc, x) for ch, _, cc in self.low]
+        for w, row in enumerate(rows):
+            for ch, at in zip(self.dense, self.dense_at, strict=True):
+                wire[w, at].copy_(row[ch.slice])
+            for (_, m, _), at, matrix, q in zip(self.low, self.p_at, matrices[w], qs, strict=True):
+                matrix.times(q, out=wire[w, at].view(m, r))
+        comm.all_reduce(wire, op="sum")
+        reduced = wire[0].div(k)
+        for ch, at in zip(self.dense, self.dense_at, strict=True):
+            out[ch.slice].copy_(reduced[at])
+            if sent is not None:
+                sent[:, ch.slice].copy_(x[:, ch.slice])
+        if not self.low:
+            return
+        ps = [reduced[at].view(m, r) for (_, m, _), at in zip(self.low, self.p_at, strict=True)]
+        for p in ps:
+            orthogonalize(p)
+
+        for w in range(len(rows)):
+            for matrix, p, at in zip(matrices[w], ps, self.q_at, strict=True):
+                matrix.transposed_times(p, out=wire2[w, at].view(-1, r))
+        comm.all_reduce(wire2, op="sum")
+        reduced2 = wire2[0].div(k)
+        for (ch, m, cc), p, at in zip(self.low, ps, self.q_at, strict=True):
+            q = reduced2[at].view(cc, r)
+            c.q[ch.key] = q.clone()
+            approx = out[ch.slice]
+            _Matrix(approx, m, cc).assign_product(p, q)
+            if sent is not None:
+                sent[:, ch.slice].copy_(approx.expand(len(rows), -1))
 
 
 class PowerSGD(Compressor):
@@ -46,11 +110,15 @@ class PowerSGD(Compressor):
     Wire bytes per chunk of d fp32 entries: 4·r·(m + c) when compressed (4·m·r in round 1,
     4·c·r in round 2), else 4·d (round 1).
 
+    State: the warm-start Q of every chunk, keyed by chunk key and held once per process by
+    this instance (the same on every worker), so it survives regrouped buckets (a DDP hook's).
     Initial Q ~ N(0, 1), drawn from (run seed, key) so that all workers agree; with
     `warm_start=False` it is redrawn every step from (run seed, key, step).
     """
 
     linear = True
+    rounds = 2
+    aggregation_class = PowerSGDAggregation
 
     def __init__(
         self,
@@ -58,9 +126,8 @@ class PowerSGD(Compressor):
         min_compression_rate: float = 2.0,
         warm_start: bool = True,
         seed: int = 0,
-        worker: int = 0,
     ) -> None:
-        super().__init__(seed, worker)
+        super().__init__(seed)
         if rank < 1:
             raise ValueError(f"rank={rank}: must be >= 1")
         if min_compression_rate < 0:
@@ -90,100 +157,22 @@ class PowerSGD(Compressor):
         mc = self.matrix_shape(numel, shape)
         return size * (numel if mc is None else self.rank * (mc[0] + mc[1]))
 
-    def _initial_q(self, key: str, step: int, c: int, like: Tensor) -> Tensor:
+    def current_q(self, key: str, step: int, c: int, like: Tensor) -> Tensor:
+        """The Q `[c, r]` chunk `key` starts `step` from: last step's, or a fresh draw."""
+        q = self.q.get(key)
+        if self.warm_start and q is not None and q.shape == (c, self.rank):
+            return q
         parts: tuple = ("powersgd", self.seed, key)
         if not self.warm_start:
             parts += (step,)
         gen = rng.generator(rng.stream_seed(*parts))
         return torch.randn(c, self.rank, generator=gen).to(like)
 
-    def _q(self, key: str, step: int, c: int, like: Tensor) -> Tensor:
-        q = self.q.get(key)
-        if not self.warm_start or q is None or q.shape != (c, self.rank):
-            q = self._initial_q(key, step, c, like)
-        return q
-
     def state_dict(self) -> dict:
-        return {"q": {k: v.clone() for k, v in self.q.items()}}
+        return {"q": dict(self.q)}
 
     def load_state_dict(self, state: dict) -> None:
         self.q = {k: v.clone() for k, v in state.get("q", {}).items()}
-
-    @classmethod
-    def aggregate(
-        cls,
-        workers: Sequence[Compressor],
-        rows: Sequence[Tensor],
-        chunks: Sequence[Chunk],
-        comm: Communicator,
-        step: int,
-        out: Tensor,
-        local: Sequence[Tensor] | None = None,
-        collective: str = "auto",
-    ) -> None:
-        if collective == "allgather":
-            raise ValueError("powersgd runs its own two allreduce rounds; use collective=auto")
-        lead = workers[0]
-        assert isinstance(lead, PowerSGD)
-        r, k, n_workers = lead.rank, comm.world_size, len(rows)
-        dtype, device = rows[0].dtype, rows[0].device
-        plans = [(ch, lead.matrix_shape(ch.numel, ch.shape)) for ch in chunks]
-        dense = [ch for ch, mc in plans if mc is None]
-        low = [(ch, mc[0], mc[1]) for ch, mc in plans if mc is not None]
-
-        matrices = [[_Matrix(row[ch.slice], m, c) for ch, m, c in low] for row in rows]
-        size1 = sum(ch.numel for ch in dense) + sum(m * r for _, m, _ in low)
-        wire = scratch("powersgd.round1", (n_workers, size1), dtype, device)
-        for w, (worker, row) in enumerate(zip(workers, rows, strict=True)):
-            offset = 0
-            for ch in dense:
-                wire[w, offset : offset + ch.numel].copy_(row[ch.slice])
-                offset += ch.numel
-            for (ch, m, c), matrix in zip(low, matrices[w], strict=True):
-                q = worker._q(ch.key, step, c, row)
-                matrix.times(q, out=wire[w, offset : offset + m * r].view(m, r))
-                offset += m * r
-        comm.all_reduce(wire, op="sum")
-        reduced = wire[0].div(k)
-
-        offset = 0
-        for ch in dense:
-            out[ch.slice].copy_(reduced[offset : offset + ch.numel])
-            if local is not None:
-                for w, row in enumerate(rows):
-                    local[w][ch.slice].copy_(row[ch.slice])
-            offset += ch.numel
-        if not low:
-            return
-        ps = []
-        for _, m, _ in low:
-            p = reduced[offset : offset + m * r].view(m, r)
-            orthogonalize(p)
-            ps.append(p)
-            offset += m * r
-
-        size2 = sum(c * r for _, _, c in low)
-        wire2 = scratch("powersgd.round2", (n_workers, size2), dtype, device)
-        for w in range(n_workers):
-            offset = 0
-            for (_, _m, c), matrix, p in zip(low, matrices[w], ps, strict=True):
-                matrix.transposed_times(p, out=wire2[w, offset : offset + c * r].view(c, r))
-                offset += c * r
-        comm.all_reduce(wire2, op="sum")
-        reduced2 = wire2[0].div(k)
-
-        offset = 0
-        for (ch, _m, c), p in zip(low, ps, strict=True):
-            q = reduced2[offset : offset + c * r].view(c, r)
-            offset += c * r
-            for worker in workers:
-                assert isinstance(worker, PowerSGD)
-                worker.q[ch.key] = q.clone()
-            approx = out[ch.slice]
-            _Matrix(approx, p.shape[0], c).assign_product(p, q)
-            if local is not None:
-                for w in range(n_workers):
-                    local[w][ch.slice].copy_(approx)
 
 
 class _Matrix:

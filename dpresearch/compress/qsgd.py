@@ -2,37 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
-from dpresearch.compress import rng
 from dpresearch.compress.base import Chunk, SingleRoundCompressor
-from dpresearch.compress.quantize import (
-    MAX_LEVELS,
-    bucket_norms,
-    dequantize,
-    level_bits,
-    quantize,
-)
-from dpresearch.compress.wire import Spec, pack_bits, packed_size, unpack_bits
+from dpresearch.compress.quantize import MAX_LEVELS, QuantizeCodec, level_bits
+from dpresearch.compress.wire import Spec, packed_size
 
 
 class QSGD(SingleRoundCompressor):
-    """Q_s(v)_i = ‖v‖₂·sign(v_i)·ξ_i/s per bucket of `bucket_size` entries (null: one bucket
-    per chunk), ξ_i the stochastic rounding of s·|v_i|/‖v‖₂ (see `quantize.py`). Unbiased, with
-    E‖Q_s(v) − v‖² ≤ min(d/s², √d/s)·‖v‖² per bucket of d entries (Lemma 3.1). Non-linear
-    (per-worker norms): gathered.
+    """Q_s(v)_i = ‖v‖₂·sign(v_i)·ξ_i/s per bucket of `bucket_size` entries of a chunk (null: one
+    bucket per chunk), ξ_i the stochastic rounding of s·|v_i|/‖v‖₂ (see `quantize.py`).
+    Unbiased, with E‖Q_s(v) − v‖² ≤ min(d/s², √d/s)·‖v‖² per bucket of d entries (Lemma 3.1).
+    Non-linear (per-worker norms): gathered.
 
     Wire bytes per chunk of d entries with b = ⌈log₂(2s+1)⌉ bits per level (sign included):
     4·⌈d/B⌉ + ⌈d·b/8⌉ — the fp32 bucket norms, then the bit-packed levels.
     """
 
-    def __init__(
-        self, levels: int = 7, bucket_size: int | None = 512, seed: int = 0, worker: int = 0
-    ) -> None:
-        super().__init__(seed, worker)
+    codec_class = QuantizeCodec
+
+    def __init__(self, levels: int = 7, bucket_size: int | None = 512, seed: int = 0) -> None:
+        super().__init__(seed)
         if not 1 <= levels <= MAX_LEVELS:
             raise ValueError(f"levels={levels}: must be in 1..{MAX_LEVELS} (at most 8 bits)")
         if bucket_size is not None and bucket_size < 1:
@@ -40,25 +31,15 @@ class QSGD(SingleRoundCompressor):
         self.levels, self.bucket_size = levels, bucket_size
         self.bits = level_bits(levels)
 
-    def _bucket(self, numel: int) -> int:
+    def bucket(self, numel: int) -> int:
+        """Entries per bucket in a chunk of `numel` entries."""
         return max(1, min(self.bucket_size or numel, numel))
 
     def payload_spec(self, chunk: Chunk, dtype: torch.dtype) -> Spec:
-        buckets = -(-chunk.numel // self._bucket(chunk.numel))
+        buckets = -(-chunk.numel // self.bucket(chunk.numel))
         return [(torch.float32, buckets), (torch.uint8, packed_size(chunk.numel, self.bits))]
 
-    def norms(self, x: Tensor) -> Tensor:
-        """One fp32 norm per bucket (the scale each level is a fraction of)."""
-        return bucket_norms(x, self._bucket(x.numel()))
-
-    def compress(self, x: Tensor, chunk: Chunk, step: int) -> list[Tensor]:
-        bucket = self._bucket(x.numel())
-        norms = self.norms(x)
-        seed = rng.stream_seed(type(self).__name__, self.seed, self.worker, chunk.key, step)
-        codes = quantize(x, norms, self.levels, bucket, seed)
-        return [norms, pack_bits(codes, self.bits)]
-
-    def decompress(self, payload: Sequence[Tensor], chunk: Chunk, step: int, out: Tensor) -> None:
-        norms, packed = payload
-        codes = unpack_bits(packed, self.bits, chunk.numel)
-        dequantize(codes, norms, self.levels, self._bucket(chunk.numel), out)
+    def norms(self, buckets: Tensor) -> Tensor:
+        """The fp32 norm of each bucket: `[..., B]` → `[...]` (the scale each level is a
+        fraction of)."""
+        return torch.linalg.vector_norm(buckets, 2, dim=-1, dtype=torch.float32)

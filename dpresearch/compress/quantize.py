@@ -1,25 +1,38 @@
-"""Unbiased stochastic quantization to 2s+1 signed levels, shared by QSGD and TernGrad.
+"""Unbiased stochastic quantization to 2s+1 signed levels over stacked rows, shared by QSGD and
+TernGrad.
 
-Each bucket of B entries has a norm ν (fp32). An entry v becomes the integer level
+Each bucket of B entries of a chunk has a norm ν (fp32). An entry v becomes the integer level
 ξ = ⌊v·s/ν + u⌋ ∈ [−s, s] with a dither u uniform in [0, 1), and decodes to ξ·ν/s. Rounding a
 signed value with a dither is exactly QSGD's rule — |v|·s/ν rounded up with probability equal
 to its fractional part, sign restored — because stochastic rounding commutes with negation.
 
-Levels travel as ξ + s in ⌈log₂(2s+1)⌉ bits (`wire.pack_bits`). The dither has 16 random bits
+Levels travel as ξ + s in ⌈log₂(2s+1)⌉ bits (`wire.pack_rows`). The dither has 16 random bits
 (u = (r + ½)/2¹⁶, r uniform on 0…2¹⁶−1), so the probability of rounding up is the fractional
 part rounded to a multiple of 2⁻¹⁶: the quantizer is unbiased to within 2⁻¹⁷ of one level
 step, far below fp32's own rounding of v·s/ν at large s. (16 bits instead of a 24-bit float
-draw make the random stream four times cheaper on the CPU.)
+draw make the random stream four times cheaper on the CPU.) Each worker and chunk has its own
+dither stream, seeded by (method, run seed, worker, chunk key, step).
+
+`QuantizeCodec` quantizes a whole bucket for all rows at once: norms per group of equal-size
+chunks (a `[R, G, buckets, B]` view), one dither fill per row and chunk, one pass for the
+levels, one `pack_rows` per run of chunks.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from dpresearch.compress import rng
-from dpresearch.compress.kernels import BLOCK, cast_into
-from dpresearch.compress.workspace import scratch
+from dpresearch.compress.chunks import ChunkGroup
+from dpresearch.compress.codec import Codec
+from dpresearch.compress.kernels import cast_into
+from dpresearch.compress.wire import pack_rows, packed_size, unpack_rows
+
+if TYPE_CHECKING:
+    from dpresearch.compress.qsgd import QSGD
 
 MAX_LEVELS = 127  # ξ + s must fit in one byte
 
@@ -29,70 +42,106 @@ def level_bits(levels: int) -> int:
     return (2 * levels).bit_length()
 
 
-def bucket_views(x: Tensor, bucket: int, start: int = 0) -> list[tuple[Tensor, slice]]:
-    """The 1-D `x`, which begins at entry `start` of its chunk, cut at bucket boundaries into
-    2-D views (no copies): a partial first bucket, [full buckets, B], a partial last bucket;
-    each with the slice of per-bucket norms it uses."""
-    d, pos, index = x.numel(), 0, start // bucket
+def bucket_parts(view: Tensor, bucket: int) -> list[Tensor]:
+    """A group view `[..., d]` cut at bucket boundaries into `[..., full, B]` and, for a partial
+    last bucket, `[..., 1, d mod B]` (views, no copies)."""
+    d = view.shape[-1]
+    full = d // bucket
     parts = []
-    head = min((-start) % bucket, d)
-    if head:
-        parts.append((x[:head].view(1, -1), slice(index, index + 1)))
-        pos, index = head, index + 1
-    full = (d - pos) // bucket
     if full:
-        parts.append((x[pos : pos + full * bucket].view(full, bucket), slice(index, index + full)))
-        pos, index = pos + full * bucket, index + full
-    if pos < d:
-        parts.append((x[pos:].view(1, -1), slice(index, index + 1)))
+        parts.append(view[..., : full * bucket].unflatten(-1, (full, bucket)))
+    if d % bucket:
+        parts.append(view[..., full * bucket :].unsqueeze(-2))
     return parts
 
 
-def bucket_norms(x: Tensor, bucket: int, ord: float = 2.0) -> Tensor:
-    """fp32 norm of each bucket of `x`: ⌈d/B⌉ values."""
-    views = bucket_views(x, bucket)
-    norms = [torch.linalg.vector_norm(v, ord, dim=1, dtype=torch.float32) for v, _ in views]
-    return torch.cat(norms)
+class QuantizeCodec(Codec):
+    """The codec of `QSGD` and its subclasses (the compressor supplies `levels`, `bits`,
+    `bucket(d)` and `norms(parts)`). Payload per chunk: fp32 norms (one region for all chunks),
+    then bit-packed levels (a second region)."""
 
+    compressor: QSGD
 
-def quantize(x: Tensor, norms: Tensor, levels: int, bucket: int, seed: int) -> Tensor:
-    """Levels ξ + s ∈ [0, 2s] of `x` (uint8, one per entry), given each bucket's norm; a view
-    of a scratch buffer, to be packed before the next call.
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        c = self.compressor
+        self.levels, self.bits = c.levels, c.bits
+        self.name = type(c).__name__
+        self.num_norms = self.layout.regions[torch.float32][1]
+        # per group: the slots of its chunks' norms in the norms region, [G·buckets]
+        self.norm_slots = []
+        for group in self.table.groups:
+            count = -(-group.numel // c.bucket(group.numel))
+            starts = [self.layout.slots[i][0][1] for i in group.members]
+            self.norm_slots.append(
+                torch.cat([torch.arange(s, s + count) for s in starts]).to(self.device)
+            )
+        self.spans = []  # (row columns, packed-level bytes) per run of chunks
+        for first, last in self.table.runs(self.bits):
+            head, tail = self.chunks[first], self.chunks[last - 1]
+            start, end = self.layout.slots[first][1][1], self.layout.slots[last - 1][1][1]
+            end += packed_size(tail.numel, self.bits)
+            self.spans.append((slice(head.offset, tail.offset + tail.numel), slice(start, end)))
 
-    Works block by block (`kernels.BLOCK` entries) so that the fp32 temporary stays in cache."""
-    d = x.numel()
-    scale = torch.where(norms > 0, levels * 65536.0 / norms, torch.zeros_like(norms))
-    offset = torch.tensor(levels + 32768.5 / 65536.0, device=x.device)
-    dither = rng.Int16Stream(seed, x.device)
-    codes = scratch("quantize.codes", d, torch.uint8, x.device)
-    y = scratch("quantize.y", min(BLOCK, d), torch.float32, x.device)
-    for start in range(0, d, BLOCK):
-        size = min(BLOCK, d - start)
-        part = dither.fill(y[:size])
+    def _group_parts(
+        self, x: Tensor, group: ChunkGroup, slots: Tensor, per_bucket: Tensor
+    ) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
+        """The bucket parts of `x`'s group view (see `bucket_parts`), each paired with its
+        buckets' values from `per_bucket` `[R, NB]` (shaped to broadcast), and the view."""
+        bucket = self.compressor.bucket(group.numel)
+        view = self.table.view(x, group)
+        values = per_bucket[:, slots].view(*view.shape[:-1], -1, 1)
+        full = group.numel // bucket
+        parts = bucket_parts(view, bucket)
+        pairs = [(parts[0], values[..., :full, :])]
+        if len(parts) > 1:
+            pairs.append((parts[1], values[..., full:, :]))
+        return pairs, view
+
+    def encode_rows(self, x: Tensor, step: int, workers: tuple[int, ...], wire: Tensor) -> None:
+        c, rows = self.compressor, x.shape[0]
+        norms = self.ws.get("norms", (rows, self.num_norms), torch.float32, self.device)
+        for group, slots in zip(self.table.groups, self.norm_slots, strict=True):
+            view = self.table.view(x, group)
+            bucket = c.bucket(group.numel)
+            found = [c.norms(part) for part in bucket_parts(view, bucket)]
+            norms.index_copy_(1, slots, torch.cat(found, -1).flatten(1))
+        scale = torch.where(norms > 0, self.levels * 65536.0 / norms, torch.zeros_like(norms))
+        part = self.ws.get("part", tuple(x.shape), torch.float32, self.device)
+        for row, worker in enumerate(workers):
+            for ch in self.chunks:
+                seed = rng.stream_seed(self.name, c.seed, worker, ch.key, step)
+                rng.Int16Stream(seed, self.device).fill(part[row, ch.slice])
         # part = r' + 2¹⁶·v·s/ν with r' uniform on −2¹⁵…2¹⁵−1; then v·s/ν + u + s = part/2¹⁶ + c.
-        pairs = zip(
-            bucket_views(x[start : start + size], bucket, start),
-            bucket_views(part, bucket, start),
-            strict=True,
-        )
-        for (view, rows), (part_view, _) in pairs:
-            part_view.addcmul_(view, scale[rows].unsqueeze(1))
+        for group, slots in zip(self.table.groups, self.norm_slots, strict=True):
+            pairs, view = self._group_parts(part, group, slots, scale)
+            xs = bucket_parts(self.table.view(x, group), c.bucket(group.numel))
+            for (dither, s), v in zip(pairs, xs, strict=True):
+                dither.addcmul_(v, s)
+            if group.index is not None:  # a gathered copy: put it back
+                self.table.put(part, group, view)
+        offset = torch.tensor(self.levels + 32768.5 / 65536.0, device=self.device)
         torch.add(offset, part, alpha=1.0 / 65536.0, out=part)
+        codes = self.ws.get("codes", tuple(x.shape), torch.uint8, self.device)
         # Truncation is the floor here (part ≥ 0); the clamp guards v·s/ν rounding above s.
-        cast_into(codes[start : start + size], part)
-    return codes.clamp_(max=2 * levels)
+        cast_into(codes, part).clamp_(max=2 * self.levels)
+        packed = self.layout.region(wire, torch.uint8)
+        for cols, span in self.spans:
+            pack_rows(codes[:, cols], self.bits, packed[:, span], self.ws)
+        self.layout.write_region(wire, torch.float32, norms)
 
-
-def dequantize(codes: Tensor, norms: Tensor, levels: int, bucket: int, out: Tensor) -> None:
-    """`out` = (codes − s)·ν/s per bucket, block by block (the scaling pass hits the cache)."""
-    step = norms / levels
-    d = codes.numel()
-    signed = scratch("dequantize.signed", min(BLOCK, d), torch.uint8, codes.device)
-    for start in range(0, d, BLOCK):
-        size = min(BLOCK, d - start)
-        part = out[start : start + size]
-        # ξ = codes − s wraps modulo 256 in uint8, which read as int8 is the signed level.
-        torch.sub(codes[start : start + size], levels, out=signed[:size])
-        part.copy_(signed[:size].view(torch.int8))
-        for view, rows in bucket_views(part, bucket, start):
-            view.mul_(step[rows].unsqueeze(1))
+    def decode_rows(self, wire: Tensor, step: int, out: Tensor) -> None:
+        packed = self.layout.region(wire, torch.uint8)
+        signed = self.ws.get("signed", (wire.shape[0], self.numel), torch.uint8, self.device)
+        for cols, span in self.spans:
+            codes = unpack_rows(packed[:, span], self.bits, cols.stop - cols.start, self.ws)
+            # ξ = codes − s wraps modulo 256 in uint8, which read as int8 is the signed level.
+            torch.sub(codes, self.levels, out=signed[:, cols])
+        out.copy_(signed.view(torch.int8))
+        step_size = self.layout.region(wire, torch.float32) / self.levels
+        for group, slots in zip(self.table.groups, self.norm_slots, strict=True):
+            pairs, view = self._group_parts(out, group, slots, step_size)
+            for part, s in pairs:
+                part.mul_(s)
+            if group.index is not None:
+                self.table.put(out, group, view)

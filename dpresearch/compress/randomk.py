@@ -2,21 +2,60 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
 from dpresearch.compress import rng
 from dpresearch.compress.base import Chunk, SingleRoundCompressor
+from dpresearch.compress.codec import Codec
 from dpresearch.compress.topk import kept
 from dpresearch.compress.wire import Spec
 
 
+class RandomKCodec(Codec):
+    """All chunks' positions for a step drawn once (one stream per chunk), as one list of bucket
+    columns: encoding is one gather over all rows, decoding one scatter."""
+
+    compressor: RandomK
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        ks = [kept(ch.numel, self.compressor.ratio) for ch in self.chunks]
+        # unbiased decoding scales each chunk's entries by d/k
+        scales = [ch.numel / k for ch, k in zip(self.chunks, ks, strict=True)]
+        self.scale = torch.repeat_interleave(
+            torch.tensor(scales, dtype=self.dtype), torch.tensor(ks, dtype=torch.long)
+        ).to(self.device)
+        self._drawn: tuple[int, Tensor] | None = None
+
+    def columns(self, step: int) -> Tensor:
+        """The bucket columns all workers send at `step` (chunk by chunk, in draw order)."""
+        if self._drawn is None or self._drawn[0] != step:
+            parts = [
+                self.compressor.indices(ch, step, self.device).add(ch.offset) for ch in self.chunks
+            ]
+            empty = torch.zeros(0, dtype=torch.long, device=self.device)
+            self._drawn = (step, torch.cat(parts) if parts else empty)
+        return self._drawn[1]
+
+    def encode_rows(self, x: Tensor, step: int, workers: tuple[int, ...], wire: Tensor) -> None:
+        values = x[:, self.columns(step)]
+        self.layout.write_region(wire, self.dtype, values)
+
+    def decode_rows(self, wire: Tensor, step: int, out: Tensor) -> None:
+        values, cols = self.layout.region(wire, self.dtype), self.columns(step)
+        out.zero_()
+        if self.compressor.unbiased:
+            out.index_add_(1, cols, values * self.scale)
+        else:
+            # A repeated position carries the same value every time, so write order is moot.
+            out.index_copy_(1, cols, values)
+
+
 class RandomK(SingleRoundCompressor):
-    """Send the entries at k = max(1, round(ratio·d)) random positions. Linear: every worker
-    draws the same positions from a generator seeded by (run seed, chunk key, step), so only the
-    values go on the wire and allreduce sums them position by position.
+    """Send the entries at k = max(1, round(ratio·d)) random positions of each chunk. Linear:
+    every worker draws the same positions from a generator seeded by (run seed, chunk key,
+    step), so only the values go on the wire and allreduce sums them position by position.
 
     Wire bytes per chunk of d fp32 elements: k·4 (values only).
 
@@ -29,38 +68,19 @@ class RandomK(SingleRoundCompressor):
     """
 
     linear = True
+    codec_class = RandomKCodec
 
-    def __init__(
-        self, ratio: float = 0.01, unbiased: bool = False, seed: int = 0, worker: int = 0
-    ) -> None:
-        super().__init__(seed, worker)
+    def __init__(self, ratio: float = 0.01, unbiased: bool = False, seed: int = 0) -> None:
+        super().__init__(seed)
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"ratio={ratio}: must be in (0, 1]")
         self.ratio, self.unbiased = ratio, unbiased
-        self._drawn: dict[str, tuple[int, int, Tensor]] = {}
 
     def payload_spec(self, chunk: Chunk, dtype: torch.dtype) -> Spec:
         return [(dtype, kept(chunk.numel, self.ratio))]
 
-    def indices(self, chunk: Chunk, step: int, device: torch.device) -> Tensor:
-        """The positions all workers use for `chunk` at `step`."""
-        cached = self._drawn.get(chunk.key)
-        if cached is not None and cached[:2] == (step, chunk.numel) and cached[2].device == device:
-            return cached[2]
+    def indices(self, chunk: Chunk, step: int, device: torch.device | str = "cpu") -> Tensor:
+        """The chunk-local positions all workers use for `chunk` at `step`."""
         gen = rng.generator(rng.stream_seed("randomk", self.seed, chunk.key, step))
         k = kept(chunk.numel, self.ratio)
-        idx = torch.randint(0, chunk.numel, (k,), generator=gen).to(device)
-        self._drawn[chunk.key] = (step, chunk.numel, idx)
-        return idx
-
-    def compress(self, x: Tensor, chunk: Chunk, step: int) -> list[Tensor]:
-        return [x[self.indices(chunk, step, x.device)]]
-
-    def decompress(self, payload: Sequence[Tensor], chunk: Chunk, step: int, out: Tensor) -> None:
-        idx = self.indices(chunk, step, out.device)
-        out.zero_()
-        if self.unbiased:
-            out.index_add_(0, idx, payload[0], alpha=chunk.numel / idx.numel())
-        else:
-            # A repeated position carries the same value every time, so write order is moot.
-            out.index_put_((idx,), payload[0])
+        return torch.randint(0, chunk.numel, (k,), generator=gen).to(device)

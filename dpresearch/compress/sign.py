@@ -2,65 +2,151 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 from torch import Tensor
 
 from dpresearch.compress.base import Chunk, SingleRoundCompressor
+from dpresearch.compress.codec import Codec
 from dpresearch.compress.kernels import BLOCK, numpy_path
-from dpresearch.compress.wire import Spec, packed_size, sign_bits, unpack_bits
-from dpresearch.compress.workspace import scratch
+from dpresearch.compress.wire import Spec, pack_rows, packed_size
 
 
-def _signs(packed: Tensor, numel: int, magnitude: float, out: Tensor) -> None:
-    """`out` = ±magnitude from packed sign bits (bit 1 = negative), block by block so that the
-    second pass over each block of `out` hits the cache."""
-    base = torch.tensor(magnitude, dtype=out.dtype, device=out.device)
-    block = BLOCK if numpy_path(out) else max(numel, 1)
-    for start in range(0, numel, block):
-        size = min(block, numel - start)
-        part = out[start : start + size]
-        part.copy_(unpack_bits(packed[start // 8 : (start + size + 7) // 8], 1, size))
-        torch.add(base, part, alpha=-2 * magnitude, out=part)  # m − 2m·bit
+class SignCodec(Codec):
+    """Sign bits of the whole bucket packed in a few passes (one `pack_rows` per run of chunks
+    whose sizes fill whole bytes: all of them in the usual layouts), for all rows at once; the
+    scaled sign adds one fp32 scale per chunk, ‖x‖₁/d, summed per group of equal-size chunks."""
+
+    scaled = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.spans = self._spans()
+        numels = [float(ch.numel) for ch in self.chunks]
+        self.numels = torch.tensor(numels, dtype=torch.float32, device=self.device)
+        self.members = [torch.tensor(g.members, device=self.device) for g in self.table.groups]
+        # per group: where each of its chunks' packed signs start in the packed-sign region,
+        # and all their bytes, [G, ⌈s/8⌉]
+        self.dest = []
+        for group in self.table.groups:
+            starts = [self.layout.slots[i][-1][1] for i in group.members]
+            nbytes = torch.arange(packed_size(group.numel, 1))
+            every = torch.tensor(starts).unsqueeze(1) + nbytes
+            self.dest.append((starts, every.to(self.device)))
+        # row b: the ±1 of the 8 signs packed in byte value b (bit j = entry j)
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+        self._signs = (1 - 2 * bits).to(self.dtype).to(self.device)
+        # per run: the chunk each packed byte belongs to (chunks start on a byte in a run)
+        self.byte_chunks = []
+        for first, last in self.table.runs(1):
+            nbytes = [packed_size(ch.numel, 1) for ch in self.chunks[first:last]]
+            chunk_ids = torch.repeat_interleave(torch.arange(first, last), torch.tensor(nbytes))
+            self.byte_chunks.append(chunk_ids.to(self.device))
+        self._offsets: dict[str, Tensor] = {}
+
+    def _spans(self) -> list[tuple[slice, slice]]:
+        """Per run of chunks [first, last): (its columns of a row, its bytes of the packed-sign
+        region)."""
+        spans = []
+        for first, last in self.table.runs(1):
+            head, tail = self.chunks[first], self.chunks[last - 1]
+            start, end = self.layout.slots[first][-1][1], self.layout.slots[last - 1][-1][1]
+            cols = slice(head.offset, tail.offset + tail.numel)
+            spans.append((cols, slice(start, end + packed_size(tail.numel, 1))))
+        return spans
+
+    def encode_rows(self, x: Tensor, step: int, workers: tuple[int, ...], wire: Tensor) -> None:
+        """Per group of equal-size chunks, `BLOCK` entries of each chunk at a time (x is read
+        from memory once): the sign bits, packed chunk by chunk, and for the scaled sign the
+        sums of |x| (a chunk over `BLOCK` entries accumulates its fp32 block sums in fp64)."""
+        rows = x.shape[0]
+        bits = self.layout.region(wire, torch.uint8)
+        l1 = self.ws.get("l1", (rows, len(self.chunks)), torch.float32, self.device)
+        for group, members, dest in zip(self.table.groups, self.members, self.dest, strict=True):
+            view = self.table.view(x, group)
+            total = None
+            for start in range(0, group.numel, BLOCK):  # BLOCK is a multiple of 8
+                part = view[..., start : start + BLOCK]
+                width = part.shape[-1]
+                negative = self.ws.get("negative", tuple(part.shape), torch.bool, self.device)
+                if numpy_path(part):
+                    np.signbit(part.numpy(), out=negative.numpy())
+                else:
+                    torch.signbit(part, out=negative)
+                shape = (rows, len(members), packed_size(width, 1))
+                packed = self.ws.get("packed", shape, torch.uint8, self.device)
+                pack_rows(negative.view(-1, width), 1, packed.view(-1, shape[-1]), self.ws)
+                first = start // 8
+                if shape[-1] >= 64:  # long runs of bytes: a copy per chunk
+                    for j, begin in enumerate(dest[0]):
+                        bits[:, begin + first : begin + first + shape[-1]].copy_(packed[:, j])
+                else:  # many short ones: one indexed copy
+                    where = dest[1][:, first : first + shape[-1]].reshape(-1)
+                    bits.index_copy_(1, where, packed.view(rows, -1))
+                if self.scaled:
+                    magnitude = self.ws.get("abs", tuple(part.shape), x.dtype, self.device)
+                    sums = torch.abs(part, out=magnitude).sum(-1, dtype=torch.float32)
+                    if group.numel > BLOCK:
+                        total = sums.double() if total is None else total.add_(sums)
+            if self.scaled:
+                l1.index_copy_(1, members, sums if total is None else total.to(torch.float32))
+        if self.scaled:
+            self.layout.write_region(wire, torch.float32, l1.div_(self.numels))
+
+    def decode_rows(self, wire: Tensor, step: int, out: Tensor) -> None:
+        """One gather per run of chunks: each packed byte picks its 8 decoded values from a
+        256 × 8 table of ±1 — for the scaled sign, a table per row and chunk, ±scale — so the
+        values are written once, with no unpacked bits in between."""
+        packed = self.layout.region(wire, torch.uint8)
+        rows, chunks = wire.shape[0], len(self.chunks)
+        tables = self._signs
+        if self.scaled:
+            scale = self.layout.region(wire, torch.float32)  # [R, C]
+            tables = self.ws.get("tables", (rows, chunks, 256, 8), self.dtype, self.device)
+            torch.mul(scale.reshape(rows, chunks, 1, 1), self._signs, out=tables)
+            tables = tables.view(-1, 8)
+        for (cols, span), byte_chunks in zip(self.spans, self.byte_chunks, strict=True):
+            # (index buffers from the workspace: fresh megabytes would cost page faults)
+            codes = self.ws.get("codes", (rows, span.stop - span.start), torch.int32, self.device)
+            codes.copy_(packed[:, span])
+            if self.scaled:  # row r, chunk c: table r·C + c
+                codes.add_(self._table_offsets(byte_chunks, rows, span))
+            target = out[:, cols]
+            width = cols.stop - cols.start
+            if target.is_contiguous() and width == codes.shape[1] * 8:
+                torch.index_select(tables, 0, codes.view(-1), out=target.view(-1, 8))
+            else:
+                values = self.ws.get("values", (rows, codes.shape[1] * 8), self.dtype, self.device)
+                torch.index_select(tables, 0, codes.view(-1), out=values.view(-1, 8))
+                target.copy_(values[:, :width])
+
+    def _table_offsets(self, byte_chunks: Tensor, rows: int, span: slice) -> Tensor:
+        """256·(r·C + chunk of the byte) for each packed byte of a run, `[rows, bytes]`
+        (built once per row count)."""
+        key = f"offsets.{span.start}.{rows}"
+        cached = self._offsets.get(key)
+        if cached is None:
+            first = torch.arange(rows, device=self.device).mul_(len(self.chunks)).unsqueeze(1)
+            cached = self._offsets[key] = (byte_chunks + first).mul_(256).to(torch.int32)
+        return cached
 
 
-def _l1_and_signs(x: Tensor) -> tuple[Tensor, Tensor]:
-    """(‖x‖₁ as fp32, packed sign bits). On the CPU both are computed block by block, so x is
-    read from memory once and the |x| temporary stays in cache."""
-    if not numpy_path(x):
-        return torch.linalg.vector_norm(x, 1, dtype=torch.float32), sign_bits(x)
-    numel = x.numel()
-    packed = np.empty(packed_size(numel, 1), dtype=np.uint8)
-    magnitude = scratch("sign.abs", min(BLOCK, numel), x.dtype, x.device)
-    total = 0.0  # fp32 block sums, accumulated in fp64 (a fp64 torch reduction is 2x slower)
-    for start in range(0, numel, BLOCK):  # BLOCK is a multiple of 8: blocks pack independently
-        block = x[start : start + BLOCK]
-        total += float(torch.abs(block, out=magnitude[: block.numel()]).sum())
-        bits = np.packbits(np.signbit(block.numpy()), bitorder="little")
-        packed[start // 8 : start // 8 + bits.size] = bits
-    return torch.tensor(total, dtype=torch.float32), torch.from_numpy(packed)
+class ScaledSignCodec(SignCodec):
+    scaled = True
 
 
 class ScaledSign(SingleRoundCompressor):
-    """C(x) = (‖x‖₁/d)·sign(x) (Karimireddy et al. 2019, EF-signSGD; zero counts as positive).
-    Non-linear (per-worker scale): gathered, decoded, averaged. Use it with error feedback.
+    """C(x) = (‖x‖₁/d)·sign(x) (Karimireddy et al. 2019, EF-signSGD; zero counts as positive),
+    one scale per chunk. Non-linear (per-worker scale): gathered, decoded, averaged. Use it
+    with error feedback.
 
-    Wire bytes per chunk of d entries: ⌈d/8⌉ + 4 — one fp32 scale, then the signs packed
-    8 per byte.
+    Wire bytes per chunk of d entries: ⌈d/8⌉ + 4 — one fp32 scale, the signs packed 8 per byte.
     """
+
+    codec_class = ScaledSignCodec
 
     def payload_spec(self, chunk: Chunk, dtype: torch.dtype) -> Spec:
         return [(torch.float32, 1), (torch.uint8, packed_size(chunk.numel, 1))]
-
-    def compress(self, x: Tensor, chunk: Chunk, step: int) -> list[Tensor]:
-        l1, packed = _l1_and_signs(x)
-        return [(l1 / x.numel()).reshape(1), packed]
-
-    def decompress(self, payload: Sequence[Tensor], chunk: Chunk, step: int, out: Tensor) -> None:
-        scale, packed = payload
-        _signs(packed, chunk.numel, float(scale[0]), out)
 
 
 class MajorityVote(SingleRoundCompressor):
@@ -76,19 +162,20 @@ class MajorityVote(SingleRoundCompressor):
 
     Wire bytes per chunk of d entries: ⌈d/8⌉ (signs packed 8 per byte).
 
-    Not a gossip codec: its aggregate is a vote, not a weighted sum of decoded messages.
+    Not a gossip codec: its aggregate is a vote, not a weighted sum of decoded messages; and no
+    error feedback (unscaled signs would make the memory accumulate p − sign(p)).
     """
 
     gossip = False
+    memories = ("none",)
+    memories_note = (
+        "unscaled signs would make the memory accumulate p - sign(p) (Signum: "
+        "error_feedback.momentum=0.9; EF-signSGD: compressor=sign)"
+    )
+    codec_class = SignCodec
 
     def payload_spec(self, chunk: Chunk, dtype: torch.dtype) -> Spec:
         return [(torch.uint8, packed_size(chunk.numel, 1))]
-
-    def compress(self, x: Tensor, chunk: Chunk, step: int) -> list[Tensor]:
-        return [sign_bits(x)]
-
-    def decompress(self, payload: Sequence[Tensor], chunk: Chunk, step: int, out: Tensor) -> None:
-        _signs(payload[0], chunk.numel, 1.0, out)
 
     def finalize(self, total: Tensor, count: int) -> None:
         total.sign_()

@@ -17,9 +17,9 @@ class TernGrad(QSGD):
     Wire bytes per chunk of d entries: ⌈d/4⌉ + 4 — 2-bit levels {−1, 0, 1}, one fp32 scale.
     """
 
-    def __init__(self, seed: int = 0, worker: int = 0) -> None:
-        super().__init__(levels=1, bucket_size=None, seed=seed, worker=worker)
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(levels=1, bucket_size=None, seed=seed)
 
-    def norms(self, x: Tensor) -> Tensor:
-        low, high = torch.aminmax(x)  # one pass; vector_norm(inf) is far slower on the CPU
-        return torch.maximum(-low, high).to(torch.float32).reshape(1)
+    def norms(self, buckets: Tensor) -> Tensor:
+        low, high = torch.aminmax(buckets, dim=-1)  # one pass; vector_norm(inf) is far slower
+        return torch.maximum(-low, high).to(torch.float32)
