@@ -45,12 +45,24 @@ ranks, an uncompressed fragment with τ > 0 is a background allreduce where the 
 overlap (`start_all_reduce_sum`), waited for at the merge. A fragment whose merge would come
 after the run's last step is not sent.
 
+Compressed pseudo-gradients (`compressor`, `error_feedback`: the groups' nodes, e.g.
+compressor@outer.compressor=topk error_feedback@outer.error_feedback=ef14): each fragment's Δ
+rows go through the synchronous reducer of `dpresearch.compress` (`build_reducer`, one per
+fragment, tensor chunks), so any compressor the synchronous algorithm takes works here, with
+its exact wire bytes in the ledger. The error-feedback memory lives across outer steps:
+p_i = Δ_i + e_i is encoded, e_i ← p_i − D(C(p_i)) (EF14), and the outer optimizer steps on the
+mean of the decoded messages; the reducer's step is the fragment's outer round (0, 1, …), which
+seeds random codecs and counts `start_after_steps`. A compressed fragment is exchanged when it
+is sent (never in the background); with τ > 0 its traffic is still priced as hidden.
+
 Evaluation (`evaluate`): "anchor" (the global model θ, as DiLoCo evaluates; between outer steps
 it lags the workers) or "average" (the base algorithm's consensus).
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -74,6 +86,8 @@ from dpresearch.algorithms.outer.fragments import (
 )
 from dpresearch.comm.base import Communicator
 from dpresearch.comm.ledger import BUFFERS
+from dpresearch.compress import CompressedReducer, build_reducer, check_compatibility
+from dpresearch.compress.layout import ParamLayout
 from dpresearch.optim import build_optimizer
 from dpresearch.replicas import Replicas
 
@@ -126,8 +140,6 @@ class OuterOptimizer(Algorithm):
     ) -> None:
         super().__init__(replicas, comm, optimizers)
         check_options(inner_state, buffers, evaluate, mix, fragment_pattern)
-        if compresses(compressor, error_feedback):
-            raise ValueError("outer.compressor: compressed pseudo-gradients are not built yet")
         if not base.traits.drifts:
             raise ValueError(no_drift_message(type(base).__name__))
         self.base = base
@@ -164,6 +176,16 @@ class OuterOptimizer(Algorithm):
         self._deltas = [
             replicas.params.new_empty(replicas.num_local, f.numel) for f in self.fragments
         ]
+        # One reducer (codec + error-feedback memory) per fragment, over its Δ rows; None: the
+        # plain allreduce (identity without memory, which may run in the background).
+        self.reducers: list[CompressedReducer] | None = None
+        if compresses(compressor, error_feedback):
+            shapes = [tuple(p.shape) for p in anchor_params]
+            self.reducers = [
+                build_reducer(compressor, error_feedback, comm, fragment_layout(f, shapes), seed,
+                              dtype=replicas.params.dtype, device=device)
+                for f in self.fragments
+            ]  # fmt: skip
         self.in_flight: dict[int, InFlight] = {}
         self.total_steps = 2**62  # told by `set_run_length`
         self.merges = 0  # fragment merges so far
@@ -194,8 +216,10 @@ class OuterOptimizer(Algorithm):
             node.get("mix", 0.0),
             node.get("fragment_pattern", "sequential"),
         )
-        if compresses(node.get("compressor"), node.get("error_feedback")):
-            raise ValueError("outer.compressor: compressed pseudo-gradients are not built yet")
+        try:
+            check_compatibility(node.get("compressor"), node.get("error_feedback"), where="outer")
+        except ValueError as exc:  # the keys named for the outer node's groups
+            raise ValueError(re.sub(GROUP_CHOICE, r"\1@outer.\1=", f"outer.{exc}")) from None
 
     # -- delegated to the base algorithm -----------------------------------------------------------
     @property
@@ -259,16 +283,22 @@ class OuterOptimizer(Algorithm):
         torch.sub(anchor.unsqueeze(0), take(self.base.model_rows(), frag.params), out=delta)
         flight = InFlight(merge_at=step + 1 + self.schedule.overlap)
         with self.comm.ledger.hidden_behind(self.schedule.overlap):
-            flight.finish = self._average(delta)
+            flight.finish = self._average(f, delta, step // self.schedule.period)
             if self.buffer_mode == "average" and frag.buffer_numel:
                 buffers = take(self.replicas.buffers, frag.buffers).clone()
                 self.comm.all_reduce(buffers, op="mean", record=BUFFERS)
                 flight.buffers = buffers[0].clone()
         self.in_flight[f] = flight
 
-    def _average(self, delta: Tensor) -> Callable[[], Tensor]:
-        """Begin averaging the `[W, n]` pseudo-gradient rows over all K workers; the returned
-        function gives the mean `[n]`."""
+    def _average(self, f: int, delta: Tensor, round_: int) -> Callable[[], Tensor]:
+        """Begin averaging fragment f's `[W, n]` pseudo-gradient rows over all K workers (its
+        `round_`-th send, 0-based); the returned function gives the mean `[n]`. Compressed:
+        the fragment's reducer, synchronously (its memory compensates Δ before encoding and
+        keeps what was not sent, across outer steps; its rounds are the reducer's steps)."""
+        if self.reducers is not None:
+            self.reducers[f].reduce(delta, round_)
+            mean = delta[0].clone()
+            return lambda: mean
         world = self.comm.world_size
         if self.schedule.overlap and self.comm.can_overlap:
             pending = self.comm.start_all_reduce_sum(delta)
@@ -384,6 +414,7 @@ class OuterOptimizer(Algorithm):
             "outer_bytes": self.outer_bytes,
             "outer_modeled_s": self.outer_modeled_s,
             "last_delta_norm": self.last_delta_norm,
+            "reducers": [r.state_dict() for r in self.reducers or []],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -406,6 +437,8 @@ class OuterOptimizer(Algorithm):
         self.outer_bytes = int(state["outer_bytes"])
         self.outer_modeled_s = float(state["outer_modeled_s"])
         self.last_delta_norm = float(state["last_delta_norm"])
+        for reducer, saved in zip(self.reducers or [], state.get("reducers", []), strict=True):
+            reducer.load_state_dict(saved)
 
 
 PERIOD_MESSAGE = (
@@ -423,6 +456,7 @@ def no_drift_message(name: str) -> str:
 
 
 IDENTITY = "dpresearch.compress.casts.Identity"
+GROUP_CHOICE = r"\b(compressor|error_feedback)="  # "use error_feedback=none" in a pairing line
 
 
 def compresses(
@@ -437,6 +471,15 @@ def compresses(
         and not error_feedback.get("start_after_steps", 0)
     )
     return not (plain and quiet)
+
+
+def fragment_layout(fragment: Fragment, shapes: list[tuple[int, ...]]) -> ParamLayout:
+    """(offset, shape) of each of the fragment's tensors in its packed `[n_f]` Δ row."""
+    layout, offset = [], 0
+    for t in fragment.tensors:
+        layout.append((offset, shapes[t]))
+        offset += math.prod(shapes[t])
+    return layout
 
 
 def check_options(
