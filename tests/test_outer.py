@@ -551,6 +551,9 @@ def test_bad_outer_input_on_the_command_line_with_gloo(tmp_path):
 
 
 # -- D: killed and resumed, bit for bit ----------------------------------------------------------
+RESUME_STREAMING = ["algorithm=local_sgd", "algorithm.period=8", "outer=streaming",
+                    "outer.overlap=3", "model.hidden=[32,32,32]", "optimizer.momentum=0.9",
+                    "outer.inner_state=average"]  # fmt: skip
 RESUME_CASES = {
     "diloco": ["algorithm=local_sgd", "algorithm.period=4", "outer=nesterov",
                "optimizer.momentum=0.9"],
@@ -558,12 +561,13 @@ RESUME_CASES = {
                    "outer.period=4", "optimizer.momentum=0.9", "outer.inner_state=reset"],
     # H = 8, F = 4, τ = 3: fragments sent every 2 steps, each merged 3 steps later, so every
     # checkpoint (steps 10, 20, 30) holds two fragments in flight
-    "streaming": ["algorithm=local_sgd", "algorithm.period=8", "outer=streaming",
-                  "outer.overlap=3", "model.hidden=[32,32,32]", "optimizer.momentum=0.9",
-                  "outer.inner_state=average"],
+    "streaming": RESUME_STREAMING,
     # every checkpoint (steps 10, 20, 30) holds a non-zero EF14 memory of the pseudo-gradients
     "diloco_topk_ef14": ["algorithm=local_sgd", "algorithm.period=4", "outer=nesterov",
                          "optimizer.momentum=0.9", *TOPK],
+    # QSGD's stochastic rounding (streams drawn by outer round) on fragments in flight
+    "streaming_qsgd": [*RESUME_STREAMING, "compressor@outer.compressor=qsgd",
+                       "outer.compressor.levels=7"],
 }  # fmt: skip
 
 
@@ -573,7 +577,7 @@ def test_killed_and_resumed_equals_uninterrupted(case, tmp_path, one_thread):
     from test_checkpoint import check_resumed
 
     args = [*CHECKPOINTED, "workers=4", *RESUME_CASES[case]]
-    if case == "streaming":
+    if case.startswith("streaming"):
         cfg = compose_config(*args)
         schedule = Schedule(8, cfg.outer.fragments, cfg.outer.overlap)
         in_flight = [f for n in (28, 29, 30) for f in schedule.launches(n)]  # sent, not merged
