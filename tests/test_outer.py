@@ -585,14 +585,20 @@ def test_killed_and_resumed_equals_uninterrupted(case, tmp_path, one_thread):
     check_resumed(tmp_path, args, InjectedFailure)
 
 
-def test_kill_9_with_a_fragment_in_flight_resumes_exactly(tmp_path):
-    """A real SIGKILL of a Streaming DiLoCo run: every checkpoint it could resume from holds
-    fragments in flight; the resumed run ends bit for bit as an uninterrupted one."""
+KILLED = ["streaming", *(pytest.param(c, marks=pytest.mark.slow) for c in
+                         ("diloco", "slowmo_sgp", "diloco_topk_ef14"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", KILLED)
+def test_kill_9_resumes_exactly(case, tmp_path):
+    """A real SIGKILL of DiLoCo, SlowMo over SGP, Streaming DiLoCo (every checkpoint it could
+    resume from holds fragments in flight) and DiLoCo with top-k + EF14 (a non-zero memory in
+    every checkpoint): the resumed run ends bit for bit as an uninterrupted one."""
     from test_checkpoint import QUICK as CHECKPOINTED
     from test_checkpoint import final_params, metric_lines, same, start_cli, wait_for_step
 
     run_dir = tmp_path / "run"
-    args = [*CHECKPOINTED, "workers=4", *RESUME_CASES["streaming"], "train.steps=300",
+    args = [*CHECKPOINTED, "workers=4", *RESUME_CASES[case], "train.steps=300",
             "train.eval_every=150", "train.checkpoint_every=10"]  # fmt: skip
     proc = start_cli([*args, f"hydra.run.dir={run_dir}"], tmp_path)
     try:
@@ -603,8 +609,11 @@ def test_kill_9_with_a_fragment_in_flight_resumes_exactly(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert latest_checkpoint(run_dir) is not None and not (run_dir / "summary.json").exists()
-    state = torch.load(latest_checkpoint(run_dir), weights_only=False)
-    assert len(state["states"][0]["algorithm"]["in_flight"]) == 2
+    state = torch.load(latest_checkpoint(run_dir), weights_only=False)["states"][0]["algorithm"]
+    if case == "streaming":
+        assert len(state["in_flight"]) == 2
+    if case == "diloco_topk_ef14":
+        assert state["reducers"][0]["memory"]["memory"].abs().sum() > 0
     out = run_cli([*args, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert [m["step"] for m in metric_lines(run_dir)] == list(range(1, 301))
