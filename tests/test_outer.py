@@ -8,7 +8,8 @@ B. Streaming DiLoCo with F = 1, τ = 0 is DiLoCo; an independent Streaming DiLoC
    workers equal 4 gloo processes.
 E. Compressed pseudo-gradients: identity with EF14 is the uncompressed outer step bit for bit;
    top-k + EF14 against top-k written here (memory + sent = Δ + previous memory, exact bytes);
-   bit for bit on 4 gloo processes; killed and resumed exactly.
+   every compressor of the library on Δ with its documented bytes; bit for bit on 4 gloo
+   processes; killed (also kill -9) and resumed exactly.
 Bad input: one line naming the fix, before any worker starts.
 """
 
@@ -443,6 +444,25 @@ def test_topk_ef14_pseudo_gradients_memory_plus_sent_is_the_compensated_delta(mo
     assert trainer.summary["outer/bytes_per_round"] == per_round
     assert trainer.summary["comm/bytes"] == 6 * per_round
     assert trainer.algorithm.reducers[0].payload_bytes() == per_round
+
+
+def test_every_compressor_of_the_library_runs_on_the_pseudo_gradients_with_its_bytes():
+    """Each node of the compressor group on DiLoCo's Δ (EF14, or none where the compressor
+    takes no memory): 3 outer rounds, each sending exactly the compressor's documented payload
+    per worker (`payload_bytes`, the sum over the model's tensors), the only traffic."""
+    from dpresearch import CONF_DIR
+
+    names = sorted(path.stem for path in (CONF_DIR / "compressor").glob("*.yaml"))
+    assert {"identity", "topk", "qsgd", "powersgd", "signum"} <= set(names)
+    for name in names:
+        memory = "none" if name == "signum" else "ef14"  # majority vote: no memory
+        trainer = run("algorithm=local_sgd", "algorithm.period=4", "outer=nesterov",
+                      "workers=4", "train.steps=12", f"compressor@outer.compressor={name}",
+                      f"error_feedback@outer.error_feedback={memory}")  # fmt: skip
+        (reducer,) = trainer.algorithm.reducers
+        assert trainer.summary["outer/rounds"] == 3, name
+        assert trainer.summary["outer/bytes_per_round"] == reducer.payload_bytes(), name
+        assert trainer.summary["comm/bytes"] == 3 * reducer.payload_bytes(), name
 
 
 # -- simulated ≡ gloo × 4 -------------------------------------------------------------------------
