@@ -6,8 +6,11 @@ one call on one tensor, and backward accumulates straight into the communication
 DDP's `gradient_as_bucket_view`). With `channels_last`, 4-D parameters are laid out NHWC inside
 their slice of the row (a permuted view), so convolutions get channels-last weights without
 leaving the flat buffer. Floating-point buffers (BatchNorm statistics) are likewise
-views into `buffers` (`[W, Db]`). Integer buffers (`num_batches_tracked`) stay per replica:
-every worker steps the same number of times, so they agree without communication.
+views into `buffers` (`[W, Db]`). Integer buffers (`num_batches_tracked`) are views into
+`int_buffers` (`[W, Di]`, when they share one dtype; otherwise they stay per replica and
+`int_buffers` is `[W, 0]`): never communicated (every worker steps the same number of times, so
+they agree), but stacked so that one computation over several rows
+(`dpresearch/run/batched.py`) updates each row's own.
 """
 
 from __future__ import annotations
@@ -37,6 +40,16 @@ class Replicas:
         float_buffers = [b for b in model.buffers() if b.is_floating_point()]
         buf_numel = sum(b.numel() for b in float_buffers)
         self.buffers = torch.empty(num_local, buf_numel, dtype=dtype, device=device)
+        int_buffers = [b for b in model.buffers() if not b.is_floating_point()]
+        int_dtypes = {b.dtype for b in int_buffers}
+        stack_ints = len(int_dtypes) == 1
+        self.int_buffers = torch.zeros(
+            num_local,
+            sum(b.numel() for b in int_buffers) if stack_ints else 0,
+            dtype=int_dtypes.pop() if stack_ints else torch.int64,
+            device=device,
+        )
+        self.channels_last = channels_last
         for w, replica in enumerate(self.models):
             offset = 0
             for p in (p for p in replica.parameters() if p.requires_grad):
@@ -46,15 +59,21 @@ class Replicas:
                 p.data = view
                 p.grad = _shaped(self.grads[w, offset : offset + p.numel()], p.shape, nhwc)
                 offset += p.numel()
-            offset = 0
+            offset = int_offset = 0
             for module in replica.modules():
                 for name, b in module.named_buffers(recurse=False):
-                    if b is None or not b.is_floating_point():
+                    if b is None:
                         continue
-                    view = self.buffers[w, offset : offset + b.numel()].view_as(b)
+                    if b.is_floating_point():
+                        view = self.buffers[w, offset : offset + b.numel()].view_as(b)
+                        offset += b.numel()
+                    elif stack_ints:
+                        view = self.int_buffers[w, int_offset : int_offset + b.numel()].view_as(b)
+                        int_offset += b.numel()
+                    else:
+                        continue
                     view.copy_(b)
                     setattr(module, name, view)
-                    offset += b.numel()
 
     @property
     def num_local(self) -> int:
@@ -74,7 +93,7 @@ class Replicas:
 
     def state_dict(self) -> dict:
         """Every replica's parameters and float buffers (the flat `[W, ·]` tensors, live) and
-        integer buffers (per replica)."""
+        integer buffers (per replica: views of `int_buffers` where they are stacked)."""
         return {
             "params": self.params,
             "buffers": self.buffers,

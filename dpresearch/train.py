@@ -15,6 +15,7 @@ holds what the run printed.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from dpresearch import CONF_DIR
+from dpresearch.config.environment import from_agent
 from dpresearch.config.preflight import preflight
 from dpresearch.config.schema import register_configs
 from dpresearch.config.validate import ConfigError, forget_data
@@ -39,6 +41,8 @@ from dpresearch.launch.processes import (
     under_torchrun,
 )
 from dpresearch.run.checkpoint import CheckpointError
+from dpresearch.run.io_errors import IO_EXIT, MIN_FREE_BYTES, RunIOError, free_bytes
+from dpresearch.run.resume import check_resume, finished_run
 
 register_configs()
 
@@ -56,10 +60,12 @@ def train(cfg: DictConfig, run_dir: Path | None, overrides: Sequence[str] = ()) 
     run.
     """
     dataset = preflight(cfg, overrides)
-    finished = _already_finished(cfg, run_dir)
-    if finished is not None:
-        return finished
-    _check_resume(cfg, run_dir)
+    if not under_torchrun():  # (a torchrun job: rank 0 checked before Hydra started)
+        finished = finished_run(cfg, run_dir)
+        if finished is not None:
+            print(f"{run_dir} already holds this run, finished; nothing to resume", flush=True)
+            return finished
+        check_resume(cfg, run_dir, _processes(cfg))
     if under_torchrun():
         forget_data()
         return run_as_worker(cfg, run_dir if global_rank() == 0 else None)
@@ -69,49 +75,16 @@ def train(cfg: DictConfig, run_dir: Path | None, overrides: Sequence[str] = ()) 
     return launch_local(cfg, run_dir)
 
 
-def _check_resume(cfg: DictConfig, run_dir: Path | None) -> None:
-    """The checkpoint `train.resume` names fits this run (workers, processes, algorithm), read
-    from its header before any worker starts; raises `ConfigError` (the trainer checks the
-    parameter count once the model is built)."""
-    from dpresearch.algorithms.outer import algorithm_name
+def _processes(cfg: DictConfig) -> int:
     from dpresearch.config.validate import process_count
-    from dpresearch.run.checkpoint import find_resume, incompatibility, read_header
 
-    if cfg.train.resume is None or under_torchrun():
-        return
-    try:
-        path = find_resume(cfg.train.resume, run_dir)
-        if path is None:
-            return
-        processes = 1 if cfg.backend.name == "simulated" else process_count(cfg)
-        run = {
-            "workers": cfg.workers,
-            "processes": processes,
-            "algorithm": algorithm_name(cfg),
-        }
-        problem = incompatibility(read_header(path), path, run)
-    except CheckpointError as exc:
-        problem = str(exc)
-    if problem is not None:
-        raise ConfigError(problem)
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    return 1 if cfg.backend.name == "simulated" else process_count(cfg)
 
 
-def _already_finished(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any] | None:
-    """With `train.resume=auto`, a run directory whose run has finished is left as it is (a
-    requeued job that already completed does nothing): its summary, or None. Not under
-    torchrun, where only rank 0 could tell."""
-    import json
-
-    if cfg.train.resume != "auto" or run_dir is None or under_torchrun():
-        return None
-    try:
-        summary = json.loads((Path(run_dir) / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(summary, dict) or summary.get("status") != "finished":
-        return None
-    print(f"{run_dir} already holds this run, finished; nothing to resume", flush=True)
-    return summary
+class NothingToDo(Exception):
+    """The command asks for nothing (a finished run resumed); the message is its one line."""
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
@@ -150,6 +123,8 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         except (ConfigError, CheckpointError, WorkerFrozen) as exc:
             user_error = isinstance(exc, (ConfigError, CheckpointError))
             _fail(f"error: {exc}", 2 if user_error else 1, multirun)
+        except RunIOError as exc:  # before the loop (config.yaml, provenance.json, ...)
+            _fail(f"error: {exc.describe()}; free space and run again", IO_EXIT, multirun)
         except KeyboardInterrupt:  # Ctrl-C before the training loop took over the signal
             _fail("error: interrupted before training started; nothing to resume", 130, multirun)
         except Exception as exc:
@@ -165,7 +140,8 @@ DIVERGED_EXIT = 3  # a non-finite loss stopped the run (train.on_nonfinite=stop)
 
 def _end_of_run(summary: dict[str, Any], multirun: bool) -> None:
     """A run that ended short of its last step: one line and its exit status — 128 + signal
-    for a stop request (130 SIGINT, 143 SIGTERM), `DIVERGED_EXIT` for a non-finite loss."""
+    for a stop request (130 SIGINT, 143 SIGTERM), `DIVERGED_EXIT` for a non-finite loss,
+    `IO_EXIT` for a write the machine refused (a full disk)."""
     status = summary.get("status")
     if status == "interrupted":
         where = summary.get("checkpoint") or "none (this algorithm cannot checkpoint)"
@@ -185,6 +161,16 @@ def _end_of_run(summary: dict[str, Any], multirun: bool) -> None:
             + (f"; last finite checkpoint {kept}" if kept else "")
         )
         _fail(line, DIVERGED_EXIT, multirun)
+    if status == "failed_io":
+        kept = summary.get("last_checkpoint")
+        line = (
+            f"error: {summary.get('io_error') or 'a write into the run directory failed'}; the "
+            f"run stopped after step {summary['failed_at_step']}, "
+            + (f"its last good checkpoint is {kept}" if kept else "with no checkpoint")
+            + ": free space, then resume with train.resume=auto"
+            + ("" if summary.get("summary_written", True) else " (summary.json not written)")
+        )
+        _fail(line, IO_EXIT, multirun)
 
 
 def _is_worker_failure(exc: BaseException) -> bool:
@@ -217,7 +203,12 @@ def _check_before_hydra(argv: list[str]) -> list[str]:
     """Check the command line and, for a single run, the whole run and its directory, before
     Hydra creates anything; returns the arguments to hand Hydra (the run directory pinned, as
     the default one holds the time). Raises `ConfigError`."""
-    from dpresearch.config.cli_check import compose_command_line, parse_command_line, task_config
+    from dpresearch.config.cli_check import (
+        compose_command_line,
+        parse_command_line,
+        quote_value,
+        task_config,
+    )
     from dpresearch.launch.run_dir import claim_run_dir
 
     cmd = parse_command_line(argv)  # raises for impossible flag combinations
@@ -238,14 +229,24 @@ def _check_before_hydra(argv: list[str]) -> list[str]:
         from dpresearch.run.checkpoint import find_resume, run_dir_of
 
         run_dir = run_dir_of(find_resume(resume, None)) or run_dir
-    claim_run_dir(run_dir, resume=resume is not None)  # held until this process ends
+    claim = claim_run_dir(run_dir, resume=resume is not None)  # held until this process ends
+    try:
+        free = free_bytes(run_dir)
+        if free is not None and free < MIN_FREE_BYTES:
+            raise ConfigError(
+                f"{run_dir} has {free / 1e3:.0f} kB free on its file system; a run writes its "
+                "configuration, metrics and checkpoints there: free space, or pass another "
+                "hydra.run.dir"
+            )
+        # A refused or no-op resume ends here: Hydra has written nothing into the run yet.
+        if finished_run(task, run_dir) is not None:
+            raise NothingToDo(f"{run_dir} already holds this run, finished; nothing to resume")
+        check_resume(task, run_dir, _processes(task))
+    except (ConfigError, NothingToDo):
+        claim.abandon()
+        raise
     pinned = [a for a in argv if a.split("=", 1)[0].lstrip("+") != "hydra.run.dir"]
-    return [*pinned, f"hydra.run.dir={_quote(str(run_dir))}"]
-
-
-def _quote(value: str) -> str:
-    """A Hydra override value holding `value` verbatim."""
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return [*pinned, f"hydra.run.dir={quote_value(str(run_dir))}"]
 
 
 def main() -> None:
@@ -258,6 +259,10 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(2)
+    if under_torchrun() and from_agent():  # one of torchrun's workers: dies with its agent
+        from dpresearch.launch.lifeline import bind_to_launcher
+
+        bind_to_launcher(os.getppid())
     remember_command([Path(sys.executable).name, "-m", "dpresearch.train", *sys.argv[1:]])
     try:
         args = _check_before_hydra(sys.argv[1:])
@@ -266,6 +271,9 @@ def main() -> None:
         if _local_rank() == 0:
             print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except NothingToDo as exc:
+        print(exc, flush=True)
+        sys.exit(0)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM during a download
         print("error: interrupted before the run started; nothing was written", file=sys.stderr)
         sys.exit(128 + getattr(exc, "signum", 2))
@@ -282,8 +290,6 @@ def main() -> None:
 
 
 def _local_rank() -> int:
-    import os
-
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 

@@ -76,10 +76,15 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 
 def run_cli(
-    args: list[str], cwd: Path, timeout: float = 120, module: str = "dpresearch.train"
+    args: list[str],
+    cwd: Path,
+    timeout: float = 120,
+    module: str = "dpresearch.train",
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run `python -m <module> args` in `cwd`; returns the completed process (text output)."""
-    env = cli_env(WANDB_MODE="disabled", HYDRA_FULL_ERROR="0")
+    """Run `python -m <module> args` in `cwd` (`env`: variables added to this environment);
+    returns the completed process (text output)."""
+    env = cli_env(WANDB_MODE="disabled", HYDRA_FULL_ERROR="0", **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=cwd,

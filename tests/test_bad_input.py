@@ -98,7 +98,76 @@ BAD = [
         "on real processes (backend=gloo) cannot checkpoint yet; use backend=simulated",
     ),
     (["algorithm=async_sgd", "train.on_nonfinite=skip_step"], "skip_step is not supported"),
+    # Issue 21: silently accepted, or a traceback with a run directory left behind.
+    (["async.protocol=ssp"], "async.protocol is set but SyncSGD does not use the async options"),
+    (["async.compute_s=2"], "async.compute_s is set but SyncSGD does not use the async"),
+    (["topology=torus"], "topology is set but SyncSGD does not use the topology options"),
+    (["algorithm=local_sgd", "algorithm.period=0"], "algorithm.period=0: average every N >= 1"),
+    (["algorithm=local_sgd", "algorithm.period=-3"], "algorithm.period=-3"),
+    (["algorithm=local_sgd", "algorithm.sync_epochs=-1"], "algorithm.sync_epochs=-1"),
+    (["algorithm=choco", "algorithm.state_dtype=float16"], "state_dtype=float16; choose one of"),
+    (["algorithm=choco", "algorithm.gamma=0"], "algorithm.gamma=0: the consensus step size"),
+    (["algorithm=dpsgd", "algorithm.order=foo"], "algorithm.order=foo; choose one of"),
+    (["algorithm=dpsgd", "algorithm.global_average_every=0"], "global_average_every=0: average"),
+    (["algorithm=dpsgd", "algorithm.global_average_every=-2"], "global_average_every=-2"),
+    (["algorithm=dpsgd", "topology.weights=foo"], "topology.weights=foo; choose one of"),
+    (["algorithm.buffers=foo"], "algorithm.buffers=foo; choose one of: broadcast, local"),
+    (["algorithm.granularity=foo"], "algorithm.granularity=foo; choose one of"),
+    (["algorithm.collective=foo"], "algorithm.collective=foo; choose one of"),
+    (["hydra.run.dir={tmp}/a,b"], "a comma (or a range) makes a list of values"),
+    (["seed=1,2"], "seed=1,2: a comma (or a range) makes a list of values, which only a sweep"),
+    (["train.resume_allow_changes=[optimizer.lrr]"], "optimizer.lrr is not a config key"),
+    # Every other key with a constraint (issue 21, item 7).
+    (["train.loss_scale=0"], "train.loss_scale=0.0: must be > 0"),
+    (["train.channels_last=maybe"], "Value 'maybe' is not a valid bool"),
+    (["train.epochs=0"], "train.epochs=0.0: must be positive"),
+    (["train.val_size=-1"], "train.val_size=-1.0 must be a count of examples"),
+    (["train.checkpoint_every=1.5"], "train.checkpoint_every=1.5: a number of steps is whole"),
+    (["data.num_classes=1"], "data.num_classes=1: must be at least 2"),
+    (["data.num_features=0"], "data.num_features=0: must be at least 1"),
+    (["data.noise=-1"], "data.noise=-1: the noise standard deviation must be >= 0"),
+    (["comm.p2p_schedule=x"], "comm.p2p_schedule=x; choose one of"),
+    (["network.message_overhead_us=-1"], "network.message_overhead_us must be >= 0"),
+    (["network.allgather_factor=0"], "network.allgather_factor > 0"),
+    (["network.latency_us=-1"], "network.latency_us >= 0"),
+    (["logger.init_timeout_s=0"], "logger.init_timeout_s=0.0: must be > 0"),
+    (["schedule.warmup_epochs=-1"], "schedule.warmup_epochs=-1: must be a number >= 0"),
+    (["schedule.warmup_from=-1"], "schedule.warmup_from=-1"),
+    (["optimizer=adam", "+optimizer.eps=-1"], "optimizer.eps=-1: must be a number >= 0"),
+    (["compressor=qsgd", "compressor.levels=0"], "compressor.levels=0: must be in 1..127"),
+    (["compressor=randomk", "compressor.ratio=0"], "compressor.ratio=0: must be in (0, 1]"),
+    (["compressor=powersgd", "compressor.rank=0"], "compressor.rank=0: must be >= 1"),
+    (["error_feedback=ef14", "error_feedback.momentum=-1"], "error_feedback.momentum=-1"),
+    (["error_feedback.mode=foo"], "error_feedback.mode"),
+    (["model.hidden=abc"], "model.hidden"),
+    (["network=nonexistent"], "network=nonexistent is not an option"),
+    (["algorithm._target_=dpresearch.models.mlp.MLP"], "is not an Algorithm subclass"),
+    (["model=resnet20", "model.depth=21"], "model.depth=21 is not 6n+2"),
+    (["model=resnet20", "model.shortcut=x"], "model.shortcut='X' is not known"),
+    (["model=vgg11", "model.depth=12"], "model.depth=12 is not a VGG depth"),
+    (["algorithm=dpsgd", "topology=random", "topology.p=0"], "topology.p=0 must be in (0, 1]"),
+    (["algorithm=dpsgd", "topology=torus", "topology.rows=3"], "topology.rows=3 does not divide"),
+    (["algorithm=async_sgd", "async.speed=lognormal", "async.cv=-1"], "async.cv=-1"),
+    (["algorithm=async_sgd", "async.delay_compensation=-1"], "async.delay_compensation=-1.0"),
+    (["algorithm=async_sgd", "async.inject_delay=-1"], "async.inject_delay=-1.0"),
+    (
+        ["algorithm=async_sgd", "async.protocol=ssp", "async.max_staleness=-1"],
+        "async.max_staleness=-1: must be >= 0",
+    ),
+    (["algorithm=async_sgd", "async.slowdown=0"], "async.slowdown=0.0: must be > 0"),
+    (["algorithm=async_sgd", "async.straggler_factor=0"], "async.straggler_factor=0.0"),
+    (["algorithm=async_sgd", "async.straggler_prob=2"], "async.straggler_prob=2.0"),
+    (
+        ["algorithm=async_sgd", "async.lr_policy=drop", "async.tau_max=-1"],
+        "async.tau_max=-1: must be >= 0",
+    ),
+    (["algorithm=async_sgd", "async.timeout_s=0"], "async.timeout_s=0.0: must be > 0"),
+    (["network.compute_step_s=-1"], "network.compute_step_s=-1"),
+    (["train.batched_workers=sometimes"], "train.batched_workers=sometimes; choose one of"),
 ]
+# Keys the source names in a `key=...` message that are not constraints of the user's:
+# overrides the study launcher writes itself.
+NOT_CONSTRAINTS = {"logger.group", "logger.tags", "train.progress"}
 if not torch.cuda.is_available():
     BAD.append((["backend=nccl"], "use backend=gloo"))
 
@@ -122,6 +191,31 @@ def run_main(args: list[str], tmp_path: Path, monkeypatch, capsys) -> tuple[int,
 
 def test_table_is_big_enough() -> None:
     assert len(BAD) >= 40
+
+
+def test_every_constrained_key_has_a_row() -> None:
+    """Every config key that some check names in its error (`"<node>.<key>=..."` or
+    `"<node>.<key>:"` in the source) is set by at least one row above (or by the asynchronous
+    options' and the outer optimizers' own tables): a new check without a row fails here."""
+    import re
+
+    from conftest import REPO
+    from test_async import BAD as ASYNC_BAD
+    from test_outer import BAD as OUTER_BAD
+
+    nodes = "|".join(("train", "backend", "network", "comm", "logger", "debug", "data", "model",
+                      "optimizer", "schedule", "algorithm", "compressor", "error_feedback",
+                      "topology", "async"))  # fmt: skip
+    named = re.compile(rf'f?"((?:{nodes})\.[a-z_]+)[=:]')
+    constrained = {
+        match.group(1)
+        for path in (REPO / "dpresearch").rglob("*.py")
+        for match in named.finditer(path.read_text())
+    }
+    rows = [*BAD, *ASYNC_BAD, *OUTER_BAD]
+    covered = {a.lstrip("+~").split("=", 1)[0] for args, _ in rows for a in args}
+    assert len(constrained) > 50  # the scan finds the checks
+    assert sorted(constrained - covered - NOT_CONSTRAINTS) == []
 
 
 @pytest.mark.parametrize("args,fragment", BAD, ids=[" ".join(a) for a, _ in BAD])
@@ -197,3 +291,62 @@ def test_bad_input_on_the_command_line(args, fragment, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], lines
     assert "error" not in out.stdout
     assert list(tmp_path.iterdir()) == []  # no outputs/, no run directory
+
+
+# A torchrun environment left over (issue 21, item 6): (variables, overrides, fragment).
+# "{free}" / "{held}": a free port, and one another process listens on.
+STALE = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+ENV_BAD = [
+    ({**STALE, "MASTER_PORT": "{free}"}, [], "are set in this shell (left over from a torchrun"),
+    (
+        {**STALE, "MASTER_PORT": "{held}"},
+        ["backend=gloo", "workers=2"],
+        "is held by another process, so rank 0 cannot host the rendezvous",
+    ),
+    ({**STALE, "MASTER_PORT": "x"}, ["backend=gloo", "workers=2"], "MASTER_PORT=x is not a port"),
+]
+
+
+@pytest.mark.parametrize("env,args,fragment", ENV_BAD, ids=[f for _, _, f in ENV_BAD])
+def test_a_torchrun_environment_left_over_is_one_line(
+    env, args, fragment, tmp_path, monkeypatch, capsys
+):
+    import socket
+
+    from conftest import free_port
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        ports = {"{free}": str(free_port()), "{held}": str(held.getsockname()[1])}
+        for name, value in env.items():
+            monkeypatch.setenv(name, ports.get(value, value))
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        run_dir = tmp_path / "run"
+        code, out, err = run_main(
+            [*SYNTHETIC_SMALL, *args, f"hydra.run.dir={run_dir}"], tmp_path, monkeypatch, capsys
+        )
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert fragment in lines[0] and "unset RANK WORLD_SIZE" in lines[0], lines[0]
+    assert not run_dir.exists()
+
+
+@pytest.mark.distributed
+def test_peers_that_never_come_are_one_line_after_the_timeout(tmp_path):
+    """RANK/WORLD_SIZE/... left in the environment with a free port: rank 0 hosts the
+    rendezvous and waits `backend.timeout_s` for the peer, then says so in one line (before:
+    a 27-line DistNetworkError, or a wait of 10 minutes)."""
+    from conftest import free_port
+
+    env = {**STALE, "MASTER_PORT": str(free_port())}
+    out = run_cli(
+        [*SYNTHETIC_SMALL, "backend=gloo", "workers=2", "backend.timeout_s=2",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, timeout=180, env=env,
+    )  # fmt: skip
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
+    assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
+    assert "rank 0 could not join the other processes at 127.0.0.1:" in errors[0]
+    assert "the variables came from the environment" in errors[0]
+    assert "Traceback" not in out.stderr

@@ -205,3 +205,42 @@ def test_two_stage_study_selects_on_the_tuning_seed_then_runs_the_others(tmp_pat
 def test_tune_seeds_must_be_some_of_the_seeds(tmp_path):
     with pytest.raises(StudyError, match="tune_seeds"):
         load_study(write_study(tmp_path, seeds=[0, 1], tune_seeds=[5]))
+
+
+# Problems a dry run must catch (issue 21, item 4): (study changes, the error line's fragment).
+BAD_STUDIES = [
+    ({"common": [*TINY["common"], "train.stepz=5"]}, "common: train.stepz is not a config key"),
+    (
+        {"cases": {"k": ["compressor=topk", "compressor.ratio=2"]}},
+        "case 'k': compressor.ratio",
+    ),
+    ({"cases": {"k": ["compresor=topk"]}}, "case 'k': compresor"),
+    (
+        {"lr_key": "optimizer.lrr"},
+        "lr_key optimizer.lrr: optimizer.lrr is not an option of torch.optim.SGD; did you mean",
+    ),
+    ({"select": "val/accuracy:max"}, "select: 'val/accuracy' is not a metric a run reports; did"),
+    ({"select": "val/acc:best"}, "select: mode 'best' in 'val/acc:best'"),
+    ({"select": "val/acc:max"}, "needs a validation split, but case 'dense' has train.val_size=0"),
+    ({"target": {"metric": "tset/acc", "value": 0.5}}, "target.metric: 'tset/acc' is not"),
+]
+
+
+@pytest.mark.parametrize("changes,fragment", BAD_STUDIES, ids=[f for _, f in BAD_STUDIES])
+def test_a_dry_run_catches_every_bad_study_in_one_line(changes, fragment, tmp_path, capsys):
+    path = write_study(tmp_path, **changes)
+    out = tmp_path / "out"
+    assert study_main(["run", str(path), "--out", str(out), "--dry-run"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("error: ") and fragment in err[0], err
+    assert not out.exists()
+
+
+def test_a_study_whose_points_fail_exits_non_zero(tmp_path, capsys):
+    failing = ["debug.fail_worker=0", "debug.fail_at_step=0"]
+    path = write_study(tmp_path, cases={"broken": failing}, lrs=[0.1])
+    out = tmp_path / "out"
+    code = study_main(["run", str(path), "--out", str(out), "--launcher", "inprocess"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: ")]
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith("error: 1 of 1 points failed: broken | lr 0.1 | seed 0")

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from dpresearch.comm.base import Communicator
-from dpresearch.optim import set_lr
+from dpresearch.optim import set_lr, step_together
 from dpresearch.replicas import Replicas
 
 
@@ -105,7 +105,9 @@ class Algorithm(ABC):
             raise ValueError("one optimizer per local worker is required")
         self.replicas = replicas
         self.comm = comm
-        self.optimizers = optimizers
+        # a plain list: Hydra hands a list argument over as an OmegaConf ListConfig, whose
+        # iteration costs microseconds per element on every step
+        self.optimizers = list(optimizers)
         self.base_lrs = [[g["lr"] for g in opt.param_groups] for opt in optimizers]
         self._lockstep = StepPlan.every(replicas.num_local)
 
@@ -124,6 +126,11 @@ class Algorithm(ABC):
         groups get base lr × `multiplier`."""
         for opt, bases in zip(self.optimizers, self.base_lrs, strict=True):
             set_lr(opt, bases, multiplier)
+
+    def step_optimizers(self) -> None:
+        """Every local worker's optimizer steps (in one multi-tensor call where they are all
+        the same plain SGD, `optim.step_together`; the same result as one by one)."""
+        step_together(self.optimizers)
 
     def before_forward(self, step: int) -> None:
         """Called before the workers' forward passes of `step`."""

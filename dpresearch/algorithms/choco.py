@@ -85,10 +85,7 @@ class ChocoSGD(Gossip):
             for ch in bucket.chunks
         ]
         self.codec = method.codec(chunks, params.dtype, params.device, comm.local_workers)
-        if state_dtype not in STATE_DTYPES:
-            raise ValueError(
-                f"algorithm.state_dtype={state_dtype}; choose one of: {', '.join(STATE_DTYPES)}"
-            )
+        check_state_dtype(state_dtype)
         dtype = STATE_DTYPES[state_dtype]
         self.x_hat = torch.zeros_like(params, dtype=dtype)
         self.s = torch.zeros_like(params, dtype=dtype)
@@ -98,6 +95,7 @@ class ChocoSGD(Gossip):
         super().check_config(cfg)
         alg = cfg.algorithm
         check_gamma(alg.get("gamma", 0.5))
+        check_state_dtype(alg.get("state_dtype", "float64"))
         check_algorithm_node(alg, "gossip")
 
     @classmethod
@@ -145,6 +143,13 @@ TIME_VARYING_MESSAGE = (
     "algorithm=choco keeps s_i = Σ_j w_ij x̂_j, which needs a fixed graph; "
     "topology={name} changes every step: use a static topology (ring, torus, exponential, ...)"
 )
+
+
+def check_state_dtype(state_dtype: str) -> None:
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(
+            f"algorithm.state_dtype={state_dtype}; choose one of: {', '.join(STATE_DTYPES)}"
+        )
 
 
 def check_gamma(gamma: float) -> None:

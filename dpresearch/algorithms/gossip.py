@@ -37,6 +37,8 @@ from dpresearch.comm.topology import Topology
 from dpresearch.replicas import Replicas
 
 ORDERS = ("combine_then_adapt", "adapt_then_combine")
+# float64 elements of the differences one block of the consensus distance holds (~1 MB).
+DISTANCE_BLOCK_ELEMENTS = 1 << 17
 
 
 def build_topology(topology: Mapping[str, Any], num_workers: int) -> Topology:
@@ -181,11 +183,19 @@ class Gossip(Algorithm):
         return self.replicas.params
 
     def metrics(self) -> dict[str, float]:
-        """`gossip/consensus_distance`: Ξ² = (1/K) Σ_i ‖x_i − x̄‖² ("metrics" traffic)."""
-        x = self.models().double()
-        mean = x.clone()
-        self.comm.all_reduce(mean, op="mean", record=METRICS)
-        sq = (x - mean).pow(2).sum(dim=1, keepdim=True)
+        """`gossip/consensus_distance`: Ξ² = (1/K) Σ_i ‖x_i − x̄‖² in float64 ("metrics"
+        traffic: the sum of the rows, then the K squared distances). Two reads of the rows:
+        x̄ is summed straight into float64 (no float64 copy of the rows, no mean written into
+        every row), and the distances are taken over column blocks small enough that their
+        float64 differences stay in cache."""
+        x = self.models()
+        mean = self.comm.sum_over_workers(x, torch.float64, record=METRICS)[0]
+        mean.div_(self.comm.world_size)
+        sq = torch.zeros(x.shape[0], 1, dtype=torch.float64, device=x.device)
+        block = max(4096, DISTANCE_BLOCK_ELEMENTS // max(1, x.shape[0]))
+        for lo in range(0, x.shape[1], block):
+            diff = x[:, lo : lo + block] - mean[lo : lo + block]  # float64 (type promotion)
+            sq[:, 0] += diff.square_().sum(1)
         self.comm.all_reduce(sq, op="sum", record=METRICS)
         return {"gossip/consensus_distance": sq[0, 0].item() / self.comm.world_size}
 
@@ -218,16 +228,17 @@ class DPSGD(Gossip):
         eval_local_models: bool = True,
     ) -> None:
         super().__init__(replicas, comm, optimizers, topology, mix_buffers, eval_local_models)
-        if order not in ORDERS:
-            raise ValueError(f"algorithm.order={order}; choose one of: {', '.join(ORDERS)}")
-        if global_average_every is not None and global_average_every < 1:
-            raise ValueError(
-                f"algorithm.global_average_every={global_average_every}: must be >= 1 or null"
-            )
+        check_dpsgd_options(order, global_average_every)
         self.order = order
         self.overlap = overlap and order == "combine_then_adapt"
         self.global_average_every = global_average_every
         self._pending: PendingOp | None = None
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig) -> None:
+        super().check_config(cfg)
+        alg = cfg.algorithm
+        check_dpsgd_options(alg.get("order", "combine_then_adapt"), alg.get("global_average_every"))
 
     def before_forward(self, step: int) -> None:
         if self.overlap:
@@ -244,9 +255,9 @@ class DPSGD(Gossip):
             received = self._pending.wait() if self._pending is not None else None
             self._pending = None
             self.gossip_average(params, step, received)
-            self._step_optimizers()
+            self.step_optimizers()
         else:
-            self._step_optimizers()
+            self.step_optimizers()
             self.gossip_average(params, step)
         self.mix_float_buffers(step)
         if self.global_average_every and (step + 1) % self.global_average_every == 0:
@@ -254,6 +265,14 @@ class DPSGD(Gossip):
             if self.mix_buffers and self.replicas.buffers.shape[1] > 0:
                 self.comm.all_reduce(self.replicas.buffers, op="mean", record=BUFFERS)
 
-    def _step_optimizers(self) -> None:
-        for opt in self.optimizers:
-            opt.step()
+
+def check_dpsgd_options(order: Any, global_average_every: Any) -> None:
+    """Raise ValueError (one line) for an unknown order or a global-averaging period that is
+    not a whole number >= 1 (null: never)."""
+    if order not in ORDERS:
+        raise ValueError(f"algorithm.order={order}; choose one of: {', '.join(ORDERS)}")
+    every = global_average_every
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(
+            f"algorithm.global_average_every={every}: average every H >= 1 steps, or null"
+        )

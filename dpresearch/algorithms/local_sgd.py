@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 
 from dpresearch.algorithms.base import Algorithm, Traits
 from dpresearch.comm.base import Communicator
@@ -42,15 +43,18 @@ class LocalSGD(Algorithm):
         sync_epochs: float = 0.0,
     ) -> None:
         super().__init__(replicas, comm, optimizers)
-        if period < 1:
-            raise ValueError(f"algorithm.period must be >= 1, got {period}")
-        if sync_epochs < 0:
-            raise ValueError(f"algorithm.sync_epochs must be >= 0, got {sync_epochs}")
+        check_options(period, sync_epochs)
         self.period, self.sync_epochs = period, sync_epochs
         self.sync_steps = 0  # set from sync_epochs once the epoch length is known
         self.average_buffers = average_buffers
         self.average_optimizer_state = average_optimizer_state
         self.handed_over = False  # an outer optimizer does the averaging
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig) -> None:
+        """The averaging period and the synchronous start, before any worker starts."""
+        alg = cfg.algorithm
+        check_options(alg.get("period", 8), alg.get("sync_epochs", 0.0))
 
     def set_run_length(self, steps_per_epoch: int, total_steps: int) -> None:
         self.sync_steps = round(self.sync_epochs * steps_per_epoch)
@@ -85,8 +89,7 @@ class LocalSGD(Algorithm):
         return {"local_sgd/sync_steps": self.sync_steps} if self.sync_steps else {}
 
     def after_backward(self, step: int) -> None:
-        for opt in self.optimizers:
-            opt.step()
+        self.step_optimizers()
         if self.averages_after(step):
             self.comm.all_reduce(self.replicas.params, op="mean")
             if self.average_buffers and self.replicas.buffers.shape[1] > 0:
@@ -127,3 +130,15 @@ def average_optimizer_state(
         for t in tensors:
             t.copy_(row[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
+
+
+def check_options(period: Any, sync_epochs: Any) -> None:
+    """Raise ValueError (one line) for a period that is not a whole number >= 1 or a negative
+    synchronous start."""
+    if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+        raise ValueError(
+            f"algorithm.period={period}: average every N >= 1 steps (1: synchronous SGD)"
+        )
+    number = isinstance(sync_epochs, (int, float)) and not isinstance(sync_epochs, bool)
+    if not number or sync_epochs < 0:
+        raise ValueError(f"algorithm.sync_epochs={sync_epochs}: must be a number of epochs >= 0")

@@ -58,8 +58,7 @@ class SGP(Gossip):
         """Push-sum needs only the column-stochastic push matrix, which every graph has."""
 
     def after_backward(self, step: int) -> None:
-        for opt in self.optimizers:
-            opt.step()
+        self.step_optimizers()
         params = self.replicas.params
         share = self._share(step)
         weight = self.ps_weight

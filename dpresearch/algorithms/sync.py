@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 from torch import Tensor
 
 from dpresearch.algorithms.base import Algorithm
@@ -52,8 +53,7 @@ class SyncSGD(Algorithm):
         overlap: bool = True,
     ) -> None:
         super().__init__(replicas, comm, optimizers)
-        if buffers not in BUFFER_MODES:
-            raise ValueError(f"algorithm.buffers={buffers!r}; choose one of: {BUFFER_MODES}")
+        check_buffers(buffers)
         self.buffer_mode = buffers
         self.reducer = build_reducer(
             compressor,
@@ -73,6 +73,11 @@ class SyncSGD(Algorithm):
             if overlap and self.reducer.passthrough and comm.can_overlap and replicas.num_local == 1
             else None
         )
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig) -> None:
+        """The buffer mode, before any worker starts (the compressor: `check_compatibility`)."""
+        check_buffers(cfg.algorithm.get("buffers", "broadcast"))
 
     def before_forward(self, step: int) -> None:
         if self.buffer_mode == "broadcast" and self.replicas.buffers.shape[1] > 0:
@@ -101,3 +106,8 @@ class SyncSGD(Algorithm):
         buffers = self.replicas.buffers.clone()
         self.comm.broadcast(buffers, src=0, record="eval")
         return self.replicas.params[0].clone(), buffers[0]
+
+
+def check_buffers(buffers: str) -> None:
+    if buffers not in BUFFER_MODES:
+        raise ValueError(f"algorithm.buffers={buffers}; choose one of: {', '.join(BUFFER_MODES)}")

@@ -75,11 +75,15 @@ def run(args: argparse.Namespace) -> int:
     from dpresearch.analysis.report import (
         FORMATS,
         ReportSpec,
+        check_out_dir,
         headers,
         load_report,
         write_report,
     )
     from dpresearch.analysis.tables import csv_table, latex_table, markdown_table
+
+    if args.out:
+        check_out_dir(args.out)  # before the runs are read: a wrong --out costs nothing
 
     published = (
         load_published(args.published, args.published_key, args.published_columns)

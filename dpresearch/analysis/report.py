@@ -10,6 +10,7 @@ a case and a seed are named in the notes.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -456,6 +457,27 @@ def render_markdown(report: Report, plots: Sequence[Path] = (), header: str = ""
     return "\n".join(lines)
 
 
+def check_out_dir(out: str | Path, flag: str = "--out", create: bool = False) -> Path:
+    """`out` as a folder a report can be written into (made when `create`); raises
+    `AnalysisError` (one line) for a file, or a folder that cannot be made or written."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise AnalysisError(
+            f"{flag} {out} is a file; pass a folder (it gets results.md, the tables and plots)"
+        )
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise AnalysisError(f"{flag} {out} cannot be written ({existing} is not a writable folder)")
+    if create:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise AnalysisError(f"{flag} {out} cannot be made ({exc.strerror or exc})") from None
+    return out
+
+
 def write_report(
     report: Report, out: str | Path, header: str = "", plot_kinds: Sequence[str] = ("png",)
 ) -> Path:
@@ -463,8 +485,7 @@ def write_report(
     `out`; returns the path of results.md."""
     from dpresearch.analysis.tables import csv_table, latex_table, markdown_table
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_out_dir(out, create=True)
     shown = headers(report.columns)
     (out / "table.md").write_text(
         markdown_table(report.table, report.columns, FORMATS, shown) + "\n"

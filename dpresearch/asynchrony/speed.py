@@ -42,7 +42,12 @@ class _Stream:
 
     def state_dict(self) -> dict:
         """The generator's state and the unread rest of its current block."""
-        return {"rng": self._rng.bit_generator.state, "block": list(self._block), "pos": self._pos}
+        # plain floats: numpy scalars would make the checkpoint unreadable with weights_only
+        return {
+            "rng": self._rng.bit_generator.state,
+            "block": [float(v) for v in self._block],
+            "pos": self._pos,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self._rng.bit_generator.state = state["rng"]

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from dpresearch.comm.ledger import ALGORITHM, CommLedger, CommOp, purpose_of
@@ -132,6 +133,35 @@ class Communicator(ABC):
             self._all_reduce_sum(x)
         if op == "mean":
             x.div_(self.world_size)
+
+    def sum_over_workers(
+        self, x: Tensor, dtype: torch.dtype | None = None, record: bool | str = True
+    ) -> Tensor:
+        """The sum of all K workers' rows of `x` (`[W, ...]`), as one row `[1, ...]` in
+        `dtype` (default: x's), the same on every process: this process's rows are added here
+        (in worker order), then the processes' sums are all-reduced. Recorded as `all_reduce`
+        of one `dtype` row per worker would be, but it moves one row per process, and nothing
+        when every worker lives here (where `all_reduce` would write the sum into all K
+        rows)."""
+        if dtype is None or dtype == x.dtype:
+            local = x.sum(0, keepdim=True)
+        else:
+            # row after row: a column reduction that converts the type is several times slower
+            local = x[:1].to(dtype, copy=True)
+            for w in range(1, x.shape[0]):
+                local[0] += x[w]
+        rows = local.expand(self.num_local, *local.shape[1:])
+        kind = "allreduce" if self.reduction == "ring" else "allreduce_ps"
+        if self.num_local == self.world_size:
+            with self._timed(record, kind, rows):
+                return local
+        if self.num_local == 1:
+            self.all_reduce(local, op="sum", record=record)
+            return local
+        padded = torch.zeros_like(rows)
+        padded[0] = local[0]
+        self.all_reduce(padded, op="sum", record=record)
+        return padded[:1]
 
     def all_gather(self, x: Tensor, record: bool | str = True) -> Tensor:
         """Every worker's row, `[K, ...]` in worker order (the same for all local workers)."""

@@ -209,15 +209,20 @@ class CommLedger:
         self.step_ops.clear()
 
     def state_dict(self) -> dict:
-        """The cumulative counters, for a checkpoint (the busy time as a closed total)."""
+        """The cumulative counters, for a checkpoint (the busy time as a closed total), as plain
+        data (a checkpoint holds no class of ours: see `checkpoint.load_checkpoint`): the ops
+        as `[kind, nbytes, group, peers, purpose, count, hidden_steps]` rows."""
         return {
             "bytes_by_purpose": {p: list(v) for p, v in self.bytes_by_purpose.items()},
             "modeled_by_purpose": dict(self.modeled_by_purpose),
             "exposed_s": self.exposed_s,
             "busy_s": self.busy_s,
             "op_counts": dict(self.op_counts),
-            "op_totals": dict(self.op_totals),
-            "purpose_op_counts": dict(self.purpose_op_counts),
+            "op_totals": [
+                [op.kind, op.nbytes, op.group, op.peers, op.purpose, n, op.hidden_steps]
+                for op, n in self.op_totals.items()
+            ],
+            "purpose_op_counts": [[p, k, n] for (p, k), n in self.purpose_op_counts.items()],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -228,8 +233,10 @@ class CommLedger:
         self.exposed_s = state["exposed_s"]
         self._busy_closed = state["busy_s"]
         self.op_counts.update(state["op_counts"])
-        self.op_totals.update(state["op_totals"])
-        self.purpose_op_counts.update(state["purpose_op_counts"])
+        for kind, nbytes, group, peers, purpose, n, *hidden in state["op_totals"]:
+            self.op_totals[CommOp(kind, nbytes, group, peers, purpose, *hidden)] += n
+        for purpose, kind, n in state["purpose_op_counts"]:
+            self.purpose_op_counts[(purpose, kind)] += n
 
     def op_table(self) -> list[list]:
         """Every distinct op with its count, `[kind, nbytes, group, peers, count]` (and

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dpresearch.algorithms.base import Algorithm
+from dpresearch.config.environment import check_distributed_environment
 from dpresearch.config.errors import ConfigError
 
 BACKENDS = ("simulated", "gloo", "nccl")
@@ -29,6 +30,7 @@ NON_NEGATIVE_OPTIMIZER_KEYS = ("lr", "momentum", "weight_decay", "dampening", "e
 LR_SCALINGS = ("none", "linear")
 AUTOCASTS = (None, "bf16", "fp16")
 NONFINITE_MODES = ("stop", "skip_step", "continue")
+_MISSING = object()
 REDUCTIONS = ("ring", "centralized")
 P2P_SCHEDULES = ("auto", "by_distance", "one_batch")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -81,6 +83,7 @@ def check_backend(cfg: DictConfig) -> None:
                 f"backend=nccl puts one worker per GPU: {local} workers here but only "
                 f"{torch.cuda.device_count()} GPUs; lower workers or use backend=simulated"
             )
+    check_distributed_environment(backend)
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         world, expected = int(os.environ["WORLD_SIZE"]), process_count(cfg)
         if world != expected:
@@ -129,7 +132,8 @@ def check_device(cfg: DictConfig) -> None:
 
 
 def check_train(cfg: DictConfig) -> None:
-    """Batch sizes, run length, logging and evaluation intervals, lr scaling."""
+    """Batch sizes, run length, logging and evaluation intervals, lr scaling, how several
+    workers compute."""
     tc = cfg.train
     if tc.batch_size < 1:
         raise ConfigError(f"train.batch_size={tc.batch_size}: must be at least 1")
@@ -149,6 +153,16 @@ def check_train(cfg: DictConfig) -> None:
     if tc.lr_scaling not in LR_SCALINGS:
         raise ConfigError(
             f"train.lr_scaling={tc.lr_scaling}; choose one of: {', '.join(LR_SCALINGS)}"
+        )
+    from dpresearch.run.batched import MODES, batched_mode
+
+    if batched_mode(tc.batched_workers) not in MODES:
+        raise ConfigError(
+            f"train.batched_workers={tc.batched_workers}; choose one of: {', '.join(MODES)}"
+        )
+    if not tc.loss_scale > 0:
+        raise ConfigError(
+            f"train.loss_scale={tc.loss_scale}: must be > 0 (fp16's static loss scale)"
         )
 
 
@@ -170,6 +184,12 @@ def check_run_control(cfg: DictConfig) -> None:
         raise ConfigError(str(exc)) from None
     if tc.checkpoint_keep < 1:
         raise ConfigError(f"train.checkpoint_keep={tc.checkpoint_keep}: must be at least 1")
+    for key in tc.get("resume_allow_changes") or []:
+        if OmegaConf.select(cfg, str(key), default=_MISSING) is _MISSING:
+            raise ConfigError(
+                f"train.resume_allow_changes: {key} is not a config key; name keys or nodes "
+                "of this configuration, e.g. [train.steps, optimizer]"
+            )
     if tc.on_nonfinite not in NONFINITE_MODES:
         raise ConfigError(
             f"train.on_nonfinite={tc.on_nonfinite}; choose one of: {', '.join(NONFINITE_MODES)}"
@@ -197,8 +217,7 @@ def check_comm(cfg: DictConfig) -> None:
         )
     if cfg.comm.p2p_schedule not in P2P_SCHEDULES:
         raise ConfigError(
-            f"comm.p2p_schedule={cfg.comm.p2p_schedule}; choose one of: "
-            f"{', '.join(P2P_SCHEDULES)}"
+            f"comm.p2p_schedule={cfg.comm.p2p_schedule}; choose one of: {', '.join(P2P_SCHEDULES)}"
         )
 
 
@@ -364,6 +383,37 @@ def check_outer(cfg: DictConfig) -> None:
         outer.check_config(cfg)
     except ValueError as exc:
         raise ConfigError(str(exc).strip().splitlines()[0]) from None
+
+
+# Nodes an algorithm takes by reference (`options: ${async}`, `topology: ${topology}`): set
+# for an algorithm that does not reference them, they would be ignored without a word.
+# (compressor/error_feedback: `check_compression`.)
+REFERENCED_NODES = ("async", "topology")
+
+
+def check_unused_nodes(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
+    """A `REFERENCED_NODES` node that the algorithm's node does not reference is left as it
+    is: its schema defaults (`async`) and no override of it on the command line."""
+    from dpresearch.asynchrony.options import AsyncOptions
+
+    used = json.dumps(OmegaConf.to_container(cfg.algorithm, resolve=False))
+    name = cfg.algorithm._target_.rsplit(".", 1)[-1]
+    given = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+    for node in REFERENCED_NODES:
+        if node not in cfg or "${" + node + "}" in used:
+            continue
+        changed = [k for k in given if k == node or k.startswith(node + ".")]
+        if node == "async":
+            defaults = OmegaConf.to_container(OmegaConf.structured(AsyncOptions))
+            now = OmegaConf.to_container(cfg[node], resolve=True)
+            changed += [f"async.{k}" for k, v in now.items() if v != defaults.get(k, v)]
+        if changed:
+            raise ConfigError(
+                f"{changed[0]} is set but {name} does not use the {node} options (only an "
+                f"algorithm whose node references ${{{node}}} does, e.g. "
+                f"{'algorithm=async_sgd' if node == 'async' else 'algorithm=dpsgd'}); "
+                f"leave {node} out, or pick that algorithm"
+            )
 
 
 # Every node's check, in the order `validate` runs them: the typed nodes, then (after the

@@ -110,6 +110,12 @@ def compose_command_line(cmd: CommandLine, conf_dir: Path) -> DictConfig:
     first_values = []
     for ov in parsed:
         key = ov.key_or_group
+        if ov.is_sweep_override() and not cmd.multirun:
+            raise ConfigError(
+                f"{ov.input_line}: a comma (or a range) makes a list of values, which only a "
+                f"sweep runs; quote the value to keep it whole ({key}='...'), or add -m to "
+                "sweep over it"
+            )
         if key.startswith("hydra") or ov.package is not None and ov.package.startswith("hydra"):
             first_values.append(ov.input_line)
             continue
@@ -158,7 +164,11 @@ def _composition_message(
     if "is not in struct" in text or "Could not override" in text:
         key = lines[0].split("'")[1] if "'" in lines[0] else lines[0]
         return _unknown_key_hint(key, conf_dir, config_name, overrides)
-    detail = [ln for ln in lines if "could not be converted" in ln or "Invalid value" in ln]
+    detail = [
+        ln
+        for ln in lines
+        if "could not be converted" in ln or "Invalid value" in ln or "is not a valid" in ln
+    ]
     if detail:
         return f"{lines[0]}: {detail[0]}"
     return lines[0] if lines else type(exc).__name__
@@ -191,3 +201,8 @@ def _unknown_key_hint(key: str, conf_dir: Path, config_name: str, overrides: lis
             )
         return not_an_option_message(key, parent._target_, params)
     return unknown_key_message(key, keys)
+
+
+def quote_value(value: str) -> str:
+    """A Hydra override value holding `value` verbatim (commas, spaces, quotes and all)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"

@@ -48,6 +48,7 @@ def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> Dataset:
     model = build_model(cfg, dataset)
     check_optimizer(cfg, model)
     check_fragments(cfg, model)
+    check_batched(cfg, dataset)
     steps = cfg.train.steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
     schedule = _build("schedule", cfg.schedule, steps_per_epoch=steps_per_epoch,
                       total_steps=steps)  # fmt: skip
@@ -104,6 +105,25 @@ def build_model(cfg: DictConfig, dataset: Dataset) -> torch.nn.Module:
             f"{dataset.num_classes} class scores; check its num_classes handling"
         )
     return model
+
+
+def check_batched(cfg: DictConfig, dataset: Dataset) -> None:
+    """`train.batched_workers=true` only for a model whose workers can run batched (a run
+    that holds several workers in one process: simulated)."""
+    from dpresearch.run.batched import batched_mode, probe_config, unbatchable_message
+
+    if batched_mode(cfg.train.batched_workers) != "true":
+        return
+    if cfg.backend.name != "simulated" or cfg.workers < 2:
+        return  # one worker per process: nothing to batch
+    device = cfg.train.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    reason = probe_config(
+        cfg.model, dataset.input_shape, dataset.num_classes, cfg.train.autocast, device
+    )
+    if reason is not None:
+        raise ConfigError(unbatchable_message(cfg.model._target_.rsplit(".", 1)[-1], reason))
 
 
 def check_optimizer(cfg: DictConfig, model: torch.nn.Module) -> None:

@@ -38,9 +38,18 @@ class TrainConfig:
     SIGTERM/SIGINT always write a final checkpoint (as Lightning does), whatever
     `checkpoint_every` says. `resume`: null (start fresh), `auto` (continue from the run
     directory's latest complete checkpoint if there is one, else start fresh) or a path (a
-    checkpoint file or a run directory). `on_nonfinite`: what a non-finite training loss does —
+    checkpoint file or a run directory); a checkpoint written with other settings in anything
+    that shapes the trajectory is refused, naming the keys, unless `resume_allow_changes` lists
+    them (keys or whole nodes, e.g. `[train.steps, optimizer]`: deliberate changes; see
+    `dpresearch/resume.py`). `on_nonfinite`: what a non-finite training loss does —
     `stop` (exit 3, `status: diverged`, no model written), `skip_step` (that step's update is
     dropped and counted) or `continue`.
+
+    `batched_workers`: how the simulated workers of one process compute — `false` one by one,
+    `true` as one vmapped forward/backward over their stacked parameter rows
+    (`dpresearch/run/batched.py`; a model that cannot be batched is refused before the run),
+    `auto` batched where that is faster (a GPU; a CPU only for models small enough that
+    per-operation overhead dominates) and where the model can be. Printed at the start.
     """
 
     steps: int | None = None
@@ -60,16 +69,20 @@ class TrainConfig:
     checkpoint_every: str | None = None
     checkpoint_keep: int = 2
     resume: str | None = None
+    resume_allow_changes: list[str] = field(default_factory=list)
     on_nonfinite: str = "stop"
+    batched_workers: str = "auto"
 
 
 @dataclass
 class BackendConfig:
     """How workers are placed: `simulated` (all in this process), `gloo` (CPU processes) or
-    `nccl` (one GPU per process). `threads`: torch threads per process (null: cores ÷ local
-    processes; simulated: torch's default). Matrix products round differently with different
-    thread counts, so bit-level comparisons across backends fix it (e.g. 1). `timeout_s`: how
-    long a collective may wait for a peer. `heartbeat_s`: a worker process started by this
+    `nccl` (one GPU per process). `threads`: torch threads per process (null: chosen by
+    `dpresearch/launch/threads.py` — cores ÷ local processes ÷ concurrent sweep jobs, and a
+    simulated run 1 unless its model is large enough to gain and that many cores are idle at
+    the start; printed). Matrix products round differently with different thread counts, so
+    bit-level comparisons across runs and backends fix it (e.g. 1). `timeout_s`: how long a
+    collective may wait for a peer. `heartbeat_s`: a worker process started by this
     machine's launcher that shows no sign of life for this long (stopped, frozen) ends the job
     with one line naming it (null: no watchdog; torchrun jobs rely on `timeout_s`)."""
 

@@ -3,7 +3,8 @@
 `validate` runs, in order: the schema's keys (`check_schema_keys`), every typed node's own
 check (`checks.NODE_CHECKS`), the run length against the command line (`check_run_length`),
 every plug-in's `_target_` and keys (`check_target`), and every plug-in node's own check
-(`checks.PLUGIN_CHECKS`, the algorithm's among them). `prepare_data` loads the data set once.
+(`checks.PLUGIN_CHECKS`, the algorithm's among them), and that no node is set for an
+algorithm that ignores it (`check_unused_nodes`). `prepare_data` loads the data set once.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from typing import Any
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
-from dpresearch.config.checks import NODE_CHECKS, PLUGIN_CHECKS, process_count
+from dpresearch.config.checks import (
+    NODE_CHECKS,
+    PLUGIN_CHECKS,
+    check_unused_nodes,
+    process_count,
+)
 from dpresearch.config.errors import ConfigError
 
 __all__ = ["ConfigError", "process_count", "validate", "prepare_data", "forget_data"]
@@ -83,6 +89,7 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
             check_target(group, cfg[group])
     for check in PLUGIN_CHECKS.values():
         check(cfg)
+    check_unused_nodes(cfg, overrides)
     OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg)))
 
 

@@ -9,8 +9,9 @@ any backend. Which indices each worker visits is the partitioner's job (`data/pa
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -46,6 +47,10 @@ class Dataset:
     alpha: float = 1.0
     val_inputs: Tensor | None = None
     val_targets: Tensor | None = None
+    # Whether `transform_train` draws from its generator (augmentation). If not, it must act on
+    # each example alone, so several workers' batches are transformed together in
+    # `train_batches`.
+    transform_draws: ClassVar[bool] = False
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -106,6 +111,32 @@ class Dataset:
         return (
             self.transform_train(self.train_inputs.index_select(0, indices), generator),
             self.train_targets.index_select(0, indices),
+        )
+
+    def train_batches(
+        self, indices: Sequence[Tensor], generators: Sequence[torch.Generator | None]
+    ) -> tuple[Tensor, Tensor]:
+        """Inputs `[S, B, ...]` and targets `[S, B]` of S batches of equal size B, batch s
+        transformed with `generators[s]`: the same tensors as stacking
+        `train_batch(indices[s], generators[s])`, with one gather for all of them."""
+        index = torch.cat(list(indices))
+        if index.device != self.train_targets.device:
+            index = index.to(self.train_targets.device)
+        raw = self.train_inputs.index_select(0, index)
+        targets = self.train_targets.index_select(0, index).view(len(indices), -1)
+        inputs = self.transform_batches(raw, generators)
+        return inputs.view(len(indices), -1, *inputs.shape[1:]), targets
+
+    def transform_batches(
+        self, inputs: Tensor, generators: Sequence[torch.Generator | None]
+    ) -> Tensor:
+        """`transform_train` of `inputs` cut into `len(generators)` equal batches, batch s
+        with `generators[s]`; one call over all of them where the transform draws nothing."""
+        if not self.transform_draws:
+            return self.transform_train(inputs, None)
+        chunks = inputs.chunk(len(generators))
+        return torch.cat(
+            [self.transform_train(c, g) for c, g in zip(chunks, generators, strict=True)]
         )
 
     def test_batches(

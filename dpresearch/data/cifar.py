@@ -84,16 +84,32 @@ def random_crop_flip(
     and only then moved to the images' device, so a CPU generator gives the same crops on every
     device. One gather over the padded batch; no per-image loop.
     """
-    n, c, h, w = images.shape
-    device = images.device
+    offsets, flips = crop_flip_draws(images.shape[0], generator, padding, flip)
+    return apply_crop_flip(images, offsets, flips, padding)
+
+
+def crop_flip_draws(
+    n: int, generator: torch.Generator | None, padding: int = 4, flip: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """The draws of `random_crop_flip` for `n` images, in its order, on the generator's
+    device: offsets `[2, n]` (rows, then columns) and flip bits `[n]` (None without `flip`)."""
     rng_device = generator.device if generator is not None else torch.device("cpu")
     offsets = torch.randint(0, 2 * padding + 1, (2, n), generator=generator, device=rng_device)
+    flips = torch.randint(0, 2, (n,), generator=generator, device=rng_device) if flip else None
+    return offsets, flips
+
+
+def apply_crop_flip(
+    images: Tensor, offsets: Tensor, flips: Tensor | None, padding: int = 4
+) -> Tensor:
+    """Crop and flip `images` as drawn (`crop_flip_draws`, moved to the images' device)."""
+    n, c, h, w = images.shape
+    device = images.device
     offsets = offsets.to(device)
     rows = offsets[0, :, None] + torch.arange(h, device=device)
     cols = offsets[1, :, None] + torch.arange(w, device=device)
-    if flip:
-        flips = torch.randint(0, 2, (n,), generator=generator, device=rng_device).to(device)
-        cols = torch.where(flips[:, None].bool(), cols.flip(1), cols)
+    if flips is not None:
+        cols = torch.where(flips.to(device)[:, None].bool(), cols.flip(1), cols)
     padded = images.new_zeros(n, c, h + 2 * padding, w + 2 * padding)
     padded[:, :, padding : padding + h, padding : padding + w] = images
     batch = torch.arange(n, device=device)[:, None, None, None]
@@ -106,19 +122,30 @@ def normalize(images: Tensor, mean: Tensor, std: Tensor) -> Tensor:
     return images.float().div_(255).sub_(mean).div_(std)
 
 
+def _numeric_dtype(spec: Any, *args: Any) -> np.dtype:
+    """`numpy.dtype(...)` as a pickle rebuilds it, for numeric types only: an object array
+    would hand its elements to the unpickler as Python objects."""
+    dtype = np.dtype(spec, *args)
+    if dtype.hasobject:
+        raise pickle.UnpicklingError(f"object arrays are not read ({spec})")
+    return dtype
+
+
 class _ArrayUnpickler(pickle.Unpickler):
-    """Unpickler that only rebuilds numpy arrays, so a planted file in `data.root` cannot run
-    code (plain pickle.load executes whatever callable the file names)."""
+    """Unpickler that rebuilds only numeric numpy arrays besides the plain containers (dicts,
+    lists, strings, bytes, numbers), so a planted file in `data.root` cannot run code (plain
+    pickle.load executes whatever callable the file names)."""
 
     ALLOWED = {
         ("numpy.core.multiarray", "_reconstruct"),
         ("numpy._core.multiarray", "_reconstruct"),
         ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-        ("_codecs", "encode"),
+        ("_codecs", "encode"),  # how a Python 2 pickle spells a byte string
     }
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("numpy", "dtype"):
+            return _numeric_dtype
         if (module, name) not in self.ALLOWED:
             raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
         return super().find_class(module, name)
@@ -133,6 +160,7 @@ class CifarDataset(Dataset):
     """
 
     LAYOUT: ClassVar[Layout]
+    transform_draws: ClassVar[bool] = True
 
     label_names: tuple[str, ...] = ()
     mean: tuple[float, ...] = (0.5, 0.5, 0.5)
@@ -233,6 +261,19 @@ class CifarDataset(Dataset):
         """Random crop + flip drawn from `generator` (if `augment`), then normalisation."""
         if self.augment:
             inputs = random_crop_flip(inputs, generator, self.padding)
+        return normalize(inputs, *self._channel_stats(inputs.device))
+
+    def transform_batches(
+        self, inputs: Tensor, generators: Sequence[torch.Generator | None]
+    ) -> Tensor:
+        """Each batch's crops and flips drawn from its own generator (as `transform_train`
+        draws them), then applied and normalised once for all batches."""
+        if self.augment:
+            n = inputs.shape[0] // len(generators)
+            draws = [crop_flip_draws(n, g, self.padding) for g in generators]
+            offsets = torch.cat([d[0].cpu() for d in draws], dim=1)
+            flips = torch.cat([d[1].cpu() for d in draws])  # type: ignore[union-attr]
+            inputs = apply_crop_flip(inputs, offsets, flips, self.padding)
         return normalize(inputs, *self._channel_stats(inputs.device))
 
     def transform_test(self, inputs: Tensor) -> Tensor:

@@ -19,7 +19,13 @@ def make_synthetic(
     device: str = "cpu",
 ) -> Dataset:
     """Class c's inputs are `mean_c + noise · N(0, I)` with `mean_c ~ N(0, I)`; labels are
-    uniform. The same `seed` always gives the same tensors."""
+    uniform. The same `seed` always gives the same tensors. Raises ValueError (one line) for
+    sizes that make no classification problem."""
+    for key, value, least in (("num_features", num_features, 1), ("num_classes", num_classes, 2)):
+        if value < least:
+            raise ValueError(f"data.{key}={value}: must be at least {least}")
+    if noise < 0:
+        raise ValueError(f"data.noise={noise}: the noise standard deviation must be >= 0")
     g = torch.Generator().manual_seed(seed)
     means = torch.randn(num_classes, num_features, generator=g)
 

@@ -41,13 +41,25 @@ class LineTee(io.TextIOBase):
         else:
             self.stream.write(text)
         if self.log is not None:
-            self.log.write(text)
+            try:
+                self.log.write(text)
+            except OSError as exc:
+                self._drop_log(exc)
         return len(text)
+
+    def _drop_log(self, exc: OSError) -> None:
+        """The log file refused a write (a full disk): the terminal keeps the output and the
+        log stops here, silently — the run's own writes into the same directory fail too, and
+        their one `error:` line is the report."""
+        self.log = None
 
     def flush(self) -> None:
         self.stream.flush()
         if self.log is not None:
-            self.log.flush()
+            try:
+                self.log.flush()
+            except OSError as exc:
+                self._drop_log(exc)
 
     def fileno(self) -> int:
         return self.stream.fileno()
@@ -104,4 +116,5 @@ def _tee(log_path: Path | None, label: str) -> Iterator[None]:
         sys.stderr.flush()
         sys.stdout, sys.stderr = out, err
         if log is not None:
-            log.close()
+            with contextlib.suppress(OSError):  # (a full disk: already said)
+                log.close()

@@ -10,6 +10,8 @@
   workers through a stop file (`dpresearch.run.stop`), and they stop together at a step boundary
   with a final checkpoint; a second one stops them at once (the agent's own shutdown).
 - under torchrun (its environment variables present): this process *is* one worker.
+
+Every worker process dies with its launcher, whatever killed it (`dpresearch.launch.lifeline`).
 """
 
 from __future__ import annotations
@@ -32,8 +34,13 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dpresearch.comm.network import NetworkModel
+from dpresearch.config.environment import (
+    TORCHRUN_VARS,
+    describe_init_failure,
+    environment_names,
+    from_agent,
+)
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 HEARTBEAT_ENV = "DPRESEARCH_HEARTBEAT_DIR"
 LAUNCHED_AT_ENV = "DPRESEARCH_LAUNCHED_AT"
 
@@ -64,21 +71,29 @@ def network_model(cfg: DictConfig) -> NetworkModel:
 
 
 def threads_per_process(cfg: DictConfig, local_processes: int) -> int:
-    if cfg.backend.threads:
-        return int(cfg.backend.threads)
-    return max(1, (os.cpu_count() or 1) // local_processes)
+    """Intra-op threads of one of `local_processes` processes of a gloo/nccl run
+    (`dpresearch.launch.threads`)."""
+    from dpresearch.launch.threads import choose
+
+    return choose(cfg, "cpu", None, local_processes)[0]
 
 
 def run_simulated(cfg: DictConfig, run_dir: Path | None, dataset: Any = None) -> dict[str, Any]:
-    """Run all K workers in this process (on `dataset` if already loaded)."""
+    """Run all K workers in this process (on `dataset` if already loaded), with the intra-op
+    threads `dpresearch.launch.threads` chooses (printed)."""
     from dpresearch.comm.simulated import SimulatedCommunicator
+    from dpresearch.config.validate import prepare_data
+    from dpresearch.launch.threads import describe, for_simulated
     from dpresearch.run.trainer import Trainer
 
-    if cfg.backend.threads:
-        torch.set_num_threads(int(cfg.backend.threads))
     device_name = cfg.train.device
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    dataset = dataset if dataset is not None else prepare_data(cfg)
+    threads, why = for_simulated(cfg, dataset, torch.device(device_name).type)
+    torch.set_num_threads(threads)
+    if cfg.train.progress:
+        print(describe(threads, why), flush=True)
     comm = SimulatedCommunicator(
         cfg.workers, network_model(cfg), cfg.comm.reduction, cfg.comm.deterministic
     )
@@ -106,7 +121,18 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     device = process_device(cfg)
     if backend == "nccl":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.backend.timeout_s))
+    if not from_agent() and global_rank() == 0:
+        print(
+            f"{environment_names()} (from the environment, not torchrun): waiting up to "
+            f"backend.timeout_s={cfg.backend.timeout_s:g} s for the other processes",
+            flush=True,
+        )
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.backend.timeout_s))
+    except (dist.DistError, TimeoutError) as exc:
+        from dpresearch.config.validate import ConfigError
+
+        raise ConfigError(describe_init_failure(exc, cfg.backend.timeout_s)) from None
     if dist.get_rank() == 0 and cfg.train.progress and LAUNCHED_AT_ENV in os.environ:
         took = time.time() - float(os.environ[LAUNCHED_AT_ENV])
         print(
@@ -145,9 +171,11 @@ def _worker_entry(cfg_container: dict, run_dir: str | None) -> dict[str, Any]:
     """Entry point of a process started by `launch_local` (must be importable: spawn)."""
     from dpresearch.launch.console import worker_output
     from dpresearch.launch.heartbeat import Heartbeat
+    from dpresearch.launch.lifeline import bind_to_launcher
     from dpresearch.run import stop
     from dpresearch.run.stop import STOP_FILE_ENV
 
+    bind_to_launcher()  # first: from here on, this process dies with the launcher
     cfg = OmegaConf.create(cfg_container)
     beats = os.environ.get(HEARTBEAT_ENV)
     # Stop requests are recorded from the start (the loop honours them at its next step),
@@ -173,6 +201,7 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
 
     from dpresearch.config.checks import algorithm_class, process_count
     from dpresearch.launch.heartbeat import Watchdog
+    from dpresearch.launch.lifeline import launcher_environment
 
     processes = process_count(cfg)
     # The ordinary training loop stops cleanly on a request; an algorithm that runs its own
@@ -201,7 +230,9 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     heartbeat_s = cfg.backend.get("heartbeat_s")
     with contextlib.ExitStack() as stack:
         stack.enter_context(_spawnable_start_method())
-        stack.enter_context(_environment({LAUNCHED_AT_ENV: str(time.time())}))
+        stack.enter_context(
+            _environment({LAUNCHED_AT_ENV: str(time.time()), **launcher_environment()})
+        )
         watchdog = None
         if heartbeat_s:
             beats = stack.enter_context(tempfile.TemporaryDirectory(prefix="dpresearch-beats-"))

@@ -68,6 +68,9 @@ def collect(overrides: Sequence[str] = ()) -> dict[str, Any]:
 
 def write_provenance(run_dir: Path, overrides: Sequence[str] = ()) -> Path:
     """Write `run_dir/provenance.json`; returns its path."""
+    from dpresearch.run.io_errors import writing
+
     path = Path(run_dir) / "provenance.json"
-    path.write_text(json.dumps(collect(overrides), indent=2) + "\n")
+    with writing(path):
+        path.write_text(json.dumps(collect(overrides), indent=2) + "\n")
     return path

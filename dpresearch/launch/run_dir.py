@@ -34,8 +34,9 @@ def holds_run(path: Path) -> str | None:
 class RunDirClaim:
     """This process's exclusive claim on one run directory (a context manager; reentrant)."""
 
-    def __init__(self, path: Path, fd: int) -> None:
+    def __init__(self, path: Path, fd: int, created: list[Path] | None = None) -> None:
         self.path, self._fd, self._holds = path, fd, 1
+        self.created = created or []  # the folders the claim made, deepest first
 
     def __enter__(self) -> RunDirClaim:
         return self
@@ -54,6 +55,15 @@ class RunDirClaim:
                 os.unlink(self.path / LOCK_NAME)
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = -1
+
+    def abandon(self) -> None:
+        """Release, and remove the folders the claim created (a run refused after its claim
+        leaves no directory behind)."""
+        self.release()
+        if self._fd < 0:
+            for folder in self.created:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()  # only if empty: never anything a run wrote
 
 
 _HELD: dict[Path, RunDirClaim] = {}
@@ -85,6 +95,7 @@ def claim_run_dir(
             held._holds += 1
             return held
         existed = path.is_dir()
+        created = [p for p in (path, *path.parents) if not p.exists()]
         try:
             path.mkdir(parents=True, exist_ok=True)
             fd = _open_lock(path)
@@ -115,7 +126,7 @@ def claim_run_dir(
             )
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
-        claim = RunDirClaim(path, fd)
+        claim = RunDirClaim(path, fd, created)
         _HELD[path] = claim
         return claim
 

@@ -37,13 +37,16 @@ from dpresearch.run.compute import WorkerCompute
 
 
 class GlobalRandom:
-    """The process's global random streams: torch (CPU, and CUDA where initialised), numpy,
-    Python."""
+    """The process's global random streams: torch (CPU, and CUDA where initialised), numpy
+    (its key as an int64 tensor: a checkpoint holds no numpy array), Python."""
 
     def state_dict(self) -> dict[str, Any]:
+        numpy_state = np.random.get_state(legacy=False)
+        key = torch.from_numpy(numpy_state["state"]["key"].astype(np.int64))
+        numpy_state["state"] = dict(numpy_state["state"], key=key)
         state: dict[str, Any] = {
             "torch": torch.get_rng_state(),
-            "numpy": np.random.get_state(),
+            "numpy": numpy_state,
             "python": random.getstate(),
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -52,7 +55,10 @@ class GlobalRandom:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(state["torch"])
-        np.random.set_state(state["numpy"])
+        numpy_state = dict(state["numpy"])
+        key = numpy_state["state"]["key"].numpy().astype(np.uint32)
+        numpy_state["state"] = dict(numpy_state["state"], key=key)
+        np.random.set_state(numpy_state)
         random.setstate(state["python"])
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
@@ -88,7 +94,7 @@ class Run:
     steps_per_epoch: int
     total_steps: int
     gradients_per_step: int
-    setup: dict[str, Any]  # the algorithm's description of its set-up
+    setup: dict[str, Any]  # the algorithm's and the compute's description of the set-up
     rng: GlobalRandom
 
     # The parts whose state is the run's state, each with state_dict / load_state_dict.
@@ -170,7 +176,8 @@ def build_run(
         replicas=replicas, eval_model=copy.deepcopy(model).to(device), optimizers=optimizers,
         base_lr=optimizers[0].param_groups[0]["lr"], algorithm=algorithm, schedule=schedule,
         compute=compute, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-        gradients_per_step=per_step, setup=algorithm.describe(), rng=GlobalRandom(),
+        gradients_per_step=per_step, rng=GlobalRandom(),
+        setup={**algorithm.describe(), **compute.describe()},
     )  # fmt: skip
     comm.ledger.reset()  # the set-up's traffic is not the run's
     return run

@@ -21,17 +21,23 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import re
 import tempfile
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
+from dpresearch.run.io_errors import writing
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
-FORMAT = 2  # 2: each process's state by part (`Run.STATEFUL`)
+# 2: each process's state by part (`Run.STATEFUL`); 3: plain data only (tensors, dicts, lists,
+# numbers, strings), read with weights_only=True.
+FORMAT = 3
 _STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 _INTERVAL = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ep|epoch|epochs|steps?)?\s*$")
 
@@ -108,14 +114,25 @@ def atomic_write_text(path: Path, text: str) -> None:
 def write_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     """Write `state` as checkpoint `step` of `run_dir`, point `latest` at it, delete all but
     the newest `keep` (at least 1); returns the file's path."""
+    from dpresearch.launch.lifeline import check_launcher
+
+    check_launcher()  # a worker whose launcher (holding the run's lock) died writes nothing
     folder = checkpoint_dir(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.glob(".*.tmp"):  # left by a writer killed mid-write (we hold the run)
-        with contextlib.suppress(OSError):
-            stale.unlink()
     path = folder / f"step_{step}.pt"
-    atomic_save(state, path)
-    atomic_write_text(folder / LATEST, path.name + "\n")
+    # A full disk or an I/O error: `RunIOError`, with no temporary file left and `latest`
+    # still naming the previous checkpoint (the atomic write).
+    needed = check_plain(state)
+    previous = latest_checkpoint(run_dir)  # the same run: about the same size
+    with contextlib.suppress(OSError):
+        needed = max(needed, previous.stat().st_size) if previous is not None else needed
+    with writing(path, needed):
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in folder.glob(".*.tmp"):  # left by a writer killed mid-write (we hold it)
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        atomic_save(state, path)
+    with writing(folder / LATEST):
+        atomic_write_text(folder / LATEST, path.name + "\n")
     for old in checkpoint_files(folder)[: -max(1, keep)]:
         if old != path:
             with contextlib.suppress(OSError):
@@ -177,27 +194,90 @@ def run_dir_of(checkpoint: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read a checkpoint file (tensors onto the CPU). Raises `CheckpointError` for a file that
-    is not one of ours."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
-        raise CheckpointError(f"checkpoint {path} cannot be read ({exc})") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a dpresearch checkpoint (format {FORMAT})")
-    return state
+    """Read a checkpoint file (tensors onto the CPU) without running anything it names (see
+    `_safe_load`). Raises `CheckpointError` (one line) for a file that is not one of ours."""
+    return _checked(_safe_load(path), path)
 
 
 def read_header(path: Path) -> dict[str, Any]:
     """A checkpoint's own facts (step, workers, processes, algorithm, ...) without reading its
-    tensors (memory-mapped). Raises `CheckpointError` for a file that is not one of ours."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
-        raise CheckpointError(f"checkpoint {path} cannot be read ({exc})") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a dpresearch checkpoint (format {FORMAT})")
+    tensors (memory-mapped) or running anything. Raises `CheckpointError` for a file that is
+    not one of ours."""
+    state = _checked(_safe_load(path, mmap=True), path)
     return {k: v for k, v in state.items() if k not in ("states", "loop")}
+
+
+def _safe_load(path: Path, mmap: bool = False) -> Any:
+    """`torch.load(weights_only=True)`: the file may rebuild tensors and plain containers
+    only. A pickle that names any other callable (the way a planted payload runs code) is
+    refused before that name is imported, let alone called."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError:
+        names = _foreign_globals(path)
+        raise CheckpointError(
+            f"{path} is not a dpresearch checkpoint (format {FORMAT}): it asks to import "
+            f"{names}; refused without loading it (only tensors and plain data are read)"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({type(exc).__name__}: {_first_line(exc)}); "
+            "pass another checkpoint, or train.resume=auto to start fresh where there is none"
+        ) from None
+
+
+def _foreign_globals(path: Path) -> str:
+    """The callables a refused file names (read by scanning its opcodes, nothing loaded)."""
+    try:
+        names = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:  # noqa: BLE001 - a file too broken to scan: say so
+        return "something other than tensors"
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _checked(state: Any, path: Path) -> dict[str, Any]:
+    if not isinstance(state, dict) or "format" not in state:
+        raise CheckpointError(f"{path} is not a dpresearch checkpoint (format {FORMAT})")
+    if state["format"] != FORMAT:
+        raise CheckpointError(
+            f"{path} is a dpresearch checkpoint of format {state['format']}, this version reads "
+            f"format {FORMAT}; resume it with the dpresearch version that wrote it"
+        )
+    return state
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+# What a checkpoint may hold: the types `torch.load(weights_only=True)` rebuilds without
+# importing anything of ours (numpy arrays and our own classes are converted by their owners).
+PLAIN = (str, int, float, bool, type(None), bytes, torch.dtype, torch.device, torch.Size)
+
+
+def check_plain(obj: Any, where: str = "checkpoint") -> int:
+    """The bytes of the tensors inside `obj` (dicts, lists, tuples); raises `TypeError`
+    naming the first value that is not a tensor or plain data, so a state that the loader
+    would refuse is caught when it is written, not when someone resumes it."""
+    kind = type(obj)
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if kind in PLAIN:
+        return 0
+    if kind in (dict, OrderedDict):
+        total = 0
+        for key, value in obj.items():
+            if type(key) not in PLAIN and type(key) is not tuple:
+                raise TypeError(f"{where}: key {key!r} is a {type(key).__name__}, not plain data")
+            total += check_plain(value, f"{where}[{key!r}]")
+        return total
+    if kind in (list, tuple):
+        return sum(check_plain(value, f"{where}[{i}]") for i, value in enumerate(obj))
+    raise TypeError(
+        f"{where} is a {kind.__module__}.{kind.__qualname__}: a checkpoint holds tensors and "
+        "plain data only (dict, list, tuple, str, numbers, None); convert it in its state_dict"
+    )
 
 
 def incompatibility(header: dict[str, Any], path: Path, run: dict[str, Any]) -> str | None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from dpresearch.algorithms.outer import algorithm_name
 from dpresearch.run.build import Run
 from dpresearch.run.checkpoint import (
@@ -67,6 +69,8 @@ class Checkpoints(Hook):
             "format": FORMAT,
             "step": done,
             **self.facts(),
+            # what `resume.check_resume` compares a resuming run's configuration with
+            "config": OmegaConf.to_container(run.cfg, resolve=True),
             "loop": self.state.state_dict(),
             "states": every,
         }
@@ -90,6 +94,12 @@ class Checkpoints(Hook):
                 payload = [("error", problem)] * run.processes
             elif file is None:
                 payload = [None] * run.processes
+            elif file["step"] >= run.total_steps:  # (train.resume_allow_changes let it by)
+                problem = (
+                    f"checkpoint {path} is at step {file['step']}, past this run's "
+                    f"{run.total_steps} steps: nothing is left to train"
+                )
+                payload = [("error", problem)] * run.processes
             else:
                 payload = [("state", file["loop"], file["step"], st) for st in file["states"]]
         mine = run.comm.scatter_objects(payload)

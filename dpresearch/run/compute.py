@@ -6,6 +6,10 @@ gives it for that epoch (a pure function of seed, worker and epoch) — and draw
 from its own generator. When every worker computes every step (lockstep algorithms) every
 cursor equals the global step. An asynchronous worker that computes more often than another
 simply walks its own sequence faster.
+
+Several rows computed in one step run either one by one (the loop) or as one batched
+computation over their stacked parameter rows (`batched=True`, `dpresearch/run/batched.py`): the
+same batches, cursors, generators, statistics and gradient rows either way.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import Tensor
 from dpresearch.data.base import Dataset
 from dpresearch.data.partition import Partitioner
 from dpresearch.replicas import Replicas
+from dpresearch.run.batched import BatchedWorkers
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 NO_AUTOCAST = contextlib.nullcontext()  # reusable: building one per batch costs more than this
@@ -40,6 +45,8 @@ class WorkerCompute:
     steps_per_epoch: batches in one pass of a worker over its shard.
     autocast: None, "bf16" or "fp16"; with fp16 the loss is multiplied by `loss_scale` and the
     computed gradient rows divided by it again.
+    batched: compute several rows at once as one vmapped computation (`BatchedWorkers`; the
+    caller has checked the model can, `batched.decide`); `mode` says how, for the record.
     """
 
     def __init__(
@@ -55,6 +62,8 @@ class WorkerCompute:
         channels_last: bool = False,
         autocast: str | None = None,
         loss_scale: float = 1.0,
+        batched: bool = False,
+        mode: str = "",
     ) -> None:
         self.data, self.partitioner, self.replicas = data, partitioner, replicas
         self.workers = list(workers)
@@ -74,6 +83,8 @@ class WorkerCompute:
         self._pending_numel = 0
         self._sums: list[list[float]] = [[0.0, 0.0, 0] for _ in self.workers]
         self._latest: dict[int, Tensor] = {}  # row → the loss of its batch in the last `run`
+        self.batched = BatchedWorkers(replicas) if batched and len(self.workers) > 1 else None
+        self.mode = mode
 
     @classmethod
     def for_run(
@@ -87,9 +98,19 @@ class WorkerCompute:
         device: torch.device,
     ) -> WorkerCompute:
         """The compute of `workers` as a run's config (`cfg.train`, `cfg.seed`) sets it up."""
+        from dpresearch.run.batched import decide
+
         tc = cfg.train
+        batched, mode = decide(cfg, data, len(workers), device)
         return cls(data, partitioner, replicas, workers, tc.batch_size, steps_per_epoch,
-                   cfg.seed, device, tc.channels_last, tc.autocast, tc.loss_scale)  # fmt: skip
+                   cfg.seed, device, tc.channels_last, tc.autocast, tc.loss_scale,
+                   batched, mode)  # fmt: skip
+
+    def describe(self) -> dict[str, str | int]:
+        """How the local workers compute — several one by one or batched, and this process's
+        intra-op threads (printed at the start, kept in summary.json)."""
+        facts: dict[str, str | int] = {"workers_compute": self.mode} if self.mode else {}
+        return {**facts, "intra_op_threads": torch.get_num_threads()}
 
     def autocast(self):
         """Mixed precision for the forward pass (and, through autograd, the backward); without
@@ -99,8 +120,8 @@ class WorkerCompute:
             return NO_AUTOCAST
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def next_batch(self, row: int) -> tuple[Tensor, Tensor]:
-        """Inputs and targets of local row `row`'s next batch; advances its cursor."""
+    def next_indices(self, row: int) -> Tensor:
+        """The training indices of local row `row`'s next batch; advances its cursor."""
         epoch, pos = divmod(self.cursors[row], self.steps_per_epoch)
         self.cursors[row] += 1
         if self._epochs[row] != epoch:
@@ -109,21 +130,55 @@ class WorkerCompute:
             # Cut once per epoch (one slice per batch costs a dispatched op per step).
             self._batches[row] = indices.to(self.data.train_targets.device).split(self.batch_size)
             self._epochs[row] = epoch
-        x, y = self.data.train_batch(self._batches[row][pos], self.generators[row])
+        return self._batches[row][pos]
+
+    def next_batch(self, row: int) -> tuple[Tensor, Tensor]:
+        """Inputs and targets of local row `row`'s next batch; advances its cursor."""
+        x, y = self.data.train_batch(self.next_indices(row), self.generators[row])
         if self.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         return x, y
 
+    def next_batches(self, rows: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """Inputs `[S, B, ...]` and targets `[S, B]` of each row's next batch (the batches
+        `next_batch` would give, gathered and transformed together); advances the cursors."""
+        x, y = self.data.train_batches(
+            [self.next_indices(w) for w in rows], [self.generators[w] for w in rows]
+        )
+        if self.channels_last and x.dim() == 5:
+            # each row's batch channels-last, as the loop's
+            x = x.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3)
+        return x, y
+
     def run(self, rows: Sequence[int]) -> None:
-        """Forward/backward of each row in `rows` on its next batch, on the parameters its
-        replica holds; gradients are *accumulated* into the rows of `replicas.grads` (zero them
-        first). Each batch's loss and accuracy are kept for `drain`."""
-        models = self.replicas.models
+        """Forward/backward of each row in `rows` (ascending) on its next batch, on the
+        parameters its replica holds; each row's gradient is written into its row of
+        `replicas.grads` (what was there is overwritten; other rows are left alone). Each
+        batch's loss and accuracy are kept for `drain`."""
         # Reduced before this step's batches join, never after: until the next `run`, this
         # step's statistics stay pending (`last_losses_finite`, `forget_last` read them).
         if len(self._pending) >= FOLD_EVERY or self._pending_numel >= FOLD_NUMEL:
             self._fold()
         self._latest = {}
+        if self.batched is not None and len(rows) > 1:
+            self._run_batched(rows)
+        else:
+            self._run_loop(rows)
+        if self.loss_scale != 1.0:
+            grads = self.replicas.grads
+            if len(rows) == grads.shape[0]:
+                grads.div_(self.loss_scale)
+            else:
+                for w in rows:
+                    grads[w].div_(self.loss_scale)
+
+    def _run_loop(self, rows: Sequence[int]) -> None:
+        models, grads = self.replicas.models, self.replicas.grads
+        if len(rows) == grads.shape[0]:
+            grads.zero_()
+        else:
+            for w in rows:
+                grads[w].zero_()
         for w in rows:
             x, y = self.next_batch(w)
             with self.autocast():
@@ -135,13 +190,15 @@ class WorkerCompute:
             self._latest[w] = loss.detach()
             self._pending.append((w, self._latest[w], out.detach(), y))
             self._pending_numel += out.numel()
-        if self.loss_scale != 1.0:
-            grads = self.replicas.grads
-            if len(rows) == grads.shape[0]:
-                grads.div_(self.loss_scale)
-            else:
-                for w in rows:
-                    grads[w].div_(self.loss_scale)
+
+    def _run_batched(self, rows: Sequence[int]) -> None:
+        assert self.batched is not None
+        x, y = self.next_batches(rows)
+        losses, out = self.batched.run(rows, x, y, self.autocast(), self.loss_scale)
+        for i, w in enumerate(rows):
+            self._latest[w] = losses[i]
+            self._pending.append((w, losses[i], out[i], y[i]))
+        self._pending_numel += out.numel()
 
     def last_losses_finite(self, rows: Sequence[int]) -> bool:
         """Whether the loss of each row's batch in the last `run` is finite (one host sync)."""

@@ -19,6 +19,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from dpresearch.launch.lifeline import check_launcher
+from dpresearch.run.checkpoint import atomic_write_text
+from dpresearch.run.io_errors import writing
+
 WANDB_MODES = ("online", "offline", "disabled")
 WANDB_ID_FILE = "wandb_id"  # the run's W&B id, so a resumed run continues the same W&B run
 
@@ -26,8 +30,6 @@ WANDB_ID_FILE = "wandb_id"  # the run's W&B id, so a resumed run continues the s
 def truncate_metrics(path: Path, last_step: int) -> int:
     """Keep only the lines of `path` (metrics.jsonl) whose step is at most `last_step`
     (rewritten atomically; a torn last line is dropped); returns how many were kept."""
-    from dpresearch.run.checkpoint import atomic_write_text
-
     if not path.exists():
         return 0
     kept = []
@@ -108,12 +110,15 @@ class RunLogger(NullLogger):
         up to that step, so no step appears twice, and W&B continues the run whose id is stored
         in the run directory (`wandb_id`)."""
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved_cfg))
-        metrics = self.run_dir / "metrics.jsonl"
-        if resume_at is not None:
-            truncate_metrics(metrics, resume_at)
-        self._metrics = open(metrics, "a", buffering=1)  # noqa: SIM115
+        config = self.run_dir / "config.yaml"
+        with writing(config):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            config.write_text(OmegaConf.to_yaml(resolved_cfg))
+        metrics = self.metrics_path = self.run_dir / "metrics.jsonl"
+        with writing(metrics):
+            if resume_at is not None:
+                truncate_metrics(metrics, resume_at)
+            self._metrics = open(metrics, "a", buffering=1)  # noqa: SIM115
         self._wandb = None
         if logger_cfg.wandb:
             self._wandb = self._start_wandb(resolved_cfg, logger_cfg, resume_at is not None)
@@ -171,15 +176,22 @@ class RunLogger(NullLogger):
         return run
 
     def log(self, metrics: dict[str, Any]) -> None:
-        self._metrics.write(json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n")
+        check_launcher()  # a worker whose launcher (holding the run's lock) died writes nothing
+        line = json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n"
+        with writing(self.metrics_path, len(line)):  # (a torn line is dropped on resume)
+            self._metrics.write(line)
         if self._wandb is not None:
             self._wandb.log(metrics, step=int(metrics["step"]))
 
     def finish(self, summary: dict[str, Any]) -> None:
-        (self.run_dir / "summary.json").write_text(
-            json.dumps({k: _jsonable(v) for k, v in summary.items()}, indent=2) + "\n"
-        )
-        self._metrics.close()
+        check_launcher()
+        text = json.dumps({k: _jsonable(v) for k, v in summary.items()}, indent=2) + "\n"
+        try:
+            with writing(self.run_dir / "summary.json", len(text)):
+                atomic_write_text(self.run_dir / "summary.json", text)
+        finally:
+            with contextlib.suppress(OSError):  # (buffered lines a full disk refused)
+                self._metrics.close()
         if self._wandb is not None:
             self._wandb.summary.update({k: wandb_value(k, v) for k, v in summary.items()})
             self._wandb.finish()

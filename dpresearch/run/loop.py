@@ -8,10 +8,13 @@ verdict and the algorithm does what it does between backward and the next forwar
 else — metrics, evaluation, checkpoints, fault injection — is a `Hook` called at fixed points.
 
 Ending a run. After each step's backward the processes agree, in one tiny collective (none in
-a simulated run), on two flags: a stop request (SIGTERM/SIGINT, `dpresearch.run.stop`) and a
-non-finite training loss (`train.on_nonfinite`). A stop finishes the step (its hooks run) and
-ends with `Outcome("interrupted")`; a non-finite loss under `stop` ends before the step's update
-with `Outcome("diverged")`; `skip_step` drops the update and counts it.
+a simulated run), on three flags: a stop request (SIGTERM/SIGINT, `dpresearch.run.stop`), a
+non-finite training loss (`train.on_nonfinite`) and a write into the run directory that the
+machine refused in an earlier step's hooks (`io_errors.RunIOError`: a full disk; the main
+process alone writes, so only it knows). A stop finishes the step (its hooks run) and ends with
+`Outcome("interrupted")`; a non-finite loss under `stop` ends before the step's update with
+`Outcome("diverged")`; `skip_step` drops the update and counts it; a refused write ends before
+the step's update with `Outcome("failed_io")` (after the last step: at once).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dpresearch.algorithms.base import StepPlan
 from dpresearch.comm.ledger import CommLedger
 from dpresearch.run import stop
 from dpresearch.run.build import Run
+from dpresearch.run.io_errors import RunIOError
 from dpresearch.run.timing import LoopClock
 
 NONFINITE_MODES = ("stop", "skip_step", "continue")
@@ -45,6 +49,7 @@ class LoopState:
     skipped: int = 0
     clock: LoopClock | None = None  # started with the loop
     _clock_state: dict[str, float] | None = None
+    io_error: RunIOError | None = None  # a write a hook could not make (not checkpointed)
 
     def start_clock(self, ledger: CommLedger) -> LoopClock:
         """The loop clock, starting now (continuing a resumed run's regions)."""
@@ -76,12 +81,14 @@ class Verdict:
 
     signum: int = 0
     nonfinite: bool = False
+    io_failed: bool = False
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """How the loop ended: "finished", "interrupted" (after step `step`, by `signum`) or
-    "diverged" (a non-finite loss at step `step`, 1-based as metrics count)."""
+    """How the loop ended: "finished", "interrupted" (after step `step`, by `signum`),
+    "diverged" (a non-finite loss at step `step`, 1-based as metrics count) or "failed_io" (a
+    refused write, `LoopState.io_error`; the run stopped after step `step`)."""
 
     status: str
     step: int
@@ -124,7 +131,11 @@ def run_loop(
         compute.run(plan.workers)
         for hook in hooks:
             hook.after_compute(step)
-        verdict = agree(run, plan, on_nonfinite, stoppable)
+        verdict = agree(run, plan, on_nonfinite, stoppable, state.io_error is not None)
+        if verdict.io_failed:
+            algorithm.drop_step(step)
+            clock.step_ends()
+            return Outcome("failed_io", step)
         if verdict.nonfinite:
             algorithm.drop_step(step)
             if on_nonfinite == "stop":
@@ -138,44 +149,46 @@ def run_loop(
         done = state.step = step + 1
         final = done == run.total_steps
         for hook in hooks:
-            hook.after_step(done, final, verdict)
+            try:
+                hook.after_step(done, final, verdict)
+            except RunIOError as exc:  # ends the run at the next agreement, all together
+                state.io_error = state.io_error or exc
         if verdict.signum and not final:  # (on the last step: finishing is the stop)
             return Outcome("interrupted", done, verdict.signum)
+    if state.io_error is not None:
+        return Outcome("failed_io", run.total_steps)
     return Outcome("finished", run.total_steps)
 
 
-def agree(run: Run, plan: StepPlan, on_nonfinite: str, stoppable: bool) -> Verdict:
-    """The step's verdict, the same on every process: one 3-number allreduce [SIGINT seen,
-    other stop signal seen, non-finite loss] when there are several processes, none in a
-    simulated run."""
+def agree(
+    run: Run, plan: StepPlan, on_nonfinite: str, stoppable: bool, io_failed: bool = False
+) -> Verdict:
+    """The step's verdict, the same on every process: one 4-number allreduce [SIGINT seen,
+    other stop signal seen, non-finite loss, a refused write] when there are several
+    processes, none in a simulated run."""
     signum = (stop.requested() or 0) if stoppable else 0
     nonfinite = on_nonfinite != "continue" and not run.compute.last_losses_finite(plan.workers)
     if run.processes > 1:
         flags = torch.tensor(
-            [[signum == signal.SIGINT, signum not in (0, signal.SIGINT), nonfinite]],
+            [[signum == signal.SIGINT, signum not in (0, signal.SIGINT), nonfinite, io_failed]],
             dtype=torch.float32,
             device=run.device,
         )
         run.comm.all_reduce(flags, op="sum", record=False)
-        interrupt, terminate, bad = flags[0].tolist()
+        interrupt, terminate, bad, io = flags[0].tolist()
         signum = signal.SIGINT if interrupt else signal.SIGTERM if terminate else 0
-        nonfinite = bad > 0
-    return Verdict(int(signum), nonfinite)
+        nonfinite, io_failed = bad > 0, io > 0
+    return Verdict(int(signum), nonfinite, io_failed)
 
 
 class _Rows:
-    """Loads a plan's reads into their parameter rows and zeroes its gradient rows."""
+    """Loads a plan's reads into their parameter rows (the compute overwrites the planned
+    gradient rows: nothing to zero)."""
 
     def __init__(self, run: Run) -> None:
         self.replicas = run.replicas
-        self.grad_rows = list(run.replicas.grads.unbind(0))  # views made once
 
     def prepare(self, plan: StepPlan) -> None:
         params = self.replicas.params
         for w, source in plan.reads.items():
             params[w].copy_(source)
-        if len(plan.workers) == self.replicas.num_local:
-            self.replicas.zero_grad()
-        else:
-            for w in plan.workers:
-                self.grad_rows[w].zero_()

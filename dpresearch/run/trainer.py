@@ -10,7 +10,9 @@ loop (`loop.run_loop`) with its hooks — fault injection, metrics and evaluatio
   `train.checkpoint_every` off, as Lightning does), `status: interrupted`; `train.py` prints one
   line and exits 128 + signal;
 - diverged (a non-finite loss under `train.on_nonfinite=stop`): `status: diverged`, no model
-  and no checkpoint written (the last finite checkpoint stays `latest`).
+  and no checkpoint written (the last finite checkpoint stays `latest`);
+- failed_io (a write into the run directory refused by the machine, `io_errors`): `status:
+  failed_io` naming the last good checkpoint; `train.py` prints one line and exits 74.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from dpresearch.comm.base import Communicator
 from dpresearch.data.base import Dataset
 from dpresearch.run import stop
 from dpresearch.run.build import Run, build_run
-from dpresearch.run.checkpoint import latest_checkpoint
+from dpresearch.run.checkpoint import atomic_save, latest_checkpoint
 from dpresearch.run.checkpointing import Checkpoints
+from dpresearch.run.io_errors import RunIOError, writing
 from dpresearch.run.logger import NullLogger, RunLogger
 from dpresearch.run.loop import Hook, LoopState, Outcome, run_loop
 from dpresearch.run.metrics import MetricsLog, bytes_per_worker
@@ -137,10 +140,16 @@ class Trainer:
         outcome = run_loop(
             self.built, self.state, self.hooks, self.cfg.train.on_nonfinite, self.stoppable
         )
-        if outcome.status == "finished":
-            return self._finished()
-        if outcome.status == "interrupted":
-            return self._interrupted(outcome)
+        try:
+            if outcome.status == "finished":
+                return self._finished()
+            if outcome.status == "interrupted":
+                return self._interrupted(outcome)
+        except RunIOError as exc:  # the final model, the summary, a stop's checkpoint
+            self.state.io_error = self.state.io_error or exc
+            outcome = Outcome("failed_io", outcome.step)
+        if outcome.status == "failed_io":
+            return self._failed_io(outcome)
         return self._diverged(outcome)
 
     def _finished(self) -> dict[str, Any]:
@@ -165,7 +174,9 @@ class Trainer:
         if self.cfg.train.on_nonfinite == "skip_step":
             summary["train/skipped_steps"] = state.skipped
         if isinstance(self.logger, RunLogger) and self.cfg.train.save_model:
-            torch.save(run.eval_model.state_dict(), self.logger.run_dir / "model_final.pt")
+            model, weights = self.logger.run_dir / "model_final.pt", run.eval_model.state_dict()
+            with writing(model, sum(t.numel() * t.element_size() for t in weights.values())):
+                atomic_save(weights, model)
         self.logger.finish(summary)
         return summary
 
@@ -192,6 +203,23 @@ class Trainer:
             lr=run.base_lr * run.schedule(outcome.step - 1),
             last_checkpoint=str(kept) if kept is not None else None,
         )
+
+    def _failed_io(self, outcome: Outcome) -> dict[str, Any]:
+        """A write into the run directory failed (`LoopState.io_error`, known to the main
+        process): `status: failed_io` after step `outcome.step`, naming the last good
+        checkpoint (`latest`, which a failed checkpoint never moves); the summary is written
+        if it still fits."""
+        exc = self.state.io_error
+        kept = latest_checkpoint(self.run_dir) if self.run_dir is not None else None
+        facts = {
+            "failed_at_step": outcome.step,
+            "io_error": exc.describe() if exc is not None else None,
+            "last_checkpoint": str(kept) if kept is not None else None,
+        }
+        try:
+            return self._ended_early("failed_io", **facts)
+        except RunIOError:
+            return {**self.state.last, "status": "failed_io", **facts, "summary_written": False}
 
     def _ended_early(self, status: str, **facts: Any) -> dict[str, Any]:
         """The summary of a run that ended before its last step: the last logged metrics,

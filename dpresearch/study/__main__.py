@@ -1,6 +1,7 @@
 """`python -m dpresearch.study run|status|report STUDY.yaml`: run a study, show where it
 stands, or write its results.md. Runs go to `runs/<study name>/` (or `--out`), results beside
-the study file in `results/` (or `--results`). Problems are one `error:` line, exit 2."""
+the study file in `results/` (or `--results`). Problems are one `error:` line, exit 2; a run
+whose points failed (the others ran) ends with one `error:` line naming them, exit 1."""
 
 from __future__ import annotations
 
@@ -39,10 +40,15 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    failed: list[str] = []
     try:
         study = load_study(args.study)
         out = args.out or REPO / "runs" / slug(study.name)
         results = args.results or study.path.parent / "results"
+        if args.action == "report" or args.report:
+            from dpresearch.analysis.report import check_out_dir
+
+            check_out_dir(results, "--results")
         if args.action in ("run", "status"):
             from dpresearch.study.launcher import run_study, summarize
 
@@ -58,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                 log=lambda line: print(line, flush=True),
             )
             print(f"== points: {summarize(records)} (status in {out / 'status.json'})")
+            failed = [point for point, r in records.items() if r.get("status") == "failed"]
         if args.action == "report" or args.report:
             from dpresearch.study.report import report_study
 
@@ -66,6 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     except (StudyError, AnalysisError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.action == "run" and failed:  # as a sweep: the others ran, the failures are named
+        print(
+            f"error: {len(failed)} of {len(records)} points failed: {'; '.join(failed)} "
+            f"(their logs: launcher.log in each point's folder under {out / 'runs'})",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -8,7 +8,9 @@ rewritten after each point, so a study killed at any moment resumes with `run_st
 
 Launchers:
 - `local`: one `python -m dpresearch.train ... hydra.run.dir=<point>` per point, `jobs` at once;
-  the children die with the study (Linux: parent-death signal).
+  the children die with the study (Linux: parent-death signal) and are told how many run at
+  once (`DPRESEARCH_JOBS`), so each takes at most its share of the cores
+  (`dpresearch/launch/threads.py`).
 - `hydra`: one `python -m dpresearch.train -m ...` per case and lr over the seeds left, through
   the configured Hydra launcher (`hydra_launcher`: e.g. `parallel` = joblib, `slurm`).
 - `inprocess`: compose and train in this process, one point at a time (tests, debugging).
@@ -22,6 +24,7 @@ analysis reads.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -109,10 +112,12 @@ def _set_aside(run_dir: Path, out: Path) -> Path:
 
 
 def _point_overrides(study: Study, point: Point) -> list[str]:
+    from dpresearch.config.cli_check import quote_value
+
     return [
         *point.overrides,
-        f"logger.group={slug(study.name)}",
-        f"logger.tags=[{slug(point.case)}]",
+        f"logger.group={quote_value(slug(study.name))}",  # quoted: unicode, or a leading digit
+        f"logger.tags=[{quote_value(slug(point.case))}]",
         "train.progress=false",
     ]
 
@@ -124,8 +129,12 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _popen_kwargs() -> dict[str, Any]:
+def _popen_kwargs(jobs: int = 1) -> dict[str, Any]:
+    from dpresearch.launch.threads import JOBS_ENV
+
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if jobs > 1:
+        env[JOBS_ENV] = str(jobs)  # jobs × threads within the cores
     # The children import this checkout's dpresearch, whatever the interpreter has installed.
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     kwargs: dict[str, Any] = {"cwd": REPO, "env": env, "stdin": subprocess.DEVNULL}
@@ -134,14 +143,18 @@ def _popen_kwargs() -> dict[str, Any]:
     return kwargs
 
 
-def run_local(point: Point, run_dir: Path, overrides: list[str]) -> int:
-    """`python -m dpresearch.train` for one point; output in `run_dir/launcher.log`."""
-    cmd = [sys.executable, "-m", "dpresearch.train", *overrides, f"hydra.run.dir={run_dir}"]
+def run_local(point: Point, run_dir: Path, overrides: list[str], jobs: int = 1) -> int:
+    """`python -m dpresearch.train` for one point, one of `jobs` running at once; output in
+    `run_dir/launcher.log`."""
+    from dpresearch.config.cli_check import quote_value
+
+    cmd = [sys.executable, "-m", "dpresearch.train", *overrides,
+           f"hydra.run.dir={quote_value(str(run_dir))}"]  # fmt: skip
     with (run_dir / "launcher.log").open("w") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
         return subprocess.run(
-            cmd, stdout=log, stderr=subprocess.STDOUT, **_popen_kwargs()
+            cmd, stdout=log, stderr=subprocess.STDOUT, **_popen_kwargs(jobs)
         ).returncode
 
 
@@ -161,12 +174,14 @@ def run_inprocess(point: Point, run_dir: Path, overrides: list[str]) -> int:
 
 def _hydra_group(study: Study, points: list[Point], out: Path, launcher: str | None) -> int:
     """One multirun over the seeds of `points` (one case, one lr)."""
+    from dpresearch.config.cli_check import quote_value
+
     first = points[0]
     overrides = [o for o in _point_overrides(study, first) if not o.startswith("seed=")]
     lr_dir = out / first.dir.parent
     cmd = [sys.executable, "-m", "dpresearch.train", "-m", *overrides,
            "seed=" + ",".join(str(p.seed) for p in points),
-           f"hydra.sweep.dir={lr_dir}", "hydra.sweep.subdir=seed${seed}",
+           f"hydra.sweep.dir={quote_value(str(lr_dir))}", "hydra.sweep.subdir=seed${seed}",
            *([f"hydra/launcher={launcher}"] if launcher else [])]  # fmt: skip
     with (lr_dir / "launcher.log").open("a") as log:
         log.write(" ".join(cmd) + "\n")
@@ -211,6 +226,9 @@ def run_study(
     allocation: the points started finish, the rest wait for the next `run_study`).
     A study with `tune_seeds` runs its grid first, selects each case's lr on it, then the
     other seeds at that lr."""
+    from dpresearch.study.check import check_study
+
+    check_study(study)  # every case composes and passes the checks: a dry run too
     out = Path(out).resolve()
     run = dict(launcher=launcher, jobs=jobs, hydra_launcher=hydra_launcher, dry_run=dry_run,
                log=log, start_until=start_until)  # fmt: skip
@@ -341,6 +359,8 @@ def _run_points(
     )  # type: ignore[arg-type]
     if isinstance(runner, str):
         raise StudyError(f"launcher {launcher!r}: choose local, hydra or inprocess")
+    if runner is run_local and jobs > 1:
+        runner = functools.partial(run_local, jobs=jobs)
 
     def one(point: Point) -> None:
         if start_until is not None and time.time() > start_until:

@@ -47,9 +47,16 @@ class StudyError(ValueError):
 
 
 def slug(text: str) -> str:
-    """A folder-safe name: lower case, runs of other characters as one `_`."""
+    """A folder-safe name, always one folder inside its parent: lower case letters, digits,
+    `.` and `-`, runs of other characters as one `_`, no leading `.` (so never `.` or `..`),
+    at most 100 characters (a longer name is cut and ends with a hash of the whole)."""
+    import hashlib
+
     out = "".join(c if c.isalnum() or c in ".-" else "_" for c in str(text).lower())
-    return "_".join(part for part in out.split("_") if part) or "_"
+    name = "_".join(part for part in out.split("_") if part).lstrip(".") or "_"
+    if len(name) > 100:
+        name = name[:87] + "-" + hashlib.sha1(name.encode(), usedforsecurity=False).hexdigest()[:12]
+    return name
 
 
 @dataclass(frozen=True)

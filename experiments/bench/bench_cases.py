@@ -47,3 +47,15 @@ DEFAULT_COMPRESSORS = [
     "signum",
     "powersgd-r2+ef14",
 ]
+
+
+def compose(*overrides: str):
+    """The run configuration `python -m dpresearch.train overrides...` would compose."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    import dpresearch.train  # noqa: F401 - registers the schema
+    from dpresearch import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))

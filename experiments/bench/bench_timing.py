@@ -15,12 +15,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,32 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 STEP_KEYS = ("time/compute_s", "time/comm_s")
+
+
+# `cpu`: this thread's CPU time, which other jobs on a shared machine inflate far less than
+# wall time; `wall`: what a user waits.
+CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.thread_time, "wall": time.perf_counter}
+
+
+@contextlib.contextmanager
+def loop_clock(read: Callable[[], float]) -> Iterator[None]:
+    """The trainer's loop clock (`dpresearch.run.timing`, normally `perf_counter`) reads `read`
+    for the duration, so its logged step regions are in that clock's seconds."""
+    import dpresearch.run.timing as loop_timing
+
+    class Clock:
+        perf_counter = staticmethod(read)
+
+    saved, loop_timing.time = loop_timing.time, Clock  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        loop_timing.time = saved
+
+
+def load() -> str:
+    """The 1-, 5- and 15-minute load averages and the CPU count, for the record."""
+    return f"load {' '.join(f'{v:.2f}' for v in os.getloadavg())} on {os.cpu_count()} CPUs"
 
 
 def pin_threads(threads: int) -> None:
@@ -44,6 +71,12 @@ def logged_block_times(metrics: Path, block: int, warmup: int) -> list[float]:
     marks = [s for s in sorted(rows) if s % block == 0 and s >= warmup]
     spent = [sum(rows[s][k] for k in STEP_KEYS) for s in marks]
     return [(b - a) / block for a, b in zip(spent, spent[1:], strict=False)]
+
+
+def logged_steps(warmup: int, block: int, blocks: int) -> int:
+    """Steps a run logged every `block` steps needs for `blocks` whole blocks after `warmup`
+    steps (`logged_block_times` starts at the first logged step at or after `warmup`)."""
+    return -(-warmup // block) * block + block * blocks
 
 
 def timed_block_times(

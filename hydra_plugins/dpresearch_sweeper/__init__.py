@@ -34,30 +34,35 @@ class DpresearchSweeper(BasicSweeper):
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
 
         failed: list[FailedPoint] = []
-        returns, launched, total = [], 0, 0
+        returns, total = [], 0
         while not self.is_done():
             batch = self.get_job_batch()
+            # Job k is the sweep's k-th point whatever happened to the others, so a point's
+            # folder is the same in every run of the sweep (train.resume=auto finds it).
+            runs: list[tuple[int, list[list[str]], list[list[str]]]] = []
+            for num, point in enumerate(batch, start=total):
+                checked = check_point(self.hydra_context.config_loader, self.config, point, num)
+                if checked.done is not None:
+                    print(f"sweep point {','.join(point)}: {checked.done}", flush=True)
+                elif checked.reason is not None:
+                    print(
+                        f"error: sweep point {','.join(point)}: {checked.reason}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    failed.append(FailedPoint(tuple(point), checked.reason))
+                elif runs and runs[-1][0] + len(runs[-1][1]) == num:
+                    runs[-1][1].append(list(checked.overrides))
+                    runs[-1][2].append(point)
+                else:
+                    runs.append((num, [list(checked.overrides)], [point]))
             total += len(batch)
-            good = []
-            for point in batch:
-                reason = check_point(
-                    self.hydra_context.config_loader, self.config, point, launched + len(good)
-                )
-                if reason is None:
-                    good.append(point)
-                    continue
-                print(
-                    f"error: sweep point {','.join(point)}: {reason}", file=sys.stderr, flush=True
-                )
-                failed.append(FailedPoint(tuple(point), reason))
-            if not good:
-                continue
-            results = self.launcher.launch(good, initial_job_idx=launched)
-            for point, result in zip(good, results, strict=True):
-                reason = job_failure(result)
-                if reason is not None:
-                    failed.append(FailedPoint(tuple(point), reason))
-            launched += len(good)
-            returns.append(results)
+            for first, launch, points in runs:  # consecutive good points go out together
+                results = self.launcher.launch(launch, initial_job_idx=first)
+                for point, result in zip(points, results, strict=True):
+                    reason = job_failure(result)
+                    if reason is not None:
+                        failed.append(FailedPoint(tuple(point), reason))
+                returns.append(results)
         report_failures(failed, total)
         return returns

@@ -1,0 +1,349 @@
+"""Forward and backward of several local workers as one computation (`train.batched_workers`).
+
+The W replicas' parameters already sit in the rows of `replicas.params` (`[W, D]`): each
+parameter of the model is a `[W, *shape]` strided view of a column block. `BatchedWorkers`
+runs the model once, under `torch.func.vmap` over those views (`functional_call` on one replica
+as the template), each row on its own batch (`[S, B, ...]`), and writes each row's gradient into
+its row of `replicas.grads` — the same numbers the loop computes worker by worker, up to the
+rounding of batched kernels (tested to 1e-6 after 20 steps, `tests/test_batched.py`).
+
+Per row state is kept per row: BatchNorm running statistics are updated in the rows of
+`replicas.buffers` and `num_batches_tracked` in `replicas.int_buffers`, as each replica's own
+forward would. Any subset of rows works: a contiguous range is computed on views of the rows
+themselves; other subsets are gathered and their results scattered back.
+
+Not every model can run this way: a model that draws random numbers in training (dropout)
+would draw for all rows at once, not as the loop does one worker after another, and a model
+whose forward reads tensor values into Python control flow cannot be vmapped. `probe` runs a
+model both ways on two rows and says why it cannot be batched (None: it can); `decide` turns
+`train.batched_workers` (auto | true | false) into the mode a run takes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from dpresearch.replicas import Replicas
+
+MODES = ("auto", "true", "false")
+# On a CPU a batched step gains only while per-operation overhead outweighs the arithmetic,
+# and only with enough workers to spread vmap's own fixed cost over: `auto` batches on a CPU
+# from this many local workers and up to this many multiply-adds per worker forward (measured
+# with `experiments/bench/batched_vs_ensemble.py`, see the bench README).
+CPU_BATCHED_MIN_WORKERS = 8
+CPU_BATCHED_MAX_MACS = 2.0e7
+# A probe's gradients may differ from the loop's by this much (relative): batched kernels
+# round differently, a wrong result differs by far more.
+PROBE_RTOL = 1e-4
+PROBE_RTOL_16BIT = 5e-2  # under bf16/fp16 autocast every product is rounded to 8 or 11 bits
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One tensor of the model inside a flat row: its name, offset, shape and layout."""
+
+    name: str
+    offset: int
+    shape: torch.Size
+    nhwc: bool = False
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def view(self, flat: Tensor) -> Tensor:
+        """The `[S, *shape]` view of this tensor in the rows of `flat` (`[S, D]`)."""
+        block = flat[:, self.offset : self.offset + self.numel]
+        if not self.nhwc:
+            return block.view(flat.shape[0], *self.shape)
+        n, c, h, w = self.shape
+        return block.view(flat.shape[0], n, h, w, c).permute(0, 1, 4, 2, 3)
+
+
+def _slots(replicas: Replicas) -> tuple[list[_Slot], list[_Slot], list[_Slot]]:
+    """(parameters, float buffers, integer buffers) of the template replica, in the order
+    `Replicas` lays them out in its rows."""
+    template = replicas.models[0]
+    params, offset = [], 0
+    for name, p in template.named_parameters():
+        if p.requires_grad:
+            nhwc = replicas.channels_last and p.dim() == 4
+            params.append(_Slot(name, offset, p.shape, nhwc))
+            offset += p.numel()
+    floats, ints, f_off, i_off = [], [], 0, 0
+    stacked_ints = replicas.int_buffers.shape[1] > 0
+    for name, b in template.named_buffers():
+        if b.is_floating_point():
+            floats.append(_Slot(name, f_off, b.shape))
+            f_off += b.numel()
+        elif stacked_ints:
+            ints.append(_Slot(name, i_off, b.shape))
+            i_off += b.numel()
+    return params, floats, ints
+
+
+class BatchedWorkers:
+    """Forward and backward of rows of `replicas` as one vmapped computation.
+
+    `loss_fn(outputs, targets)` is the per-row loss (the loop's cross-entropy)."""
+
+    def __init__(
+        self, replicas: Replicas, loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy
+    ) -> None:
+        self.replicas = replicas
+        self.template = replicas.models[0]
+        self.params, self.floats, self.ints = _slots(replicas)
+        self.loss_fn = loss_fn
+        self._names = [s.name for s in (*self.params, *self.floats, *self.ints)]
+        # The gradient is taken per row inside vmap (vmap of grad), as an ensemble does: the
+        # backward of a batched forward (grad of vmap) multiplies transposed operands, which
+        # the CPU's batched matrix product runs several times slower.
+        self._step = vmap(grad(self._loss, has_aux=True), randomness="error")
+        self._autocast: Any = _NULL
+        self._scale = 1.0
+        self._orders: dict[tuple[int, torch.device], Tensor] = {}
+        self._row_views: dict[tuple[int, int], tuple] = {}
+
+    def _loss(
+        self, params: tuple[Tensor, ...], others: tuple[Tensor, ...], x: Tensor, y: Tensor
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        tensors = dict(zip(self._names, (*params, *others), strict=True))
+        with self._autocast:
+            out = functional_call(self.template, tensors, (x,))
+            loss = self.loss_fn(out, y)
+        return (loss * self._scale if self._scale != 1.0 else loss), (loss, out)
+
+    def _views(self, lo: int, hi: int) -> tuple[tuple[Tensor, ...], list[Tensor], list[Tensor]]:
+        """The `[S, *shape]` views of rows lo…hi−1 of the parameters, gradients and integer
+        buffers (cached: views of the same storage stay valid, and a step on a GPU is short
+        enough that building some 200 views each time would show)."""
+        key = (lo, hi)
+        if key not in self._row_views:
+            reps = self.replicas
+            self._row_views[key] = (
+                tuple(s.view(reps.params[lo:hi]) for s in self.params),
+                [s.view(reps.grads[lo:hi]) for s in self.params],
+                [s.view(reps.int_buffers[lo:hi]) for s in self.ints],
+            )
+        return self._row_views[key]
+
+    def _buffer_major(self, count: int, device: torch.device) -> Tensor:
+        """Positions in `count` flat buffer rows (`[count, Db]`, row-major) listed buffer by
+        buffer, each buffer's `[count, C]` block row-major (cached per count and device)."""
+        key = (count, device)
+        if key not in self._orders:
+            width = self.replicas.buffers.shape[1]
+            rows = torch.arange(count)[:, None] * width
+            order = [(rows + s.offset + torch.arange(s.numel)).reshape(-1) for s in self.floats]
+            self._orders[key] = torch.cat(order).to(device)
+        return self._orders[key]
+
+    def _blocks(self, staged: Tensor, count: int) -> list[Tensor]:
+        """The `[count, *shape]` block of each float buffer in a buffer-major copy."""
+        blocks, start = [], 0
+        for slot in self.floats:
+            size = count * slot.numel
+            blocks.append(staged[start : start + size].view(count, *slot.shape))
+            start += size
+        return blocks
+
+    def run(
+        self, rows: Sequence[int], x: Tensor, y: Tensor, autocast: Any = None, scale: float = 1.0
+    ) -> tuple[Tensor, Tensor]:
+        """Forward and backward of `rows` (ascending) on inputs `x` (`[S, B, ...]`) and targets
+        `y` (`[S, B]`), the forward under the context `autocast`, the loss multiplied by
+        `scale` before differentiation; each row's gradient is written into its row of
+        `replicas.grads` (overwriting it) and its buffers updated. Returns the per-row losses
+        `[S]` and outputs `[S, B, ...]` (detached)."""
+        reps = self.replicas
+        lo, hi = rows[0], rows[-1] + 1
+        contiguous = hi - lo == len(rows)
+        if contiguous:
+            params, grad_views, ints = self._views(lo, hi)
+            float_rows = reps.buffers[lo:hi]
+        else:
+            index = torch.tensor(rows, device=reps.params.device)
+            param_rows, float_rows, int_rows = (
+                t.index_select(0, index) for t in (reps.params, reps.buffers, reps.int_buffers)
+            )
+            params = tuple(s.view(param_rows) for s in self.params)
+            ints = [s.view(int_rows) for s in self.ints]
+        # BatchNorm's batching rule updates running statistics in place only on contiguous
+        # [S, C] tensors: the buffers are computed on one buffer-major copy of the rows (each
+        # buffer's [S, C] block contiguous; one gather), scattered back afterwards.
+        order = self._buffer_major(len(rows), float_rows.device) if self.floats else None
+        staged = float_rows.reshape(-1).index_select(0, order) if order is not None else None
+        floats = self._blocks(staged, len(rows)) if staged is not None else []
+        self._autocast, self._scale = autocast if autocast is not None else _NULL, scale
+        grads, (losses, out) = self._step(params, (*floats, *ints), x, y)
+        if staged is not None:
+            float_rows.view(-1).index_copy_(0, order, staged)
+        if contiguous:
+            torch._foreach_copy_(grad_views, list(grads))
+        else:
+            for slot, g in zip(self.params, grads, strict=True):
+                slot.view(reps.grads).index_copy_(0, index, g)
+            if self.floats:
+                reps.buffers.index_copy_(0, index, float_rows)
+            if self.ints:
+                reps.int_buffers.index_copy_(0, index, int_rows)
+        return losses.detach(), out.detach()
+
+
+# -- can a model be batched, and does a run batch ----------------------------------------------
+
+
+def probe(
+    model: nn.Module,
+    input_shape: Sequence[int],
+    num_classes: int,
+    autocast: str | None = None,
+    device: torch.device | str = "cpu",
+) -> str | None:
+    """Why `model` cannot run its workers batched, or None: a copy on `device` is run both
+    ways on two rows with different parameters and inputs (training mode, under the run's
+    `autocast`: None, "bf16" or "fp16"), and the gradients and buffers compared."""
+    device = torch.device(device)
+    model = copy.deepcopy(model).to(device).train()
+    generator = torch.Generator().manual_seed(0)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(autocast or "")
+    context = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else (lambda: _NULL)
+    try:
+        loop, batched = (Replicas(model, 2, device) for _ in range(2))
+        with torch.no_grad():
+            noise = torch.randn(loop.params.shape, generator=generator).to(device) * 1e-2
+            for reps in (loop, batched):
+                reps.params.add_(noise)
+        x = torch.randn(2, 4, *input_shape, generator=generator).to(device)
+        y = torch.randint(num_classes, (2, 4), generator=generator).to(device)
+        for w in range(2):
+            with context():
+                loss = F.cross_entropy(loop.models[w](x[w]), y[w])
+            loss.backward()
+        BatchedWorkers(batched).run([0, 1], x, y, context())
+    except Exception as exc:  # noqa: BLE001 - any failure is a reason to fall back
+        return _reason(exc, autocast)
+    rtol = PROBE_RTOL if dtype is None else PROBE_RTOL_16BIT
+    for what in ("grads", "buffers", "int_buffers"):
+        a, b = getattr(loop, what).double(), getattr(batched, what).double()
+        scale = max(a.abs().max().item(), 1e-12) if a.numel() else 1.0
+        if a.numel() and (a - b).abs().max().item() > rtol * scale:
+            return f"its batched {what} differ from the loop's (a forward that keeps state?)"
+    return None
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NULL = _Null()
+
+
+def _reason(exc: BaseException, autocast: str | None) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "randomness" in text or "random operation" in text:
+        return (
+            "it draws random numbers in training (e.g. dropout), which batched rows would "
+            "draw differently from the loop"
+        )
+    under = f" under train.autocast={autocast}" if autocast else ""
+    return f"it cannot be vmapped{under} ({type(exc).__name__}: {text[:160]})"
+
+
+_PROBED: dict[str, str | None] = {}
+
+
+def probe_config(
+    model_node: Any,
+    input_shape: Sequence[int],
+    num_classes: int,
+    autocast: str | None = None,
+    device: torch.device | str = "cpu",
+) -> str | None:
+    """`probe` of the model a `model` config node builds (memoised per node, shape, autocast
+    and device type: the checks before a run and the run itself ask once). Building it does
+    not move torch's global random stream."""
+    from hydra.utils import instantiate
+    from omegaconf import DictConfig, OmegaConf
+
+    node = (
+        OmegaConf.to_container(model_node, resolve=True)
+        if isinstance(model_node, DictConfig)
+        else model_node
+    )
+    device = torch.device(device)
+    key = json.dumps(
+        [node, list(input_shape), num_classes, autocast, device.type], sort_keys=True, default=str
+    )
+    if key not in _PROBED:
+        state = torch.get_rng_state()
+        try:
+            model = instantiate(node, num_classes=num_classes, input_shape=tuple(input_shape))
+            _PROBED[key] = probe(model, input_shape, num_classes, autocast, device)
+        finally:
+            torch.set_rng_state(state)
+    return _PROBED[key]
+
+
+def batched_mode(value: Any) -> str:
+    """`train.batched_workers` normalised to one of `MODES` (a YAML/command-line boolean
+    arrives as a bool or "True")."""
+    return str(value).strip().lower()
+
+
+def decide(cfg: Any, data: Any, num_local: int, device: torch.device) -> tuple[bool, str]:
+    """Whether this process's `num_local` workers compute batched, and the one line saying
+    which and why ("" with a single worker: nothing to batch). `true` for a model that cannot
+    be batched raises `ConfigError` (the checks before the run say so first)."""
+    from dpresearch.config.errors import ConfigError
+    from dpresearch.models.workload import describe_macs, forward_macs
+
+    if num_local < 2:
+        return False, ""
+    mode = batched_mode(cfg.train.batched_workers)
+    name = str(cfg.model._target_).rsplit(".", 1)[-1]
+    if mode == "false":
+        return False, f"{num_local} workers one by one (train.batched_workers=false)"
+    if mode == "auto" and device.type == "cpu" and num_local < CPU_BATCHED_MIN_WORKERS:
+        return False, (
+            f"{num_local} workers one by one (auto: on a CPU batching gains from "
+            f"{CPU_BATCHED_MIN_WORKERS} workers in one process)"
+        )
+    if mode == "auto" and device.type == "cpu":
+        per_example = forward_macs(cfg.model, data.input_shape, data.num_classes)
+        macs = per_example * cfg.train.batch_size if per_example is not None else None
+        if macs is None or macs > CPU_BATCHED_MAX_MACS:
+            size = "uncounted" if macs is None else describe_macs(macs)
+            return False, (
+                f"{num_local} workers one by one (auto: on a CPU batching gains only below "
+                f"{describe_macs(CPU_BATCHED_MAX_MACS)} multiply-adds per worker forward; "
+                f"{name} at batch {cfg.train.batch_size}: {size})"
+            )
+    reason = probe_config(cfg.model, data.input_shape, data.num_classes, cfg.train.autocast, device)
+    if reason is not None:
+        if mode == "true":
+            raise ConfigError(unbatchable_message(name, reason))
+        return False, f"{num_local} workers one by one (auto: {name} cannot be batched: {reason})"
+    why = "train.batched_workers=true" if mode == "true" else f"auto: {device.type}"
+    return True, f"{num_local} workers batched, one vmapped forward/backward ({why})"
+
+
+def unbatchable_message(name: str, reason: str) -> str:
+    """The one line for `train.batched_workers=true` with a model that cannot be batched."""
+    return (
+        f"train.batched_workers=true but model {name} cannot run its workers batched: "
+        f"{reason}; use train.batched_workers=auto (falls back to one by one) or false"
+    )

@@ -1,0 +1,79 @@
+"""A study checked whole before any point runs (a dry run included): every problem is one
+`StudyError` line naming the case and the fix.
+
+- Each case's configuration composes and passes the configuration checks (`validate`), with
+  the study's `common` overrides, the case's own, the lr key at the case's first lr and the
+  first seed: a typo in `common`, a bad override inside a case and a misspelt `lr_key` are
+  all caught here, not by a failed point (the rest of a case's grid only changes the lr and
+  the seed, whose keys this composition has checked).
+- The selection metric (`select: NAME[:min|max]`) and the target's metric are ones a run
+  reports; a validation metric needs a validation split (`train.val_size`) in every case.
+"""
+
+from __future__ import annotations
+
+from dpresearch.study.spec import Study, StudyError
+
+# What a run's summary reports that a study may select on or aim at.
+METRICS = ("train/loss", "train/acc", "val/loss", "val/acc", "test/loss", "test/acc",
+           "best/test_acc", "test/acc_local_mean", "test/acc_local_min")  # fmt: skip
+
+
+def check_study(study: Study) -> None:
+    """Raise `StudyError` (one line) for the first problem of `study` (see module doc)."""
+    metric = _selection(study.select)
+    _known(study.target_metric, "target.metric")
+    _compose(study, (), "common")
+    for case in study.cases:
+        cfg = _compose(study, case.overrides, f"case {case.name!r}", case.lrs[0])
+        if metric is not None and metric.startswith("val/") and not cfg.train.val_size:
+            raise StudyError(
+                f"select: {study.select} needs a validation split, but case {case.name!r} has "
+                "train.val_size=0; add e.g. train.val_size=0.1 to common"
+            )
+
+
+def _selection(select: str | None) -> str | None:
+    """The metric `select` names (None: the report's default)."""
+    if select is None:
+        return None
+    if not isinstance(select, str):
+        raise StudyError(f"select: {select!r} must be NAME or NAME:min|max, e.g. val/acc:max")
+    name, _, mode = select.partition(":")
+    if mode not in ("", "min", "max"):
+        raise StudyError(f"select: mode {mode!r} in {select!r}; use {name}:min or {name}:max")
+    _known(name, "select")
+    return name
+
+
+def _known(metric: str, what: str) -> None:
+    if metric not in METRICS:
+        import difflib
+
+        close = difflib.get_close_matches(metric, METRICS, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise StudyError(
+            f"{what}: {metric!r} is not a metric a run reports; {hint}choose one of: "
+            f"{', '.join(METRICS)}"
+        )
+
+
+def _compose(study: Study, overrides: tuple[str, ...], where: str, lr: float | None = None):
+    """The composed and checked configuration of `overrides` after the study's `common`, at
+    `lr` (default: the study's first) and the first seed; `where` names them in the error."""
+    from dpresearch import CONF_DIR
+    from dpresearch.config.cli_check import compose_command_line, parse_command_line, task_config
+    from dpresearch.config.schema import register_configs
+    from dpresearch.config.validate import ConfigError, validate
+
+    register_configs()
+    lr = lr if lr is not None else min(c.lrs[0] for c in study.cases)
+    args = [*study.common, *overrides, f"{study.lr_key}={lr!r}", f"seed={study.seeds[0]}"]
+    try:
+        cfg = task_config(compose_command_line(parse_command_line(args), CONF_DIR))
+        validate(cfg, args)
+    except ConfigError as exc:
+        if str(exc).split(" ", 1)[0].split("=", 1)[0] == study.lr_key:
+            where = f"lr_key {study.lr_key}"
+        raise StudyError(f"{where}: {exc}") from None
+    return cfg

@@ -1,0 +1,384 @@
+"""Batched worker compute (issue 16, items 2 and 7): the local workers' forward and backward as
+one vmapped computation over their stacked parameter rows give the parameters, BatchNorm
+statistics and `num_batches_tracked` of the loop (worker after worker) to 1e-6 after 20 steps,
+for every algorithm and every compressor with error feedback (the algorithm runs unchanged,
+only the compute differs), on the MLP and on ResNet-20 with BatchNorm; mixed precision,
+channels-last, the divergence check and skipped steps, and checkpoints behave as in the loop;
+any subset of rows computes as the loop; a model that cannot be batched is refused (`true`)
+or falls back (`auto`) with one line saying why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import SHARED, SMALL, compose_config
+from torch import nn
+
+from dpresearch.comm.simulated import SimulatedCommunicator
+from dpresearch.config.preflight import preflight
+from dpresearch.config.validate import ConfigError
+from dpresearch.launch.processes import network_model
+from dpresearch.models.mlp import MLP
+from dpresearch.models.resnet_cifar import ResNetCifar
+from dpresearch.replicas import Replicas
+from dpresearch.run.batched import BatchedWorkers, decide, probe, probe_config
+from dpresearch.run.trainer import InjectedFailure, Trainer
+from dpresearch.train import train
+
+TOL = 1e-6
+STEPS = 20
+SUBSET = SHARED / "data" / "cifar10-subset"
+MLP_RUN = [*SMALL, "workers=4", "train.batch_size=8", f"train.steps={STEPS}",
+           "model.batch_norm=true", "backend.threads=1"]  # fmt: skip
+RESNET_RUN = [
+    "data=cifar10", f"data.root={SUBSET}", "data.subset=512",
+    "model=resnet20", "model.width=4", "workers=3", "train.batch_size=4", "train.steps=20",
+    "train.log_every=5", "train.progress=false", "train.eval_batch_size=64",
+    "backend.threads=1", "optimizer.lr=0.05", "optimizer.momentum=0.9",
+]  # fmt: skip
+needs_subset = pytest.mark.skipif(not SUBSET.is_dir(), reason=f"no CIFAR subset at {SUBSET}")
+
+ALGORITHMS = {
+    "sync": [],
+    "sync_local_buffers": ["algorithm.buffers=local"],
+    "local_sgd": ["algorithm=local_sgd", "algorithm.period=4"],
+    "dpsgd": ["algorithm=dpsgd"],
+    "choco": ["algorithm=choco", "compressor=topk", "compressor.ratio=0.2"],
+    "sgp": ["algorithm=sgp"],
+}
+# Every compressor, with error feedback where it pairs with it (as conf/compressor says), and
+# the tolerance after 20 steps. Batched gradients equal the loop's to ~1e-8 (batched kernels
+# add in another order); a codec that rounds to 16 bits turns such a difference into one ulp of
+# its type now and then, and PowerSGD's orthogonalisation amplifies it: 1e-5 there, as for the
+# simulated ≡ gloo comparison with its differently ordered ring (test_compressed_training).
+COMPRESSORS = {
+    "fp16": (["compressor=fp16"], 1e-5),
+    "bf16": (["compressor=bf16"], TOL),
+    "topk+ef14": (["compressor=topk", "compressor.ratio=0.05", "error_feedback=ef14"], TOL),
+    "topk+ef21": (["compressor=topk", "compressor.ratio=0.05", "error_feedback=ef21"], TOL),
+    "randomk+ef14": (["compressor=randomk", "compressor.ratio=0.05", "error_feedback=ef14"], TOL),
+    "qsgd": (["compressor=qsgd"], TOL),
+    "terngrad": (["compressor=terngrad"], TOL),
+    "sign+ef14": (["compressor=sign", "error_feedback=ef14"], TOL),
+    "powersgd+ef14": (
+        ["compressor=powersgd", "compressor.min_compression_rate=1.1", "error_feedback=ef14"],
+        1e-5,
+    ),  # fmt: skip
+}
+
+
+def rows_after(
+    *overrides: str, mode: str, dtype: torch.dtype = torch.float32
+) -> tuple[Trainer, dict[str, torch.Tensor]]:
+    """A simulated run of `overrides` with `train.batched_workers=mode`, the model and its
+    inputs in `dtype`; its rows after it (evaluation left out: it reads the rows, it does not
+    change them)."""
+    cfg = compose_config(*overrides, f"train.batched_workers={mode}", "train.save_model=false")
+    torch.set_num_threads(1)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        device = torch.device("cuda" if cfg.train.device.startswith("cuda") else "cpu")
+        trainer = Trainer(cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)),
+                          device, None)  # fmt: skip
+    finally:
+        torch.set_default_dtype(default)
+    trainer.metrics.evaluate = lambda: {"test/loss": 0.0, "test/acc": 0.0}  # type: ignore[method-assign]
+    if dtype != torch.float32:
+        data, one, many = trainer.data, trainer.data.transform_train, trainer.data.transform_batches
+        data.transform_train = lambda x, g: one(x, g).to(dtype)  # type: ignore[method-assign]
+        data.transform_batches = lambda x, gs: many(x, gs).to(dtype)  # type: ignore[method-assign]
+    initial = trainer.replicas.params.clone()
+    trainer.run()
+    reps = trainer.replicas
+    rows = {"params": reps.params, "buffers": reps.buffers, "int_buffers": reps.int_buffers}
+    rows["moved"] = (reps.params - initial).abs().max()
+    return trainer, rows
+
+
+def assert_same_rows(*overrides: str, tol: float = TOL, dtype: torch.dtype = torch.float32) -> None:
+    loop_run, loop = rows_after(*overrides, mode="false", dtype=dtype)
+    batched_run, batched = rows_after(*overrides, mode="true", dtype=dtype)
+    assert loop_run.compute.batched is None and batched_run.compute.batched is not None
+    assert loop["moved"] > 1e-3  # the runs really trained
+    for what in ("params", "buffers"):
+        if loop[what].numel():
+            gap = (loop[what].double() - batched[what].double()).abs().max().item()
+            assert gap <= tol, (what, gap)
+    assert torch.equal(loop["int_buffers"], batched["int_buffers"])
+    if loop["int_buffers"].numel():
+        assert loop["int_buffers"].min() > 0  # num_batches_tracked counted per worker
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_mlp_batched_equals_loop_for_every_algorithm(name):
+    assert_same_rows(*MLP_RUN, *ALGORITHMS[name])
+
+
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+def test_mlp_batched_equals_loop_for_every_compressor(name):
+    overrides, tol = COMPRESSORS[name]
+    assert_same_rows(*MLP_RUN, *overrides, tol=tol)
+
+
+def test_signum_votes_the_same_signs_batched_as_in_the_loop():
+    """A majority vote of signs is discontinuous: a gradient entry within ~1e-8 of zero would
+    flip its vote and send the two runs apart. Without BatchNorm (whose preceding biases have
+    gradients of pure rounding noise, whose signs are a coin toss) over the first 10 steps no
+    such entry comes up: the same to 1e-6."""
+    assert_same_rows(*MLP_RUN, "compressor=signum", "model.batch_norm=false", "train.steps=10")
+
+
+def test_asynchronous_sgd_computes_each_push_as_the_loop():
+    """One push per step: a single row is computed as the loop computes it (bit for bit)."""
+    loop_run, loop = rows_after(*MLP_RUN, "algorithm=async_sgd", mode="false")
+    _, batched = rows_after(*MLP_RUN, "algorithm=async_sgd", mode="true")
+    assert loop["moved"] > 1e-3
+    assert all(torch.equal(loop[k], batched[k]) for k in ("params", "buffers", "int_buffers"))
+    server = loop_run.algorithm.server.params
+    assert (server - loop["params"][0]).abs().max() > 0  # stale rows: real asynchrony
+
+
+@needs_subset
+@pytest.mark.parametrize("name", ["sync", "local_sgd", "dpsgd", "choco", "sgp"])
+def test_resnet20_with_batchnorm_batched_equals_loop(name):
+    """In float64. ResNet-20 with BatchNorm at batch 4 is chaotic: in float32 the loop against
+    itself with its parameters perturbed by 1e-7 (relative) is 3e-4 apart after 5 steps and
+    0.15 after 20, whatever computes it; in float64 the rounding of batched kernels stays far
+    below 1e-6 over 20 steps, so the comparison tests the computation, not the chaos."""
+    assert_same_rows(*RESNET_RUN, *ALGORITHMS[name], dtype=torch.float64)
+
+
+@needs_subset
+def test_resnet20_channels_last_batched_equals_loop():
+    assert_same_rows(*RESNET_RUN, "train.channels_last=true", "train.steps=8",
+                     dtype=torch.float64)  # fmt: skip
+
+
+@needs_subset
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_resnet20_float32_step_batched_equals_loop(channels_last):
+    """One float32 step of ResNet-20 (BatchNorm, CIFAR augmentation): gradients, BatchNorm
+    statistics and counters agree to float32 rounding."""
+    args = [*RESNET_RUN, "train.steps=1", f"train.channels_last={channels_last}"]
+    loop, batched = (rows_after(*args, mode=m)[0].replicas for m in ("false", "true"))
+    scale = loop.grads.abs().max().item()
+    assert (loop.grads - batched.grads).abs().max().item() <= 1e-5 * scale
+    assert (loop.buffers - batched.buffers).abs().max().item() <= 1e-5  # running_var ~ 1
+    assert torch.equal(loop.int_buffers, batched.int_buffers) and loop.int_buffers.min() == 1
+
+
+def test_bf16_autocast_batched_equals_loop():
+    """bf16 rounds every product to 8 bits: batched and loop agree to bf16's precision."""
+    assert_same_rows(*MLP_RUN, "model.batch_norm=false", "train.autocast=bf16", tol=2e-2)
+
+
+def test_bf16_with_batchnorm_on_the_cpu_falls_back_or_is_refused():
+    """torch's batching rule for BatchNorm refuses bf16 inputs with float32 statistics on the
+    CPU (the loop's kernel mixes them): `auto` runs one by one and says why, `true` is one
+    line before the run."""
+    args = [*MLP_RUN, "workers=16", "train.autocast=bf16"]
+    cfg = compose_config(*args)
+    batched, line = decide(cfg, preflight(cfg), 16, torch.device("cpu"))
+    assert not batched and "cannot be vmapped under train.autocast=bf16" in line
+    with pytest.raises(ConfigError, match="train.batched_workers=true but model MLP cannot"):
+        preflight(compose_config(*args, "train.batched_workers=true"))
+
+
+def _replicas(model: nn.Module, rows: int, seed: int = 1) -> Replicas:
+    reps = Replicas(model, rows, torch.device("cpu"))
+    with torch.no_grad():
+        noise = torch.randn(reps.params.shape, generator=torch.Generator().manual_seed(seed))
+        reps.params.add_(noise)
+    return reps
+
+
+@pytest.mark.parametrize("rows", [[0, 2], [1], [1, 2], [0, 1, 2, 3]])
+def test_any_subset_of_rows_computes_as_the_loop_and_leaves_the_others(rows, one_thread):
+    torch.manual_seed(0)
+    model = MLP(5, (6,), hidden=[7], batch_norm=True)
+    loop, batched = _replicas(model, 4), _replicas(model, 4)
+    for reps in (loop, batched):
+        reps.grads.fill_(3.0)  # overwritten for the rows computed, kept for the others
+    x, y = torch.randn(len(rows), 8, 6), torch.randint(5, (len(rows), 8))
+    for i, w in enumerate(rows):
+        loop.grads[w].zero_()
+        F.cross_entropy(loop.models[w](x[i]), y[i]).backward()
+    losses, out = BatchedWorkers(batched).run(rows, x, y)
+    assert losses.shape == (len(rows),) and out.shape == (len(rows), 8, 5)
+    for what in ("grads", "params", "buffers", "int_buffers"):
+        assert torch.allclose(getattr(loop, what).double(), getattr(batched, what).double(),
+                              atol=1e-6), what  # fmt: skip
+    others = [w for w in range(4) if w not in rows]
+    assert all((batched.grads[w] == 3.0).all() for w in others)
+    assert batched.int_buffers[rows].min() == 1 and (batched.int_buffers[others] == 0).all()
+
+
+def test_fp16_loss_scaling_batched_equals_loop(one_thread):
+    """Mixed precision with a loss scale: the scaled loss is differentiated and the gradient
+    rows divided back, batched as in the loop (CPU autocast in fp16)."""
+    from dpresearch.data.synthetic import make_synthetic
+    from dpresearch.run.compute import WorkerCompute
+
+    data = make_synthetic(num_train=256, num_test=16, num_features=6, num_classes=5)
+    part = data.make_partitioner(4, 0)
+    grads = {}
+    for batched in (False, True):
+        torch.manual_seed(0)
+        reps = _replicas(MLP(5, (6,), hidden=[7]), 4)
+        compute = WorkerCompute(data, part, reps, range(4), 8, 8, 0, torch.device("cpu"),
+                                autocast="fp16", loss_scale=1024.0, batched=batched)  # fmt: skip
+        compute.run([0, 1, 2, 3])
+        grads[batched] = reps.grads.clone()
+    assert grads[False].abs().max() > 1e-3
+    assert torch.allclose(grads[False], grads[True], atol=2e-3, rtol=2e-3)
+
+
+def test_divergence_and_skipped_steps_are_the_loops(tmp_path):
+    """A huge lr: `skip_step` drops the same steps batched as in the loop; `stop` stops at the
+    same step."""
+    quick = [*SMALL, "workers=4", "data.num_train=256", "data.num_test=64", "train.log_every=1",
+             "train.steps=30", "optimizer.lr=1e6", "backend.threads=1"]  # fmt: skip
+    summaries = {}
+    for mode in ("false", "true"):
+        for nonfinite in ("skip_step", "stop"):
+            run_dir = tmp_path / f"{mode}-{nonfinite}"
+            summaries[mode, nonfinite] = train(compose_config(
+                *quick, f"train.on_nonfinite={nonfinite}", f"train.batched_workers={mode}"),
+                run_dir)  # fmt: skip
+    skipped = summaries["false", "skip_step"]["train/skipped_steps"]
+    assert skipped > 0
+    assert summaries["true", "skip_step"]["train/skipped_steps"] == skipped
+    assert summaries["false", "stop"]["status"] == "diverged"
+    assert (
+        summaries["true", "stop"]["diverged_at_step"]
+        == summaries["false", "stop"]["diverged_at_step"]
+    )
+
+
+@pytest.mark.parametrize("case", ["sync_qsgd_ef14", "local_sgd", "choco"])
+def test_batched_run_killed_and_resumed_equals_uninterrupted(case, tmp_path, one_thread):
+    """Killed after a checkpoint and resumed, a batched run continues bit for bit (cursors,
+    generators, the stacked integer buffers), metrics line for line (test_checkpoint's
+    check)."""
+    from test_checkpoint import CASES, QUICK, check_resumed
+
+    args = [*QUICK, "workers=4", "model.batch_norm=true", "train.batched_workers=true"]
+    check_resumed(tmp_path, [*args, *CASES[case]], InjectedFailure)
+
+
+def test_auto_batches_many_small_workers_on_the_cpu_and_says_so(capsys):
+    data = preflight(compose_config(*SMALL))
+    cpu = torch.device("cpu")
+    batched, line = decide(compose_config(*SMALL, "workers=16"), data, 16, cpu)
+    assert batched and line.startswith("16 workers batched") and "auto" in line
+    batched, line = decide(compose_config(*SMALL, "workers=2"), data, 2, cpu)
+    assert not batched and "one by one (auto:" in line
+    assert decide(compose_config(*SMALL), data, 1, cpu) == (False, "")  # nothing to batch
+    # a model above the CPU's size limit runs one by one
+    big = compose_config(*SMALL, "workers=16", "model.hidden=[4096,4096]", "train.batch_size=64")
+    batched, line = decide(big, data, 16, cpu)
+    assert not batched and "multiply-adds per worker forward" in line
+    # and the run prints its choice once at the start
+    train(compose_config(*SMALL, "workers=16", "train.steps=2", "train.progress=true"), None)
+    out = capsys.readouterr().out
+    assert out.count("workers_compute: 16 workers batched") == 1
+
+
+class DropoutMLP(nn.Module):
+    """A model that draws random numbers in training: cannot be batched like the loop."""
+
+    def __init__(self, num_classes: int, input_shape, hidden=(8,), batch_norm=False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], 8), nn.Dropout(0.5),
+                                 nn.Linear(8, num_classes))  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_true_for_a_model_that_cannot_be_batched_is_one_line_before_any_worker():
+    target = f"model._target_={__name__}.DropoutMLP"
+    cfg = compose_config(*SMALL, target, "train.batched_workers=true")
+    with pytest.raises(ConfigError) as err:
+        preflight(cfg)
+    message = str(err.value)
+    assert message.startswith("train.batched_workers=true but model DropoutMLP cannot run")
+    assert "random numbers" in message and "train.batched_workers=auto" in message
+    assert "\n" not in message
+    # auto falls back and says why
+    cfg = compose_config(*SMALL, target, "workers=16")
+    batched, line = decide(cfg, preflight(cfg), 16, torch.device("cpu"))
+    assert not batched and "DropoutMLP cannot be batched: it draws random numbers" in line
+
+
+def test_bad_value_is_one_line():
+    with pytest.raises(ConfigError, match="train.batched_workers=sometimes; choose one of: auto"):
+        preflight(compose_config(*SMALL, "train.batched_workers=sometimes"))
+
+
+SHIPPED = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "dpresearch" / "conf"
+                                  / "model").glob("*.yaml"))  # fmt: skip
+FAST = {"mlp", "logreg", "resnet20"}
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in SHIPPED]
+)
+def test_every_shipped_model_batches_or_says_why(name):
+    """Every model in conf/model/ runs batched exactly as the loop (`probe`), or — only the
+    torchvision bridge, whose models may draw (dropout) or be missing — says why."""
+    if name == "torchvision":
+        pytest.importorskip("torchvision")
+    images = name.startswith(("resnet", "vgg")) or name == "torchvision"
+    shape, classes = ((3, 32, 32) if images else (16,)), 10
+    node = compose_config(f"model={name}").model
+    reason = probe_config(node, shape, classes)
+    if name == "torchvision":
+        assert reason is None or "cannot" in reason or "random" in reason
+    else:
+        assert reason is None, reason
+
+
+def test_a_forward_that_keeps_python_state_is_caught_by_the_probe():
+    class Counting(nn.Module):
+        calls = 0  # shared by every replica: the loop counts each worker, batched all at once
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            Counting.calls += 1
+            return self.linear(x) * Counting.calls
+
+    assert probe(Counting(), (4,), 3) is not None
+    assert probe(ResNetCifar(10, (3, 8, 8), depth=8, width=4), (3, 8, 8), 10) is None
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("extra", [[], ["train.autocast=bf16", "model.batch_norm=false"]])
+def test_cuda_batched_equals_loop_on_the_mlp(extra):
+    """On a GPU (where `auto` batches): the same rows as the loop on the same GPU."""
+    assert_same_rows(*MLP_RUN, "train.device=cuda", *extra, tol=1e-5 if not extra else 2e-2)
+
+
+@needs_cuda
+@needs_subset
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cuda_resnet20_batched_equals_loop(channels_last):
+    assert_same_rows(*RESNET_RUN, "train.device=cuda", f"train.channels_last={channels_last}",
+                     dtype=torch.float64)  # fmt: skip
+
+
+@needs_cuda
+def test_auto_batches_on_a_gpu():
+    cfg = compose_config(*MLP_RUN)
+    batched, line = decide(cfg, preflight(cfg), 4, torch.device("cuda"))
+    assert batched and line == "4 workers batched, one vmapped forward/backward (auto: cuda)"
