@@ -98,6 +98,23 @@ BAD = [
         "on real processes (backend=gloo) cannot checkpoint yet; use backend=simulated",
     ),
     (["algorithm=async_sgd", "train.on_nonfinite=skip_step"], "skip_step is not supported"),
+    # More compressors, compressed Adam, two-level reduction (issue 20).
+    (["compressor=threshold", "compressor.threshold=0"], "compressor.threshold=0: must be > 0"),
+    (["compressor=threshold", "compressor.threshold=-1e-3"], "compressor.threshold=-0.001"),
+    (["compressor=sketch", "compressor.width=0.5"], "set compressor.width >= 1"),
+    (["compressor=sketch", "optimizer.momentum=0.9"], "applies momentum itself"),
+    (["compressor=sketch", "error_feedback=ef14"], "use error_feedback=none"),
+    (["compressor=onebit", "compressor.per=row"], "compressor.per=row; choose one of"),
+    (["algorithm=choco", "compressor=threshold"], "no fixed size for a neighbour exchange"),
+    (["comm.hierarchy.workers_per_node=3"], "workers_per_node=3 does not divide workers=4"),
+    (["comm.hierarchy.workers_per_node=0"], "workers_per_node=0: must be at least 1"),
+    (["comm.hierarchy.workers_per_node=2", "algorithm=local_sgd"], "for algorithm=sync"),
+    (["comm.hierarchy.workers_per_node=2", "network.intra=infiniband"], "network.intra="),
+    (["optimizer=onebit_adam", "compressor=topk"], "optimizer=onebit_adam compresses its"),
+    (["optimizer=zero_one_adam", "error_feedback=ef14"], "drop compressor=/error_feedback="),
+    (["optimizer=onebit_adam", "algorithm=local_sgd"], "runs its own algorithm"),
+    (["algorithm=zero_one_adam"], "select it with optimizer=zero_one_adam"),
+    (["optimizer=onebit_adam", "optimizer.freeze_step=-1"], "freeze_step=-1: must be >= 0"),
     # Issue 21: silently accepted, or a traceback with a run directory left behind.
     (["async.protocol=ssp"], "async.protocol is set but SyncSGD does not use the async options"),
     (["async.compute_s=2"], "async.compute_s is set but SyncSGD does not use the async"),
@@ -119,6 +136,7 @@ BAD = [
     (["train.resume_allow_changes=[optimizer.lrr]"], "optimizer.lrr is not a config key"),
     # Every other key with a constraint (issue 21, item 7).
     (["train.loss_scale=0"], "train.loss_scale=0.0: must be > 0"),
+    (["train.batched_workers=maybe"], "train.batched_workers=maybe; choose one of"),
     (["train.channels_last=maybe"], "Value 'maybe' is not a valid bool"),
     (["train.epochs=0"], "train.epochs=0.0: must be positive"),
     (["train.val_size=-1"], "train.val_size=-1.0 must be a count of examples"),
@@ -167,7 +185,7 @@ BAD = [
 ]
 # Keys the source names in a `key=...` message that are not constraints of the user's:
 # overrides the study launcher writes itself.
-NOT_CONSTRAINTS = {"logger.group", "logger.tags", "train.progress"}
+NOT_CONSTRAINTS = {"logger.group", "logger.name", "logger.tags", "train.progress"}
 if not torch.cuda.is_available():
     BAD.append((["backend=nccl"], "use backend=gloo"))
 

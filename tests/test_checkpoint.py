@@ -57,7 +57,19 @@ CASES = {
     "choco": ["algorithm=choco", "compressor=topk", "compressor.ratio=0.25"],
     "dpsgd": ["algorithm=dpsgd", "optimizer.momentum=0.9"],
     "sgp": ["algorithm=sgp", "topology=one_peer_exponential"],
-}
+    # issue 20: aggregator state in sketch space, node leaders' memories, compressed Adam
+    # (checkpoints at 30 after the freeze; 0/1 Adam checkpointed with local steps pending)
+    "sketch": ["compressor=sketch", "compressor.ratio=0.05"],
+    "two_level_onebit": [
+        "comm.hierarchy.workers_per_node=2", "compressor=onebit", "error_feedback=ef14",
+    ],
+    "onebit_adam": ["optimizer=onebit_adam", "optimizer.lr=0.01", "optimizer.freeze_step=20"],
+    "zero_one_adam": [
+        "optimizer=zero_one_adam", "optimizer.lr=0.01", "optimizer.var_freeze_step=20",
+        "optimizer.var_update_scaler=4", "optimizer.local_step_scaler=3",
+        "optimizer.local_step_clipper=4",
+    ],
+}  # fmt: skip
 
 # Simulated asynchronous SGD: 60 pushes of 4 workers; the server, protocol, speed streams,
 # event queue and push codecs are in the checkpoint (`AsyncSGD.state_dict`).

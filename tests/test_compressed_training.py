@@ -40,7 +40,13 @@ CASES = {
     "terngrad": (["compressor=terngrad"], "none", TOL),
     "powersgd": (["compressor=powersgd", "compressor.min_compression_rate=1.1"], "ef14", 1e-5),
     "topk_ef21": (["compressor=topk", "compressor.ratio=0.05"], "ef21", TOL),
-}
+    "onebit": (["compressor=onebit", "compressor.per=column"], "ef14", 1e-5),
+    "natural": (["compressor=natural"], "none", TOL),
+    "threshold": (["compressor=threshold", "compressor.threshold=0.005"], "ef14", 1e-5),
+    # the sketch's allreduce in worker order: a ring's rounding could reorder near-tied top-k
+    "sketch": (["compressor=sketch", "compressor.ratio=0.05", "comm.deterministic=true"], "none",
+               TOL),
+}  # fmt: skip
 
 
 @pytest.mark.distributed

@@ -21,6 +21,8 @@ TINY = {
     "common": [*SMALL, "train.epochs=1", "train.save_model=false"],
     "lrs": [0.1, 0.05],
     "seeds": [0],
+    "min_tune_seeds": 1,  # one seed keeps these launcher tests fast
+    "extend": 0,  # an edge pick is reported, the grid not grown
     "select": "train/loss:min",
     "target": {"metric": "test/acc", "value": 0.2},
     "network": "1gbe",
@@ -158,7 +160,8 @@ def test_shipped_studies_compose_and_validate(path):
     configuration (not run)."""
     study = load_study(path)
     for case in study.cases:
-        point = next(p for p in study.points([case.name]))
+        lr = study.case(case.lr_from).lrs[0] if case.lr_from else case.lrs[0]
+        point = study.point(case, lr, study.seeds[0])
         validate(compose_config(*point.overrides))
 
 
@@ -244,3 +247,15 @@ def test_a_study_whose_points_fail_exits_non_zero(tmp_path, capsys):
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: ")]
     assert code == 1 and len(err) == 1, err
     assert err[0].startswith("error: 1 of 1 points failed: broken | lr 0.1 | seed 0")
+
+
+def test_a_data_set_with_its_own_validation_needs_no_split():
+    """Least squares validates on all its rows (`Dataset.own_validation`): the shipped study
+    selecting on `val/loss` passes the checks without `train.val_size`; CIFAR does not."""
+    from omegaconf import OmegaConf
+
+    from dpresearch.study.check import check_study, dataset_class
+
+    check_study(load_study(REPO / "experiments" / "async" / "least_squares.yaml"))
+    cifar = OmegaConf.create({"_target_": "dpresearch.data.cifar.CIFAR10.load"})
+    assert not dataset_class(cifar).own_validation

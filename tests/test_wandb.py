@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 
+import yaml
 from conftest import SMALL, run_cli
 from omegaconf import OmegaConf
 
@@ -83,6 +84,19 @@ def test_run_names_say_what_ran_and_groups_follow_the_sweep_or_study():
     assert group == "multirun/2026-01-01/10-00-00-1"
     cfg.logger.name, cfg.logger.group = "mine", "ours"
     assert default_names(cfg, hydra_info("RUN", CHOICES)) == ("mine", "ours")
+
+
+def test_sweep_point_names_hold_the_swept_values_not_the_fixed_ones(tmp_path):
+    """Points of `-m seed=0,1 optimizer.lr=0.1,0.2 workers=8 data=cifar10` are told apart by
+    their lr (the seed is in the name already); `workers=8` is the same for every point."""
+    (tmp_path / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": {"task": [
+        "seed=0,1", "optimizer.lr=0.1,0.2", "workers=8", "data=cifar10"]}}}))  # fmt: skip
+    cfg = OmegaConf.create({"workers": 8, "seed": 1, "logger": {"name": None, "group": None}})
+    hc = hydra_info("MULTIRUN", CHOICES, "data=cifar10,optimizer.lr=0.2,seed=1,workers=8",
+                    str(tmp_path))  # fmt: skip
+    hc.overrides = {"task": ["seed=1", "optimizer.lr=0.2", "workers=8", "data=cifar10"]}
+    name, _ = default_names(cfg, hc)
+    assert name == "sync-topk-ef14-resnet20-cifar10-w8-s1 [optimizer.lr=0.2]"
 
 
 def test_results_table_follows_a_wandb_mode_set_after_wandb_started(tmp_path, monkeypatch):

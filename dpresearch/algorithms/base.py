@@ -69,6 +69,8 @@ class Traits:
     drifts: the workers' models drift apart between the algorithm's synchronisations (local
     SGD, gossip), so an outer optimizer has pseudo-gradients to work on (synchronous SGD's
     workers always hold one model, a parameter server's workers none of their own).
+    compression_note: why an algorithm without `compressor`/`error_feedback` options takes
+    none, shown when a configuration gives one (empty: the generic line).
     """
 
     checkpointable: bool = True
@@ -76,6 +78,7 @@ class Traits:
     extra_processes: int = 0
     own_processes: bool = False
     drifts: bool = False
+    compression_note: str = ""
 
     def processes(self, workers: int) -> int:
         """Processes a real run of `workers` workers starts."""

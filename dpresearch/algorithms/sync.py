@@ -2,7 +2,9 @@
 steps on the result.
 
 The gradient exchange is a `CompressedReducer` built from the `compressor` and
-`error_feedback` nodes: linear payloads are allreduced, the others allgathered and decoded.
+`error_feedback` nodes: linear payloads are allreduced, the others allgathered and decoded. On a
+two-level cluster (`comm.hierarchy`) it is a `HierarchicalReducer`: exact sums inside each node,
+compression between node leaders, broadcast back.
 With the identity compressor this is exactly what torch DDP computes. BatchNorm buffers follow
 DDP's default (`broadcast_buffers=True`): before every forward, worker 0's buffers are copied to
 all workers, so the running statistics are worker 0's (recorded as "buffers" traffic, charged to
@@ -22,10 +24,24 @@ from torch import Tensor
 from dpresearch.algorithms.base import Algorithm
 from dpresearch.algorithms.overlap import OverlappedGradientAverage
 from dpresearch.comm.base import Communicator
+from dpresearch.comm.hierarchy import INTER, INTRA
 from dpresearch.compress import build_reducer, param_layout
 from dpresearch.replicas import Replicas
 
 BUFFER_MODES = ("broadcast", "local")
+TIERS = (INTRA, INTER)
+
+
+def tier_bytes(comm: Communicator, device: torch.device) -> dict[str, float]:
+    """`comm/bytes_<tier>`: the mean over all K workers of the algorithm's bytes each sent in
+    each tier of a two-level cluster (one gather, recorded as metrics traffic)."""
+    ledger = comm.ledger
+    zeros = [0] * comm.num_local
+    mine = torch.tensor(
+        [ledger.bytes_by_tier.get(t, zeros) for t in TIERS], dtype=torch.float64, device=device
+    ).T.contiguous()
+    means = comm.all_gather(mine, record="metrics").mean(0).tolist()
+    return {f"comm/bytes_{t}": m for t, m in zip(TIERS, means, strict=True)}
 
 
 class SyncSGD(Algorithm):
@@ -94,6 +110,14 @@ class SyncSGD(Algorithm):
             self.reducer.reduce(self.replicas.grads, step)
         for opt in self.optimizers:
             opt.step()
+
+    def metrics(self) -> dict[str, float]:
+        """On a two-level cluster: `comm/bytes_intra` and `comm/bytes_inter`, the algorithm's
+        bytes each worker sent inside its node and between nodes (means over all K workers;
+        they add up to `comm/bytes`)."""
+        if self.comm.tiers is None:
+            return {}
+        return tier_bytes(self.comm, self.replicas.grads.device)
 
     def state_dict(self) -> dict:
         return {"reducer": self.reducer.state_dict()}

@@ -22,7 +22,12 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m dpresearch.analysis", description=__doc__.splitlines()[0]
     )
     p.add_argument("roots", nargs="+", type=Path, help="run directories or folders holding them")
-    p.add_argument("--by", nargs="+", help="keys defining a case (default: case, else run)")
+    p.add_argument(
+        "--by",
+        nargs="+",
+        help="keys defining a case (default: the study's cases, else what differs between "
+        "the runs' configs but the seed)",
+    )
     p.add_argument(
         "--tune",
         nargs="*",
@@ -55,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("md", "latex", "csv"), default="md")
     p.add_argument("--out", type=Path, help="folder for results.md, tables and plots")
     p.add_argument("--plots", nargs="*", default=["png"], help="plot kinds (png pdf svg)")
-    p.add_argument("--title", default="Results")
+    p.add_argument("--title", default="", help="(default: the runs' study, else what they share)")
     p.add_argument("--wandb", metavar="PROJECT", help="also log the table as a wandb.Table")
     p.add_argument("--wandb-group")
     return p

@@ -8,8 +8,8 @@ Contracts:
   `excluded` (e.g. "1 diverged, 1 unfinished"). Only `finished` runs are averaged unless
   `include_failed`.
 - `select_best` marks, per case, the setting of the tuned keys whose mean selection metric is
-  best. A setting in which any seed diverged ranks below every setting in which none did, and
-  a setting with no averaged run is never selected.
+  best. A setting in which any seed diverged or did not train ranks below every setting in which
+  none did, and a setting with no averaged run is never selected.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dpresearch.analysis.runs import FINISHED, STATUSES
 
 VALIDATION_METRICS = ("val/acc", "valid/acc", "validation/acc", "val/loss", "valid/loss")
 TRAIN_METRIC = "train/loss"
+FAILED = ("diverged", "did not train")
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,8 @@ def aggregate(
     everything = runs.groupby(**by)
     out = everything.size().rename("runs").to_frame()
     out["excluded"] = everything["status"].agg(_excluded_text)
-    out["diverged"] = everything["status"].agg(lambda s: int((s == "diverged").sum()))
+    # never preferred in a selection: a seed that diverged or did not train
+    out["diverged"] = everything["status"].agg(lambda s: int(s.isin(FAILED).sum()))
     groups = included.groupby(**by)
     out["n"] = groups.size().reindex(out.index).fillna(0).astype(int)
     if seed_key and seed_key in runs:

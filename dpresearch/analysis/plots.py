@@ -1,10 +1,13 @@
 """Curves of a logged metric against epochs, bytes or time, one line per group of runs.
 
 A group's line is the mean over its runs at each logged step, with a band of ± one standard
-deviation where the group holds more than one run (seeds). The x value at a step is the mean
-of the runs' x there (identical across seeds for epochs and bytes). Figures are drawn without
-pyplot (no global state, no display needed) and saved in the format each path's suffix names
-(`.png`, `.pdf`, `.svg`).
+deviation where the group holds more than one run (seeds); its points are drawn in the order
+of x, so no line runs backwards. Axes carry units (`axis_label`): accuracies in %, bytes in MB,
+times in seconds; an axis whose positive values span more than two decades is logarithmic.
+Up to 20 groups get 20 distinct colours, each with its own marker. Figures are drawn without
+pyplot (no global state, no display needed), saved in the format each path's suffix names
+(`.png`, `.pdf`, `.svg`) without a time stamp (the same data gives the same file), and
+returned so callers and tests can read them.
 """
 
 from __future__ import annotations
@@ -14,30 +17,64 @@ from pathlib import Path
 
 from dpresearch.analysis.errors import require_columns
 
+# 20 distinct colours: tab10, then tab20's light shades.
 COLORS = (
-    "#1f77b4",
-    "#ff7f0e",
-    "#2ca02c",
-    "#d62728",
-    "#9467bd",
-    "#8c564b",
-    "#e377c2",
-    "#7f7f7f",
-    "#bcbd22",
-    "#17becf",
-    "#aec7e8",
-    "#ffbb78",
-    "#98df8a",
-    "#ff9896",
-    "#c5b0d5",
-    "#c49c94",
-)
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+    "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+    "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5",
+    "#c49c94", "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5",
+)  # fmt: skip
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*")
 STYLES = ("-", "--", ":", "-.")
+DECADES = 2.0  # a positive axis spanning more than this many decades is drawn on a log scale
+
+# metric → (axis label with its unit, factor applied to the values)
+LABELS: dict[str, tuple[str, float]] = {
+    "epoch": ("training progress (epochs)", 1.0),
+    "step": ("training progress (steps)", 1.0),
+    "comm/bytes": ("data sent per worker (MB)", 1e-6),
+    "comm/modeled_s": ("modeled communication time (s)", 1.0),
+    "time/simulated_s": ("simulated time (s)", 1.0),
+    "time/wall_s": ("measured wall time (s)", 1.0),
+    "test/acc": ("test accuracy (%)", 100.0),
+    "val/acc": ("validation accuracy (%)", 100.0),
+    "train/acc": ("training accuracy, log window (%)", 100.0),
+    "best/test_acc": ("best test accuracy (%)", 100.0),
+    "test/acc_local_mean": ("workers' own models, mean test accuracy (%)", 100.0),
+    "train/loss": ("training loss, log window (nats)", 1.0),
+    "test/loss": ("test loss (nats)", 1.0),
+    "val/loss": ("validation loss (nats)", 1.0),
+    "gossip/consensus_distance": (
+        "consensus distance Ξ² = (1/K)Σ‖xᵢ − x̄‖² (parameter units²)",
+        1.0,
+    ),  # fmt: skip
+    "lr": ("learning rate (per-worker batch)", 1.0),
+    "MB_per_epoch": ("data sent per worker per epoch (MB)", 1.0),
+    "async/tau_histogram": ("staleness τ of an applied gradient (server updates)", 1.0),
+}
+NETWORKS = {"1gbe": "1 GbE", "10gbe": "10 GbE", "25gbe": "25 GbE", "100gb_ib": "100 Gb InfiniBand",
+            "nvlink": "NVLink"}  # fmt: skip
+
+
+def axis_label(metric: str, labels: Mapping[str, str] | None = None) -> tuple[str, float]:
+    """(label with unit, value factor) of `metric`; `labels` (metric → label) win, unscaled."""
+    if labels and metric in labels:
+        return labels[metric], LABELS.get(metric, ("", 1.0))[1]
+    if metric in LABELS:
+        return LABELS[metric]
+    if metric.startswith("modeled_s@"):
+        net = metric.split("@", 1)[1]
+        return f"modeled communication time on {NETWORKS.get(net, net)} (s)", 1.0
+    if metric.endswith("_s"):
+        return f"{metric} (s)", 1.0
+    if metric.endswith("/acc"):
+        return f"{metric} (%)", 100.0
+    return f"{metric} (as logged)", 1.0
 
 
 def group_curves(metrics, groups: Mapping[str, Sequence[str]], x: str, y: str):
     """Per group label and step: `x` (mean), `y` (mean), `y std`, `n` — one frame, ordered by
-    group then step."""
+    group then x."""
     require_columns(metrics.columns, ["step", x, y], "metric")
     label_of = {str(run): label for label, runs in groups.items() for run in runs}
     rows = metrics.loc[metrics[y].notna() & metrics[x].notna(), ["run", "step", x, y]]
@@ -47,7 +84,21 @@ def group_curves(metrics, groups: Mapping[str, Sequence[str]], x: str, y: str):
     curves = rows.groupby(["group", "step"], sort=False, observed=True).agg(
         x=(x, "mean"), y=(y, "mean"), y_std=(y, "std"), n=(y, "size")
     )
-    return curves.reset_index().sort_values(["group", "step"], kind="stable")
+    return curves.reset_index().sort_values(["group", "x", "step"], kind="stable")
+
+
+def _spans_decades(values) -> bool:
+    positive = values[values > 0]
+    return len(positive) > 1 and positive.max() / positive.min() > 10**DECADES
+
+
+def style(i: int) -> dict[str, object]:
+    """Colour, marker and line style of the i-th series (distinct for i < 20)."""
+    return {
+        "color": COLORS[i % len(COLORS)],
+        "marker": MARKERS[i % len(MARKERS)],
+        "linestyle": STYLES[(i // len(COLORS)) % len(STYLES)],
+    }
 
 
 def plot_groups(
@@ -56,40 +107,45 @@ def plot_groups(
     x: str,
     y: str,
     outs: Sequence[str | Path],
-    logx: bool = False,
+    logx: bool | None = None,
     title: str | None = None,
     xlabel: str | None = None,
-) -> None:
-    """Draw `y` against `x` for every group (see the module docstring) into each of `outs`."""
+    ylabel: str | None = None,
+    logy: bool | None = None,
+    vlines: Sequence[float] = (),
+    labels: Mapping[str, str] | None = None,
+):
+    """Draw `y` against `x` for every group (see the module docstring) into each of `outs`;
+    returns the figure. `logx`/`logy` None: logarithmic where the values span decades.
+    `vlines`: x positions marked with a dotted line (e.g. the horizons a study reports)."""
     from matplotlib.figure import Figure
 
     curves = group_curves(metrics, groups, x, y)
-    fig = Figure(figsize=(10, 5))
+    x_label, x_scale = axis_label(x, labels)
+    y_label, y_scale = axis_label(y, labels)
+    fig = Figure(figsize=(9, 4.8))
     ax = fig.subplots()
     for i, label in enumerate(groups):
         c = curves[curves["group"] == label]
         if c.empty:
             continue
-        color = COLORS[i % len(COLORS)]
+        xs, ys = c["x"] * x_scale, c["y"] * y_scale
         n = int(c["n"].max())
-        ax.plot(
-            c["x"],
-            c["y"],
-            color=color,
-            marker=".",
-            markersize=3,
-            linestyle=STYLES[(i // len(COLORS)) % len(STYLES)],
-            label=f"{label}, n={n}" if n > 1 else label,
-        )
+        look = style(i)
+        ax.plot(xs, ys, markersize=3.5, markevery=max(1, len(c) // 12), linewidth=1.3,
+                label=f"{label} (n={n})" if n > 1 else label, **look)  # fmt: skip
         if n > 1:
-            spread = c["y_std"].fillna(0.0)
-            ax.fill_between(
-                c["x"], c["y"] - spread, c["y"] + spread, color=color, alpha=0.2, linewidth=0
-            )
-    if logx:
+            spread = c["y_std"].fillna(0.0) * y_scale
+            ax.fill_between(xs, ys - spread, ys + spread, color=look["color"], alpha=0.15,
+                            linewidth=0)  # fmt: skip
+    for v in vlines:
+        ax.axvline(v * x_scale, color="0.5", linestyle=":", linewidth=1)
+    if logx if logx is not None else _spans_decades(curves["x"]):
         ax.set_xscale("log")
-    ax.set_xlabel(xlabel or x)
-    ax.set_ylabel(y)
+    if logy if logy is not None else _spans_decades(curves["y"]):
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel or x_label)
+    ax.set_ylabel(ylabel or y_label)
     if title:
         ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
@@ -97,12 +153,97 @@ def plot_groups(
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     for out in outs:
-        fig.savefig(out, dpi=120)
+        save(fig, out)
+    return fig
+
+
+def plot_points(
+    points: Sequence[tuple[str, float, float, float]],
+    x: str,
+    y: str,
+    out: str | Path,
+    title: str | None = None,
+    labels: Mapping[str, str] | None = None,
+):
+    """One marker per (label, x, y, y spread) — e.g. each case's final accuracy against its
+    bytes per epoch — with its spread as an error bar; returns the figure."""
+    from matplotlib.figure import Figure
+
+    x_label, x_scale = axis_label(x, labels)
+    y_label, y_scale = axis_label(y, labels)
+    fig = Figure(figsize=(9, 4.8))
+    ax = fig.subplots()
+    for i, (label, xv, yv, spread) in enumerate(points):
+        look = style(i)
+        yerr = spread * y_scale if spread == spread else None
+        ax.errorbar(xv * x_scale, yv * y_scale, yerr=yerr, color=look["color"],
+                    marker=look["marker"], linestyle="none", markersize=6, capsize=3,
+                    label=label)  # fmt: skip
+    import numpy as np
+
+    xs = np.array([p[1] for p in points], dtype=float)
+    if len(xs) and xs.min() > 0 and xs.max() / xs.min() > 10:  # amounts over a decade: log
+        ax.set_xscale("log")
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(y_label)
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    if points:
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    save(fig, out)
+    return fig
+
+
+def plot_histograms(
+    series: Mapping[str, Sequence[float]],
+    xlabel: str,
+    ylabel: str,
+    out: str | Path,
+    title: str | None = None,
+):
+    """One step line per labelled histogram (counts of 0, 1, 2, ...). Identical histograms
+    stay visible: each later series is drawn thinner and in another dash over the earlier
+    ones. Log-scaled counts; a symmetric-log x axis when the values reach past 100."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 4.8))
+    ax = fig.subplots()
+    longest = 0
+    for i, (label, counts) in enumerate(series.items()):
+        look = style(i)
+        look["linestyle"] = STYLES[i % len(STYLES)]
+        width = max(0.8, 3.0 - 0.5 * i)
+        ax.step(range(len(counts)), counts, where="mid", linewidth=width, label=label,
+                color=look["color"], linestyle=look["linestyle"])  # fmt: skip
+        longest = max(longest, len(counts))
+    if longest > 100:
+        ax.set_xscale("symlog", linthresh=10)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    if series:
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    save(fig, out)
+    return fig
+
+
+def save(fig, out: str | Path) -> None:
+    """Save without the time stamp and software version matplotlib embeds by default."""
+    suffix = Path(out).suffix.lower()
+    meta = {".png": {"Software": None}, ".pdf": {"CreationDate": None, "Producer": None},
+            ".svg": {"Date": None, "Creator": None}}  # fmt: skip
+    fig.savefig(out, dpi=120, metadata=meta.get(suffix))
 
 
 def plot_curves(
-    runs: Mapping[str, str | Path], x: str, y: str, out: str | Path, logx: bool = False
-) -> None:
+    runs: Mapping[str, str | Path], x: str, y: str, out: str | Path, logx: bool | None = None
+):
     """One line per labelled run of metric `y` against `x` (e.g. epoch, comm/bytes,
     comm/modeled_s), saved to `out`. Labels must be distinct (a dict cannot repeat them)."""
     from dpresearch.analysis.runs import load_metrics_many
@@ -111,4 +252,4 @@ def plot_curves(
     metrics = load_metrics_many(paths)
     if y not in metrics:
         metrics[y] = float("nan")
-    plot_groups(metrics, {label: [str(p)] for label, p in runs.items()}, x, y, [out], logx)
+    return plot_groups(metrics, {label: [str(p)] for label, p in runs.items()}, x, y, [out], logx)

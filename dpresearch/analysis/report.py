@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,9 @@ from dpresearch.analysis.aggregate import (
     select_best,
 )
 from dpresearch.analysis.errors import AnalysisError, require_columns
+from dpresearch.analysis.labels import case_labels, default_title, varying_keys
 from dpresearch.analysis.published import Published, join_published
+from dpresearch.analysis.quality import mark_untrained
 from dpresearch.analysis.runs import FINISHED, STATUSES, find_runs, load_metrics_many
 from dpresearch.analysis.runs import load_summaries as load_runs_frame
 from dpresearch.analysis.timing import add_modeled_time, modeled_column, time_to_accuracy
@@ -37,7 +39,8 @@ MB = 1e6
 @dataclass
 class ReportSpec:
     """What to compute. `by`: the keys that define a case (None: `case` when a study launched
-    the runs, else every run alone). `tune`: keys selected over within a case when they vary
+    the runs, else a label of what differs between the runs' configs but the seed, so a seed
+    sweep is aggregated). `tune`: keys selected over within a case when they vary
     there. `select`: the selection metric (`name[:min|max]`; None: validation metric, else
     final training loss). `target`: time-to-accuracy target on `target_metric`. `network`:
     preset the modeled seconds are re-priced on (None: each run's own network).
@@ -54,7 +57,7 @@ class ReportSpec:
     network: str | None = None
     include_failed: bool = False
     published: Published | None = None
-    title: str = "Results"
+    title: str = ""  # "": the runs' study, else what they share
     select_seeds: Sequence[int] | None = None
 
 
@@ -151,9 +154,21 @@ def build_report(runs, metrics, spec: ReportSpec) -> Report:
 
     if runs.empty:
         raise AnalysisError("no run directories found")
-    runs = runs.copy()
+    runs = mark_untrained(runs.copy(), metrics)
     notes: list[str] = []
-    by = list(spec.by) if spec.by else (["case"] if "case" in runs else ["run"])
+    if spec.by:
+        by = list(spec.by)
+    else:  # a study's cases, else what differs between the runs but their seed
+        by = ["case"]
+        if "case" not in runs:
+            keys = varying_keys(runs, spec.seed_key)
+            runs["case"] = case_labels(runs, keys)
+            shown = ", ".join(k.removeprefix("cfg.") for k in keys)
+            notes.append(
+                f"cases: runs grouped by what differs between them ({shown})"
+                if keys
+                else "cases: the runs differ only in their seed"
+            )
     require_columns(runs.columns, by, "--by column")
     tune = [k for k in _tuned_keys(runs, by, spec.tune) if k not in by]
     metrics = add_modeled_time(metrics, runs, spec.network)
@@ -248,6 +263,8 @@ def build_report(runs, metrics, spec: ReportSpec) -> Report:
         )
 
     groups = _plot_groups(runs, table, by, tune, spec.include_failed)
+    if not spec.title:
+        spec = replace(spec, title=default_title(runs))
     return Report(
         spec,
         by,
@@ -316,7 +333,10 @@ def load_report(roots: Sequence[str | Path], spec: ReportSpec) -> Report:
 
 # -- output -----------------------------------------------------------------------------------
 
-FORMATS = {"MB/epoch": ".4g", "MB": ".4g", "tta/MB": ".4g", "n": "d"}
+FORMATS = {"MB/epoch": "MB", "MB": "MB", "tta/MB": "MB", "n": "d", "test/acc": "%",
+           "best/test_acc": "%", "val/acc": "%", "train/acc": "%", "test/acc_local_mean": "%",
+           "test/acc_local_min": "%", "train/loss": ".3g", "tta/epoch": ".3g",
+           "tta/wall_s": ".3g", "tta/simulated_s": ".3g"}  # fmt: skip
 
 
 def headers(columns: Sequence[str]) -> dict[str, str]:
@@ -324,10 +344,20 @@ def headers(columns: Sequence[str]) -> dict[str, str]:
     return {c: c.removeprefix("cfg.") for c in columns}
 
 
+def relative_path(path: str) -> str:
+    """`path` relative to the current directory when it lies below it (generated files never
+    hold the absolute paths of the machine that made them)."""
+    try:
+        return Path(path).resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return str(path)
+
+
 def failed_table(report: Report) -> str:
     from dpresearch.analysis.tables import markdown_table
 
     f = report.failed.copy()
+    f["run"] = f["run"].map(relative_path)
     cols = [
         c
         for c in [
@@ -358,28 +388,14 @@ def plot_files(report: Report, out: Path, kinds: Sequence[str] = ("png",)) -> li
         if y in report.metrics
     ]
     modeled = modeled_column(report.spec.network)
-    xs = [
-        ("epoch", False, "epoch"),
-        ("comm/bytes", True, "bytes per worker"),
-        (modeled, False, f"modeled communication seconds ({report.spec.network or 'own'})"),
-    ]
     written = []
     for y in ys:
-        for x, logx, xlabel in xs:
-            if x not in report.metrics:
+        for x in ("epoch", "comm/bytes", modeled):
+            if x not in report.metrics or not report.metrics[x].notna().any():
                 continue
             stem = f"{y}_vs_{x}".replace("/", "_").replace("@", "_")
             paths = [out / f"{stem}.{kind}" for kind in kinds]
-            plot_groups(
-                report.metrics,
-                report.groups,
-                x,
-                y,
-                paths,
-                logx=logx and bool((report.metrics[x] > 0).any()),
-                title=report.spec.title,
-                xlabel=xlabel,
-            )
+            plot_groups(report.metrics, report.groups, x, y, paths, title=report.spec.title)
             written.append(paths[0])
     return written
 
@@ -501,7 +517,9 @@ def write_report(
         for c in report.runs.columns
         if not c.startswith("cfg.") and c not in ("comm/ops", "comm/op_counts", "topology")
     ]
-    report.runs[run_cols].to_csv(out / "runs.csv", index=False)
+    runs = report.runs[run_cols].copy()
+    runs["run"] = runs["run"].map(relative_path)
+    runs.to_csv(out / "runs.csv", index=False)
     plots = plot_files(report, out, plot_kinds) if plot_kinds else []
     path = out / "results.md"
     path.write_text(render_markdown(report, plots, header))

@@ -25,7 +25,7 @@ from typing import Any
 
 from dpresearch.analysis.fast_yaml import load_config
 
-STATUSES = ("finished", "diverged", "interrupted", "unfinished")
+STATUSES = ("finished", "diverged", "did not train", "interrupted", "unfinished")
 FINISHED = "finished"
 POINT_FILE = "study_point.json"
 # Folders that hold a `config.yaml` but are not runs (Hydra's copy, W&B's files).
@@ -88,21 +88,60 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _run_row(run: Path) -> dict[str, Any]:
-    config_path = run / "config.yaml"
-    config = load_config(config_path.read_text()) if config_path.exists() else {}
-    summary = _read_json(run / "summary.json")
-    point = _read_json(run / POINT_FILE) or {}
-    row: dict[str, Any] = {"run": str(run), "status": infer_status(summary)}
-    row.update({k: v for k, v in point.items() if k in ("study", "case", "point")})
+def read_choices(run: Path) -> dict[str, str]:
+    """The config-group choices Hydra recorded for the run (`.hydra/hydra.yaml`,
+    `hydra.runtime.choices`: e.g. compressor → topk), {} when there is none. A text scan of
+    that one block: the whole file is large and the rest is not needed."""
+    try:
+        text = (run / ".hydra" / "hydra.yaml").read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    start = text.find("\n    choices:\n")
+    out: dict[str, str] = {}
+    if start < 0:
+        return out
+    for line in text[start + 14 :].splitlines():
+        if not line.startswith("      ") or ":" not in line:
+            break
+        key, _, value = line.strip().partition(":")
+        if "/" not in key:  # hydra's own groups (hydra/launcher, ...) are not the run's
+            value = value.strip()
+            out[key] = "" if value in ("null", "") else value
+    return out
+
+
+def run_row(
+    label: str,
+    config: dict[str, Any] | None,
+    summary: dict[str, Any] | None,
+    point: dict[str, Any] | None = None,
+    choices: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """One run's row (see `load_summaries`) from its files' contents."""
+    row: dict[str, Any] = {"run": label, "status": infer_status(summary)}
+    row.update({k: v for k, v in (point or {}).items() if k in ("study", "case", "point")})
+    row.update({f"choice.{k}": v for k, v in (choices or {}).items()})
     row.update(_flatten(config or {}, "cfg."))
     row.update({k: _number(v) for k, v in (summary or {}).items()})
     return row
 
 
+def read_run(run: Path) -> tuple[dict, dict | None, dict, dict[str, str]]:
+    """(config, summary or None, study point, choices) as the run directory holds them."""
+    config_path = run / "config.yaml"
+    config = load_config(config_path.read_text()) if config_path.exists() else {}
+    return (config or {}, _read_json(run / "summary.json"), _read_json(run / POINT_FILE) or {},
+            read_choices(run))  # fmt: skip
+
+
+def _run_row(run: Path) -> dict[str, Any]:
+    return run_row(str(run), *read_run(run))
+
+
 def load_summaries(runs: Sequence[str | Path]):
     """One row per run: `run` (its path), `status`, `study`/`case`/`point` when a study launched
-    it, flattened config keys (`cfg.*`) and the summary's metrics (missing for unfinished runs).
+    it, the config-group choices (`choice.*`, e.g. `choice.compressor` = topk), flattened
+    config keys (`cfg.*`) and the summary's metrics (missing for unfinished runs).
     """
     import pandas as pd
 

@@ -2,7 +2,9 @@
 
 A metric column `m` that has a partner `m std` (as `aggregate` writes) is shown as
 "mean ± std" in markdown and LaTeX, and as two numeric columns in CSV, so the CSV stays
-machine-readable. Missing values are shown as "–".
+machine-readable. Missing values are shown as "–". Besides Python format specs, a column's
+format may be "%" (a fraction shown as a percentage with one decimal) or "MB" (an amount in
+MB shown with three significant figures, in GB from 1000 MB).
 """
 
 from __future__ import annotations
@@ -18,11 +20,58 @@ MISSING = "–"
 DEFAULT_FORMAT = ".4g"
 
 
+def percent(value: Any) -> str:
+    """A fraction as a percentage with one decimal (0.5321 → "53.2")."""
+    return MISSING if not _finite(value) else f"{100 * float(value):.1f}"
+
+
+def significant(value: Any, digits: int = 3) -> str:
+    """`value` with `digits` significant figures, trailing zeros kept (20 → "20.0")."""
+    if not _finite(value):
+        return MISSING
+    text = f"{float(value):#.{digits}g}"
+    return text.rstrip(".") if "e" not in text else f"{float(value):.{digits}g}"
+
+
+def decimals_of(text: str) -> int:
+    """How many decimals a formatted number shows ("1.31" → 2, "45" → 0)."""
+    return 0 if "." not in text or "e" in text else len(text.split(".", 1)[1])
+
+
+def with_spread(mean: Any, std: Any, digits: int = 3) -> str:
+    """ "mean ± std": the mean with `digits` significant figures, the spread to the same
+    decimal place (1.3052, 0.00643 → "1.31 ± 0.01")."""
+    text = significant(mean, digits)
+    if not _finite(std) or text == MISSING:
+        return text
+    if "e" in text:
+        return f"{text} ± {float(std):.1e}"
+    return f"{text} ± {float(std):.{decimals_of(text)}f}"
+
+
+def megabytes(value: Any) -> str:
+    """An amount in MB (10⁶ bytes) with three significant figures, in GB from 1000 MB."""
+    if not _finite(value):
+        return MISSING
+    value = float(value)
+    return f"{significant(value / 1000)} GB" if abs(value) >= 1000 else f"{significant(value)} MB"
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# Format names `_cell` understands besides Python's format specs.
+SPECIAL = {"%": percent, "MB": megabytes}
+
+
 def _cell(value: Any, fmt: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return MISSING
     if isinstance(value, bool) or type(value).__name__ == "bool_":
         return "✓" if value else ""
+    if fmt in SPECIAL and isinstance(value, numbers.Real):
+        return SPECIAL[fmt](value)
     if isinstance(value, numbers.Real):
         try:
             return format(value, fmt)

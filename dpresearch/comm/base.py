@@ -19,13 +19,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from dpresearch.comm.ledger import ALGORITHM, CommLedger, CommOp, purpose_of
+from dpresearch.comm.ledger import ALGORITHM, CommLedger, CommOp, LedgerView, purpose_of
 from dpresearch.comm.network import NetworkModel
+
+if TYPE_CHECKING:
+    from dpresearch.comm.hierarchy import Tiers
 
 REDUCTIONS = ("ring", "centralized")
 
@@ -103,6 +106,7 @@ class Communicator(ABC):
         network: NetworkModel,
         reduction: str = "ring",
         deterministic: bool = False,
+        ledger: CommLedger | LedgerView | None = None,
     ) -> None:
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction={reduction!r}; choose one of: {', '.join(REDUCTIONS)}")
@@ -110,8 +114,11 @@ class Communicator(ABC):
         self.local_workers = list(local_workers)
         self.reduction = reduction
         self.deterministic = deterministic
-        self.ledger = CommLedger(network, len(self.local_workers))
+        # A tier's communicator records into its process's ledger (`CommLedger.view`).
+        self.ledger = ledger if ledger is not None else CommLedger(network, len(self.local_workers))
         self._plans: dict[tuple, ExchangePlan] = {}
+        # The two tiers of a two-level cluster (`comm.hierarchy`), None for a flat one.
+        self.tiers: Tiers | None = None
 
     @property
     def num_local(self) -> int:
@@ -172,6 +179,23 @@ class Communicator(ABC):
         """In place: every row becomes worker `src`'s row. Bytes: charged to `src` alone."""
         with self._timed(record, "broadcast", x, src=src):
             self._broadcast(x, src)
+
+    def reduce(self, x: Tensor, dst: int = 0, record: bool | str = True) -> None:
+        """In place: worker `dst`'s row becomes the sum of all K workers' rows; the other rows
+        are undefined afterwards. Bytes: every worker but `dst` is charged its row."""
+        with self._timed(record, "reduce", x, src=dst, charge_src=False):
+            self._reduce(x, dst)
+
+    def all_to_all(self, x: Tensor, record: bool | str = True) -> Tensor:
+        """`x` `[W, K, ...]`: slice j of a worker's row is its message to worker j. Returns
+        `[W, K, ...]`: slice j of local worker w's row is what worker j sent to w. Bytes: each
+        worker is charged its whole row (K slices: the bytes it hands to the collective)."""
+        if x.dim() < 2 or x.shape[1] != self.world_size:
+            raise ValueError(
+                f"all_to_all expects [W, {self.world_size}, ...] rows, got {tuple(x.shape)}"
+            )
+        with self._timed(record, "alltoall", x):
+            return self._all_to_all(x)
 
     def neighbor_exchange(
         self,
@@ -271,6 +295,12 @@ class Communicator(ABC):
     @abstractmethod
     def _broadcast(self, x: Tensor, src: int) -> None: ...
 
+    def _reduce(self, x: Tensor, dst: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no reduce")
+
+    def _all_to_all(self, x: Tensor) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no all_to_all")
+
     @abstractmethod
     def _start_neighbor_exchange(
         self, x: Tensor, plan: ExchangePlan, out: Tensor
@@ -289,9 +319,17 @@ class Communicator(ABC):
             )
 
     @contextmanager
-    def _timed(self, record: bool | str, kind: str, x: Tensor, src: int | None = None):
+    def _timed(
+        self,
+        record: bool | str,
+        kind: str,
+        x: Tensor,
+        src: int | None = None,
+        charge_src: bool = True,
+    ):
         """Wrap a synchronous collective on `x`: in flight and blocked for the call's
-        duration; every local worker charged its row, or only `src` for a broadcast."""
+        duration; every local worker charged its row, or only `src` (a broadcast), or all but
+        `src` (`charge_src=False`: a reduce to `src`)."""
         self._check_rows(x)
         purpose = purpose_of(record)
         start = time.perf_counter()
@@ -300,7 +338,11 @@ class Communicator(ABC):
             end = time.perf_counter()
             self.ledger.add_time((start, end), (start, end))
             row_bytes = x[0].numel() * x.element_size()
-            sent = None if src is None else [row_bytes * (w == src) for w in self.local_workers]
+            sent = (
+                None
+                if src is None
+                else [row_bytes * ((w == src) == charge_src) for w in self.local_workers]
+            )
             self.ledger.record(CommOp(kind, row_bytes, self.world_size, purpose=purpose), sent)
 
     def _accounted(

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dpresearch.comm.base import Communicator, ExchangePlan, PendingOp
-from dpresearch.comm.ledger import CommOp, purpose_of
+from dpresearch.comm.hierarchy import INTER, INTRA, Hierarchy, Tiers, price_tiers
+from dpresearch.comm.ledger import CommLedger, CommOp, LedgerView, purpose_of
 from dpresearch.comm.network import NetworkModel
 
 
@@ -30,11 +31,13 @@ class DistributedCommunicator(Communicator):
         group: dist.ProcessGroup | None = None,
         deterministic: bool = False,
         p2p_schedule: str = "auto",
+        hierarchy: Hierarchy | None = None,
+        ledger: CommLedger | LedgerView | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("DistributedCommunicator needs an initialised process group")
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        super().__init__(size, [rank], network, reduction, deterministic)
+        super().__init__(size, [rank], network, reduction, deterministic, ledger)
         self.group = group
         self._p2p_ready = False
         if p2p_schedule not in P2P_SCHEDULES:
@@ -44,6 +47,33 @@ class DistributedCommunicator(Communicator):
         if p2p_schedule == "auto":
             p2p_schedule = default_p2p_schedule(dist.get_backend(group))
         self.split_p2p_rounds = p2p_schedule == "by_distance"
+        if hierarchy is not None:  # subgroups created here, once, by every rank
+            self.tiers = self._two_level(hierarchy, p2p_schedule)
+
+    def _two_level(self, hierarchy: Hierarchy, p2p_schedule: str) -> Tiers:
+        """The tiers of this rank: creates every node's group and the leaders' group (every
+        rank, in the same order: NCCL's rule) and keeps its own node's and, on a leader, the
+        leaders'."""
+        price_tiers(self, hierarchy)
+        k, g = self.world_size, hierarchy.workers_per_node
+        nodes = hierarchy.nodes(k)
+        me = self.local_workers[0]
+        groups = [dist.new_group(list(range(i * g, (i + 1) * g))) for i in range(nodes)]
+        leaders = dist.new_group([i * g for i in range(nodes)])
+
+        def tier(network: NetworkModel, group: dist.ProcessGroup, name: str):
+            return DistributedCommunicator(
+                network,
+                self.reduction,
+                group,
+                self.deterministic,
+                p2p_schedule,
+                ledger=self.ledger.view([0], name),
+            )
+
+        intra = tier(hierarchy.intra, groups[me // g], INTRA)
+        inter = tier(hierarchy.inter, leaders, INTER) if me % g == 0 else None
+        return Tiers(hierarchy, intra, inter, [0] if inter is not None else [])
 
     def _global(self, worker: int) -> int:
         """Global rank of worker `worker` of the group (the id torch.distributed calls take)."""
@@ -66,6 +96,20 @@ class DistributedCommunicator(Communicator):
 
     def _broadcast(self, x: Tensor, src: int) -> None:
         dist.broadcast(x[0], src=self._global(src), group=self.group)
+
+    def _reduce(self, x: Tensor, dst: int) -> None:
+        if self.deterministic:
+            # The simulated communicator's exact operation on the same [K, ...] rows.
+            every = self._all_gather(x)
+            if self.local_workers[0] == dst:
+                x[0].copy_(every.sum(dim=0))
+            return
+        dist.reduce(x[0], dst=self._global(dst), op=dist.ReduceOp.SUM, group=self.group)
+
+    def _all_to_all(self, x: Tensor) -> Tensor:
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out[0], x[0].contiguous(), group=self.group)
+        return out
 
     def _start_neighbor_exchange(
         self, x: Tensor, plan: ExchangePlan, out: Tensor

@@ -56,12 +56,16 @@ class CommOp:
     """One collective, as the network model prices it.
 
     kind: "allreduce", "allreduce_ps" (parameter-server: gather to worker 0 + broadcast),
-    "allgather", "broadcast" or "p2p" (neighbour exchange).
+    "allgather", "broadcast", "reduce" (to one worker), "alltoall" or "p2p" (neighbour
+    exchange).
     nbytes: bytes of the payload row each worker handed to the collective.
     group: number of workers taking part.
     peers: for "p2p", the largest number of peers any worker sent its row to (the round ends
     when the busiest link is done).
     purpose: why it was sent (see the module docstring).
+    tier: "" for the run's one network, or the tier of a two-level cluster it crossed
+    ("intra": inside nodes, "inter": between node leaders; see `comm.hierarchy`), priced on
+    that tier's link.
     hidden_steps: steps of computation the op runs behind (launched at one step, needed only
     that many steps later); the network model charges only what they do not hide.
     """
@@ -71,6 +75,7 @@ class CommOp:
     group: int
     peers: int = 0
     purpose: str = ALGORITHM
+    tier: str = ""
     hidden_steps: int = 0
 
 
@@ -82,7 +87,9 @@ class CommLedger:
 
     network: NetworkModel
     num_local: int = 1
+    tiers: dict[str, NetworkModel] = field(default_factory=dict)
     bytes_by_purpose: dict[str, list[int]] = field(default_factory=dict)
+    bytes_by_tier: dict[str, list[int]] = field(default_factory=dict)
     modeled_by_purpose: dict[str, float] = field(default_factory=dict)
     exposed_s: float = 0.0
     op_counts: Counter = field(default_factory=Counter)
@@ -129,9 +136,13 @@ class CommLedger:
         totals = self.bytes_by_purpose.setdefault(op.purpose, [0] * self.num_local)
         for w, nbytes in enumerate(sent):
             totals[w] += int(nbytes)
+        if op.tier and op.purpose == ALGORITHM:
+            by_tier = self.bytes_by_tier.setdefault(op.tier, [0] * self.num_local)
+            for w, nbytes in enumerate(sent):
+                by_tier[w] += int(nbytes)
         self.modeled_by_purpose[op.purpose] = self.modeled_by_purpose.get(
             op.purpose, 0.0
-        ) + self.network.op_seconds(op)
+        ) + self.network_of(op).op_seconds(op)
         if op.purpose == ALGORITHM:
             self.op_counts[op.kind] += 1
         self.purpose_op_counts[(op.purpose, op.kind)] += 1
@@ -148,6 +159,16 @@ class CommLedger:
             yield
         finally:
             self._hidden_steps = before
+
+    def network_of(self, op: CommOp) -> NetworkModel:
+        """The link `op` is priced on: its tier's, else the run's network."""
+        return self.tiers.get(op.tier, self.network) if op.tier else self.network
+
+    def view(self, rows: Sequence[int], tier: str) -> LedgerView:
+        """A ledger for a communicator over a subset of this process's workers in one tier of a
+        two-level cluster: its local row i is row `rows[i]` here; every op it records is tagged
+        `tier` (priced on that tier's link, its bytes also kept per tier)."""
+        return LedgerView(self, tuple(rows), tier)
 
     # -- time --------------------------------------------------------------------------------
     def add_time(self, in_flight: tuple[float, float], blocked: tuple[float, float]) -> None:
@@ -199,6 +220,7 @@ class CommLedger:
 
     def reset(self) -> None:
         self.bytes_by_purpose = {ALGORITHM: [0] * self.num_local}
+        self.bytes_by_tier = {}
         self.modeled_by_purpose = {}
         self.exposed_s = 0.0
         self._busy_closed, self._frontier = 0.0, None
@@ -211,15 +233,17 @@ class CommLedger:
     def state_dict(self) -> dict:
         """The cumulative counters, for a checkpoint (the busy time as a closed total), as plain
         data (a checkpoint holds no class of ours: see `checkpoint.load_checkpoint`): the ops
-        as `[kind, nbytes, group, peers, purpose, count, hidden_steps]` rows."""
+        as `[kind, nbytes, group, peers, purpose, count]` rows, then (where not the defaults)
+        the tier of a two-level cluster and the op's `hidden_steps`."""
         return {
             "bytes_by_purpose": {p: list(v) for p, v in self.bytes_by_purpose.items()},
+            "bytes_by_tier": {t: list(v) for t, v in self.bytes_by_tier.items()},
             "modeled_by_purpose": dict(self.modeled_by_purpose),
             "exposed_s": self.exposed_s,
             "busy_s": self.busy_s,
             "op_counts": dict(self.op_counts),
             "op_totals": [
-                [op.kind, op.nbytes, op.group, op.peers, op.purpose, n, op.hidden_steps]
+                [op.kind, op.nbytes, op.group, op.peers, op.purpose, n] + _extra(op)
                 for op, n in self.op_totals.items()
             ],
             "purpose_op_counts": [[p, k, n] for (p, k), n in self.purpose_op_counts.items()],
@@ -229,21 +253,55 @@ class CommLedger:
         """Continue from `state_dict()`'s counters (the current step's ops are dropped)."""
         self.reset()
         self.bytes_by_purpose = {p: list(v) for p, v in state["bytes_by_purpose"].items()}
+        self.bytes_by_tier = {t: list(v) for t, v in state.get("bytes_by_tier", {}).items()}
         self.modeled_by_purpose = dict(state["modeled_by_purpose"])
         self.exposed_s = state["exposed_s"]
         self._busy_closed = state["busy_s"]
         self.op_counts.update(state["op_counts"])
-        for kind, nbytes, group, peers, purpose, n, *hidden in state["op_totals"]:
-            self.op_totals[CommOp(kind, nbytes, group, peers, purpose, *hidden)] += n
+        for kind, nbytes, group, peers, purpose, n, *extra in state["op_totals"]:
+            self.op_totals[CommOp(kind, nbytes, group, peers, purpose, *extra)] += n
         for purpose, kind, n in state["purpose_op_counts"]:
             self.purpose_op_counts[(purpose, kind)] += n
 
     def op_table(self) -> list[list]:
-        """Every distinct op with its count, `[kind, nbytes, group, peers, count]` (and
-        `hidden_steps` after them where non-zero), so a run can be re-priced on any network
-        afterwards (`NetworkModel.total_seconds`)."""
-        rows = []
-        for op, n in self.op_totals.items():
-            row = [op.kind, op.nbytes, op.group, op.peers, n]
-            rows.append(row + [op.hidden_steps] if op.hidden_steps else row)
-        return rows
+        """Every distinct op with its count, `[kind, nbytes, group, peers, count]`, then (where
+        not the defaults) a sixth entry, the tier, for ops of a two-level cluster, and a seventh,
+        `hidden_steps`, for ops hidden behind computation; so a run can be re-priced on any
+        network afterwards (`NetworkModel.total_seconds`)."""
+        return [
+            [op.kind, op.nbytes, op.group, op.peers, n] + _extra(op)
+            for op, n in self.op_totals.items()
+        ]
+
+
+def _extra(op: CommOp) -> list:
+    """An op row's optional tail: [tier] or [tier, hidden_steps] (nothing for the defaults)."""
+    if op.hidden_steps:
+        return [op.tier, op.hidden_steps]
+    return [op.tier] if op.tier else []
+
+
+@dataclass
+class LedgerView:
+    """A sub-communicator's ledger inside a process's `CommLedger` (`CommLedger.view`): maps its
+    rows to the parent's and tags its ops with a tier; times go to the parent unchanged."""
+
+    parent: CommLedger
+    rows: tuple[int, ...]
+    tier: str
+
+    @property
+    def num_local(self) -> int:
+        return len(self.rows)
+
+    def record(self, op: CommOp, sent_by_worker: Sequence[int] | None = None) -> None:
+        sent = sent_by_worker if sent_by_worker is not None else [op.nbytes] * len(self.rows)
+        if len(sent) != len(self.rows):
+            raise ValueError(f"sent_by_worker needs {len(self.rows)} entries, got {len(sent)}")
+        mapped = [0] * self.parent.num_local
+        for row, nbytes in zip(self.rows, sent, strict=True):
+            mapped[row] += int(nbytes)
+        self.parent.record(replace(op, tier=self.tier), mapped)
+
+    def add_time(self, in_flight: tuple[float, float], blocked: tuple[float, float]) -> None:
+        self.parent.add_time(in_flight, blocked)

@@ -8,6 +8,9 @@ D bytes per worker:
   the result out):           2α + 2(n−1) · D/B
 - ring allgather:            (n−1)α + (n−1) · D/B
 - broadcast (binomial tree): ⌈log₂ n⌉ · (α + D/B)
+- reduce to one worker (binomial tree, the broadcast reversed): ⌈log₂ n⌉ · (α + D/B)
+- all-to-all (each worker's row of D bytes is n slices, one per worker; pairwise exchange):
+                             (n−1)α + (n−1)/n · D/B
 - neighbour exchange to p peers (sends serialised on one full-duplex link): α + p · D/B
 
 A group of one worker costs nothing. An op recorded as hidden behind h steps of computation
@@ -103,14 +106,23 @@ class NetworkModel:
             )
         return cls.from_units(*PRESETS[name], compute_step_s=compute_step_s)
 
-    def total_seconds(self, op_table: list[list]) -> float:
-        """Modeled seconds of a run's `comm/ops` table (`CommLedger.op_table`: rows
-        `[kind, nbytes, group, peers, count]`, plus `hidden_steps` where non-zero) on this
-        network: re-prices a finished run on another fabric."""
-        return sum(
-            row[4] * self.seconds(*row[:4], hidden_steps=row[5] if len(row) > 5 else 0)
-            for row in op_table
-        )
+    def total_seconds(
+        self, op_table: list[list], tiers: dict[str, NetworkModel] | None = None
+    ) -> float:
+        """Modeled seconds of a run's `comm/ops` table (`CommLedger.op_table`) on this
+        network: re-prices a finished run on another fabric. Rows of a two-level cluster carry
+        their tier (sixth entry); `tiers` prices them on that tier's link (else they are priced
+        here). Rows of ops hidden behind computation carry `hidden_steps` (seventh entry), the
+        steps of this network's `compute_step_s` they hide behind."""
+        total = 0.0
+        for row in op_table:
+            kind, nbytes, group, peers, count = row[:5]
+            network = (tiers or {}).get(row[5] if len(row) > 5 else "", self)
+            seconds = network.seconds(kind, nbytes, group, peers)
+            if len(row) > 6 and row[6]:
+                seconds = max(0.0, seconds - row[6] * self.compute_step_s)
+            total += count * seconds
+        return total
 
     def op_seconds(self, op: CommOp) -> float:
         """Modeled exposed duration of one collective (see the module docstring for the
@@ -147,8 +159,10 @@ class NetworkModel:
             return 2 * a + 2 * (n - 1) * d / b
         if kind == "allgather":
             return (n - 1) * a + self.allgather_factor * (n - 1) * d / b
-        if kind == "broadcast":
+        if kind in ("broadcast", "reduce"):
             return math.ceil(math.log2(n)) * (a + d / b)
+        if kind == "alltoall":
+            return (n - 1) * a + (n - 1) / n * d / b
         if kind == "p2p":
             return a + peers * d / b
         raise ValueError(f"no cost formula for collective kind {kind!r}")

@@ -8,6 +8,15 @@ import torch
 from torch import Tensor
 
 from dpresearch.comm.base import Communicator, ExchangePlan
+from dpresearch.comm.hierarchy import (
+    INTER,
+    INTRA,
+    Hierarchy,
+    NodeGroups,
+    Tiers,
+    price_tiers,
+)
+from dpresearch.comm.ledger import CommLedger, LedgerView
 from dpresearch.comm.network import NetworkModel
 
 
@@ -20,9 +29,28 @@ class SimulatedCommunicator(Communicator):
         network: NetworkModel,
         reduction: str = "ring",
         deterministic: bool = False,
+        hierarchy: Hierarchy | None = None,
+        ledger: CommLedger | LedgerView | None = None,
     ) -> None:
-        super().__init__(world_size, range(world_size), network, reduction, deterministic)
+        super().__init__(world_size, range(world_size), network, reduction, deterministic, ledger)
         self._gather_index: dict[tuple[ExchangePlan, torch.device], tuple[Tensor, Tensor]] = {}
+        if hierarchy is not None:
+            self.tiers = self._two_level(hierarchy)
+
+    def _two_level(self, hierarchy: Hierarchy) -> Tiers:
+        """The tiers of K simulated workers: node groups over all rows, the leaders' rows."""
+        price_tiers(self, hierarchy)
+        k, g = self.world_size, hierarchy.workers_per_node
+        leaders = list(range(0, k, g))
+        intra = NodeGroups(k, g, hierarchy.intra, self.ledger.view(range(k), INTRA))
+        inter = SimulatedCommunicator(
+            hierarchy.nodes(k),
+            hierarchy.inter,
+            self.reduction,
+            self.deterministic,
+            ledger=self.ledger.view(leaders, INTER),
+        )
+        return Tiers(hierarchy, intra, inter, leaders)
 
     def _all_reduce_sum(self, x: Tensor) -> None:
         # Always worker order: `deterministic` changes nothing in-process.
@@ -34,6 +62,12 @@ class SimulatedCommunicator(Communicator):
 
     def _broadcast(self, x: Tensor, src: int) -> None:
         x.copy_(x[src : src + 1].expand_as(x))
+
+    def _reduce(self, x: Tensor, dst: int) -> None:
+        x[dst].copy_(x.sum(dim=0))
+
+    def _all_to_all(self, x: Tensor) -> Tensor:
+        return x.transpose(0, 1).contiguous()
 
     def _start_neighbor_exchange(
         self, x: Tensor, plan: ExchangePlan, out: Tensor

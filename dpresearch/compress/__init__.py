@@ -48,13 +48,17 @@ from dpresearch.compress.codec import ChunkCodec, Codec, WirePlan
 from dpresearch.compress.ddp_hook import make_comm_hook
 from dpresearch.compress.error_feedback import ErrorFeedback
 from dpresearch.compress.layout import param_layout, plan_buckets
+from dpresearch.compress.natural import Natural
+from dpresearch.compress.onebit import OneBit
 from dpresearch.compress.pairing import check_pairing
 from dpresearch.compress.powersgd import PowerSGD
 from dpresearch.compress.qsgd import QSGD
 from dpresearch.compress.randomk import RandomK
 from dpresearch.compress.reducer import CompressedReducer
 from dpresearch.compress.sign import MajorityVote, ScaledSign
+from dpresearch.compress.sketch import Sketch
 from dpresearch.compress.terngrad import TernGrad
+from dpresearch.compress.threshold import Threshold
 from dpresearch.compress.topk import TopK
 
 __all__ = [
@@ -71,11 +75,15 @@ __all__ = [
     "ErrorFeedback",
     "Identity",
     "MajorityVote",
+    "Natural",
+    "OneBit",
     "PowerSGD",
     "RandomK",
     "ScaledSign",
     "SingleRoundCompressor",
+    "Sketch",
     "TernGrad",
+    "Threshold",
     "TopK",
     "WirePlan",
     "build_compressor",

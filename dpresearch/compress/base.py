@@ -13,6 +13,14 @@ capabilities, declared as class traits and checked in one place (`pairing.check_
   whose aggregate is a vote, and for multi-round protocols).
 - `memories`: the error-feedback modes that make sense with it (majority vote: "none" only),
   and `memories_note`, why (shown when a configuration asks for another).
+- `gossip_note`: why it cannot serve gossip or pushes (shown when asked; default: a
+  multi-round protocol or a vote).
+- `variable_size`: the payload's size depends on the data (threshold sparsification): its
+  aggregation exchanges the sizes first, then rows padded to the largest.
+- `applies_momentum`: it keeps momentum itself (FetchSGD's momentum in sketch space), so
+  neither the optimizer nor the error-feedback memory may add another.
+- `default_granularity`: what `granularity=auto` means for it ("tensor": one chunk per
+  parameter; "model": one chunk for the whole model, as a count sketch of the gradient).
 
 One instance per process serves all its local workers. It builds, once per chunk set (a bucket),
 an `Aggregation` — the synchronous protocol with its plan and buffers — whose `run` takes the
@@ -100,6 +108,10 @@ class Compressor(ABC):
     gossip: ClassVar[bool] = False
     memories: ClassVar[tuple[str, ...]] = MODES
     memories_note: ClassVar[str] = ""
+    gossip_note: ClassVar[str] = ""
+    variable_size: ClassVar[bool] = False
+    applies_momentum: ClassVar[bool] = False
+    default_granularity: ClassVar[str] = "tensor"
     aggregation_class: ClassVar[type[Aggregation]]
 
     def __init__(self, seed: int = 0) -> None:

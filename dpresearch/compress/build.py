@@ -15,7 +15,7 @@ from dpresearch.compress.base import Compressor
 from dpresearch.compress.error_feedback import ErrorFeedback
 from dpresearch.compress.layout import GRANULARITIES, ParamLayout
 from dpresearch.compress.pairing import check_pairing
-from dpresearch.compress.reducer import CompressedReducer
+from dpresearch.compress.reducer import CompressedReducer, HierarchicalReducer
 
 IDENTITY = MappingProxyType({"_target_": "dpresearch.compress.casts.Identity"})
 
@@ -46,9 +46,11 @@ def build_reducer(
     collective: str = "auto",
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-) -> CompressedReducer:
-    """The reducer for these config nodes; worker w draws its streams with (seed, w)."""
-    return CompressedReducer(
+) -> CompressedReducer | HierarchicalReducer:
+    """The reducer for these config nodes; worker w draws its streams with (seed, w). On a
+    two-level cluster (`comm.tiers`) the `HierarchicalReducer` (node leaders' ids draw)."""
+    reducer = HierarchicalReducer if comm.tiers is not None else CompressedReducer
+    return reducer(
         build_compressor(compressor_cfg, seed),
         comm,
         layout,

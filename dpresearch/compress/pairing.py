@@ -11,7 +11,7 @@ from dpresearch.compress.base import COLLECTIVES, Compressor
 from dpresearch.compress.error_feedback import ErrorFeedback
 
 USES = ("sync", "gossip", "push")
-GOSSIP_CODECS = "compressor=topk, randomk, qsgd, sign, terngrad, fp16 or identity"
+GOSSIP_CODECS = "compressor=topk, randomk, qsgd, natural, sign, onebit, terngrad, fp16 or identity"
 WHY_NOT = MappingProxyType(
     {
         "gossip": "cannot be used for gossip (multi-round protocol or a vote, not a weighted sum "
@@ -45,15 +45,26 @@ def check_pairing(
             f"{where}.collective=allreduce but {name} payloads are not linear (per-worker "
             f"indices or scales cannot be summed); set {where}.collective=auto (allgather)"
         )
-    if compressor.rounds > 1 and collective == "allgather":
+    if compressor.rounds > 1 and collective == "allgather" and not compressor.variable_size:
         raise ValueError(
             f"{where}.collective=allgather but {name} runs {compressor.rounds} allreduce "
             f"rounds; set {where}.collective=auto"
         )
     if use != "sync" and not compressor.gossip:
-        raise ValueError(f"compressor {name} {WHY_NOT[use]}; choose e.g. {GOSSIP_CODECS}")
+        why = compressor.gossip_note or WHY_NOT[use]
+        raise ValueError(f"compressor {name} {why}; choose e.g. {GOSSIP_CODECS}")
+    if compressor.applies_momentum and optimizer_momentum > 0:
+        raise ValueError(
+            f"compressor {name} applies momentum itself (compressor.momentum); set "
+            f"optimizer.momentum=0 (it is {optimizer_momentum})"
+        )
     if memory is None:
         return
+    if compressor.applies_momentum and memory.momentum > 0:
+        raise ValueError(
+            f"compressor {name} applies momentum itself (compressor.momentum); set "
+            "error_feedback.momentum=0"
+        )
     if memory.mode not in compressor.memories:
         why = compressor.memories_note or f"it takes mode {', '.join(compressor.memories)}"
         mode = f"error_feedback.mode={memory.mode}"

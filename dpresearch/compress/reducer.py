@@ -20,7 +20,8 @@ class CompressedReducer:
 
     compressor: the method (one instance for this process's workers); memory: error feedback
     (None: none), bound here to the `[W, D]` rows. layout: (offset, shape) of each parameter in
-    the flat row. granularity / bucket_mb: see `layout.plan_buckets`; "auto" takes "tensor".
+    the flat row. granularity / bucket_mb: see `layout.plan_buckets`; "auto" takes the compressor's
+    `default_granularity` ("tensor", or "model" for a count sketch).
     collective: "auto" (allreduce for linear payloads, allgather otherwise), or force
     "allreduce" / "allgather". dtype / device: the gradient rows'.
 
@@ -46,7 +47,8 @@ class CompressedReducer:
         check_pairing(compressor, memory, "sync", collective)
         self.compressor, self.memory, self.comm = compressor, memory, comm
         self.collective = collective
-        self.granularity = "tensor" if granularity == "auto" else granularity
+        auto = compressor.default_granularity
+        self.granularity = auto if granularity == "auto" else granularity
         self.buckets = plan_buckets(layout, self.granularity, bucket_mb, dtype.itemsize)
         numel = self.buckets[-1].end if self.buckets else 0
         workers = comm.local_workers
@@ -102,3 +104,62 @@ class CompressedReducer:
     def load_state_dict(self, state: dict) -> None:
         self.memory.load_state_dict(state["memory"])
         self.compressor.load_state_dict(state["compressor"])
+
+
+class HierarchicalReducer:
+    """Two-level reduction on a cluster of nodes (`comm.tiers`, see `dpresearch.comm.hierarchy`):
+    per step, every node sums its G gradients exactly at its leader (an intra-node reduce), the
+    N leaders aggregate the node means with the compressor and error feedback — a
+    `CompressedReducer` over the inter-node communicator, the memory on the node leader (it is
+    the only one that compresses; the leader's memory holds what its node's messages left out)
+    — and each leader broadcasts the aggregate back into its node. The aggregate is the mean over
+    nodes of node means: with the identity compressor, the flat mean of all K gradients.
+
+    Bytes: the reduce charges every non-leader its row (intra), the inter aggregation charges
+    the leaders the compressor's payload (inter), the broadcast charges the leaders (intra); each
+    op is priced on its tier's link.
+    """
+
+    passthrough = False
+
+    def __init__(self, compressor: Compressor, comm: Communicator, layout: ParamLayout,
+                 memory: ErrorFeedback | None = None, *args, **kwargs) -> None:  # fmt: skip
+        tiers = comm.tiers
+        if tiers is None:
+            raise ValueError("HierarchicalReducer needs a communicator with tiers")
+        memory = memory or ErrorFeedback(mode="none")
+        check_pairing(compressor, memory, "sync", kwargs.get("collective", "auto"))
+        self.tiers, self.compressor, self.memory = tiers, compressor, memory
+        self.nodes_size = tiers.hierarchy.workers_per_node
+        self.inner = (
+            CompressedReducer(compressor, tiers.inter, layout, memory, *args, **kwargs)
+            if tiers.inter is not None
+            else None
+        )
+        self.leaders = torch.tensor(tiers.leaders, dtype=torch.long)
+        self.rows: Tensor | None = None
+
+    def reduce(self, grads: Tensor, step: int) -> None:
+        """In place: every row of `grads` [W, D] becomes the aggregated gradient."""
+        intra = self.tiers.intra
+        intra.reduce(grads, dst=0)  # leaders' rows: their node's sum
+        if self.inner is not None:
+            leaders = self.leaders.to(grads.device)
+            if self.rows is None:
+                self.rows = grads.new_empty(len(self.leaders), grads.shape[1])
+            torch.index_select(grads, 0, leaders, out=self.rows)
+            self.rows.div_(self.nodes_size)
+            self.inner.reduce(self.rows, step)
+            grads.index_copy_(0, leaders, self.rows)
+        intra.broadcast(grads, src=0)
+
+    def payload_bytes(self, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes one node leader sends between nodes per compressed step."""
+        return self.inner.payload_bytes(dtype) if self.inner is not None else 0
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict() if self.inner is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.inner is not None:
+            self.inner.load_state_dict(state)

@@ -61,3 +61,19 @@ class Int16Stream:
             -(2**15), 2**15, out.shape, dtype=torch.int16, device=out.device, generator=self._gen
         )
         return out.copy_(ints)
+
+
+def uniform_bits(seed: int, out: Tensor, bits: int) -> Tensor:
+    """Fill the int32 tensor `out` with independent integers uniform on 0 … 2^bits − 1
+    (1 ≤ bits ≤ 31) from a stream seeded by `seed`; returns `out`. On the CPU: the top `bits`
+    of numpy PCG64's raw 32-bit words; elsewhere torch's generator (both deterministic in the
+    seed, different streams: a seed reproduces a run on the same device type)."""
+    if not 1 <= bits <= 31:
+        raise ValueError(f"bits={bits}: must be in 1..31")
+    numel = out.numel()
+    if numpy_path(out):
+        words = np.random.PCG64(seed).random_raw((numel + 1) // 2).view(np.uint32)[:numel]
+        out.view(-1).copy_(torch.from_numpy((words >> np.uint32(32 - bits)).astype(np.int32)))
+        return out
+    gen = generator(seed, out.device)
+    return out.copy_(torch.randint(0, 2**bits, out.shape, generator=gen, device=out.device))

@@ -9,7 +9,7 @@ from torch import Tensor
 from dpresearch.compress.base import Chunk, SingleRoundCompressor
 from dpresearch.compress.codec import Codec
 from dpresearch.compress.kernels import BLOCK, numpy_path
-from dpresearch.compress.wire import Spec, pack_rows, packed_size
+from dpresearch.compress.wire import Spec, pack_rows, packed_size, sign_table
 
 
 class SignCodec(Codec):
@@ -33,9 +33,7 @@ class SignCodec(Codec):
             nbytes = torch.arange(packed_size(group.numel, 1))
             every = torch.tensor(starts).unsqueeze(1) + nbytes
             self.dest.append((starts, every.to(self.device)))
-        # row b: the ±1 of the 8 signs packed in byte value b (bit j = entry j)
-        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
-        self._signs = (1 - 2 * bits).to(self.dtype).to(self.device)
+        self._signs = sign_table(self.dtype, self.device)
         # per run: the chunk each packed byte belongs to (chunks start on a byte in a run)
         self.byte_chunks = []
         for first, last in self.table.runs(1):
@@ -56,12 +54,20 @@ class SignCodec(Codec):
         return spans
 
     def encode_rows(self, x: Tensor, step: int, workers: tuple[int, ...], wire: Tensor) -> None:
-        """Per group of equal-size chunks, `BLOCK` entries of each chunk at a time (x is read
-        from memory once): the sign bits, packed chunk by chunk, and for the scaled sign the
-        sums of |x| (a chunk over `BLOCK` entries accumulates its fp32 block sums in fp64)."""
+        l1 = self._pack_signs(x, wire, l1=self.scaled)
+        if l1 is not None:
+            self.layout.write_region(wire, torch.float32, l1.div_(self.numels))
+
+    def _pack_signs(self, x: Tensor, wire: Tensor, l1: bool = False) -> Tensor | None:
+        """Pack the sign bits of `x` `[R, n]` (1 = negative, −0.0 included) into the packed-bit
+        region of `wire`, per group of equal-size chunks, `BLOCK` entries of each chunk at a time
+        (x is read from memory once); with `l1`, also return ‖x‖₁ of every chunk of every row,
+        `[R, C]` fp32 (a workspace buffer; a chunk over `BLOCK` entries accumulates its fp32
+        block sums in fp64), else None. Subclasses that send signs beside other values (1-bit
+        SGD, natural compression) call it for the sign bits."""
         rows = x.shape[0]
         bits = self.layout.region(wire, torch.uint8)
-        l1 = self.ws.get("l1", (rows, len(self.chunks)), torch.float32, self.device)
+        norms = self.ws.get("l1", (rows, len(self.chunks)), torch.float32, self.device)
         for group, members, dest in zip(self.table.groups, self.members, self.dest, strict=True):
             view = self.table.view(x, group)
             total = None
@@ -83,25 +89,28 @@ class SignCodec(Codec):
                 else:  # many short ones: one indexed copy
                     where = dest[1][:, first : first + shape[-1]].reshape(-1)
                     bits.index_copy_(1, where, packed.view(rows, -1))
-                if self.scaled:
+                if l1:
                     magnitude = self.ws.get("abs", tuple(part.shape), x.dtype, self.device)
                     sums = torch.abs(part, out=magnitude).sum(-1, dtype=torch.float32)
                     if group.numel > BLOCK:
                         total = sums.double() if total is None else total.add_(sums)
-            if self.scaled:
-                l1.index_copy_(1, members, sums if total is None else total.to(torch.float32))
-        if self.scaled:
-            self.layout.write_region(wire, torch.float32, l1.div_(self.numels))
+            if l1:
+                norms.index_copy_(1, members, sums if total is None else total.to(torch.float32))
+        return norms if l1 else None
 
     def decode_rows(self, wire: Tensor, step: int, out: Tensor) -> None:
-        """One gather per run of chunks: each packed byte picks its 8 decoded values from a
-        256 × 8 table of ±1 — for the scaled sign, a table per row and chunk, ±scale — so the
-        values are written once, with no unpacked bits in between."""
+        scale = self.layout.region(wire, torch.float32) if self.scaled else None
+        self._unpack_signs(wire, out, scale)
+
+    def _unpack_signs(self, wire: Tensor, out: Tensor, scale: Tensor | None = None) -> None:
+        """Write ±1 per entry of wire rows `[R, L]` into `out` `[R, n]` (±scale with `scale`
+        `[R, C]`, one per row and chunk): one gather per run of chunks, each packed byte picking
+        its 8 decoded values from a 256 × 8 table of ±1 — with a scale, a table per row and
+        chunk — so the values are written once, with no unpacked bits in between."""
         packed = self.layout.region(wire, torch.uint8)
         rows, chunks = wire.shape[0], len(self.chunks)
         tables = self._signs
-        if self.scaled:
-            scale = self.layout.region(wire, torch.float32)  # [R, C]
+        if scale is not None:
             tables = self.ws.get("tables", (rows, chunks, 256, 8), self.dtype, self.device)
             torch.mul(scale.reshape(rows, chunks, 1, 1), self._signs, out=tables)
             tables = tables.view(-1, 8)
@@ -109,7 +118,7 @@ class SignCodec(Codec):
             # (index buffers from the workspace: fresh megabytes would cost page faults)
             codes = self.ws.get("codes", (rows, span.stop - span.start), torch.int32, self.device)
             codes.copy_(packed[:, span])
-            if self.scaled:  # row r, chunk c: table r·C + c
+            if scale is not None:  # row r, chunk c: table r·C + c
                 codes.add_(self._table_offsets(byte_chunks, rows, span))
             target = out[:, cols]
             width = cols.stop - cols.start

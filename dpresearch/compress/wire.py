@@ -142,6 +142,13 @@ def sign_bits(x: Tensor) -> Tensor:
     return pack_bits(torch.signbit(x), 1)
 
 
+def sign_table(dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """`[256, 8]`: row b holds the ±1 of the 8 signs packed in byte value b (bit j = entry j,
+    1 = negative), so decoding packed signs is one gather of a row per byte."""
+    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+    return (1 - 2 * bits).to(dtype).to(device)
+
+
 Spec = Sequence[tuple[torch.dtype, int]]
 
 

@@ -24,7 +24,7 @@ from dpresearch.config.environment import check_distributed_environment
 from dpresearch.config.errors import ConfigError
 
 BACKENDS = ("simulated", "gloo", "nccl")
-PARTITIONS = ("iid", "dirichlet")
+PARTITIONS = ("iid", "dirichlet", "shared")
 # Optimizer hyper-parameters that torch requires to be non-negative numbers.
 NON_NEGATIVE_OPTIMIZER_KEYS = ("lr", "momentum", "weight_decay", "dampening", "eps")
 LR_SCALINGS = ("none", "linear")
@@ -34,6 +34,7 @@ _MISSING = object()
 REDUCTIONS = ("ring", "centralized")
 P2P_SCHEDULES = ("auto", "by_distance", "one_batch")
 WANDB_MODES = ("online", "offline", "disabled")
+HIERARCHICAL_ALGORITHMS = ("dpresearch.algorithms.sync.SyncSGD",)
 
 
 def algorithm_class(cfg: DictConfig) -> type[Algorithm] | None:
@@ -219,10 +220,43 @@ def check_comm(cfg: DictConfig) -> None:
         raise ConfigError(
             f"comm.p2p_schedule={cfg.comm.p2p_schedule}; choose one of: {', '.join(P2P_SCHEDULES)}"
         )
+    check_hierarchy(cfg)
+
+
+def check_hierarchy(cfg: DictConfig) -> None:
+    """`comm.hierarchy` (a two-level cluster): nodes that divide the workers, and an algorithm
+    that reduces in two levels."""
+    per_node = cfg.comm.hierarchy.workers_per_node
+    if per_node is None:
+        return
+    if per_node < 1:
+        raise ConfigError(
+            f"comm.hierarchy.workers_per_node={per_node}: must be at least 1 (or null: flat)"
+        )
+    if cfg.workers % per_node:
+        divisors = [g for g in range(1, cfg.workers + 1) if cfg.workers % g == 0]
+        raise ConfigError(
+            f"comm.hierarchy.workers_per_node={per_node} does not divide workers={cfg.workers} "
+            f"into whole nodes; choose one of: {', '.join(map(str, divisors))}"
+        )
+    if cfg.algorithm._target_ not in HIERARCHICAL_ALGORITHMS:
+        raise ConfigError(
+            f"comm.hierarchy is a two-level gradient reduction for algorithm=sync; drop "
+            f"comm.hierarchy.workers_per_node for {cfg.algorithm._target_.rsplit('.', 1)[-1]}"
+        )
 
 
 def check_network(cfg: DictConfig) -> None:
+    from dpresearch.comm.network import PRESETS
+
     net = cfg.network
+    for key in ("intra", "inter"):
+        name = net.get(key)
+        if name is not None and name not in PRESETS:
+            raise ConfigError(
+                f"network.{key}={name} is not a network preset; choose one of: "
+                f"{', '.join(PRESETS)}"
+            )
     if net.bandwidth_gbit <= 0 or net.latency_us < 0:
         raise ConfigError("network.bandwidth_gbit must be > 0 and network.latency_us >= 0")
     if net.message_overhead_us < 0 or net.allgather_factor <= 0:
@@ -310,6 +344,39 @@ def check_schedule(cfg: DictConfig) -> None:
             raise ConfigError(f"schedule.{key}={_show(node[key])}: must be a number >= 0")
 
 
+def _owned_optimizer(cfg: DictConfig) -> type | None:
+    """The optimizer class when an algorithm owns its step (`OwnedOptimizer`), else None."""
+    from dpresearch.algorithms.compressed_adam import OwnedOptimizer
+
+    try:
+        optimizer = get_object(cfg.optimizer._target_)
+    except Exception:  # noqa: BLE001 - a bad target is reported by check_target
+        return None
+    owned = isinstance(optimizer, type) and issubclass(optimizer, OwnedOptimizer)
+    return optimizer if owned else None
+
+
+def _selected_by(cfg: DictConfig) -> str:
+    """How the user named the algorithm: the optimizer option for an algorithm an optimizer
+    selects (optimizer=onebit_adam), else algorithm=<class>."""
+    optimizer = _owned_optimizer(cfg)
+    if optimizer is not None:
+        return optimizer.option
+    return f"algorithm={cfg.algorithm._target_.rsplit('.', 1)[-1]}"
+
+
+def check_optimizer_owner(cfg: DictConfig) -> None:
+    """An optimizer stepped by its own algorithm (`OwnedOptimizer`: optimizer=onebit_adam) runs
+    with that algorithm only."""
+    optimizer = _owned_optimizer(cfg)
+    if optimizer is not None and cfg.algorithm._target_ != optimizer.algorithm:
+        name = cfg.algorithm._target_.rsplit(".", 1)[-1]
+        raise ConfigError(
+            f"{optimizer.option} runs its own algorithm ({optimizer.algorithm.rsplit('.', 1)[-1]}"
+            f", which exchanges the momentum); drop algorithm= (it is {name})"
+        )
+
+
 def check_algorithm(cfg: DictConfig) -> None:
     """The algorithm class's own checks (`Algorithm.check_config`), raising ValueError (e.g. a
     topology that cannot exist for `workers`); the first line becomes the `ConfigError`."""
@@ -347,6 +414,13 @@ def check_compression(cfg: DictConfig) -> None:
             mode="none",
             momentum=0.0,
         )
+        cls = algorithm_class(cfg)
+        note = cls.traits.compression_note if cls is not None else ""
+        if not idle and note:
+            raise ConfigError(
+                f"{_selected_by(cfg)} {note}; drop compressor=/error_feedback= (leave "
+                "compressor=identity error_feedback=none)"
+            )
         if not idle:
             raise ConfigError(
                 f"{alg._target_.rsplit('.', 1)[-1]} does not use compressor/error_feedback; "
@@ -431,6 +505,7 @@ NODE_CHECKS: dict[str, Callable[[DictConfig], None]] = {
 PLUGIN_CHECKS: dict[str, Callable[[DictConfig], None]] = {
     "data": check_data,
     "optimizer": check_optimizer,
+    "optimizer.owner": check_optimizer_owner,
     "schedule": check_schedule,
     "compressor": check_compression,
     "algorithm": check_algorithm,

@@ -100,7 +100,9 @@ class NetworkConfig:
     in place of `latency_us` (see `dpresearch/comm/network.py`; 0, 1 and null: an ideal
     fabric). `compute_step_s`: modeled compute seconds of one training step, behind which
     communication an algorithm overlaps with later steps (Streaming DiLoCo's fragments) is
-    hidden (0: nothing is hidden)."""
+    hidden (0: nothing is hidden). With `comm.hierarchy` (a two-level cluster), `intra` names
+    the preset pricing links inside a node and `inter` the one between nodes (null: this
+    network)."""
 
     name: str = "10gbe"
     latency_us: float = 20.0
@@ -109,6 +111,17 @@ class NetworkConfig:
     allgather_factor: float = 1.0
     allgather_latency_us: float | None = None
     compute_step_s: float = 0.0
+    intra: str = "nvlink"
+    inter: str | None = None
+
+
+@dataclass
+class HierarchyConfig:
+    """A two-level cluster (`dpresearch.comm.hierarchy`): `workers_per_node` G (null: flat).
+    Workers nG … nG+G−1 form node n; `algorithm=sync` then reduces inside each node exactly,
+    compresses across nodes (between the node leaders) and broadcasts back."""
+
+    workers_per_node: int | None = None
 
 
 @dataclass
@@ -123,6 +136,7 @@ class CommConfig:
     reduction: str = "ring"
     deterministic: bool = False
     p2p_schedule: str = "auto"
+    hierarchy: HierarchyConfig = field(default_factory=HierarchyConfig)
 
 
 @dataclass

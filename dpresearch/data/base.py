@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 SPLIT_TENSORS = (
@@ -34,9 +35,16 @@ class Dataset:
     Subclasses override `transform_train` / `transform_test` (default: cast to float).
     `val_inputs` / `val_targets`: a validation split held out of the training set
     (`hold_out`), None without one.
-    `partition` ("iid" or "dirichlet") and `alpha` choose how `make_partitioner` splits the
-    training set across workers.
+    `partition` ("iid", "dirichlet" or "shared") and `alpha` choose how `make_partitioner`
+    splits the training set across workers.
+    The task is a trait of the class: `classification` (the default, cross-entropy on class
+    targets, accuracy reported) or not (a subclass giving its own `loss`, no accuracy).
     """
+
+    classification: ClassVar[bool] = True
+    # Whether the data set brings its own validation split (`val/*` reported without
+    # `train.val_size`), e.g. an optimization problem validated on all its rows.
+    own_validation: ClassVar[bool] = False
 
     train_inputs: Tensor
     train_targets: Tensor
@@ -92,6 +100,14 @@ class Dataset:
         split.train_inputs = self.train_inputs.index_select(0, keep)
         split.train_targets = self.train_targets.index_select(0, keep)
         return split
+
+    def loss(self, outputs: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
+        """The training objective on a batch (default: cross-entropy on class targets)."""
+        return F.cross_entropy(outputs, targets, reduction=reduction)
+
+    def hits(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        """Per example, whether the prediction is right (classification only)."""
+        return outputs.argmax(1) == targets
 
     def transform_train(self, inputs: Tensor, generator: torch.Generator | None) -> Tensor:
         """Model inputs for a training batch; may draw augmentation from `generator`."""

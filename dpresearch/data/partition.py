@@ -158,6 +158,21 @@ class DirichletPartitioner(Partitioner):
         return shard[torch.from_numpy(order[: self.samples_per_worker])]
 
 
+class SharedPartitioner(Partitioner):
+    """Every worker samples the whole training set, each in its own order: in each epoch a
+    worker walks a permutation of all N examples seeded by (seed, epoch, worker) — the set-up of
+    asynchronous-SGD analyses where every worker draws its minibatches from the full data
+    (e.g. Mishchenko et al. 2022). `samples_per_worker` is N, so an epoch is K passes."""
+
+    @property
+    def samples_per_worker(self) -> int:
+        return self.num_examples
+
+    def epoch_indices(self, worker: int, epoch: int) -> Tensor:
+        rng = np.random.default_rng([_word(self.seed), epoch, worker, 0x5348])
+        return torch.from_numpy(rng.permutation(self.num_examples))
+
+
 def _word(seed: int) -> int:
     """`seed` as the non-negative 64-bit integer numpy's seeding requires."""
     return seed % 2**64
@@ -175,9 +190,12 @@ def _round_preserving_sum(values: np.ndarray) -> np.ndarray:
 def make_partitioner(
     kind: str, targets: Tensor, num_workers: int, seed: int, alpha: float = 1.0
 ) -> Partitioner:
-    """Build the partitioner named `kind` ("iid", or "dirichlet" with concentration `alpha`)."""
+    """Build the partitioner named `kind` ("iid", "dirichlet" with concentration `alpha`, or
+    "shared": every worker samples all examples)."""
     if kind == "iid":
         return IIDPartitioner(int(targets.shape[0]), num_workers, seed)
+    if kind == "shared":
+        return SharedPartitioner(int(targets.shape[0]), num_workers, seed)
     if kind == "dirichlet":
         return DirichletPartitioner(targets, num_workers, seed, alpha)
-    raise ValueError(f"data.partition={kind!r} is not known; use one of: iid, dirichlet")
+    raise ValueError(f"data.partition={kind!r} is not known; use one of: iid, dirichlet, shared")

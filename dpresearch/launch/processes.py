@@ -33,6 +33,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from dpresearch.comm.hierarchy import Hierarchy
 from dpresearch.comm.network import NetworkModel
 from dpresearch.config.environment import (
     TORCHRUN_VARS,
@@ -70,6 +71,22 @@ def network_model(cfg: DictConfig) -> NetworkModel:
     )
 
 
+def hierarchy_of(cfg: DictConfig) -> Hierarchy | None:
+    """The two-level cluster `comm.hierarchy` describes (None: flat): nodes of
+    `workers_per_node`, links priced on `network.intra` inside and `network.inter` (null: the
+    run's network) between."""
+    per_node = cfg.comm.get("hierarchy", {}).get("workers_per_node")
+    if per_node is None:
+        return None
+    net = cfg.network
+    inter = net.get("inter")
+    return Hierarchy(
+        int(per_node),
+        NetworkModel.preset(net.get("intra") or "nvlink"),
+        NetworkModel.preset(inter) if inter else network_model(cfg),
+    )
+
+
 def threads_per_process(cfg: DictConfig, local_processes: int) -> int:
     """Intra-op threads of one of `local_processes` processes of a gloo/nccl run
     (`dpresearch.launch.threads`)."""
@@ -95,7 +112,11 @@ def run_simulated(cfg: DictConfig, run_dir: Path | None, dataset: Any = None) ->
     if cfg.train.progress:
         print(describe(threads, why), flush=True)
     comm = SimulatedCommunicator(
-        cfg.workers, network_model(cfg), cfg.comm.reduction, cfg.comm.deterministic
+        cfg.workers,
+        network_model(cfg),
+        cfg.comm.reduction,
+        cfg.comm.deterministic,
+        hierarchy=hierarchy_of(cfg),
     )
     return Trainer(cfg, comm, torch.device(device_name), run_dir, dataset).run()
 
@@ -161,6 +182,7 @@ def _train(cfg: DictConfig, run_dir: Path | None, device: torch.device) -> dict[
         cfg.comm.reduction,
         deterministic=cfg.comm.deterministic,
         p2p_schedule=cfg.comm.p2p_schedule,
+        hierarchy=hierarchy_of(cfg),
     )
     writer_dir = run_dir if comm.is_main_process else None
     return Trainer(cfg, comm, device, writer_dir).run()

@@ -1,4 +1,4 @@
-"""Small models for the synthetic set: a multilayer perceptron and logistic regression."""
+"""Small models: a multilayer perceptron, logistic regression and a plain linear map."""
 
 from __future__ import annotations
 
@@ -45,6 +45,25 @@ class LogisticRegression(nn.Module):
     def __init__(self, num_classes: int, input_shape: Sequence[int]) -> None:
         super().__init__()
         self.linear = nn.Linear(math.prod(input_shape), num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x.flatten(1))
+
+
+class Linear(nn.Module):
+    """y = Wx (+ b): `num_classes` outputs of the flattened input (least squares: one output).
+    `zero_init` starts from W = 0 (and b = 0)."""
+
+    def __init__(
+        self, num_classes: int, input_shape: Sequence[int], bias: bool = False,
+        zero_init: bool = True,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.linear = nn.Linear(math.prod(input_shape), num_classes, bias=bias)
+        if zero_init:
+            nn.init.zeros_(self.linear.weight)
+            if bias:
+                nn.init.zeros_(self.linear.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.linear(x.flatten(1))

@@ -18,7 +18,6 @@ import contextlib
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dpresearch.data.base import Dataset
@@ -183,7 +182,7 @@ class WorkerCompute:
             x, y = self.next_batch(w)
             with self.autocast():
                 out = models[w](x)
-                loss = F.cross_entropy(out, y)
+                loss = self.data.loss(out, y)
             (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
             # Per batch as few small ops as possible: the statistics are computed for many
             # batches at once in `_fold`.
@@ -251,8 +250,9 @@ class WorkerCompute:
             return
         losses = torch.stack([p[1] for p in pending]).double().tolist()
         sizes = [p[3].shape[0] for p in pending]
-        predicted = torch.cat([p[2] for p in pending]).argmax(1)
-        hits = predicted == torch.cat([p[3] for p in pending])
+        hits = self.data.hits(
+            torch.cat([p[2] for p in pending]), torch.cat([p[3] for p in pending])
+        )
         if min(sizes) == max(sizes):
             correct = hits.view(len(sizes), sizes[0]).sum(1).tolist()
         else:

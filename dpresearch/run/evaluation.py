@@ -6,7 +6,6 @@ different models, also every worker's own model."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dpresearch.comm.ledger import EVAL
@@ -37,7 +36,9 @@ class Evaluator:
         result = {}
         for i, split in enumerate(splits):
             loss, correct, count = sums[0, 3 * i : 3 * i + 3].tolist()
-            result.update({f"{split}/loss": loss / count, f"{split}/acc": correct / count})
+            result[f"{split}/loss"] = loss / count
+            if run.data.classification:  # a regression data set has a loss only
+                result[f"{split}/acc"] = correct / count
         if run.algorithm.evaluates_local_models:
             # Each worker's model lives only where the worker does: it sees the whole test set.
             accs = torch.stack([self.sums(m, 0, 1)[1:] for m in run.replicas.models])
@@ -58,8 +59,9 @@ class Evaluator:
                 x = x.contiguous(memory_format=torch.channels_last)
             with run.compute.autocast():
                 out = model(x).float()
-            sums[0] += F.cross_entropy(out, y, reduction="sum").double()
-            sums[1] += (out.argmax(1) == y).sum().double()
+            sums[0] += run.data.loss(out, y, reduction="sum").double()
+            if run.data.classification:
+                sums[1] += run.data.hits(out, y).sum().double()
             sums[2] += y.numel()
         model.train(was_training)
         return sums

@@ -65,7 +65,8 @@ class MetricsLog(Hook):
             "epoch": done / run.steps_per_epoch,
             "samples": done * run.gradients_per_step * run.cfg.train.batch_size,
             "train/loss": loss_sum / count if count else math.nan,
-            "train/acc": acc_sum / count if count else math.nan,
+            **({"train/acc": acc_sum / count if count else math.nan}
+               if run.data.classification else {}),  # fmt: skip
             "lr": run.base_lr * run.schedule(done - 1),
             **bytes_per_worker(run),
             "comm/modeled_s": run.ledger.modeled_s,
@@ -77,7 +78,8 @@ class MetricsLog(Hook):
         row.update(state.algorithm_metrics)
         if evaluates:
             row.update(self.evaluate())
-            state.best_acc = max(state.best_acc, row["test/acc"])
+            if "test/acc" in row:
+                state.best_acc = max(state.best_acc, row["test/acc"])
         state.last = row
         self.logger.log(row)
         if self.progress:

@@ -158,10 +158,11 @@ class Trainer:
         summary = {
             **last,
             "status": "finished",
-            "best/test_acc": state.best_acc,
+            **self._best(),
             "steps_per_epoch": run.steps_per_epoch,
             "total_steps": run.total_steps,
             "num_params": run.replicas.num_params,
+            **self._data_facts(),
             "comm/bytes_per_epoch": last["comm/bytes"] / (run.total_steps / run.steps_per_epoch),
             "comm/op_counts": dict(ledger.op_counts),
             "comm/ops": ledger.op_table(),
@@ -221,6 +222,19 @@ class Trainer:
         except RunIOError:
             return {**self.state.last, "status": "failed_io", **facts, "summary_written": False}
 
+    def _best(self) -> dict[str, float]:
+        return {"best/test_acc": self.state.best_acc} if self.built.data.classification else {}
+
+    def _data_facts(self) -> dict[str, int]:
+        """The sizes a report needs to judge its numbers: classes (chance level) and the
+        examples behind each accuracy (its binomial standard error)."""
+        data = self.built.data
+        facts = {"data/classes": data.num_classes, "data/train_examples": data.num_train,
+                 "data/test_examples": int(data.test_targets.shape[0])}  # fmt: skip
+        if data.val_targets is not None:
+            facts["data/val_examples"] = int(data.val_targets.shape[0])
+        return facts
+
     def _ended_early(self, status: str, **facts: Any) -> dict[str, Any]:
         """The summary of a run that ended before its last step: the last logged metrics,
         `status` and `facts`; written by the main process."""
@@ -231,7 +245,8 @@ class Trainer:
             **facts,
             "total_steps": run.total_steps,
             "steps_per_epoch": run.steps_per_epoch,
-            "best/test_acc": state.best_acc,
+            **self._best(),
+            **self._data_facts(),
         }
         if self.cfg.train.on_nonfinite == "skip_step":
             summary["train/skipped_steps"] = state.skipped

@@ -21,7 +21,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=("run", "status", "report"))
     p.add_argument("study", type=Path, help="the study YAML")
     p.add_argument("--out", type=Path, help="runs folder (default: runs/<study name>)")
-    p.add_argument("--results", type=Path, help="report folder (default: <study dir>/results)")
+    p.add_argument(
+        "--results",
+        type=Path,
+        help="report folder (default: the study's `results`, else <study dir>/results)",
+    )
     p.add_argument("--launcher", default="local", choices=("local", "hydra", "inprocess"))
     p.add_argument("--hydra-launcher", help="with --launcher hydra: e.g. parallel, slurm")
     p.add_argument("--jobs", type=int, default=1, help="local launcher: points at once")
@@ -44,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         study = load_study(args.study)
         out = args.out or REPO / "runs" / slug(study.name)
-        results = args.results or study.path.parent / "results"
+        results = args.results or study.results_dir
         if args.action == "report" or args.report:
             from dpresearch.analysis.report import check_out_dir
 

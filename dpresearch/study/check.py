@@ -7,11 +7,16 @@
   all caught here, not by a failed point (the rest of a case's grid only changes the lr and
   the seed, whose keys this composition has checked).
 - The selection metric (`select: NAME[:min|max]`) and the target's metric are ones a run
-  reports; a validation metric needs a validation split (`train.val_size`) in every case.
+  reports; a validation metric needs a validation split (`train.val_size`) in every case, unless
+  the data set brings its own (`Dataset.own_validation`).
 """
 
 from __future__ import annotations
 
+import typing
+from typing import Any
+
+from dpresearch.data.base import Dataset
 from dpresearch.study.spec import Study, StudyError
 
 # What a run's summary reports that a study may select on or aim at.
@@ -26,11 +31,23 @@ def check_study(study: Study) -> None:
     _compose(study, (), "common")
     for case in study.cases:
         cfg = _compose(study, case.overrides, f"case {case.name!r}", case.lrs[0])
-        if metric is not None and metric.startswith("val/") and not cfg.train.val_size:
+        if (metric is not None and metric.startswith("val/") and not cfg.train.val_size
+                and not dataset_class(cfg.data).own_validation):  # fmt: skip
             raise StudyError(
                 f"select: {study.select} needs a validation split, but case {case.name!r} has "
                 "train.val_size=0; add e.g. train.val_size=0.1 to common"
             )
+
+
+def dataset_class(node: Any) -> type[Dataset]:
+    """The `Dataset` class a data node builds: its `_target_` is the class, or a factory whose
+    declared return type is."""
+    from hydra.utils import get_method
+
+    target = get_method(node._target_)
+    if isinstance(target, type):
+        return target
+    return typing.get_type_hints(target).get("return", Dataset)
 
 
 def _selection(select: str | None) -> str | None:

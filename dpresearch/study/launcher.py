@@ -16,9 +16,10 @@ Launchers:
 - `inprocess`: compose and train in this process, one point at a time (tests, debugging).
 - a callable `(point, run_dir, overrides) -> returncode`.
 
-Every point's run carries `logger.group=<study>` and `logger.tags=[<case>]` (used when the
-W&B logger is on) and a `study_point.json` naming its study, case, lr and seed, which the
-analysis reads.
+Every point's run carries `logger.group=<study>`, `logger.tags=[<case>]` and
+`logger.name="<case> | lr=<lr> | seed=<seed>"` (used when the W&B logger is on: the name holds
+what the study varies, not what every point shares) and a `study_point.json` naming its study,
+case, lr and seed, which the analysis reads.
 """
 
 from __future__ import annotations
@@ -111,13 +112,20 @@ def _set_aside(run_dir: Path, out: Path) -> Path:
     raise StudyError(f"too many aborted attempts of {run_dir}")
 
 
-def _point_overrides(study: Study, point: Point) -> list[str]:
+def run_name(point: Point, seed: str | None = None) -> str:
+    """The W&B name of a point: its case and the values the study varies (lr, seed), never
+    the overrides every point shares."""
+    return f"{point.case} | lr={point.lr:g} | seed={point.seed if seed is None else seed}"
+
+
+def _point_overrides(study: Study, point: Point, seed: str | None = None) -> list[str]:
     from dpresearch.config.cli_check import quote_value
 
     return [
         *point.overrides,
         f"logger.group={quote_value(slug(study.name))}",  # quoted: unicode, or a leading digit
         f"logger.tags=[{quote_value(slug(point.case))}]",
+        f"logger.name={quote_value(run_name(point, seed))}",
         "train.progress=false",
     ]
 
@@ -177,7 +185,7 @@ def _hydra_group(study: Study, points: list[Point], out: Path, launcher: str | N
     from dpresearch.config.cli_check import quote_value
 
     first = points[0]
-    overrides = [o for o in _point_overrides(study, first) if not o.startswith("seed=")]
+    overrides = [o for o in _point_overrides(study, first, "${seed}") if not o.startswith("seed=")]
     lr_dir = out / first.dir.parent
     cmd = [sys.executable, "-m", "dpresearch.train", "-m", *overrides,
            "seed=" + ",".join(str(p.seed) for p in points),
@@ -209,6 +217,40 @@ def plan(
     return rows
 
 
+def grid_runs(study: Study, out: str | Path):
+    """(runs, metrics) of the study's run directories under `out/runs`, runs that did not
+    train marked (None when there are none yet)."""
+    from dpresearch.analysis.quality import mark_untrained
+    from dpresearch.analysis.runs import find_runs, load_metrics_many, load_summaries
+
+    paths = find_runs([Path(out) / "runs"])
+    if not paths:
+        return None
+    runs, metrics = load_summaries(paths), load_metrics_many(paths)
+    if "case" not in runs or f"cfg.{study.lr_key}" not in runs or "cfg.seed" not in runs:
+        return None
+    return mark_untrained(runs, metrics), metrics
+
+
+def study_horizons(study: Study, out: str | Path):
+    """The selection at every horizon, from the runs under `out/runs` ([] before any ran)."""
+    from dpresearch.study.select import horizons
+
+    loaded = grid_runs(study, out)
+    return [] if loaded is None else horizons(study, *loaded)
+
+
+def check_tuning_seeds(study: Study) -> None:
+    """A study that tunes selects on the mean over `min_tune_seeds` (default 2) or more."""
+    tuned = any(len(c.lrs) > 1 for c in study.cases if c.lr_from is None)
+    if tuned and len(study.selection_seeds) < study.min_tune_seeds:
+        raise StudyError(
+            f"{study.path.name} selects on {len(study.selection_seeds)} tuning seed(s); select "
+            f"on the mean over at least {study.min_tune_seeds}: give tune_seeds (or seeds) with "
+            f"{study.min_tune_seeds} or more"
+        )
+
+
 def run_study(
     study: Study,
     out: str | Path,
@@ -224,27 +266,50 @@ def run_study(
     """Run every point not yet done; return `status.json`'s point records (see module doc).
     `start_until` (a `time.time()` value): no point starts after it (for a time-limited
     allocation: the points started finish, the rest wait for the next `run_study`).
-    A study with `tune_seeds` runs its grid first, selects each case's lr on it, then the
-    other seeds at that lr."""
+
+    The protocol: the grid on the tuning seeds; while a case's pick (at any horizon the study
+    states) is an edge of the lrs it tried and its bound is not reached, one more grid step
+    beyond that edge; then the final seeds at every selected lr (see `study.select`)."""
     from dpresearch.study.check import check_study
+    from dpresearch.study.select import chosen_lrs, extensions
 
     check_study(study)  # every case composes and passes the checks: a dry run too
+    if not dry_run:
+        check_tuning_seeds(study)
     out = Path(out).resolve()
     run = dict(launcher=launcher, jobs=jobs, hydra_launcher=hydra_launcher, dry_run=dry_run,
                log=log, start_until=start_until)  # fmt: skip
     records = _run_points(study, out, study.points(only), **run)
-    if study.tune_seeds is None:
+    if not dry_run and not all(r.get("status") in DONE for r in records.values()):
+        log("== some grid points did not finish; the extensions and final seeds wait for them")
         return records
-    from dpresearch.study.report import selected_lrs
-
-    lrs = selected_lrs(study, out)
+    wanted = {c.name for c in study._cases(only)}
+    wanted |= {c.lr_from for c in study.cases if c.name in wanted and c.lr_from}
+    while True:
+        found = study_horizons(study, out)
+        grow = {case: lrs for case, lrs in extensions(found).items() if case in wanted}
+        new = [study.point(study.case(case), lr, seed) for case, lrs in grow.items()
+               for lr in lrs for seed in study.selection_seeds]  # fmt: skip
+        if not new:
+            break
+        for case, lrs in grow.items():
+            log(f"== {case}: the pick is at an edge of its grid; adding lr "
+                + ", ".join(f"{lr:g}" for lr in lrs))  # fmt: skip
+        if dry_run:
+            log("== (dry run: the extensions and final seeds depend on those runs' results)")
+            return records
+        records = {**records, **_run_points(study, out, new, **run)}
+        if not all(records.get(p.id, {}).get("status") in DONE for p in new):
+            log("== some grid extensions did not finish; the final seeds wait for them")
+            return records
+    lrs = chosen_lrs(found)
     final = study.final_points(lrs, only)
-    unselected = [c.name for c in study.cases if (not only or c.name in only) and c.name not in lrs]
+    unselected = sorted(c for c in wanted if not study.case(c).lr_from and c not in lrs)
     if dry_run:
-        log(f"== then the other seeds at each case's selected lr: {len(final)} points"
+        log(f"== then the final seeds at each case's selected lr(s): {len(final)} points"
             + (f" ({len(unselected)} cases not selectable yet)" if unselected else ""))  # fmt: skip
     elif unselected:
-        log(f"== no lr could be selected for {', '.join(unselected)}: their other seeds wait")
+        log(f"== no lr could be selected for {', '.join(unselected)}: their final seeds wait")
     if final:
         records = {**records, **_run_points(study, out, final, **run)}
     return records

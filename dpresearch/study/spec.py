@@ -1,35 +1,58 @@
 """A study: a YAML file naming its cases, each case's learning-rate grid, seeds, the selection
-metric and the time-to-accuracy target; expanded into points (case × lr × seed).
+metric, the claim it tests and where its run data is shipped; expanded into points
+(case × lr × seed).
 
     name: compression_subset             # W&B group of every point; the runs folder's name
+    title: Compressors at tuned lr — ResNet-20, CIFAR-10 subset
     description: ResNet-20 on the CIFAR-10 subset, K = 4
     common: [experiment=resnet20_cifar10_subset, "data.root={repo}/../shared/data/cifar10-subset"]
-    lrs: [0.3, 0.1, 0.03]                # default grid
+    lrs: {from: 0.01, to: 0.3, per_decade: 2}   # log-spaced: 0.01, 0.032, 0.1, 0.32 (or a list)
+    extend: 3                            # steps the grid may grow beyond an edge pick
+    lr_range: [1.0e-4, 10]               # ... and never outside this range
     lr_key: optimizer.lr                 # the override the grid sets
-    seeds: [0, 1, 2]
-    tune_seeds: [0]                      # the grid runs on these; the other seeds at the
-                                         # selected lr only (omit: every seed at every lr)
+    seeds: [0, 1, 2, 3]
+    tune_seeds: [0, 1]                   # the grid runs on these (≥ 2); the other seeds (the
+                                         # final seeds) at the selected lr only
     select: val/acc:max                  # null: validation metric, else final training loss
     target: {metric: test/acc, value: 0.6}
     network: 1gbe                        # modeled seconds in the report
-    published: {file: published.csv, key: case, columns: [top1]}
+    published: {file: published.csv}    # published numbers with their sources (own table)
+    claim:                               # what the study tests, judged at each horizon
+      statement: error feedback recovers top-k's accuracy
+      metric: test/acc
+      horizons: [3, 10, 30]              # epochs; the runs' own length when omitted
+      horizon_key: epoch                 # or time/simulated_s: horizons in simulated seconds
+      window: 0.2                        # metrics: mean over the last fifth of each horizon
+      expect:
+        - {better: top-k 1% + EF, than: top-k 1% (no EF)}
+        - {case: top-k 1% + EF, within: 0.02, of: none}
+    curves: [gossip/consensus_distance]  # logged columns shipped beside the default ones
+    metrics: [test/acc_local_min]        # final metrics shown beside test/acc and train/loss
+    labels: {test/loss: "f(x) (squared target units)"}   # axis labels the defaults lack
+    histograms: [async/tau_histogram]    # summary histograms plotted per case
     cases:
       identity: [compressor=identity]    # a list of overrides ...
       top-k 1% + EF:                     # ... or a mapping with its own grid
         overrides: [compressor=topk, compressor.ratio=0.01, error_feedback=ef14]
         lrs: [0.1, 0.03, 0.01]
+      top-k, other data:                 # no grid of its own: the lr the named case selects
+        overrides: [compressor=topk, data.partition=dirichlet]
+        lr_from: top-k 1% + EF
 
 `{repo}` (the repository root) and `{study_dir}` (the YAML's folder) are substituted in
 overrides. A case may not set the lr key or `seed` itself (the grid and `seeds` do). Every
 problem is one `StudyError` line.
 
-With `tune_seeds`, a study runs in two stages: the grid on the tuning seeds (`points`), then,
-once every case's lr is selected on them, the remaining seeds at that lr (`final_points`); the
-report selects on the tuning seeds only, so the other seeds never influence the choice.
+Protocol (`launcher.run_study`): the grid on the tuning seeds; wherever a case's selection (at
+any horizon) is the smallest or largest lr it tried, one more grid step beyond that edge, again
+until the pick is interior or the bound (`extend` steps, `lr_range`) is reached; then the final
+seeds at each case's selected lr(s). The report selects on the tuning seeds and reports the
+final seeds, never mixing the two.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +62,12 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = {"name", "description", "common", "lrs", "lr_key", "seeds", "tune_seeds", "select",
-        "target", "network", "published", "cases", "title"}  # fmt: skip
+        "target", "network", "published", "cases", "title", "extend", "lr_range", "claim",
+        "run_data", "results", "curves", "metrics", "min_tune_seeds", "labels",
+        "histograms"}  # fmt: skip
+CASE_KEYS = {"overrides", "lrs", "extend", "lr_range", "lr_from"}
+DEFAULT_EXTEND = 3
+LOG_SPACING = 1.25  # neighbouring ratios of a list grid may differ by this factor at most
 
 
 class StudyError(ValueError):
@@ -59,11 +87,80 @@ def slug(text: str) -> str:
     return name
 
 
+def round_lr(value: float) -> float:
+    """An lr as a grid shows it: two significant digits (0.0316 → 0.032)."""
+    return float(f"{value:.2g}")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A log-spaced lr grid and how far it may grow: `ratio` between neighbours, at most
+    `extend` more values beyond either edge, never outside `bounds`."""
+
+    values: tuple[float, ...]  # in the order given (points run in it)
+    ratio: float
+    extend: int = DEFAULT_EXTEND
+    bounds: tuple[float, float] = (0.0, math.inf)
+
+    def step(self, lr: float, up: bool) -> float:
+        """The grid value one step above (`up`) or below `lr`."""
+        return round_lr(lr * self.ratio if up else lr / self.ratio)
+
+    def next_beyond(self, tried: Sequence[float], up: bool) -> float | None:
+        """The value one step beyond the largest (`up`) or smallest of `tried`, or None when
+        the bound is reached (`extend` steps beyond the initial grid, or `bounds`)."""
+        edge = max(tried) if up else min(tried)
+        beyond = [v for v in tried if (v > max(self.values) if up else v < min(self.values))]
+        if self.ratio <= 1 or len(beyond) >= self.extend:
+            return None
+        value = self.step(edge, up)
+        return value if self.bounds[0] <= value <= self.bounds[1] else None
+
+    def describe(self) -> str:
+        if self.extend == 0:
+            return "no extension allowed: extend 0"
+        lo, hi = self.bounds
+        bound = f"{self.extend} step(s) of ×{self.ratio:.3g} beyond the initial grid"
+        if lo > 0 or hi < math.inf:
+            bound += f", within [{lo:g}, {hi:g}]"
+        return bound
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
     overrides: tuple[str, ...]
-    lrs: tuple[float, ...]
+    grid: Grid
+    lr_from: str | None = None  # no grid of its own: the lr(s) this case selects
+
+    @property
+    def lrs(self) -> tuple[float, ...]:
+        return self.grid.values
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """`case` beats `other` on the claim's metric (`within` None), or `case` is no worse than
+    `other` by more than `within`."""
+
+    case: str
+    other: str
+    within: float | None = None
+
+    def describe(self, metric: str) -> str:
+        if self.within is None:
+            return f"{self.case} > {self.other}"
+        return f"{self.case} within {self.within:g} of {self.other}"
+
+
+@dataclass(frozen=True)
+class Claim:
+    statement: str
+    metric: str = "test/acc"
+    horizons: tuple[float, ...] = ()  # in `horizon_key` units; () = the runs' own length
+    expect: tuple[Expectation, ...] = ()
+    horizon_key: str = "epoch"  # or e.g. time/simulated_s
+    window: float = 0.0  # > 0: metrics averaged over this last fraction of each horizon
 
 
 @dataclass(frozen=True)
@@ -100,33 +197,61 @@ class Study:
     description: str = ""
     title: str = ""
     tune_seeds: tuple[int, ...] | None = None
+    claim: Claim | None = None
+    run_data: Path | None = None  # the shipped run data (default: beside the YAML)
+    results: Path | None = None  # the report's folder (default: <study dir>/results)
+    curves: tuple[str, ...] = ()
+    metrics: tuple[str, ...] = ()
+    labels: dict[str, str] = field(default_factory=dict)
+    histograms: tuple[str, ...] = ()
+    min_tune_seeds: int = 2
 
     @property
     def selection_seeds(self) -> tuple[int, ...]:
         """The seeds every lr of the grid runs on (and the selection reads)."""
         return self.tune_seeds if self.tune_seeds is not None else self.seeds
 
+    @property
+    def final_seeds(self) -> tuple[int, ...]:
+        """The seeds run at the selected lr only (what the results table reports)."""
+        return tuple(s for s in self.seeds if s not in self.selection_seeds)
+
+    @property
+    def data_path(self) -> Path:
+        return self.run_data or self.path.with_name(f"{self.path.stem}.rundata.jsonl.gz")
+
+    @property
+    def results_dir(self) -> Path:
+        return self.results or self.path.parent / "results"
+
+    def case(self, name: str) -> Case:
+        return next(c for c in self.cases if c.name == name)
+
     def points(self, only: Sequence[str] | None = None) -> list[Point]:
-        """The grid: every case, lr by lr, on the selection seeds (`only`: these cases)."""
+        """The initial grid: every tuned case, lr by lr, on the selection seeds (`only`:
+        these cases)."""
         return [
-            self._point(case, lr, seed)
+            self.point(case, lr, seed)
             for case in self._cases(only)
+            if case.lr_from is None
             for lr in case.lrs
             for seed in self.selection_seeds
         ]
 
-    def final_points(self, lrs: dict[str, float], only: Sequence[str] | None = None) -> list[Point]:
-        """The seeds not tuned on, each case at its selected lr `lrs[case]` (a case missing
-        from `lrs` has none: nothing could be selected)."""
-        rest = [s for s in self.seeds if s not in self.selection_seeds]
-        return [
-            self._point(case, lrs[case.name], seed)
-            for case in self._cases(only)
-            if case.name in lrs
-            for seed in rest
-        ]
+    def final_points(
+        self, lrs: dict[str, Sequence[float]], only: Sequence[str] | None = None
+    ) -> list[Point]:
+        """The final seeds of each case at each of its selected lrs `lrs[case]` (a case
+        reusing another's lr: at that case's); a case missing from `lrs` has none. A study
+        without final seeds runs its lr_from cases on the tuning seeds."""
+        out = []
+        for case in self._cases(only):
+            chosen = lrs.get(case.lr_from or case.name, ())
+            seeds = self.final_seeds or (self.selection_seeds if case.lr_from else ())
+            out += [self.point(case, lr, seed) for lr in sorted(set(chosen)) for seed in seeds]
+        return out
 
-    def _point(self, case: Case, lr: float, seed: int) -> Point:
+    def point(self, case: Case, lr: float, seed: int) -> Point:
         grid = (f"{self.lr_key}={lr!r}", f"seed={seed}")
         return Point(case.name, lr, seed, (*self.common, *case.overrides, *grid))
 
@@ -151,23 +276,73 @@ def _strings(value: Any, what: str, study_dir: Path) -> tuple[str, ...]:
     )
 
 
-def _floats(value: Any, what: str) -> tuple[float, ...]:
+def _positive(value: Any, what: str) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        out = math.nan
+    if not out > 0 or math.isinf(out):
+        raise StudyError(f"{what} must hold positive numbers, got {value!r}")
+    return out
+
+
+def grid_values(value: Any, what: str) -> tuple[tuple[float, ...], float]:
+    """(values, ratio between neighbours) of a grid given as a list (its order kept) or as
+    `{from, to, per_decade}` (the values 10^(k/per_decade) in [from, to], two significant
+    digits); a list must be log-spaced."""
+    if isinstance(value, dict):
+        if set(value) != {"from", "to", "per_decade"}:
+            raise StudyError(f"{what}: give a list, or {{from, to, per_decade}}, got {value!r}")
+        lo, hi = _positive(value["from"], what), _positive(value["to"], what)
+        n = value["per_decade"]
+        if not isinstance(n, int) or n < 1 or lo > hi:
+            raise StudyError(f"{what}: per_decade must be an integer ≥ 1 and from ≤ to")
+        first, last = math.ceil(math.log10(lo) * n - 1e-9), math.floor(math.log10(hi) * n + 1e-9)
+        values = tuple(round_lr(10 ** (k / n)) for k in range(first, last + 1))
+        if not values:
+            raise StudyError(f"{what}: no grid value lies in [{lo:g}, {hi:g}]")
+        return values, 10 ** (1 / n)
     if not isinstance(value, list) or not value:
         raise StudyError(f"{what} must be a non-empty list of numbers, got {value!r}")
-    try:
-        return tuple(float(v) for v in value)
-    except (TypeError, ValueError):
-        raise StudyError(f"{what} must be a non-empty list of numbers, got {value!r}") from None
+    values = tuple(dict.fromkeys(_positive(v, what) for v in value))
+    if len(values) < 2:
+        return values, 1.0
+    ordered = sorted(values)
+    ratios = [b / a for a, b in zip(ordered, ordered[1:], strict=False)]
+    if max(ratios) / min(ratios) > LOG_SPACING:
+        raise StudyError(
+            f"{what} {list(values)} is not log-spaced (neighbours' ratios "
+            f"{', '.join(f'{r:.3g}' for r in ratios)}); use e.g. {{from: {ordered[0]:g}, "
+            f"to: {ordered[-1]:g}, per_decade: 2}}"
+        )
+    return values, (ordered[-1] / ordered[0]) ** (1 / (len(values) - 1))
 
 
-def _case(
-    name: str, body: Any, default_lrs: tuple[float, ...] | None, lr_key: str, study_dir: Path
-) -> Case:
+def _grid(body: dict, default: dict, what: str) -> Grid:
+    raw = body.get("lrs", default.get("lrs"))
+    if raw is None:
+        raise StudyError(f"{what} has no lrs and the study gives no default lrs")
+    values, ratio = grid_values(raw, f"{what} lrs")
+    extend = body.get("extend", default.get("extend", DEFAULT_EXTEND))
+    if not isinstance(extend, int) or extend < 0:
+        raise StudyError(f"{what}: extend must be an integer ≥ 0, got {extend!r}")
+    bounds = body.get("lr_range", default.get("lr_range"))
+    if bounds is None:
+        bounds = (0.0, math.inf)
+    elif not isinstance(bounds, list) or len(bounds) != 2:
+        raise StudyError(f"{what}: lr_range must be [low, high], got {bounds!r}")
+    else:
+        bounds = (_positive(bounds[0], "lr_range"), _positive(bounds[1], "lr_range"))
+    return Grid(values, ratio, extend, bounds)
+
+
+def _case(name: str, body: Any, default: dict, lr_key: str, study_dir: Path) -> Case:
     if isinstance(body, list) or body is None:
         body = {"overrides": body or []}
-    if not isinstance(body, dict) or set(body) - {"overrides", "lrs"}:
+    if not isinstance(body, dict) or set(body) - CASE_KEYS:
         raise StudyError(
-            f"case {name!r}: give a list of overrides or a mapping with overrides and lrs"
+            f"case {name!r}: give a list of overrides or a mapping with "
+            f"{', '.join(sorted(CASE_KEYS))}"
         )
     overrides = _strings(body.get("overrides"), f"case {name!r} overrides", study_dir)
     for o in overrides:
@@ -176,10 +351,47 @@ def _case(
             raise StudyError(
                 f"case {name!r} sets {key}; the study sets it (lrs, seeds, and the run directory)"
             )
-    lrs = _floats(body["lrs"], f"case {name!r} lrs") if "lrs" in body else default_lrs
-    if lrs is None:
-        raise StudyError(f"case {name!r} has no lrs and the study gives no default lrs")
-    return Case(str(name), overrides, lrs)
+    lr_from = body.get("lr_from")
+    if lr_from is not None:
+        if "lrs" in body:
+            raise StudyError(f"case {name!r}: give lrs or lr_from, not both")
+        return Case(str(name), overrides, Grid((), 1.0, 0), str(lr_from))
+    return Case(str(name), overrides, _grid(body, default, f"case {name!r}"))
+
+
+def _claim(raw: Any, cases: set[str]) -> Claim | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or "statement" not in raw:
+        raise StudyError("claim needs a `statement` (and optionally metric, horizons, expect)")
+    unknown = set(raw) - {"statement", "metric", "horizons", "expect", "horizon_key", "window"}
+    if unknown:
+        raise StudyError(f"claim: unknown key {', '.join(sorted(unknown))}")
+    horizons = tuple(_positive(h, "claim horizons") for h in raw.get("horizons") or ())
+    expect = []
+    for item in raw.get("expect") or ():
+        if isinstance(item, dict) and set(item) == {"better", "than"}:
+            expect.append(Expectation(str(item["better"]), str(item["than"])))
+        elif isinstance(item, dict) and set(item) == {"case", "within", "of"}:
+            expect.append(Expectation(str(item["case"]), str(item["of"]), float(item["within"])))
+        else:
+            raise StudyError(
+                "claim expect: each item is {better: A, than: B} or {case: A, within: 0.03, "
+                f"of: B}}, got {item!r}"
+            )
+    for e in expect:
+        for name in (e.case, e.other):
+            if name not in cases:
+                raise StudyError(f"claim names case {name!r}, which the study does not have")
+    window = raw.get("window", 0.0)
+    if not isinstance(window, int | float) or not 0 <= window < 1:
+        raise StudyError(f"claim window must be a fraction in [0, 1), got {window!r}")
+    return Claim(str(raw["statement"]), str(raw.get("metric", "test/acc")), horizons,
+                 tuple(expect), str(raw.get("horizon_key", "epoch")), float(window))  # fmt: skip
+
+
+def _path(raw: Any, base: Path) -> Path | None:
+    return None if raw is None else (base / str(raw)).resolve()
 
 
 def load_study(path: str | Path) -> Study:
@@ -200,8 +412,9 @@ def load_study(path: str | Path) -> Study:
     if not isinstance(cases_raw, dict) or not cases_raw:
         raise StudyError(f"{path.name} needs `cases`: a mapping of case name to overrides")
     lr_key = str(raw.get("lr_key", "optimizer.lr"))
-    default_lrs = _floats(raw["lrs"], "lrs") if "lrs" in raw else None
-    cases = tuple(_case(str(n), b, default_lrs, lr_key, path.parent) for n, b in cases_raw.items())
+    default = {k: raw[k] for k in ("lrs", "extend", "lr_range") if k in raw}
+    cases = tuple(_case(str(n), b, default, lr_key, path.parent) for n, b in cases_raw.items())
+    names = {c.name for c in cases}
     slugs: dict[str, str] = {}
     for case in cases:
         other = slugs.setdefault(slug(case.name), case.name)
@@ -210,6 +423,13 @@ def load_study(path: str | Path) -> Study:
                 f"cases {other!r} and {case.name!r} share the folder "
                 f"{slug(case.name)!r}; rename one"
             )
+        if case.lr_from is not None:
+            source = next((c for c in cases if c.name == case.lr_from), None)
+            if source is None or source.lr_from is not None:
+                raise StudyError(
+                    f"case {case.name!r}: lr_from {case.lr_from!r} must name a case with its "
+                    "own grid"
+                )
     seeds = raw.get("seeds", [0])
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
         raise StudyError(f"seeds must be a non-empty list of integers, got {seeds!r}")
@@ -225,6 +445,17 @@ def load_study(path: str | Path) -> Study:
     published = raw.get("published") or {}
     if published and "file" not in published:
         raise StudyError("published needs `file` (a CSV beside the study file)")
+    curves, metrics = raw.get("curves") or [], raw.get("metrics") or []
+    histograms = raw.get("histograms") or []
+    for what, value in (("curves", curves), ("metrics", metrics), ("histograms", histograms)):
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise StudyError(f"{what} must be a list of logged metric names, got {value!r}")
+    labels = raw.get("labels") or {}
+    if not isinstance(labels, dict):
+        raise StudyError(f"labels must map metric names to axis labels, got {labels!r}")
+    min_tune = raw.get("min_tune_seeds", 2)
+    if not isinstance(min_tune, int) or min_tune < 1:
+        raise StudyError(f"min_tune_seeds must be an integer ≥ 1, got {min_tune!r}")
     name = str(raw.get("name") or path.stem)
     return Study(
         name=name, path=path, cases=cases, seeds=tuple(seeds),
@@ -234,4 +465,9 @@ def load_study(path: str | Path) -> Study:
         network=raw.get("network"), published=dict(published),
         description=str(raw.get("description", "")), title=str(raw.get("title", name)),
         tune_seeds=tuple(tune_seeds) if tune_seeds is not None else None,
+        claim=_claim(raw.get("claim"), names), run_data=_path(raw.get("run_data"), path.parent),
+        results=_path(raw.get("results"), path.parent), curves=tuple(curves),
+        metrics=tuple(metrics), labels={str(k): str(v) for k, v in labels.items()},
+        histograms=tuple(histograms),
+        min_tune_seeds=min_tune,
     )  # fmt: skip

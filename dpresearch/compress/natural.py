@@ -1,0 +1,77 @@
+"""Natural compression (Horváth et al. 2019): unbiased stochastic rounding to a power of two."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dpresearch.compress import rng
+from dpresearch.compress.base import Chunk, SingleRoundCompressor
+from dpresearch.compress.sign import SignCodec
+from dpresearch.compress.wire import Spec, packed_size
+
+MANTISSA_BITS = 23
+MAX_FINITE_EXPONENT = 254  # fp32 exponent field of the largest finite power of two, 2^127
+
+
+class NaturalCodec(SignCodec):
+    """All rows' exponent codes in one pass over the fp32 bit patterns: with e the exponent
+    field and m the 23-bit mantissa of |x| = 2^(e−127)·(1 + m/2²³), the code is e + 1 with
+    probability m/2²³ (a draw r < m of the worker's 23-bit stream for this chunk and step),
+    else e — so |x| becomes the power of two below or above it with the probabilities that
+    keep its mean. Zero and subnormals (e = 0) round to 0 or 2⁻¹²⁶ the same way. Decoding
+    rebuilds the fp32 word sign | code | 0-mantissa.
+
+    The codes travel in an int8 region of the row (bytes reinterpreted) so that all chunks' codes
+    are one contiguous region written in one copy; the sign bits in the packed-bit region of
+    the sign codec."""
+
+    compressor: Natural
+
+    def encode_rows(self, x: Tensor, step: int, workers: tuple[int, ...], wire: Tensor) -> None:
+        self._pack_signs(x, wire)
+        word = self.ws.get("word", tuple(x.shape), torch.float32, self.device)
+        word.copy_(x)
+        bits = word.view(torch.int32)
+        draws = self.ws.get("draws", tuple(x.shape), torch.int32, self.device)
+        for row, worker in enumerate(workers):
+            for ch in self.chunks:
+                seed = rng.stream_seed("natural", self.compressor.seed, worker, ch.key, step)
+                rng.uniform_bits(seed, draws[row, ch.slice], MANTISSA_BITS)
+        exponent = (bits >> MANTISSA_BITS) & 0xFF
+        up = draws < (bits & ((1 << MANTISSA_BITS) - 1))
+        code = exponent.add_(up).clamp_(max=MAX_FINITE_EXPONENT)
+        finite = torch.isfinite(word)
+        code = torch.where(finite, code, torch.full_like(code, 0xFF))
+        self.layout.write_region(wire, torch.int8, code.to(torch.uint8).view(torch.int8))
+
+    def decode_rows(self, wire: Tensor, step: int, out: Tensor) -> None:
+        signs = self.ws.get("signs", tuple(out.shape), self.dtype, self.device)
+        self._unpack_signs(wire, signs)
+        codes = self.layout.region(wire, torch.int8).view(torch.uint8).to(torch.int32)
+        word = (codes << MANTISSA_BITS).view(torch.float32)
+        torch.where(signs < 0, -word, word, out=out)
+
+
+class Natural(SingleRoundCompressor):
+    """Natural compression C_nat (Horváth et al. 2019): every entry x ≠ 0 with
+    2^a ≤ |x| < 2^(a+1) becomes sign(x)·2^a with probability (2^(a+1) − |x|)/2^a and
+    sign(x)·2^(a+1) otherwise. Unbiased, E C(x) = x, with variance E(C(x) − x)² ≤ x²/8 per
+    entry (the worst case is |x| = (4/3)·2^a), so E‖C(x) − x‖² ≤ ‖x‖²/8 — the paper's ω = 1/8 —
+    for fp32 normals, |x| ≥ 2^-126; a subnormal rounds to 0 or 2^-126 (unbiased, outside the
+    bound: no subnormal power of two has a code).
+
+    An fp32 power of two needs only its sign and its 8-bit exponent field: 9 bits per value
+    (zero is exponent 0; the exponent of the largest finite power is 254, so |x| ≥ 2^127 cannot
+    round up and is kept at 2^127 — biased there; non-finite inputs stay non-finite).
+    Randomness: one 23-bit draw per entry from the worker's stream for (seed, worker, chunk,
+    step). Non-linear (per-worker rounding): gathered, decoded, averaged. Unbiased, so it
+    trains without error feedback; any mode is accepted.
+
+    Wire bytes per chunk of d entries: d + ⌈d/8⌉ (the exponents, then the sign bits).
+    """
+
+    codec_class = NaturalCodec
+
+    def payload_spec(self, chunk: Chunk, dtype: torch.dtype) -> Spec:
+        return [(torch.int8, chunk.numel), (torch.uint8, packed_size(chunk.numel, 1))]

@@ -1,0 +1,126 @@
+"""Two-level (hierarchical) reduction (issue 20, acceptance C): with the identity compressor it
+is the flat allreduce; its modeled time is the sum of the two tiers' α-β terms, each priced on
+its own link; bytes are kept per tier; simulated ≡ gloo × 4 with 2 workers per node."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_compressed_adam import trained as run
+from test_compressed_reduce import layout_of
+from test_equivalence import max_diff
+
+from dpresearch.comm.hierarchy import Hierarchy
+from dpresearch.comm.network import NetworkModel
+from dpresearch.comm.simulated import SimulatedCommunicator
+from dpresearch.compress import ErrorFeedback, Identity, TopK
+from dpresearch.compress.reducer import CompressedReducer, HierarchicalReducer
+from dpresearch.compress.topk import kept
+
+NVLINK, ETHERNET = NetworkModel.preset("nvlink"), NetworkModel.preset("10gbe")
+SHAPES = [(64, 32), (64,), (10, 64), (10,)]
+LAYOUT, D = layout_of(SHAPES)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def cluster(workers: int, per_node: int) -> SimulatedCommunicator:
+    return SimulatedCommunicator(workers, ETHERNET, hierarchy=Hierarchy(per_node, NVLINK, ETHERNET))
+
+
+def grads(workers: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(workers, D, generator=torch.Generator().manual_seed(seed))
+
+
+def tree(n: int, nbytes: int, net: NetworkModel) -> float:
+    """Binomial-tree reduce or broadcast: ⌈log₂ n⌉(α + D/B)."""
+    return math.ceil(math.log2(n)) * (net.latency_s + nbytes / net.bandwidth_Bps)
+
+
+@pytest.mark.parametrize(("workers", "per_node"), [(4, 2), (8, 4), (6, 3), (4, 1), (4, 4)])
+def test_identity_two_level_equals_the_flat_allreduce(workers, per_node):
+    g = grads(workers)
+    flat = g.clone()
+    CompressedReducer(Identity(), SimulatedCommunicator(workers, ETHERNET), LAYOUT).reduce(flat, 0)
+    two_level = g.clone()
+    comm = cluster(workers, per_node)
+    HierarchicalReducer(Identity(), comm, LAYOUT).reduce(two_level, 0)
+    assert torch.allclose(two_level, flat, atol=1e-6, rtol=0)
+    assert torch.allclose(two_level[0], g.mean(0), atol=1e-6, rtol=0)
+    assert all(torch.equal(two_level[w], two_level[0]) for w in range(workers))
+
+
+def test_modeled_time_is_the_sum_of_the_two_tiers_alpha_beta_terms():
+    """8 nodes × 4 workers, NVLink inside, 10 GbE between: intra reduce + inter aggregation +
+    intra broadcast, each on its own link; bytes per tier."""
+    workers, per_node = 32, 4
+    nodes = workers // per_node
+    dense = 4 * D
+    for compressor, memory in ((Identity(), None), (TopK(ratio=0.05), ErrorFeedback("ef14"))):
+        comm = cluster(workers, per_node)
+        reducer = HierarchicalReducer(compressor, comm, LAYOUT, memory)
+        reducer.reduce(grads(workers), 0)
+        a, b = ETHERNET.latency_s, ETHERNET.bandwidth_Bps
+        if isinstance(compressor, Identity):
+            inter_bytes = dense
+            inter = 2 * (nodes - 1) * a + 2 * (nodes - 1) / nodes * dense / b
+        else:
+            inter_bytes = sum(8 * kept(math.prod(s), 0.05) for s in SHAPES)
+            inter = (nodes - 1) * a + (nodes - 1) * inter_bytes / b
+        intra = 2 * tree(per_node, dense, NVLINK)
+        assert comm.ledger.modeled_s == pytest.approx(intra + inter, rel=1e-12)
+        leader = [w % per_node == 0 for w in range(workers)]
+        assert comm.ledger.bytes_by_tier["intra"] == [dense] * workers  # reduce or broadcast
+        assert comm.ledger.bytes_by_tier["inter"] == [inter_bytes * x for x in leader]
+        assert comm.ledger.bytes_by_worker == [dense + inter_bytes * x for x in leader]
+        tiers = {row[5] for row in comm.ledger.op_table()}
+        assert tiers == {"intra", "inter"}
+        # re-pricing the op table with the tiers' links gives the same seconds
+        table = comm.ledger.op_table()
+        priced = ETHERNET.total_seconds(table, {"intra": NVLINK, "inter": ETHERNET})
+        assert priced == pytest.approx(comm.ledger.modeled_s, rel=1e-12)
+
+
+def test_error_feedback_lives_on_the_node_leaders():
+    comm = cluster(8, 4)
+    reducer = HierarchicalReducer(TopK(ratio=0.05), comm, LAYOUT, ErrorFeedback("ef14"))
+    g = grads(8, 1)
+    reducer.reduce(g.clone(), 0)
+    assert reducer.memory.memory.shape == (2, D)  # one row per node leader
+    node_means = g.view(2, 4, D).mean(1)
+    sent = torch.zeros(2, D)  # what each leader's top-k kept of its node's mean
+    for n in range(2):
+        for offset, shape in LAYOUT:
+            size = math.prod(shape)
+            part = node_means[n, offset : offset + size]
+            top = torch.topk(part.abs(), kept(size, 0.05)).indices
+            sent[n, offset + top] = part[top]
+    assert torch.allclose(reducer.memory.memory, node_means - sent, atol=1e-6)
+
+
+def test_identity_two_level_training_equals_flat_training(tmp_path):
+    flat = run(tmp_path, "flat")
+    two_level = run(tmp_path, "two", "comm.hierarchy.workers_per_node=2", "network.intra=nvlink")
+    assert max_diff(flat, two_level) <= 1e-6
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["compressor=topk", "compressor.ratio=0.05", "error_feedback=ef14"],
+        # inter tier an allreduce on the leaders' subgroup (top-k: an allgather); slow suite
+        pytest.param(["compressor=identity"], marks=pytest.mark.slow),
+    ],
+)
+def test_two_level_simulated_equals_gloo(tmp_path, overrides):
+    """G = 2 on 4 workers: the intra-node reduce and broadcast on torch.distributed subgroups
+    created once at start, the inter-node aggregation on the leaders' group."""
+    args = ("comm.hierarchy.workers_per_node=2", *overrides)
+    simulated = run(tmp_path, "sim", *args)
+    gloo = run(tmp_path, "gloo", *args, "backend=gloo")
+    initial = run(tmp_path, "init", *args, "train.steps=1")
+    assert max_diff(simulated, initial) > 1e-3
+    assert max_diff(simulated, gloo) <= 1e-6

@@ -1,0 +1,212 @@
+"""The study protocol on stub objectives through the real harness (issue 18, A and B): grids
+grow until the pick is interior or the bound, final seeds run only then, the report marks
+choices won within the noise and never shows an edge pick without "bound reached"."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+import yaml
+
+from dpresearch.analysis.quality import binomial_se
+from dpresearch.study import StudyError, load_study, run_study
+from dpresearch.study.report import report_study, selected_lrs
+from dpresearch.study.spec import grid_values
+
+VAL_EXAMPLES = 500
+STEPS = 4  # logged steps per stub run, one per epoch
+
+
+def stub_study(tmp_path, cases: dict, **extra) -> object:
+    body = {
+        "name": "stub",
+        "title": "Stub objective",
+        "seeds": [0, 1, 2, 3],
+        "tune_seeds": [0, 1],
+        "select": "val/acc:max",
+        "common": ["train.val_size=0.1"],  # a validation split: the checks before a study
+        "cases": cases,
+        **extra,
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(body, sort_keys=False))
+    return load_study(path)
+
+
+def stub_runner(objective, ran: list, curve=lambda acc, epoch: acc * epoch / STEPS):
+    """A runner writing the files the trainer writes, with val/acc at epoch e =
+    curve(objective(case, lr, seed), e) (test/acc 0.01 below it); `ran` records each point."""
+
+    def run(point, run_dir, overrides):
+        ran.append(point.id)
+        acc = objective(point.case, point.lr, point.seed)
+        config = {"seed": point.seed, "optimizer": {"lr": point.lr}, "train": {"epochs": STEPS},
+                  "schedule": {"_target_": "dpresearch.schedules.Constant"}}  # fmt: skip
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+        curves = {s: curve(acc, s) if callable(curve) else curve[point.case](acc, s)
+                  for s in range(1, STEPS + 1)}  # fmt: skip
+        lines = [
+            {"step": s, "epoch": float(s), "train/loss": 2.0 - 0.3 * s,
+             "val/acc": curves[s], "test/acc": curves[s] - 0.01}
+            for s in range(1, STEPS + 1)
+        ]  # fmt: skip
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        summary = {**lines[-1], "status": "finished", "data/classes": 10,
+                   "data/val_examples": VAL_EXAMPLES, "data/test_examples": 1000,
+                   "total_steps": STEPS}  # fmt: skip
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+        return 0
+
+    return run
+
+
+def peak_at(best_lr: float):
+    """Validation accuracy 0.8 at `best_lr`, falling by 0.1 per decade² away from it."""
+    return lambda case, lr, seed: 0.8 - 0.1 * (math.log10(lr / best_lr)) ** 2 + 0.001 * seed
+
+
+def test_grids_are_log_spaced():
+    assert grid_values({"from": 0.01, "to": 1, "per_decade": 2}, "lrs") == (
+        (0.01, 0.032, 0.1, 0.32, 1.0),
+        pytest.approx(10**0.5),
+    )
+    with pytest.raises(StudyError, match="not log-spaced"):
+        grid_values([0.1, 0.2, 0.9], "lrs")
+
+
+def test_a_grid_grows_past_its_edge_until_the_pick_is_interior_then_runs_the_final_seeds(
+    tmp_path,
+):
+    """Acceptance A: the best lr (1.0) lies two steps above the initial grid; the harness adds
+    0.32, 1 and 3.2 on the tuning seeds, picks 1 (interior), and only then runs the final
+    seeds there. A second case is bounded at 0.32: its pick stays at the edge, the report says
+    "bound reached", and its final seeds run at the bound."""
+    study = stub_study(
+        tmp_path,
+        {
+            "free": {"overrides": [], "lrs": [0.01, 0.032, 0.1]},
+            "bounded": {"overrides": [], "lrs": [0.01, 0.032, 0.1], "lr_range": [0.001, 0.32]},
+        },
+    )
+    ran: list[str] = []
+    out = tmp_path / "out"
+    run_study(study, out, launcher=stub_runner(lambda c, lr, s: peak_at(1.0)(c, lr, s), ran),
+              log=lambda line: None)  # fmt: skip
+
+    def lrs_run(case, seeds):
+        return [float(p.split("lr ")[1].split(" |")[0]) for p in ran
+                if p.startswith(case) and int(p.rsplit(" ", 1)[1]) in seeds]  # fmt: skip
+
+    assert sorted(set(lrs_run("free", (0, 1)))) == [0.01, 0.032, 0.1, 0.32, 1.0, 3.2]
+    assert sorted(set(lrs_run("bounded", (0, 1)))) == [0.01, 0.032, 0.1, 0.32]
+    assert lrs_run("free", (2, 3)) == [1.0, 1.0] and lrs_run("bounded", (2, 3)) == [0.32, 0.32]
+    last_tuning = max(i for i, p in enumerate(ran) if p.endswith(("seed 0", "seed 1")))
+    first_final = min(i for i, p in enumerate(ran) if p.endswith(("seed 2", "seed 3")))
+    assert first_final > last_tuning  # no final seed before the grids stopped growing
+    assert selected_lrs(study, out) == {"free": 1.0, "bounded": 0.32}
+
+    text = report_study(study, out, tmp_path / "results").read_text()
+    free = next(line for line in text.splitlines() if line.startswith("| free | 1 |"))
+    bounded = next(line for line in text.splitlines() if line.startswith("| bounded | 0.32 |"))
+    assert "edge" not in free and "bound reached" not in free
+    assert "largest lr tried: bound reached" in bounded and "within [0.001, 0.32]" in bounded
+    # the final seeds alone make the results row: test/acc of seeds 2, 3 at lr 1
+    finals = [100 * (peak_at(1.0)("free", 1.0, s) - 0.01) for s in (2, 3)]
+    assert f"{sum(finals) / 2:.1f} ± " in free
+
+    ran.clear()  # resumed: nothing runs again
+    run_study(study, out, launcher=stub_runner(peak_at(1.0), ran), log=lambda line: None)
+    assert ran == []
+
+
+def test_a_choice_won_within_the_noise_is_marked(tmp_path):
+    """Acceptance B: two lrs 0.5 points apart on a 500-example validation split (binomial SE
+    ≈ 2 points) — the report marks the choice; a choice won by 20 points is not marked."""
+    values = {("close", 0.032): 0.700, ("close", 0.1): 0.705, ("close", 0.32): 0.60,
+              ("clear", 0.032): 0.50, ("clear", 0.1): 0.70, ("clear", 0.32): 0.45}  # fmt: skip
+    study = stub_study(tmp_path, {name: {"overrides": [], "lrs": [0.032, 0.1, 0.32]}
+                                  for name in ("close", "clear")})  # fmt: skip
+    out = tmp_path / "out"
+    run_study(study, out, launcher=stub_runner(lambda c, lr, s: values[(c, lr)] + 0.001 * s, []),
+              log=lambda line: None)  # fmt: skip
+    text = report_study(study, out, tmp_path / "results").read_text()
+    close = next(line for line in text.splitlines() if line.startswith("| close | 0.1 |"))
+    clear = next(line for line in text.splitlines() if line.startswith("| clear | 0.1 |"))
+    se = math.hypot(binomial_se(0.7055, VAL_EXAMPLES), binomial_se(0.7005, VAL_EXAMPLES))
+    assert f"won by 0.5 < SE {100 * se:.1f} over lr 0.032: within noise" in close
+    assert "within noise" not in clear
+    # the selection cell carries its SE: seeds' spread and the split's binomial error
+    spread = statistics.stdev([0.705, 0.706]) / math.sqrt(2)
+    se_best = math.hypot(spread, binomial_se(0.7055, VAL_EXAMPLES))
+    assert f"70.5 ± {100 * se_best:.1f} (n=2)" in close
+    grid = text.split("Every lr tried")[1]
+    assert "| close | 0.032 | 0,1 |" in grid and "| 2,3 |" in grid  # tuning and final apart
+
+
+def test_a_study_selecting_on_one_seed_is_refused(tmp_path):
+    study = stub_study(tmp_path, {"a": {"overrides": [], "lrs": [0.1, 0.32]}}, tune_seeds=[0])
+    with pytest.raises(StudyError, match="at least 2"):
+        run_study(study, tmp_path / "out", launcher=stub_runner(peak_at(1.0), []),
+                  log=lambda line: None)  # fmt: skip
+
+
+def test_the_report_says_which_result_holds_at_which_horizon(tmp_path):
+    """A claim judged at two horizons of the same runs: "slow" (EF-like: a late start) loses
+    to "fast" after one epoch and beats it after four; each horizon selects its own lr, the
+    verdict table states both, and nothing is said beyond the last horizon."""
+    curves = {
+        "slow": lambda acc, e: 0.15 + (acc - 0.15) * (e - 0.9) / 3.1,  # 17 % after 1 epoch
+        "fast": lambda acc, e: min(acc, 0.55),  # flat at 55 % from the first epoch
+    }
+    accs = {("slow", 0.1): 0.85, ("slow", 0.32): 0.80, ("slow", 0.032): 0.75,
+            ("fast", 0.1): 0.60, ("fast", 0.32): 0.55, ("fast", 0.032): 0.50}  # fmt: skip
+    study = stub_study(
+        tmp_path,
+        {name: {"overrides": [], "lrs": [0.032, 0.1, 0.32]} for name in ("slow", "fast")},
+        claim={
+            "statement": "slow beats fast",
+            "horizons": [1, 4],
+            "expect": [{"better": "slow", "than": "fast"}],
+        },  # fmt: skip
+    )
+    out = tmp_path / "out"
+    ran: list[str] = []
+    run_study(study, out, launcher=stub_runner(lambda c, lr, s: accs[(c, lr)] + 0.001 * s, ran,
+                                               curves), log=lambda line: None)  # fmt: skip
+    assert len(ran) == 12 + 4  # no extension: both horizons pick lr 0.1 (interior)
+    text = report_study(study, out, tmp_path / "results").read_text()
+    claim = text.split("## Claim")[1].split("##")[0]
+    row = next(line for line in claim.splitlines() if line.startswith("| slow > fast"))
+    at_1, at_4 = row.split(" | ")[1:3]
+    slow_1 = statistics.mean(curves["slow"](0.85 + 0.001 * s, 1) for s in (2, 3))
+    assert at_1.startswith(f"does not hold ({100 * (slow_1 - 0.55):+.1f} ± ")
+    assert at_4.startswith(f"holds ({100 * (0.8525 - 0.55):+.1f} ± ")
+    assert "Nothing here is concluded about training longer than 4 epochs." in text
+    assert "## Results at 1 epochs" in text and "## Results at 4 epochs" in text
+    assert (tmp_path / "results" / "table_1_epochs.tex").exists()
+
+
+def test_a_horizon_window_averages_the_last_evaluations():
+    """At a constant lr one evaluation scatters: with `window`, a metric at horizon h is the
+    mean of its values logged in (h·(1 − window), h]; counters keep their last value."""
+    import pandas as pd
+
+    from dpresearch.analysis.quality import at_horizon
+
+    runs = pd.DataFrame({"run": ["a"], "status": ["finished"], "test/acc": [0.9]})
+    metrics = pd.DataFrame({"run": pd.Categorical(["a"] * 10), "step": range(1, 11),
+                            "epoch": [float(e) for e in range(1, 11)],
+                            "test/acc": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.5, 0.9],
+                            "comm/bytes": [float(e) for e in range(1, 11)]})  # fmt: skip
+    last, _ = at_horizon(runs, metrics, 10.0)
+    mean, _ = at_horizon(runs, metrics, 10.0, window=0.3)  # epochs 8, 9, 10
+    assert last["test/acc"].iloc[0] == 0.9
+    assert mean["test/acc"].iloc[0] == pytest.approx((0.8 + 0.5 + 0.9) / 3)
+    assert mean["comm/bytes"].iloc[0] == 10.0
+    early, _ = at_horizon(runs, metrics, 4.0, window=0.3)  # (2.8, 4]: epochs 3 and 4
+    assert (
+        early["test/acc"].iloc[0] == pytest.approx(0.35) and early["status"].iloc[0] == "finished"
+    )
