@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,9 +43,12 @@ from dpresearch.launch.processes import (
 )
 from dpresearch.run.checkpoint import CheckpointError
 from dpresearch.run.io_errors import IO_EXIT, MIN_FREE_BYTES, RunIOError, free_bytes
-from dpresearch.run.resume import check_resume, finished_run
+from dpresearch.run.resume import check_resume, finished_run, nothing_to_resume
 
 register_configs()
+
+# When this process started the run (main(), or a sweep job's start): the final line's time.
+_STARTED: list[float] = []
 
 
 class PointFailed(RuntimeError):
@@ -66,6 +70,9 @@ def train(cfg: DictConfig, run_dir: Path | None, overrides: Sequence[str] = ()) 
             print(f"{run_dir} already holds this run, finished; nothing to resume", flush=True)
             return finished
         check_resume(cfg, run_dir, _processes(cfg))
+        fresh = nothing_to_resume(cfg, run_dir)
+        if fresh is not None:
+            print(fresh, flush=True)
     if under_torchrun():
         forget_data()
         return run_as_worker(cfg, run_dir if global_rank() == 0 else None)
@@ -96,6 +103,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
+    started = _STARTED[0] if _STARTED and not multirun else time.monotonic()
     writes = not under_torchrun() or global_rank() == 0
     run_dir = Path(hc.runtime.output_dir) if writes else None
     overrides = list(hc.overrides.task)
@@ -131,24 +139,37 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             if not (multirun or _is_worker_failure(exc)):
                 raise  # a bug: Hydra shows its traceback
             _fail(_crash_line(exc), 1, multirun)
-        _end_of_run(summary, multirun)
+        _end_of_run(summary, multirun, run_dir, time.monotonic() - started, hc.overrides.task)
     return summary.get("test/acc")
 
 
 DIVERGED_EXIT = 3  # a non-finite loss stopped the run (train.on_nonfinite=stop)
 
 
-def _end_of_run(summary: dict[str, Any], multirun: bool) -> None:
-    """A run that ended short of its last step: one line and its exit status — 128 + signal
-    for a stop request (130 SIGINT, 143 SIGTERM), `DIVERGED_EXIT` for a non-finite loss,
-    `IO_EXIT` for a write the machine refused (a full disk)."""
+def _end_of_run(
+    summary: dict[str, Any],
+    multirun: bool,
+    run_dir: Path | None,
+    seconds: float,
+    overrides: Sequence[str],
+) -> None:
+    """The run's last line (`dpresearch.run.ending`): a finished run's status, steps, time and
+    directory; for a run that ended short of its last step, its one line and exit status —
+    128 + signal for a stop request (130 SIGINT, 143 SIGTERM, with the command that resumes it),
+    `DIVERGED_EXIT` for a non-finite loss, `IO_EXIT` for a write the machine refused (a full
+    disk; with the command that resumes it)."""
+    from dpresearch.run.ending import final_line, interrupted_line, resume_command
+
     status = summary.get("status")
     if status == "interrupted":
-        where = summary.get("checkpoint") or "none (this algorithm cannot checkpoint)"
-        line = (
-            f"interrupted at step {summary['interrupted_at_step']}: checkpoint {where}; "
-            "resume with train.resume=auto"
+        if run_dir is None:  # a torchrun rank other than 0: rank 0 says it
+            sys.exit(int(summary.get("exit_code", 130)))
+        command = (
+            f"the same torchrun command with hydra.run.dir={run_dir} train.resume=auto"
+            if under_torchrun()
+            else resume_command(run_dir, overrides)
         )
+        line = interrupted_line(summary, run_dir, seconds, command)
         print(line, file=sys.stderr, flush=True)
         # In a sweep too: the user asked the whole job to stop, not this point alone.
         sys.exit(int(summary.get("exit_code", 130)))
@@ -163,14 +184,21 @@ def _end_of_run(summary: dict[str, Any], multirun: bool) -> None:
         _fail(line, DIVERGED_EXIT, multirun)
     if status == "failed_io":
         kept = summary.get("last_checkpoint")
+        how = (
+            resume_command(run_dir, overrides)
+            if run_dir is not None and not under_torchrun()
+            else "train.resume=auto and this run's hydra.run.dir"
+        )
         line = (
             f"error: {summary.get('io_error') or 'a write into the run directory failed'}; the "
             f"run stopped after step {summary['failed_at_step']}, "
             + (f"its last good checkpoint is {kept}" if kept else "with no checkpoint")
-            + ": free space, then resume with train.resume=auto"
+            + f": free space, then resume with {how}"
             + ("" if summary.get("summary_written", True) else " (summary.json not written)")
         )
         _fail(line, IO_EXIT, multirun)
+    if run_dir is not None:
+        print(final_line(summary, run_dir, seconds), flush=True)
 
 
 def _is_worker_failure(exc: BaseException) -> bool:
@@ -252,7 +280,9 @@ def _check_before_hydra(argv: list[str]) -> list[str]:
 def main() -> None:
     """Console entry: check everything that can be checked before Hydra, then hand over."""
     from dpresearch.launch.provenance import remember_command
+    from dpresearch.run.ending import program, remember_invocation
 
+    _STARTED[:] = [time.monotonic()]
     if not CONF_DIR.is_dir():
         print(
             f"error: config directory {CONF_DIR} is missing; install with pip install -e .",
@@ -263,7 +293,8 @@ def main() -> None:
         from dpresearch.launch.lifeline import bind_to_launcher
 
         bind_to_launcher(os.getppid())
-    remember_command([Path(sys.executable).name, "-m", "dpresearch.train", *sys.argv[1:]])
+    remember_invocation(sys.argv[0], sys.argv[1:])
+    remember_command([*program(sys.argv[0]), *sys.argv[1:]])
     try:
         args = _check_before_hydra(sys.argv[1:])
     except ConfigError as exc:

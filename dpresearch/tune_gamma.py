@@ -11,7 +11,8 @@ after `steps` steps, with Ξ²_t/Ξ²_0 along the way for every γ. This is what
 Options (Hydra overrides, composed from `dpresearch/conf/tune_gamma.yaml`): `topology=…`,
 `compressor=…` with their keys, `workers`, `seed`, `dim`, `steps`, `gammas` (a list; default a
 log grid from 0.001 to 1), `points` (curve points printed), `output` (a JSON file for the
-curves).
+curves). `--help` prints this and the default configuration. While it runs, one progress line
+per γ goes to stderr; the table goes to stdout at the end.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +79,27 @@ def consensus_curve(cfg: DictConfig, gamma: float) -> list[float]:
     return curve
 
 
-def tune(cfg: DictConfig) -> dict[str, Any]:
-    """Every γ's curve and the best γ (lowest Ξ² after `steps` steps)."""
-    gammas = list(cfg.gammas) if cfg.gammas else DEFAULT_GAMMAS
-    curves = {float(g): consensus_curve(cfg, float(g)) for g in gammas}
+def tune(cfg: DictConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every γ's curve and the best γ (lowest Ξ² after `steps` steps); `progress` receives
+    one line before the first γ and one after each."""
+    gammas = [float(g) for g in (cfg.gammas if cfg.gammas else DEFAULT_GAMMAS)]
+    say = progress or (lambda line: None)
+    # one step first: a topology or compressor that cannot be built fails before any line
+    consensus_curve(OmegaConf.merge(cfg, {"steps": 1}), gammas[0])
+    say(
+        f"tuning gamma: {len(gammas)} values x {int(cfg.steps)} gossip steps "
+        f"(K={cfg.workers}, d={cfg.dim})"
+    )
+    curves: dict[float, list[float]] = {}
+    started = time.perf_counter()
+    for i, gamma in enumerate(gammas, 1):
+        curves[gamma] = consensus_curve(cfg, gamma)
+        took = time.perf_counter() - started
+        eta = took / i * (len(gammas) - i)
+        say(
+            f"  [{i}/{len(gammas)}] gamma {gamma:g}: final Ξ²/Ξ²_0 {curves[gamma][-1]:.3e} "
+            f"({took:.0f} s, ETA {eta:.0f} s)"
+        )
     best = min(curves, key=lambda g: curves[g][-1])
     return {"best_gamma": best, "final": {g: c[-1] for g, c in curves.items()}, "curves": curves}
 
@@ -111,13 +131,25 @@ def compose_tuning_config(overrides: list[str]) -> DictConfig:
         return compose(config_name="tune_gamma", overrides=overrides)
 
 
+def usage() -> str:
+    """`--help`: what the tuner does, how it is called, and its default configuration."""
+    defaults = OmegaConf.to_yaml(compose_tuning_config([]))
+    return (
+        "usage: python -m dpresearch.tune_gamma [KEY=VALUE ...]   (or: dpresearch tune-gamma)\n\n"
+        f"{(__doc__ or '').strip()}\n\ndefault configuration:\n{defaults}"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     overrides = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in overrides):
+        print(usage())
+        return
     try:
         cfg = compose_tuning_config(overrides)
         if cfg.workers < 2 or cfg.dim < 1 or cfg.steps < 1:
             raise ValueError("workers must be >= 2, dim >= 1 and steps >= 1")
-        result = tune(cfg)
+        result = tune(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
     except (ValueError, TypeError, HydraException, OmegaConfBaseException) as exc:
         cause = exc
         while cause.__cause__ is not None:

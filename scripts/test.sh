@@ -1,7 +1,29 @@
 #!/usr/bin/env bash
-# The test command: set up .venv (with the dev extras) and run the default test suite.
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m slow` or `-k equivalence`.
+# The test command: set up .venv (with the dev extras) and run the test suite.
+#
+#   bash scripts/test.sh              # the default suite: slow tests (marked `slow`) left out
+#   bash scripts/test.sh --all        # every test, slow ones included (what CI runs)
+#   bash scripts/test.sh -m slow      # the slow tests alone
+#   bash scripts/test.sh -k equivalence --durations=0   # other arguments go to pytest
+#
+# It prints the machine's load average before and after and the wall time, so that a time
+# quoted from it says how busy the machine was (the suite starts many real processes; on a
+# shared machine their start-up dominates).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+args=()
+for arg in "$@"; do
+  if [ "$arg" = "--all" ]; then
+    args+=(-m "")  # no marker filter: overrides pyproject's `-m 'not slow'`
+  else
+    args+=("$arg")
+  fi
+done
 bash scripts/setup.sh dev
-exec .venv/bin/python -m pytest "$@"
+load() { cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || uptime; }
+echo "tests: load average $(load) on $(nproc 2>/dev/null || echo '?') cores; started $(date -u +%FT%TZ)"
+start=$(date +%s)
+status=0
+.venv/bin/python -m pytest "${args[@]}" || status=$?
+echo "tests: exit $status after $(( $(date +%s) - start )) s; load average now $(load)"
+exit $status

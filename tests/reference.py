@@ -74,9 +74,9 @@ def ddp_worker(
 def run_ddp(
     world: int, out_path: str, port: int, batch_norm: bool = False, hook: dict | None = None
 ) -> dict:
-    torch.multiprocessing.spawn(
-        ddp_worker, args=(world, port, out_path, batch_norm, hook), nprocs=world, join=True
-    )
+    from gloo_session import spawn_sequence
+
+    spawn_sequence(world, [(ddp_worker, (world, port, out_path, batch_norm, hook))])
     return torch.load(out_path)
 
 
@@ -92,3 +92,21 @@ def run_single_process(world: int) -> dict:
         F.cross_entropy(model(x), y).backward()
         opt.step()
     return model.state_dict()
+
+
+def run_ddp_many(world: int, variants: dict[str, dict], folder: str) -> dict[str, dict]:
+    """Several DDP runs (`variants`: name -> ddp_worker's keyword arguments `batch_norm`,
+    `hook`) on the same `world` processes, started once (`gloo_session`); name -> final
+    state dict."""
+    from gloo_session import free_ports, spawn_sequence
+
+    ports = free_ports(len(variants))
+    paths = {name: os.path.join(folder, f"ddp-{name}.pt") for name in variants}
+    spawn_sequence(
+        world,
+        [
+            (ddp_worker, (world, port, paths[name], v.get("batch_norm", False), v.get("hook")))
+            for (name, v), port in zip(variants.items(), ports, strict=True)
+        ],
+    )
+    return {name: torch.load(path) for name, path in paths.items()}

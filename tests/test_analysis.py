@@ -233,7 +233,9 @@ def test_cli_wrong_column_is_one_error_line(tmp_path, capsys):
     root = write_fixture(tmp_path / "runs")
     assert analysis_main([str(root), "--by", "case", "--metrics", "test/accuracy"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: no metric 'test/accuracy'; available:")
+    assert len(err) == 1 and err[0].startswith(
+        "error: no metric 'test/accuracy' (did you mean 'test/acc'?); available:"
+    )
     assert "test/acc" in err[0]
     assert analysis_main([str(root), "--format", "csv", "--target", "0.7"]) == 0
     out = capsys.readouterr().out

@@ -14,9 +14,8 @@ from dpresearch.config.schema import schema
 from dpresearch.config.validate import validate
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dpresearch"
-# Where torch.distributed may be called: the communicator and the process launcher (and,
-# until it runs through the communicator, the asynchronous real mode).
-DISTRIBUTED_ALLOWED = ("comm/", "launch/", "asynchrony/remote.py")
+# Where torch.distributed may be called: the communicator and the process launcher.
+DISTRIBUTED_ALLOWED = ("comm/", "launch/")
 
 
 def modules() -> dict[str, Path]:

@@ -18,7 +18,7 @@ from reference import BATCH, DATA, LR, SEED, STEPS, _model, _shard_batches
 from test_equivalence import TOL, max_diff, run_ours
 
 from dpresearch.algorithms.async_sgd import AsyncSGD
-from dpresearch.asynchrony.protocol import Protocol
+from dpresearch.asynchrony.protocol import ASGD
 from dpresearch.asynchrony.push import PushCodec
 from dpresearch.asynchrony.server import ParameterServer
 from dpresearch.asynchrony.speed import SpeedModel
@@ -51,7 +51,7 @@ def test_sync_protocol_is_synchronous_sgd(small_config, tmp_path, one_thread):
     """20 synchronous steps of 4 workers = 80 pushes under a barrier, whatever the speeds."""
     sync = run_ours(small_config, tmp_path, "sync", "workers=4", "optimizer.momentum=0.9")
     barrier = run_ours(
-        small_config, tmp_path, "async", "workers=4", ASYNC, "async.protocol=sync",
+        small_config, tmp_path, "async", "workers=4", ASYNC, "protocol=sync",
         "async.speed=exponential", "async.slow_workers=[1]", "async.slowdown=4",
         "optimizer.momentum=0.9", f"train.steps={4 * STEPS}",
     )  # fmt: skip
@@ -92,13 +92,22 @@ def test_fixed_delay_equals_delayed_sgd_reference(small_config, tmp_path, worker
 
 
 # -- C: staleness statistics ----------------------------------------------------------------------
-def simulator(workers: int, **options) -> AsyncSGD:
-    """An AsyncSGD over a tiny model, driven without forward/backward (zero gradients)."""
+PROTOCOLS = {
+    name: f"dpresearch.asynchrony.protocol.{cls}"
+    for name, cls in [("asgd", "ASGD"), ("ssp", "SSP"), ("softsync", "SoftSync"), ("sync", "Sync")]
+}
+
+
+def simulator(workers: int, protocol: str = "asgd", **options) -> AsyncSGD:
+    """An AsyncSGD over a tiny model, driven without forward/backward (zero gradients);
+    `max_staleness` / `c` go to the protocol, the rest to the `async` options."""
     torch.manual_seed(0)
     replicas = Replicas(MLP(2, (3,), hidden=[]), workers, torch.device("cpu"))
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in replicas.models]
     comm = SimulatedCommunicator(workers, NetworkModel.preset("10gbe"))
-    return AsyncSGD(replicas, comm, optimizers, options=options, seed=SEED)
+    node = {"_target_": PROTOCOLS[protocol]}
+    node.update({k: options.pop(k) for k in ("max_staleness", "c") if k in options})
+    return AsyncSGD(replicas, comm, optimizers, options=options, protocol=node, seed=SEED)
 
 
 def drive(algorithm: AsyncSGD, steps: int) -> list[int]:
@@ -158,7 +167,7 @@ def test_histogram_and_drops_account_for_every_push():
 
 
 def test_softsync_applies_every_c_gradients():
-    algorithm = simulator(6, protocol="softsync", softsync_c=3, speed="exponential")
+    algorithm = simulator(6, protocol="softsync", c=3, speed="exponential")
     drive(algorithm, 300)
     assert algorithm.server.version == 100
     assert sum(algorithm.summary()["async/tau_histogram"]) == 300
@@ -189,7 +198,7 @@ def test_server_applies_inverse_lr_and_delay_compensation():
     model = MLP(2, (3,), hidden=[])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     server = ParameterServer(
-        model, optimizer, Protocol("asgd", 2), StalenessPolicy("inverse", 2), 0.3
+        model, optimizer, ASGD(2), StalenessPolicy("inverse", 2), 0.3
     )
     x0 = server.params.clone()
     g = torch.randn_like(x0)
@@ -306,16 +315,15 @@ def test_metrics_and_summary(small_config, tmp_path, one_thread):
 
 BAD = [
     (["async.delay=-1"], "the fixed delay τ must be >= 0"),
-    (["async.protocol=ssp"], "needs async.max_staleness"),
+    (["protocol=ssp"], "needs protocol.max_staleness"),
     (["async.lr_policy=sqrt"], "choose one of: constant, inverse, delay_adaptive, drop"),
     (["async.lr_policy=drop"], "needs async.tau_max"),
-    (["async.protocol=softsync"], "needs async.softsync_c"),
+    (["protocol=softsync"], "needs protocol.c"),
     (["async.slow_workers=[7]"], "workers are 0..3"),
     (["async.speed=gamma"], "choose one of: constant, exponential"),
     (["compressor=powersgd"], "cannot compress a push"),
     (["error_feedback=ef21"], "support error_feedback=none or ef14"),
     (["async.delay=2", "backend=gloo"], "use backend=simulated"),
-    (["backend=gloo", "train.resume=auto"], "real processes (backend=gloo) cannot checkpoint"),
     (["train.on_nonfinite=skip_step"], "skip_step is not supported"),
 ]
 
@@ -329,10 +337,10 @@ def test_bad_async_input_is_one_line(args, fix):
 
 
 def test_bad_async_input_on_the_command_line(tmp_path):
-    out = run_cli([ASYNC, "async.protocol=ssp"], cwd=tmp_path, timeout=60)
+    out = run_cli([ASYNC, "protocol=ssp"], cwd=tmp_path, timeout=60)
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert out.returncode != 0 and len(lines) == 1, out.stderr
-    assert lines[0].startswith("error: async.protocol=ssp needs async.max_staleness")
+    assert lines[0].startswith("error: protocol=ssp needs protocol.max_staleness")
     assert not Path(tmp_path / "outputs").exists() or not any(
         (tmp_path / "outputs").rglob("*.jsonl")
     )

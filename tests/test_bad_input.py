@@ -41,6 +41,7 @@ BAD = [
     (["train.eval_batch_size=0"], "train.eval_batch_size=0: must be at least 1"),
     (["backend.threads=-1"], "backend.threads=-1: must be at least 1"),
     (["backend.timeout_s=0"], "backend.timeout_s=0.0: must be > 0"),
+    (["backend.start_method=fork"], "backend.start_method=fork; choose one of: forkserver, spawn"),
     (["schedule=step", "schedule.milestones=abc"], "schedule.milestones=abc: must be a list"),
     (["optimizer.lr=fast"], "optimizer.lr=fast: must be a number"),
     (["model=resnet20"], "cannot take this data set's inputs of shape (32,)"),
@@ -93,10 +94,6 @@ BAD = [
     (["train.resume=/nonexistent"], "train.resume=/nonexistent: no such file or directory"),
     (["train.resume={tmp}"], "no complete checkpoint there"),
     (["train.on_nonfinite=foo"], "train.on_nonfinite=foo; choose one of: stop, skip_step"),
-    (
-        ["algorithm=async_sgd", "backend=gloo", "train.checkpoint_every=5"],
-        "on real processes (backend=gloo) cannot checkpoint yet; use backend=simulated",
-    ),
     (["algorithm=async_sgd", "train.on_nonfinite=skip_step"], "skip_step is not supported"),
     # More compressors, compressed Adam, two-level reduction (issue 20).
     (["compressor=threshold", "compressor.threshold=0"], "compressor.threshold=0: must be > 0"),
@@ -115,8 +112,14 @@ BAD = [
     (["optimizer=onebit_adam", "algorithm=local_sgd"], "runs its own algorithm"),
     (["algorithm=zero_one_adam"], "select it with optimizer=zero_one_adam"),
     (["optimizer=onebit_adam", "optimizer.freeze_step=-1"], "freeze_step=-1: must be >= 0"),
+    # Asynchrony through the layers, AD-PSGD (issue 17).
+    (["algorithm=async_sgd", "protocol=fifo"], "protocol=fifo is not an option; choose one of"),
+    (["algorithm=async_sgd", "async.protocol=ssp"], "pass protocol=asgd|ssp|softsync|sync"),
+    (["algorithm=sync", "protocol=ssp"], "SyncSGD does not use a protocol"),
+    (["algorithm=adpsgd", "topology=exponential"], "its graph must be undirected and static"),
+    (["algorithm=adpsgd", "backend=gloo"], "add async.order=seeded"),
     # Issue 21: silently accepted, or a traceback with a run directory left behind.
-    (["async.protocol=ssp"], "async.protocol is set but SyncSGD does not use the async options"),
+    (["async.speed=exponential"], "async.speed is set but SyncSGD does not use the async"),
     (["async.compute_s=2"], "async.compute_s is set but SyncSGD does not use the async"),
     (["topology=torus"], "topology is set but SyncSGD does not use the topology options"),
     (["algorithm=local_sgd", "algorithm.period=0"], "algorithm.period=0: average every N >= 1"),
@@ -169,9 +172,11 @@ BAD = [
     (["algorithm=async_sgd", "async.delay_compensation=-1"], "async.delay_compensation=-1.0"),
     (["algorithm=async_sgd", "async.inject_delay=-1"], "async.inject_delay=-1.0"),
     (
-        ["algorithm=async_sgd", "async.protocol=ssp", "async.max_staleness=-1"],
-        "async.max_staleness=-1: must be >= 0",
+        ["algorithm=async_sgd", "protocol=ssp", "protocol.max_staleness=-1"],
+        "protocol.max_staleness=-1",
     ),
+    (["algorithm=adpsgd", "algorithm.pairing=nearest"], "algorithm.pairing=nearest; choose one"),
+    (["train.batched_workers=maybe"], "train.batched_workers=maybe; choose one of"),
     (["algorithm=async_sgd", "async.slowdown=0"], "async.slowdown=0.0: must be > 0"),
     (["algorithm=async_sgd", "async.straggler_factor=0"], "async.straggler_factor=0.0"),
     (["algorithm=async_sgd", "async.straggler_prob=2"], "async.straggler_prob=2.0"),
@@ -256,6 +261,27 @@ def test_bad_input_is_one_line_exit_2_and_no_run_directory(
         assert "+train.stepz" not in lines[0]  # never suggest adding a key the schema lacks
     assert not run_dir.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing else written
+
+
+def test_real_mode_resume_of_another_world_size_is_one_line(tmp_path):
+    """A real asynchronous run's checkpoint (4 workers + the server: 5 processes) resumed with
+    3 workers: refused from the checkpoint's header, before any process starts."""
+    from conftest import compose_config
+
+    from dpresearch.config.validate import ConfigError
+    from dpresearch.run.checkpoint import FORMAT
+    from dpresearch.train import train
+
+    checkpoint = tmp_path / "step_10.pt"
+    header = {"format": FORMAT, "step": 10, "workers": 4, "processes": 5,
+              "algorithm": "dpresearch.algorithms.async_sgd.AsyncSGD", "num_params": 1}  # fmt: skip
+    torch.save({**header, "loop": {}, "states": []}, checkpoint)
+    cfg = compose_config(*SYNTHETIC_SMALL, "algorithm=async_sgd", "backend=gloo", "workers=3",
+                         f"train.resume={checkpoint}")  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        train(cfg, tmp_path / "run")
+    assert "was written with workers=4, this run has workers=3" in str(err.value)
+    assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
 
 
 def test_rerun_into_a_directory_holding_a_run_is_refused(tmp_path, monkeypatch, capsys):

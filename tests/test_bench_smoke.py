@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import SHARED, cli_env
+from conftest import SHARED, cli_env, load_scaled
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "experiments" / "bench" / "emulated_network.py"
@@ -87,7 +87,7 @@ def test_tiny_run_leaves_no_namespace() -> None:
         "--steps", "4", "--warmup", "2", "--compressors", "identity",
     ]  # fmt: skip
     done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=120, cwd=REPO, env=cli_env()
+        cmd, capture_output=True, text=True, timeout=load_scaled(120), cwd=REPO, env=cli_env()
     )  # this checkout's package in every rank, whatever the editable install points at
     assert done.returncode == 0, done.stderr[-2000:]
     if "skipped:" in done.stdout:
@@ -204,7 +204,7 @@ def test_stacked_codecs_bench_runs_and_both_sides_agree(capsys) -> None:
 def bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     done = subprocess.run(
         [sys.executable, str(BENCH / script), *args],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO, env=cli_env(),
+        capture_output=True, text=True, timeout=load_scaled(timeout), cwd=REPO, env=cli_env(),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -299,3 +299,26 @@ def test_study_point_keeps_the_points_overrides_but_the_thread_pin():
     assert "compressor=topk" in overrides and "optimizer.lr=0.06" in overrides
     assert "seed=0" in overrides and not any(o.startswith("backend.threads") for o in overrides)
     assert all("{repo}" not in o for o in overrides)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_async_real_pushes_tiny(tmp_path):
+    """Issue 17's benchmark E at tiny size (after vs after): both sides run real gloo ranks,
+    the rates are read back from their metrics and the ratio line is printed."""
+    out = tmp_path / "pushes.json"
+    done = bench("async_real_pushes.py", "--smoke", "--json", str(out), timeout=900)
+    assert "after / before: median" in done.stdout and "target ≥ 0.95" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["rounds"] == 1 and result["before_pushes_per_s"] > 0
+    assert result["after_pushes_per_s"] > 0
+
+
+# -- issue 22 ----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_worker_start_tiny():
+    """Three gloo launches (~10-40 s each on a loaded 2-core machine): slow."""
+    done = bench("worker_start.py", "--rounds", "1", "--steps", "1", timeout=600)
+    assert re.search(r"first forkserver launch \(server start included\): \d+\.\d+ s", done.stdout)
+    assert re.search(r"spawn / forkserver: median \d+\.\d+ \(range", done.stdout)
+    assert re.search(r"^load [\d. ]+ on \d+ CPUs -> load ", done.stdout, re.M)  # the load

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import compose_config, free_port
+from gloo_session import spawn_sequence
 
 from dpresearch.comm.distributed import DistributedCommunicator
 from dpresearch.comm.ledger import CommOp
@@ -130,7 +131,7 @@ def _broadcast_worker(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.distributed
 def test_gloo_broadcast_receiver_is_not_charged(tmp_path):
-    torch.multiprocessing.spawn(_broadcast_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    spawn_sequence(2, [(_broadcast_worker, (free_port(), str(tmp_path)))])
     got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     assert [g["value"] for g in got] == [0.0, 0.0]
     assert [g["buffers"] for g in got] == [[400], [0]]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_session import spawn_sequence
 from omegaconf import OmegaConf
 
 from dpresearch import CONF_DIR
@@ -228,9 +229,7 @@ def test_reducer_refuses_to_sum_non_linear_payloads():
 
 @pytest.mark.distributed
 def test_simulated_workers_match_gloo_processes(tmp_path):
-    torch.multiprocessing.spawn(
-        gloo_worker, args=(WORLD, free_port(), str(tmp_path)), nprocs=WORLD, join=True
-    )
+    spawn_sequence(WORLD, [(gloo_worker, (WORLD, free_port(), str(tmp_path)))])
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for name in CASES:
         simulated, sim_bytes = run_case(name, SimulatedCommunicator(WORLD, NET))

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compose_config, free_port
+from conftest import compose_config
 from omegaconf import OmegaConf
-from reference import run_ddp
+from reference import run_ddp_many
 from test_equivalence import TOL, max_diff, run_ours
 
 from dpresearch.comm.network import NetworkModel
@@ -49,6 +49,47 @@ CASES = {
 }  # fmt: skip
 
 
+def _args(name: str, deterministic: bool) -> tuple[str, ...]:
+    overrides, ef, _ = CASES[name]
+    extra = ("comm.deterministic=true",) if deterministic else ()
+    return ("workers=4", *overrides, f"error_feedback={ef}", *extra, ONE_THREAD)
+
+
+DETERMINISTIC = ["fp16", "bf16", "powersgd", "topk_exact"]
+
+
+@pytest.mark.distributed
+def test_every_compressor_simulated_equals_gloo_in_one_process_group(small_config, tmp_path):
+    """The default suite's form of the two parametrized tests below (slow: one launch per
+    compressor): every compressor, and the deterministic reduction, trained on the same 4 gloo
+    processes one configuration after another (`gloo_session`), each equal to its simulated
+    run within its tolerance."""
+    from gloo_session import train_on_gloo
+    from reference import BATCH, LR, SEED, STEPS
+
+    jobs = [(name, False) for name in CASES] + [(name, True) for name in DETERMINISTIC]
+    common = (f"seed={SEED}", f"optimizer.lr={LR}", f"train.steps={STEPS}",
+              f"train.batch_size={BATCH}", "backend=gloo")  # fmt: skip
+    gloo = train_on_gloo(
+        4,
+        [
+            (small_config(*common, *_args(n, d)), tmp_path / f"gloo-{n}-{d}")
+            for n, d in jobs
+        ],
+    )
+    initial = run_ours(small_config, tmp_path, "init", "workers=4", "train.steps=1")
+    for (name, deterministic), theirs in zip(jobs, gloo, strict=True):
+        simulated = run_ours(small_config, tmp_path, f"sim-{name}-{deterministic}",
+                             *_args(name, deterministic))  # fmt: skip
+        assert max_diff(simulated, initial) > 1e-3
+        if not deterministic:
+            tol = CASES[name][2]
+        else:
+            tol = 0.0 if name in ("fp16", "bf16", "powersgd") else TOL
+        assert max_diff(simulated, theirs) <= tol, (name, deterministic)
+
+
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_compressor_simulated_equals_gloo(small_config, tmp_path, name):
@@ -61,8 +102,9 @@ def test_every_compressor_simulated_equals_gloo(small_config, tmp_path, name):
     assert max_diff(simulated, gloo) <= tol
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["fp16", "bf16", "powersgd", "topk_exact"])
+@pytest.mark.parametrize("name", DETERMINISTIC)
 def test_deterministic_reduction_brings_every_compressor_within_tolerance(
     small_config, tmp_path, name
 ):
@@ -102,23 +144,36 @@ def test_recorded_bytes_match_the_reducer_formula(small_config, name):
     assert per_step < trainer.replicas.num_params * 4
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize(
-    "compressor,ef",
-    [("topk", "ef14"), ("qsgd", "none"), ("powersgd", "ef14"), ("randomk", "ef14")],
-)
-def test_ddp_comm_hook_matches_our_sync(small_config, tmp_path, compressor, ef):
-    """Acceptance D: torch DDP + our hook (2 gloo ranks) = our own sync, same compressor/EF."""
+HOOKED = [("topk", "ef14"), ("qsgd", "none"), ("powersgd", "ef14"), ("randomk", "ef14")]
+
+
+def _hook_overrides(compressor: str, ef: str) -> list[str]:
     overrides = [f"compressor={compressor}", f"error_feedback={ef}"]
     if compressor in ("topk", "randomk"):
         overrides.append("compressor.ratio=0.05")
     if compressor == "powersgd":
         overrides.append("compressor.min_compression_rate=1.1")
+    return overrides
+
+
+@pytest.fixture(scope="module")
+def hooked_ddp(tmp_path_factory) -> dict[str, dict]:
+    """Torch DDP with our hook for every case of HOOKED, on the same two gloo processes."""
+    variants = {}
+    for compressor, ef in HOOKED:
+        cfg = compose_config(*_hook_overrides(compressor, ef))
+        hook = {
+            "compressor": OmegaConf.to_container(cfg.compressor),
+            "error_feedback": OmegaConf.to_container(cfg.error_feedback),
+        }
+        variants[f"{compressor}-{ef}"] = {"hook": hook}
+    return run_ddp_many(2, variants, str(tmp_path_factory.mktemp("hooked")))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("compressor,ef", HOOKED)
+def test_ddp_comm_hook_matches_our_sync(small_config, tmp_path, compressor, ef, hooked_ddp):
+    """Acceptance D: torch DDP + our hook (2 gloo ranks) = our own sync, same compressor/EF."""
+    overrides = _hook_overrides(compressor, ef)
     ours = run_ours(small_config, tmp_path, "ours", "workers=2", *overrides, ONE_THREAD)
-    cfg = compose_config(*overrides)
-    hook = {
-        "compressor": OmegaConf.to_container(cfg.compressor),
-        "error_feedback": OmegaConf.to_container(cfg.error_feedback),
-    }
-    ddp = run_ddp(2, str(tmp_path / "ddp.pt"), free_port(), hook=hook)
-    assert max_diff(ours, ddp) <= TOL
+    assert max_diff(ours, hooked_ddp[f"{compressor}-{ef}"]) <= TOL

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from gloo_session import spawn_sequence
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -118,9 +119,7 @@ def test_hook_rejects_model_granularity():
 
 @pytest.mark.distributed
 def test_ddp_hook_matches_simulated_reducer(tmp_path):
-    torch.multiprocessing.spawn(
-        ddp_worker, args=(WORLD, free_port(), str(tmp_path)), nprocs=WORLD, join=True
-    )
+    spawn_sequence(WORLD, [(ddp_worker, (WORLD, free_port(), str(tmp_path)))])
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     start = flat_params(make_model())
     for name in CASES:

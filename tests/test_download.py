@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import load_scaled
 
 from dpresearch.data import download
 from dpresearch.data.cifar import CIFAR10
@@ -280,7 +281,7 @@ def test_dripping_server_is_stopped_at_the_deadline(tmp_path: Path, served: Serv
             root, download.CIFAR10_ARCHIVE, url=f"{served.base}/drip", timeout_s=60, deadline_s=2
         )
     took = time.monotonic() - start
-    assert 2 <= took < 2 + 5, f"ended after {took:.1f} s"
+    assert 2 <= took < 2 + load_scaled(5), f"ended after {took:.1f} s"
     assert "\n" not in str(err.value)
     assert not root.exists()
 
@@ -303,7 +304,7 @@ def test_sigterm_mid_download_leaves_nothing(tmp_path: Path, served: Server) -> 
             assert time.monotonic() < deadline, "the download never started"
             time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=load_scaled(60))
     finally:
         if proc.poll() is None:
             proc.kill()

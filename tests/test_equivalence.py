@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import free_port
-from reference import BATCH, LR, SEED, STEPS, run_ddp, run_single_process
+from reference import BATCH, LR, SEED, STEPS, run_ddp, run_ddp_many, run_single_process
 
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
@@ -40,12 +40,25 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+@pytest.fixture(scope="module")
+def ddp_two_ranks(tmp_path_factory) -> dict[str, dict]:
+    """The 2-rank torch DDP references of this module, run on the same two processes."""
+    folder = tmp_path_factory.mktemp("ddp")
+    return run_ddp_many(2, {"plain": {}, "batch_norm": {"batch_norm": True}}, str(folder))
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("k", [2, 4])
-def test_sync_simulated_gloo_ddp_and_single_process_agree(small_config, tmp_path, k):
+@pytest.mark.parametrize("k", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_sync_simulated_gloo_ddp_and_single_process_agree(small_config, tmp_path, k, request):
+    """k = 4 is slow (8 more processes); the default suite holds k = 4 through
+    `test_sync_with_four_workers_equals_single_process_sgd` and the identity case of
+    `test_every_compressor_simulated_equals_gloo_in_one_process_group` (4 gloo ranks)."""
     simulated = run_ours(small_config, tmp_path, "sim", f"workers={k}")
     gloo = run_ours(small_config, tmp_path, "gloo", f"workers={k}", "backend=gloo")
-    ddp = run_ddp(k, str(tmp_path / "ddp.pt"), free_port())
+    if k == 2:
+        ddp = request.getfixturevalue("ddp_two_ranks")["plain"]
+    else:
+        ddp = run_ddp(k, str(tmp_path / "ddp.pt"), free_port())
     single = run_single_process(k)
     initial = run_ours(small_config, tmp_path, "init", f"workers={k}", "train.steps=1")
     assert max_diff(simulated, initial) > 1e-3  # the runs really trained
@@ -54,11 +67,20 @@ def test_sync_simulated_gloo_ddp_and_single_process_agree(small_config, tmp_path
     assert max_diff(simulated, single) <= TOL
 
 
+def test_sync_with_four_workers_equals_single_process_sgd(small_config, tmp_path):
+    """Four simulated workers (each its DistributedSampler shard) = plain SGD on the global
+    batch (no processes started)."""
+    simulated = run_ours(small_config, tmp_path, "sim", "workers=4")
+    initial = run_ours(small_config, tmp_path, "init", "workers=4", "train.steps=1")
+    assert max_diff(simulated, initial) > 1e-3
+    assert max_diff(simulated, run_single_process(4)) <= TOL
+
+
 @pytest.mark.distributed
-def test_sync_with_batchnorm_matches_ddp_buffer_broadcast(small_config, tmp_path):
+def test_sync_with_batchnorm_matches_ddp_buffer_broadcast(small_config, tmp_path, ddp_two_ranks):
     """BatchNorm buffers follow DDP's default: worker 0's statistics are broadcast."""
     ours = run_ours(small_config, tmp_path, "sim", "workers=2", "model.batch_norm=true")
-    ddp = run_ddp(2, str(tmp_path / "ddp.pt"), free_port(), batch_norm=True)
+    ddp = ddp_two_ranks["batch_norm"]
     assert any("running_mean" in key for key in ours)
     assert max_diff(ours, ddp) <= TOL
 

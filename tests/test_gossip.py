@@ -12,7 +12,16 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, SMALL, compose_config, free_port, run_cli, torchrun_two_nodes
+from conftest import (
+    REPO,
+    SMALL,
+    compose_config,
+    free_port,
+    load_scaled,
+    run_cli,
+    torchrun_two_nodes,
+)
+from gloo_session import spawn_sequence
 from test_equivalence import TOL, max_diff, run_ours
 
 from dpresearch.algorithms.gossip import DPSGD
@@ -148,9 +157,7 @@ def _gloo_worker(rank: int, world: int, port: int, out: str, names: list[str]) -
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_every_worker_matches_between_simulated_and_gloo(tmp_path, world):
     names = [n for n, (k, _) in CASES.items() if k == world]
-    torch.multiprocessing.spawn(
-        _gloo_worker, args=(world, free_port(), str(tmp_path), names), nprocs=world, join=True
-    )
+    spawn_sequence(world, [(_gloo_worker, (world, free_port(), str(tmp_path), names))])
     real = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for name in names:
         params, buffers, summary = simulated_rows(name)
@@ -185,10 +192,14 @@ def test_deterministic_mode_is_bit_identical(tmp_path):
 
 @pytest.mark.distributed
 def test_dpsgd_under_torchrun_two_nodes_matches_simulated(tmp_path):
-    """Acceptance C: 2 nodes × 2 processes (c10d rendezvous on 127.0.0.1), D-PSGD on a ring."""
+    """Acceptance C: 2 nodes × 2 processes (c10d rendezvous on 127.0.0.1), D-PSGD on a ring.
+    Also issue 2's acceptance C for any torchrun job (`test_launch`'s slow test): only global
+    rank 0 writes, one run directory and nothing else in the working directory."""
     args = ["algorithm=dpsgd", "workers=4", "backend.threads=1", *SMALL, "train.steps=12"]
     codes, outputs = torchrun_two_nodes(tmp_path, ["backend=gloo", *args, "hydra.run.dir=run"])
     assert codes == [0, 0], "\n".join(outputs)
+    written = {p for p in tmp_path.rglob("*") if p.is_file()}
+    assert written and all((tmp_path / "run") in p.parents for p in written), sorted(written)
     expected = tmp_path / "sim"
     train(compose_config(*args), expected)
     assert (
@@ -240,7 +251,10 @@ def test_small_rings_finish_on_gloo(tmp_path, k):
             "algorithm=dpsgd",
             f"workers={k}",
             "backend=gloo",
+            # both ways of starting local workers: spawned (k = 2), forked (k = 3, the default)
+            *(["backend.start_method=spawn"] if k == 2 else []),
             *SMALL,
+            "train.progress=true",
             "train.steps=10",
             f"hydra.run.dir={tmp_path}",
         ],
@@ -248,7 +262,13 @@ def test_small_rings_finish_on_gloo(tmp_path, k):
         timeout=90,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert time.perf_counter() - start < 60
+    assert time.perf_counter() - start < load_scaled(60)
+    # issue 22: after the last step the shutdown is announced, and the run's last line says
+    # it finished, how far and where (not seconds of silence)
+    lines = result.stdout.strip().splitlines()
+    assert lines[-2] == f"gloo: training done, results written; shutting down the {k} processes"
+    assert lines[-1].startswith("finished: 10/10 steps in ")
+    assert lines[-1].endswith(f" s; results in {tmp_path.resolve()}")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["topology"]["num_workers"] == k
     assert summary["topology"]["degree_max"] == (1 if k == 2 else 2)

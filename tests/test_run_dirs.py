@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import CONF_DIR, SMALL, cli_env, run_cli
+from conftest import CONF_DIR, SMALL, cli_env, load_scaled, run_cli
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -54,7 +54,7 @@ def test_two_sweeps_started_together_never_share_a_file(tmp_path):
         )
         for seeds in ("0,1", "2,3")
     ]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    outputs = [p.communicate(timeout=load_scaled(300))[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     sweeps = sorted(p.parent for p in tmp_path.glob("multirun/*/*/multirun.yaml"))
     assert len(sweeps) == 2, sweeps
@@ -103,13 +103,13 @@ def test_claim_is_exclusive_between_processes(tmp_path):
     with claim_run_dir(run_dir):
         held = subprocess.run(
             [sys.executable, "-c", probe, str(run_dir)],
-            capture_output=True, text=True, env=cli_env(), timeout=60,
+            capture_output=True, text=True, env=cli_env(), timeout=load_scaled(60),
         )  # fmt: skip
     assert held.returncode == 3
     assert "is being written by another run (pid" in held.stdout
     free = subprocess.run(
         [sys.executable, "-c", probe, str(run_dir)],
-        capture_output=True, text=True, env=cli_env(), timeout=60,
+        capture_output=True, text=True, env=cli_env(), timeout=load_scaled(60),
     )  # fmt: skip
     assert free.returncode == 0, free.stdout
 

@@ -40,22 +40,24 @@ def test_sweep_runs_every_good_point_and_lists_the_failed_ones(tmp_path):
     assert not (bad / "summary.json").exists()
 
 
-@pytest.mark.distributed
-def test_parallel_launcher_runs_a_gloo_sweep_with_labelled_output(tmp_path):
-    """Acceptance G, joblib launcher: two gloo ×2 runs at once (`cannot find context for
-    'loky'` before), each job's lines labelled."""
+def check_parallel_gloo_sweep(tmp_path: Path, seeds: list[int]) -> None:
+    """A sweep over `seeds` through the joblib launcher, each point a gloo ×2 run: every job's
+    lines labelled with its number, its train.log holding what its workers printed."""
     sweep = tmp_path / "sweep"
     out = run_cli(
-        ["-m", "hydra/launcher=parallel", "backend=gloo", "workers=2", "seed=0,1", *QUICK,
-         "train.progress=true", f"hydra.sweep.dir={sweep}"],
+        ["-m", "hydra/launcher=parallel", "backend=gloo", "workers=2",
+         f"seed={','.join(map(str, seeds))}", *QUICK, "train.progress=true",
+         f"hydra.sweep.dir={sweep}"],
         cwd=tmp_path, timeout=540,
     )  # fmt: skip
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     started = points(sweep)
-    assert sorted(name.split("seed=")[1].split(",")[0] for name in started) == ["0", "1"]
+    assert sorted(name.split("seed=")[1].split(",")[0] for name in started) == list(
+        map(str, seeds)
+    )
     for directory in started.values():
         assert json.loads((directory / "summary.json").read_text())["total_steps"] == 4
-    for job in (0, 1):
+    for job in range(len(seeds)):
         assert f"[{job}] run directory: {sweep}/{job}-" in out.stdout
         assert f"[{job}] gloo: starting 2 worker processes" in out.stdout
         assert f"[{job}] gloo: 2 processes started and connected in " in out.stdout
@@ -63,6 +65,20 @@ def test_parallel_launcher_runs_a_gloo_sweep_with_labelled_output(tmp_path):
     for directory in started.values():  # train.log holds what the run printed, workers too
         log = (directory / "train.log").read_text()
         assert log.startswith("run directory: ") and "step 4/4" in log
+
+
+@pytest.mark.distributed
+def test_parallel_launcher_runs_a_gloo_point_with_labelled_output(tmp_path):
+    """Acceptance G, joblib launcher, in the default suite: a gloo ×2 run inside a joblib
+    (loky) job (`cannot find context for 'loky'` before), its lines labelled."""
+    check_parallel_gloo_sweep(tmp_path, [0])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_parallel_launcher_runs_a_gloo_sweep_with_labelled_output(tmp_path):
+    """Acceptance G, joblib launcher: two gloo ×2 runs at once, each job's lines labelled."""
+    check_parallel_gloo_sweep(tmp_path, [0, 1])
 
 
 @pytest.mark.slow

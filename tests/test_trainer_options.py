@@ -27,10 +27,17 @@ RESNET = [
 ]
 
 
-def trainer_for(*overrides: str) -> Trainer:
+def trainer_for(*overrides: str, test_images: int | None = None) -> Trainer:
+    """A simulated trainer for `overrides`; `test_images`: evaluate on that many test images
+    only (a ResNet's evaluation of the whole test set costs more than the steps tested)."""
     cfg = compose_config(*overrides)
     comm = SimulatedCommunicator(cfg.workers, NetworkModel.preset("10gbe"))
-    return Trainer(cfg, comm, torch.device("cpu"), None)
+    trainer = Trainer(cfg, comm, torch.device("cpu"), None)
+    if test_images is not None:
+        data = trainer.data
+        data.test_inputs = data.test_inputs[:test_images]
+        data.test_targets = data.test_targets[:test_images]
+    return trainer
 
 
 @needs_subset
@@ -39,8 +46,8 @@ def test_channels_last_weights_are_flat_row_views_with_the_same_gradients():
     noise of the different convolution kernels: training then amplifies it like any noise)."""
     import torch.nn.functional as F
 
-    plain = trainer_for(*RESNET)
-    nhwc = trainer_for(*RESNET, "train.channels_last=true")
+    plain = trainer_for(*RESNET, test_images=64)
+    nhwc = trainer_for(*RESNET, "train.channels_last=true", test_images=64)
     conv = next(p for p in nhwc.replicas.models[0].parameters() if p.dim() == 4)
     assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
     row = nhwc.replicas.params[0]
@@ -63,7 +70,7 @@ def test_channels_last_weights_are_flat_row_views_with_the_same_gradients():
 
 @needs_subset
 def test_bf16_autocast_runs_and_fp16_needs_a_gpu():
-    summary = trainer_for(*RESNET, "train.autocast=bf16").run()
+    summary = trainer_for(*RESNET, "train.autocast=bf16", test_images=64).run()
     assert torch.isfinite(torch.tensor(summary["train/loss"]))
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="bf16"):

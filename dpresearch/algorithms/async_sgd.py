@@ -1,51 +1,66 @@
 """Asynchronous SGD on a parameter server (Recht et al. 2011's Hogwild! lineage; the delayed-
-gradient model of Mishchenko et al. 2022), simulated event by event with K workers in one
-process, or run for real on processes (`backend=gloo|nccl`, see `asynchrony/remote.py`).
+gradient model of Mishchenko et al. 2022): one algorithm over a transport
+(`asynchrony/transport.py`), simulated event by event with K workers in one process, or run
+for real on K + 1 processes (`backend=gloo|nccl`: the server on rank 0, worker w on rank w + 1).
 
-Every trainer step is one push: the event clock (`asynchrony/clock.py`) pops the earliest
-arrival, worker w, whose replica row still holds the parameters it pulled (version v). The
-trainer runs w's forward/backward on its next batch; `after_backward` encodes the gradient
-(`asynchrony/push.py`, compressed with w's own error-feedback memory if configured), the server
-applies it by protocol and staleness policy (`asynchrony/server.py`, τ = version − v), and every
-worker the protocol releases pulls the server's parameters into its row and starts its next
-gradient. So one step consumes one batch: an epoch is K × (batches per worker) steps, and
-`train.steps` counts pushes (with protocol=sync, K pushes per update).
+Every step of the server's loop is one push: the transport names the next pushing worker w
+(the event clock's earliest arrival; on real ranks, whoever pushes next, or the clock's worker
+with `async.order=seeded`). Simulated, w's replica row still holds the parameters it pulled
+(version v) and the loop runs its forward/backward on its next batch. `after_backward` takes
+w's push (the gradient, compressed with w's own error feedback if configured), the server
+applies it by protocol and staleness policy (`asynchrony/server.py`, τ = version − v), and
+every worker the protocol releases pulls the server's parameters and starts its next gradient.
+So one step consumes one batch: an epoch is K × (batches per worker) steps, and `train.steps`
+counts pushes (with protocol=sync, K pushes per update).
 
-Fixed-delay mode (`async.delay=τ`): step t is computed by worker t mod K on x_{max(0, V−τ)}
-(V the server's version), read from a ring buffer of the last τ + 1 server states, and applied
-at once: x_{V+1} = x_V − η·g(x_{V−τ}).
+On real ranks each worker runs the ordinary training loop too, with `AsyncWorker` (this
+algorithm's part for worker ranks): a step receives the server's next message — a pull
+(compute on it, push) or a control (checkpoint now, finish, stop) — so checkpoints, stop requests
+and the end of the run reach every process through the server (`agree`).
+
+Fixed-delay mode (`async.delay=τ`, simulated): step t is computed by worker t mod K on
+x_{max(0, V−τ)} (V the server's version), read from a ring buffer of the last τ + 1 server
+states, and applied at once: x_{V+1} = x_V − η·g(x_{V−τ}).
 
 Simulated time (`time/simulated_s`) is the arrival time of the step's push; in fixed-delay mode
-it advances by compute_s / K per step. Pushes are point-to-point messages, not collectives, so
-the algorithm keeps their accounting itself (per push, an O(K) ledger record would cost more
-than a small model's step) and reports it under the usual keys: `comm/bytes` (mean over workers
-of what each pushed: gradient message and float buffers; a pull is sent by the server and
-charged to nobody), `comm/bytes_max`, `comm/modeled_s` (link seconds of all pushes), and, in
-summary.json, `comm/ops` with one "p2p" row, so `NetworkModel.total_seconds` re-prices it.
+it advances by compute_s / K per step. Pushes are point-to-point messages recorded by the
+ledger at their send: `comm/bytes` (mean over workers of what each pushed: header, gradient
+message and float buffers; a pull is sent by the server and charged to nobody),
+`comm/modeled_s` (α + bytes/B per push) and `comm/ops`, like every other algorithm's traffic.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import Tensor
 
-from dpresearch.algorithms.base import Algorithm, StepPlan, Traits
-from dpresearch.asynchrony.accounting import push_accounting, run_summary, transfer_seconds
-from dpresearch.asynchrony.clock import EventClock
+from dpresearch.algorithms.base import Algorithm, StepPlan, Traits, Verdict
+from dpresearch.asynchrony.clock import EventClock, transfer_seconds
 from dpresearch.asynchrony.options import AsyncOptions, check_options
-from dpresearch.asynchrony.protocol import Protocol
+from dpresearch.asynchrony.protocol import ASGD, Protocol
 from dpresearch.asynchrony.push import PushCodec
 from dpresearch.asynchrony.server import ParameterServer
 from dpresearch.asynchrony.speed import SpeedModel
 from dpresearch.asynchrony.staleness import StalenessPolicy
+from dpresearch.asynchrony.transport import (
+    HEADER,
+    PULL,
+    SERVER_RANK,
+    EventTransport,
+    ProcessTransport,
+    verdict_of,
+)
 from dpresearch.comm.base import Communicator
 from dpresearch.compress import check_algorithm_node
 from dpresearch.replicas import Replicas
+
+DEFAULT_PROTOCOL = {"_target_": "dpresearch.asynchrony.protocol.ASGD"}
 
 
 def uses_channels_last(replicas: Replicas) -> bool:
@@ -53,19 +68,23 @@ def uses_channels_last(replicas: Replicas) -> bool:
     return any(p.dim() == 4 and not p.is_contiguous() for p in replicas.models[0].parameters())
 
 
+def push_codec(replicas: Replicas, workers: list[int], compressor, error_feedback, seed: int,
+               granularity: str, bucket_mb: float) -> PushCodec:  # fmt: skip
+    return PushCodec(replicas.models[0], replicas.params, workers, compressor, error_feedback,
+                     seed, granularity, bucket_mb)  # fmt: skip
+
+
 class AsyncSGD(Algorithm):
-    """Simulated asynchronous SGD; `options` is the `async` config node (`AsyncOptions`).
+    """Asynchronous SGD, the server's side (see the module docstring); `options` is the
+    `async` config node (`AsyncOptions`), `protocol` the `protocol` node.
 
     compressor / error_feedback: config nodes for compressed pushes (None: identity, none);
     granularity / bucket_mb: the compression units (see `PushCodec`).
     """
 
-    # Checkpoints: the simulated mode's whole state is in `state_dict` (server, protocol,
-    # speed streams, event queue, push codec, history); the real mode refuses them
-    # (`check_config`). A dropped step (`train.on_nonfinite=skip_step`) would leave the popped
-    # worker without a next arrival, so it is refused. Real ranks: a server and K workers,
-    # each process running `run_process`.
-    traits = Traits(skippable=False, extra_processes=1, own_processes=True)
+    # A dropped step (`train.on_nonfinite=skip_step`) would leave the pushing worker without a
+    # next arrival, so it is refused. Real ranks: a server process besides the K workers.
+    traits = Traits(skippable=False, extra_processes=1, lockstep=False, messages=True)
 
     def __init__(
         self,
@@ -73,6 +92,7 @@ class AsyncSGD(Algorithm):
         comm: Communicator,
         optimizers: list[torch.optim.Optimizer],
         options: Mapping[str, Any] | None = None,
+        protocol: Mapping[str, Any] | None = None,
         compressor: Mapping[str, Any] | None = None,
         error_feedback: Mapping[str, Any] | None = None,
         seed: int = 0,
@@ -80,107 +100,84 @@ class AsyncSGD(Algorithm):
         bucket_mb: float = 25.0,
     ) -> None:
         super().__init__(replicas, comm, optimizers)
-        k = comm.world_size
-        if comm.num_local != k:
-            raise ValueError(
-                "AsyncSGD simulates all K workers in one process; on gloo/nccl processes the "
-                "real mode runs (dpresearch.asynchrony.remote)"
-            )
+        k = comm.num_workers
+        simulated = comm.num_local == comm.world_size
         self.options = opts = AsyncOptions.from_node(options)
         check_options(opts, k)
-        self.protocol = Protocol(opts.protocol, k, opts.max_staleness, opts.softsync_c)
-        policy = StalenessPolicy(opts.lr_policy, k, opts.tau_max)
+        self.protocol: Protocol = instantiate(protocol or DEFAULT_PROTOCOL, workers=k)
         self.server = ParameterServer(
-            replicas.models[0],
-            optimizers[0],
-            self.protocol,
-            policy,
-            opts.delay_compensation,
+            replicas.models[0], optimizers[0], self.protocol,
+            StalenessPolicy(opts.lr_policy, k, opts.tau_max), opts.delay_compensation,
             uses_channels_last(replicas),
-        )
+        )  # fmt: skip
+        codec = push_codec(replicas, list(range(k)) if simulated else [0], compressor,
+                           error_feedback, seed, granularity, bucket_mb)  # fmt: skip
         params, buffers = replicas.params, replicas.buffers
-        self.push = PushCodec(
-            replicas.models[0],
-            params,
-            comm.local_workers,
-            compressor,
-            error_feedback,
-            seed,
-            granularity,
-            bucket_mb,
-        )
         buffer_bytes = buffers.shape[1] * buffers.element_size()
-        self.push_bytes = self.push.wire_bytes + buffer_bytes
-        self.pull_bytes = params.shape[1] * params.element_size() + buffer_bytes
+        self.push_bytes = 8 * HEADER + codec.wire_bytes + buffer_bytes
+        self.pull_bytes = 8 * 3 + params.shape[1] * params.element_size() + buffer_bytes
+        self.speed = SpeedModel.from_options(opts, k, seed)
         network = comm.ledger.network
-        self.speed = SpeedModel(
-            opts.speed,
-            opts.compute_s,
-            k,
-            seed,
-            opts.cv,
-            opts.slow_workers,
-            opts.slowdown,
-            opts.straggler_prob,
-            opts.straggler_factor,
-        )
-        self.clock = EventClock(
-            self.speed,
-            transfer_seconds(network, self.pull_bytes),
-            transfer_seconds(network, self.push_bytes),
-        )
-        self._has_buffers = buffers.shape[1] > 0
-        # Row views made once: selecting a row is a dispatched op, and this runs every push.
-        self._params, self._grads = list(params.unbind(0)), list(replicas.grads.unbind(0))
-        self._buffers = list(buffers.unbind(0))
-        self._plans = [StepPlan((w,)) for w in range(k)]
-        self.read_version = [0] * k
-        self.pushes = [0] * k  # gradients each worker has pushed: its codec step
+        clock = EventClock(self.speed, transfer_seconds(network, self.pull_bytes),
+                           transfer_seconds(network, self.push_bytes))  # fmt: skip
+        if simulated:
+            self.transport: EventTransport | ProcessTransport = EventTransport(
+                comm, replicas, codec, clock
+            )
+        else:
+            seeded = clock if opts.order == "seeded" else None
+            self.transport = ProcessTransport(
+                comm, self.server, codec, seeded, opts.timeout_s, bool(opts.delay_compensation)
+            )
+        self.clock = clock
+        self._window = [0.0, 0.0, 0]  # pushed batches' loss, accuracy, count (real ranks)
         self.steps = 0
         self._worker = -1
+        self._started = False
+        self._ending = Verdict()
         self.history: Tensor | None = None
         if opts.delay is not None:
             # x_v lives in slot v mod (τ+1) while v ≥ version − τ.
             self.history = self.server.params.expand(opts.delay + 1, -1).clone()
-        else:
-            for w in self.protocol.begin():
-                self._start(w)
+
+    @classmethod
+    def part(cls, comm: Communicator) -> type[Algorithm]:
+        """The server on rank 0 (and in a simulating process), `AsyncWorker` on worker ranks."""
+        if comm.num_local == comm.world_size or comm.worker_of(comm.local_workers[0]) is None:
+            return cls
+        return AsyncWorker
 
     # -- configuration ---------------------------------------------------------------------------
     @classmethod
     def check_config(cls, cfg: DictConfig) -> None:
-        """Raise ValueError (one line naming the fix) for options, compressors or error
-        feedback that asynchronous training cannot run."""
+        """Raise ValueError (one line naming the fix) for options, protocols, compressors or
+        error feedback that asynchronous training cannot run."""
         alg = cfg.algorithm
         opts = AsyncOptions.from_node(alg.get("options"))
         check_options(opts, cfg.workers)
-        if opts.delay is not None and cfg.backend.name != "simulated":
-            raise ValueError(
-                f"async.delay is a simulated mode (x_(t+1) = x_t - η·g(x_(t-τ))); use "
-                f"backend=simulated, or drop async.delay for real processes ({cfg.backend.name})"
-            )
-        if cfg.backend.name != "simulated" and checkpoints_asked(cfg.train):
-            raise ValueError(
-                f"algorithm=async_sgd on real processes (backend={cfg.backend.name}) cannot "
-                "checkpoint yet; use backend=simulated, or leave train.checkpoint_every and "
-                "train.resume unset"
-            )
+        if opts.delay is not None:
+            if cfg.backend.name != "simulated":
+                raise ValueError(
+                    f"async.delay is a simulated mode (x_(t+1) = x_t - η·g(x_(t-τ))); use "
+                    f"backend=simulated, or drop async.delay for real processes "
+                    f"({cfg.backend.name})"
+                )
+            protocol = instantiate(alg.get("protocol") or DEFAULT_PROTOCOL, workers=cfg.workers)
+            if type(protocol) is not ASGD:
+                raise ValueError(
+                    "async.delay fixes τ and replaces the protocol; drop async.delay or set "
+                    f"protocol=asgd (it is {protocol.name})"
+                )
         check_algorithm_node(alg, "push")
-
-    @classmethod
-    def run_process(cls, cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
-        """This torch.distributed process's part of a real run (rank 0 the server, rank
-        1 + w worker w)."""
-        from dpresearch.asynchrony.remote import run_process
-
-        return run_process(cfg, run_dir)
 
     def describe(self) -> dict[str, Any]:
         opts = self.options
+        real = isinstance(self.transport, ProcessTransport)
+        mode = "fixed delay" if opts.delay is not None else "event simulator"
         facts: dict[str, Any] = {
-            "mode": "fixed delay" if opts.delay is not None else "event simulator",
-            "protocol": opts.protocol,
-            "workers": self.comm.world_size,
+            "mode": "real processes" if real else mode,
+            **self.protocol.describe(),
+            "workers": self.comm.num_workers,
             "lr_policy": opts.lr_policy,
             "push_bytes": self.push_bytes,
             "pull_bytes": self.pull_bytes,
@@ -193,6 +190,9 @@ class AsyncSGD(Algorithm):
         if opts.slow_workers:
             facts["slow_workers"] = list(opts.slow_workers)
             facts["slowdown"] = opts.slowdown
+        if real:
+            facts["order"] = opts.order
+            facts["inject_delay"] = opts.inject_delay
         return {"async": facts}
 
     # -- the step --------------------------------------------------------------------------------
@@ -204,52 +204,60 @@ class AsyncSGD(Algorithm):
         self.server.set_lr(multiplier)
 
     def plan(self, step: int) -> StepPlan:
-        if self.history is None:
-            self._worker = self.clock.next_arrival()
-            return self._plans[self._worker]
-        w = step % self.comm.world_size
-        read = max(0, self.server.version - self.options.delay)
-        self._worker, self.read_version[w] = w, read
-        return StepPlan((w,), {w: self.history[read % self.history.shape[0]]})
+        if self.history is not None:
+            w = step % self.comm.world_size
+            read = max(0, self.server.version - self.options.delay)
+            self._worker, self.transport.read_version[w] = w, read
+            return StepPlan((w,), {w: self.history[read % self.history.shape[0]]})
+        if not self._started:  # (not at construction: a resumed run has started already)
+            self._started = True
+            self.transport.release(self.protocol.begin(), self.server)
+        self._worker, plan = self.transport.next_push()
+        return plan
+
+    def losses_finite(self) -> bool:
+        return self.transport.losses_finite()
+
+    def agree(self, proposal: Verdict) -> Verdict:
+        """The server decides for every process: its own stop request, a non-finite pushed
+        loss, its checkpoint interval and run length; the workers hear it after the step."""
+        self._ending = proposal
+        return proposal
 
     def after_backward(self, step: int) -> None:
         w = self._worker
-        count = self.pushes[w]
-        self.pushes[w] = count + 1
         self.steps += 1
-        _, gradient = self.push.encode(w, self._grads[w], count)
-        released = self.server.push(
-            w, gradient, self.read_version[w], self._params[w], self._buffers[w]
-        )
+        push = self.transport.take(w)
+        self._window = [self._window[0] + push.loss, self._window[1] + push.acc,
+                        self._window[2] + 1]  # fmt: skip
+        released = self.server.push(w, push.gradient, push.read_version,
+                                    self.transport.x_read(w), push.buffers)  # fmt: skip
         if self.history is not None:
             version = self.server.version
             self.history[version % self.history.shape[0]].copy_(self.server.params)
             return
-        for j in released:
-            self._start(j)
+        self.transport.release(released, self.server)
+        self.transport.end(self._ending, self.server)
 
-    def _start(self, worker: int) -> None:
-        """`worker` pulls the server's state now and starts its next gradient."""
-        self._params[worker].copy_(self.server.params)
-        if self._has_buffers:
-            self._buffers[worker].copy_(self.server.buffers)
-        self.read_version[worker] = self.server.version
-        self.clock.start(worker)
+    def drop_step(self, step: int) -> None:
+        """A non-finite pushed loss or a refused write ends the run (the push is not applied):
+        tell the workers."""
+        self.transport.end(self._ending, self.server)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Everything the simulation changes beyond the replicas' rows (what each worker pulled)
-        and the trainer's own state; live tensors."""
+        """Everything beyond the replicas' rows (what each simulated worker pulled) and the
+        loop's own state: server, protocol, speed streams, transport (event queue, or the pushes
+        held at the checkpoint), push codec, fixed-delay history; live tensors."""
         return {
             "server": self.server.state_dict(),
             "protocol": self.protocol.state_dict(),
             "speed": self.speed.state_dict(),
-            "clock": self.clock.state_dict(),
-            "push": self.push.state_dict(),
-            "read_version": list(self.read_version),
-            "pushes": list(self.pushes),
+            "transport": self.transport.state_dict(),
+            "push": self.transport.codec.state_dict(),
             "steps": self.steps,
             "worker": self._worker,
+            "started": self._started,
             "history": self.history,
         }
 
@@ -259,11 +267,10 @@ class AsyncSGD(Algorithm):
         self.server.load_state_dict(state["server"])
         self.protocol.load_state_dict(state["protocol"])
         self.speed.load_state_dict(state["speed"])
-        self.clock.load_state_dict(state["clock"])
-        self.push.load_state_dict(state["push"])
-        self.read_version = [int(v) for v in state["read_version"]]
-        self.pushes = [int(n) for n in state["pushes"]]
+        self.transport.load_state_dict(state["transport"])
+        self.transport.codec.load_state_dict(state["push"])
         self.steps, self._worker = int(state["steps"]), int(state["worker"])
+        self._started = bool(state["started"])
         if self.history is not None:
             self.history.copy_(state["history"])
 
@@ -272,31 +279,122 @@ class AsyncSGD(Algorithm):
     def simulated_s(self) -> float:
         if self.history is not None:
             return self.steps * self.options.compute_s / self.comm.world_size
-        return self.clock.now
+        return self.transport.now
 
     def consensus(self) -> tuple[Tensor, Tensor]:
         return self.server.params.clone(), self.server.buffers.clone()
 
     def metrics(self) -> dict[str, float]:
         stats = self.server.stats
-        return {
-            **push_accounting(self.pushes, self.push_bytes, self.clock.push_s),
-            **stats.window(),
-            **stats.totals(),
-            "async/updates": self.server.version,
-            "time/simulated_s": self.simulated_s,
-        }
+        out = {**stats.window(), **stats.totals(), "async/updates": self.server.version}
+        if isinstance(self.transport, ProcessTransport):
+            out.update(self._pushed_losses())
+            if self.transport.clock is None:
+                return out
+        out["time/simulated_s"] = self.simulated_s
+        return out
+
+    def _pushed_losses(self) -> dict[str, float]:
+        """`train/loss` and `train/acc` of the batches pushed since the last call (the
+        workers compute elsewhere; their losses arrive in the pushes)."""
+        loss, acc, count = self._window
+        self._window = [0.0, 0.0, 0]
+        nan = float("nan")
+        return {"train/loss": loss / count if count else nan,
+                "train/acc": acc / count if count else nan}  # fmt: skip
 
     def summary(self) -> dict[str, Any]:
-        return run_summary(self.server, self.protocol, self.pushes, self.push_bytes)
+        return {**self.server.stats.summary(), "async/updates": self.server.version,
+                **self.protocol.summary()}  # fmt: skip
 
 
-def checkpoints_asked(train: Mapping[str, Any]) -> bool:
-    """Whether a `train` node asks for checkpoints (`checkpoint_every`) or a resume."""
-    from dpresearch.run.checkpoint import CheckpointError, checkpoint_interval
+class AsyncWorker(Algorithm):
+    """Asynchronous SGD, a worker's side on real ranks (`AsyncSGD.part`): each step receives
+    the server's next message into its replica row — a pull (compute on it, push the gradient)
+    or a control (the verdict: checkpoint now, finish, stop, diverged). Built with `AsyncSGD`'s
+    arguments."""
 
-    try:
-        every = checkpoint_interval(train.get("checkpoint_every"), 1)
-    except CheckpointError:  # reported by the run-control checks
-        every = 0
-    return bool(every) or train.get("resume") is not None
+    traits = AsyncSGD.traits
+
+    def __init__(
+        self,
+        replicas: Replicas,
+        comm: Communicator,
+        optimizers: list[torch.optim.Optimizer],
+        **node: Any,
+    ) -> None:
+        """`node`: the `algorithm` node's keys, as `AsyncSGD` takes them (the protocol is the
+        server's business)."""
+        super().__init__(replicas, comm, optimizers)
+        self.options = opts = AsyncOptions.from_node(node.get("options"))
+        self.worker = comm.worker_of(comm.local_workers[0])
+        seed = node.get("seed", 0)
+        self.codec = push_codec(
+            replicas, [self.worker], node.get("compressor"), node.get("error_feedback"), seed,
+            node.get("granularity", "tensor"), node.get("bucket_mb", 25.0),
+        )  # fmt: skip
+        self.speed = SpeedModel.from_options(opts, comm.num_workers, seed)  # (injected delays)
+        self.header = torch.zeros(HEADER, dtype=torch.float64)
+        self.inbox = [torch.empty(3, dtype=torch.float64), replicas.params[0], replicas.buffers[0]]
+        self.window = torch.zeros(1, 3, dtype=torch.float64, device=replicas.params.device)
+        self.read_version = 0
+        self.count = 0  # gradients pushed: the codec's step
+        self._compute = StepPlan((0,))
+        self._control: Verdict | None = None
+        self._compute_stats: Any = None  # the run's WorkerCompute (`attach_compute`)
+
+    @property
+    def gradients_per_step(self) -> int:
+        return 1
+
+    def plan(self, step: int) -> StepPlan:
+        with torch.no_grad():
+            self.comm.recv(SERVER_RANK, self.inbox, record=False)
+        version, kind, signum = self.inbox[0].tolist()
+        if int(kind) == PULL:
+            self._control = None
+            self.read_version = int(version)
+            return self._compute
+        self._control = verdict_of(int(kind), int(signum))
+        return StepPlan(())
+
+    def agree(self, proposal: Verdict) -> Verdict:
+        """The server's word: a control message's verdict, otherwise carry on (this
+        process's own stop requests and losses go to the server, which decides)."""
+        return self._control if self._control is not None else Verdict()
+
+    def after_backward(self, step: int) -> None:
+        if self._control is not None:
+            return
+        if self.options.inject_delay > 0:
+            time.sleep(self.options.inject_delay * self.speed.relative(self.worker))
+        wire, _ = self.codec.encode(0, self.replicas.grads[0], self.count)
+        loss, acc = self.batch_loss()
+        self.header.copy_(torch.tensor([self.read_version, self.count, loss, acc]))
+        self.comm.send([self.header, wire, self.replicas.buffers[0]], SERVER_RANK)
+        self.count += 1
+
+    def attach_compute(self, compute: Any) -> None:
+        self._compute_stats = compute
+
+    def batch_loss(self) -> tuple[float, float]:
+        """The loss and accuracy of the batch just computed (the run's compute holds them)."""
+        if self._compute_stats is None:
+            return 0.0, 0.0
+        self._compute_stats.drain(self.window)
+        loss, acc, _ = self.window[0].tolist()
+        return loss, acc
+
+    def consensus(self) -> tuple[Tensor, Tensor]:
+        return self.replicas.params[0].clone(), self.replicas.buffers[0].clone()
+
+    def state_dict(self) -> dict:
+        """The worker's push codec (error-feedback memory), gradient count and speed streams;
+        at a checkpoint it waits for the server's next message, so nothing is in flight."""
+        return {"push": self.codec.state_dict(), "count": self.count,
+                "read_version": self.read_version, "speed": self.speed.state_dict()}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.codec.load_state_dict(state["push"])
+        self.count, self.read_version = int(state["count"]), int(state["read_version"])
+        self.speed.load_state_dict(state["speed"])

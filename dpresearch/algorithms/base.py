@@ -17,9 +17,10 @@ queue, possibly on a stale snapshot), `set_lr` (its server optimizer) and `gradi
 
 from __future__ import annotations
 
+import signal
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -63,9 +64,13 @@ class Traits:
     `train.checkpoint_every` and `train.resume`, and a stop request writes none).
     skippable: `drop_step` leaves the algorithm able to go on (`train.on_nonfinite=skip_step`).
     extra_processes: processes a real (gloo/nccl) run starts besides one per worker (a
-    parameter server: 1).
-    own_processes: on real ranks every process runs the class's `run_process` instead of the
-    training loop.
+    parameter server: 1); they take the first ranks (`Communicator.first_worker`).
+    lockstep: on real ranks every process takes every step together, so the loop's
+    agreement, metrics and evaluation are collectives among them. Otherwise (asynchronous
+    algorithms) the processes exchange messages, the algorithm's `agree` tells each process
+    when the run checkpoints or ends, and the main process alone logs and evaluates.
+    messages: sends point-to-point messages between processes (`Communicator.isend`; on NCCL
+    they travel in a gloo group the communicator creates beside it).
     drifts: the workers' models drift apart between the algorithm's synchronisations (local
     SGD, gossip), so an outer optimizer has pseudo-gradients to work on (synchronous SGD's
     workers always hold one model, a parameter server's workers none of their own).
@@ -76,13 +81,28 @@ class Traits:
     checkpointable: bool = True
     skippable: bool = True
     extra_processes: int = 0
-    own_processes: bool = False
     drifts: bool = False
+    lockstep: bool = True
+    messages: bool = False
     compression_note: str = ""
 
     def processes(self, workers: int) -> int:
         """Processes a real run of `workers` workers starts."""
         return workers + self.extra_processes
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What every process agreed on after a step's backward (`Algorithm.agree`): a stop
+    request's signal (0: none), whether a loss was non-finite (and `train.on_nonfinite` cares),
+    whether to checkpoint after this step, whether it was the run's last, and whether a write
+    into the run directory was refused (`io_errors.RunIOError`, known to the main process)."""
+
+    signum: int = 0
+    nonfinite: bool = False
+    checkpoint: bool = False
+    finished: bool = False
+    io_failed: bool = False
 
 
 class Algorithm(ABC):
@@ -100,6 +120,13 @@ class Algorithm(ABC):
     def check_config(cls, cfg: DictConfig) -> None:
         """Raise ValueError (one line naming the fix) for a configuration this algorithm
         cannot run; called with the whole composed config before any worker starts."""
+
+    @classmethod
+    def part(cls, comm: Communicator) -> type[Algorithm]:
+        """The class this process runs (built with the same arguments): the algorithm itself,
+        or, where processes play different parts (a parameter server and its workers), this
+        process's part."""
+        return cls
 
     def __init__(
         self, replicas: Replicas, comm: Communicator, optimizers: list[torch.optim.Optimizer]
@@ -138,6 +165,31 @@ class Algorithm(ABC):
     def before_forward(self, step: int) -> None:
         """Called before the workers' forward passes of `step`."""
 
+    def losses_finite(self) -> bool:
+        """Whether the training losses that reached this process by message this step (a
+        parameter server's pushes) were finite; the local workers' own are the loop's."""
+        return True
+
+    def agree(self, proposal: Verdict) -> Verdict:
+        """The step's verdict, the same on every process, from this process's `proposal`
+        (its stop request, non-finite and refused-write flags; checkpoint and end by the step
+        count, equal everywhere). Lockstep: one 4-number allreduce [SIGINT, other stop signal,
+        non-finite, refused write] when there are several processes, none in one process."""
+        processes = self.comm.world_size // self.comm.num_local
+        if processes == 1:
+            return proposal
+        signum = proposal.signum
+        flags = torch.tensor(
+            [[signum == signal.SIGINT, signum not in (0, signal.SIGINT), proposal.nonfinite,
+              proposal.io_failed]],  # fmt: skip
+            dtype=torch.float32,
+            device=self.replicas.params.device,
+        )
+        self.comm.all_reduce(flags, op="sum", record=False)
+        interrupt, terminate, bad, io = flags[0].tolist()
+        signum = signal.SIGINT if interrupt else signal.SIGTERM if terminate else 0
+        return replace(proposal, signum=int(signum), nonfinite=bad > 0, io_failed=io > 0)
+
     @abstractmethod
     def after_backward(self, step: int) -> None:
         """Called once every local worker's gradient of `step` is in `replicas.grads`;
@@ -156,6 +208,11 @@ class Algorithm(ABC):
         self.comm.all_reduce(params, op="mean", record="eval")
         self.comm.all_reduce(buffers, op="mean", record="eval")
         return params[0], buffers[0]
+
+    def attach_compute(self, compute: Any) -> None:
+        """Told once, after the run is built, which object runs the local workers'
+        forward/backward (`run.compute.WorkerCompute`): an algorithm that sends its workers'
+        training losses elsewhere (an asynchronous worker's pushes) reads them there."""
 
     def set_run_length(self, steps_per_epoch: int, total_steps: int) -> None:
         """Told once, before the first step, how many steps make an epoch and the run (for

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dpresearch.analysis.errors import AnalysisError
+from dpresearch.analysis.errors import AnalysisError, require_modules
 
 
 def parser() -> argparse.ArgumentParser:
@@ -63,6 +63,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--title", default="", help="(default: the runs' study, else what they share)")
     p.add_argument("--wandb", metavar="PROJECT", help="also log the table as a wandb.Table")
     p.add_argument("--wandb-group")
+    p.add_argument(
+        "--keys", action="store_true", help="list every key (column) --by, --tune and "
+        "--metrics can name, then stop"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p
 
 
@@ -76,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    require_modules("pandas", *(["matplotlib"] if args.out and args.plots else []))
     from dpresearch.analysis.published import load_published
     from dpresearch.analysis.report import (
         FORMATS,
@@ -108,7 +114,10 @@ def run(args: argparse.Namespace) -> int:
         published=published,
         title=args.title,
     )
-    report = load_report(args.roots, spec)
+    if args.keys:
+        return list_keys(args.roots)
+    progress = None if args.quiet else _progress_line
+    report = load_report(args.roots, spec, progress=progress)
     if args.format == "latex":
         print(latex_table(report.table, report.columns, FORMATS, headers(report.columns)))
     elif args.format == "csv":
@@ -127,6 +136,23 @@ def run(args: argparse.Namespace) -> int:
 
         if not log_table(report.table, report.columns, project=args.wandb, group=args.wandb_group):
             print("note: wandb is not installed; no table logged")
+    return 0
+
+
+def _progress_line(line: str) -> None:
+    print(f"analysis: {line}", file=sys.stderr, flush=True)
+
+
+def list_keys(roots: list[Path]) -> int:
+    """Print every column of the runs under `roots` (run-level ones, then `cfg.*`)."""
+    from dpresearch.analysis.runs import find_runs, load_summaries
+
+    paths = find_runs(roots)
+    if not paths:
+        raise AnalysisError(f"no run directories under {', '.join(map(str, roots))}")
+    columns = [str(c) for c in load_summaries(paths).columns]
+    for column in sorted(columns, key=lambda c: (c.startswith("cfg."), c)):
+        print(column)
     return 0
 
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
+import importlib
 from collections.abc import Iterable
+
+INSTALL_EXTRA = "pip install 'dpresearch[analysis]'"
 
 
 class AnalysisError(ValueError):
@@ -11,13 +15,50 @@ class AnalysisError(ValueError):
 
 
 def require_columns(columns: Iterable[str], wanted: Iterable[str], what: str = "column") -> None:
-    """Raise `AnalysisError` listing the available columns if any of `wanted` is missing."""
-    have = list(columns)
+    """Raise `AnalysisError` if any of `wanted` is missing: one line with the closest names
+    ("did you mean"), the run-level columns, and how many config keys (`cfg.*`) there are
+    rather than all of them (`python -m dpresearch.analysis ROOTS --keys` lists every one)."""
+    have = [str(c) for c in columns]
     missing = [c for c in wanted if c not in have]
+    if not missing:
+        return
+    close = [name for m in missing for name in closest(m, have)]
+    shown = sorted(c for c in have if not c.startswith("cfg."))
+    config = [c for c in have if c.startswith("cfg.")]
+    listed = ", ".join(shown[:MAX_LISTED]) + (
+        f", … ({len(shown) - MAX_LISTED} more)" if len(shown) > MAX_LISTED else ""
+    )
+    raise AnalysisError(
+        f"no {what} {', '.join(map(repr, missing))}"
+        + (f" (did you mean {' or '.join(map(repr, dict.fromkeys(close)))}?)" if close else "")
+        + f"; available: {listed}"
+        + (f"; and {len(config)} config keys cfg.* (--keys lists them)" if config else "")
+    )
+
+
+MAX_LISTED = 40  # columns named in an error line; the rest are counted
+
+
+def closest(name: str, have: list[str], n: int = 3) -> list[str]:
+    """Names in `have` that `name` probably meant: a key ending in it (`lr` →
+    `cfg.optimizer.lr`, `compressor` → `cfg.compressor._target_`), else close spellings."""
+    tails = [h for h in have if h.endswith((f".{name}", f".{name}._target_"))]
+    if tails:
+        return tails[:n]
+    return difflib.get_close_matches(name, have, n=n, cutoff=0.75)
+
+
+def require_modules(*names: str, purpose: str = "the analysis") -> None:
+    """Raise `AnalysisError` naming the extra to install if any of the modules `names` (the
+    `analysis` extra's pandas, matplotlib) cannot be imported."""
+    missing = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
     if missing:
-        shown = ", ".join(sorted(c for c in have if not c.startswith("cfg.")))
-        config = sorted(c for c in have if c.startswith("cfg."))
         raise AnalysisError(
-            f"no {what} {', '.join(map(repr, missing))}; available: {shown}"
-            + (f"; config keys: {', '.join(config)}" if config else "")
+            f"{purpose} needs {' and '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not installed; {INSTALL_EXTRA}"
         )

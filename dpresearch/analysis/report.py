@@ -11,7 +11,8 @@ a case and a seed are named in the notes.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from dpresearch.analysis.timing import add_modeled_time, modeled_column, time_to
 DEFAULT_METRICS = ("test/acc", "best/test_acc", "train/loss")
 DEFAULT_TUNE = ("cfg.optimizer.lr",)
 MB = 1e6
+PROGRESS_FROM_RUNS = 50  # load_report's progress lines start at this many runs
 
 
 @dataclass
@@ -323,12 +325,27 @@ def _plot_groups(runs, table, by, tune, include_failed: bool) -> dict[str, list[
     return groups
 
 
-def load_report(roots: Sequence[str | Path], spec: ReportSpec) -> Report:
-    """`build_report` on every run directory under `roots`."""
+def load_report(
+    roots: Sequence[str | Path], spec: ReportSpec, progress: Callable[[str], None] | None = None
+) -> Report:
+    """`build_report` on every run directory under `roots`; `progress` (if given) hears one
+    line per stage (found, summaries read, metrics read) with the seconds so far, when there
+    are `PROGRESS_FROM_RUNS` runs or more (a few runs load in a blink)."""
+    started = time.perf_counter()
     paths = find_runs(roots)
     if not paths:
         raise AnalysisError(f"no run directories under {', '.join(map(str, roots))}")
-    return build_report(load_runs_frame(paths), load_metrics_many(paths), spec)
+
+    def say(line: str) -> None:
+        if progress is not None and len(paths) >= PROGRESS_FROM_RUNS:
+            progress(f"{line} ({time.perf_counter() - started:.1f} s)")
+
+    say(f"{len(paths)} run directories found; reading their summaries and configs")
+    runs = load_runs_frame(paths)
+    say("reading metrics.jsonl")
+    metrics = load_metrics_many(paths)
+    say("aggregating")
+    return build_report(runs, metrics, spec)
 
 
 # -- output -----------------------------------------------------------------------------------

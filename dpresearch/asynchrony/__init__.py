@@ -6,14 +6,15 @@ Pieces, one job each:
 - `speed.py`: seeded per-worker compute-time models (constant, exponential, lognormal, uniform,
   fixed slowdowns, transient stragglers);
 - `protocol.py`: when the server applies gradients and which workers may start computing
-  (asgd, ssp, softsync, sync);
+  (asgd, ssp, softsync, sync: classes chosen by `_target_`, the `protocol` config group);
 - `staleness.py`: staleness-aware learning rates and the τ statistics;
 - `server.py`: the server's model and optimizer, applying pushes by protocol and policy;
 - `push.py`: what a worker sends (its gradient, or a compressed one with its own
   error-feedback memory);
 - `clock.py`: the simulated clock, an event queue of push arrivals;
-- `remote.py`: the real mode, a server process and worker processes exchanging point-to-point
-  messages over torch.distributed.
+- `transport.py`: how pushes reach the server and pulls the workers — the event simulator in one
+  process, or real ranks through the communicator's messages.
 
-The simulated algorithm itself is `dpresearch.algorithms.async_sgd.AsyncSGD`.
+The algorithm itself is `dpresearch.algorithms.async_sgd.AsyncSGD` (the server's side, over
+either transport) with `AsyncWorker` (a worker's side on real ranks).
 """

@@ -18,6 +18,13 @@ from __future__ import annotations
 import heapq
 
 from dpresearch.asynchrony.speed import SpeedModel
+from dpresearch.comm.network import NetworkModel
+
+
+def transfer_seconds(network: NetworkModel, nbytes: int) -> float:
+    """One point-to-point message of `nbytes` between a worker and the server: α + bytes/B
+    (what the ledger charges a message)."""
+    return network.seconds("p2p", nbytes, 2, peers=1)
 
 
 class EventClock:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-PROTOCOLS = ("asgd", "ssp", "softsync", "sync")
+ORDERS = ("arrival", "seeded")
 SPEEDS = ("constant", "exponential", "lognormal", "uniform")
 LR_POLICIES = ("constant", "inverse", "delay_adaptive", "drop")
 
@@ -20,11 +20,8 @@ LR_POLICIES = ("constant", "inverse", "delay_adaptive", "drop")
 class AsyncOptions:
     """Asynchronous training (`algorithm=async_sgd`).
 
-    protocol: "asgd" (the server applies each gradient on arrival), "ssp" (stale-synchronous,
-    Ho et al. 2013: a worker that has pushed more than `max_staleness` gradients beyond the
-    slowest worker's count waits before starting the next one), "softsync" (Zhang et al. 2016:
-    the server applies the mean of every `softsync_c` gradients) or "sync" (a barrier each
-    round: synchronous SGD whose round lasts as long as the slowest worker).
+    When the server applies gradients and whom it releases is the `protocol` node's (its own
+    config group: `protocol=asgd|ssp|softsync|sync`, `asynchrony/protocol.py`).
     delay: fixed-delay mode (overrides the simulator): step t applies g(x_{t−delay}) computed by
     worker t mod K, i.e. x_{t+1} = x_t − η·g(x_{t−τ}) with τ = min(t, delay).
     speed: compute-time model, mean `compute_s` seconds per gradient: "constant",
@@ -38,11 +35,11 @@ class AsyncOptions:
     inject_delay: real mode only: each worker sleeps this many seconds per gradient, scaled by
     its speed model's draw ÷ compute_s (so slow workers and stragglers are slow for real).
     timeout_s: real mode: the server stops with an error when no push arrives for this long.
+    order: real mode: "arrival" (the server takes pushes as they arrive) or "seeded" (in the
+    event simulator's order for this seed and speed model, so a real run replays the simulated
+    one exactly, whatever the processes' timing).
     """
 
-    protocol: str = "asgd"
-    max_staleness: int | None = None
-    softsync_c: int | None = None
     delay: int | None = None
     speed: str = "constant"
     compute_s: float = 0.1
@@ -56,6 +53,7 @@ class AsyncOptions:
     delay_compensation: float = 0.0
     inject_delay: float = 0.0
     timeout_s: float = 120.0
+    order: str = "arrival"
 
     @classmethod
     def from_node(cls, node: Mapping[str, Any] | None) -> AsyncOptions:
@@ -77,32 +75,11 @@ def _choose(key: str, value: str, options: tuple[str, ...]) -> str:
 
 def check_options(opts: AsyncOptions, workers: int) -> None:
     """Raise ValueError, one line naming the fix, for options that cannot run on `workers`."""
-    if opts.protocol not in PROTOCOLS:
-        raise ValueError(_choose("protocol", opts.protocol, PROTOCOLS))
-    if opts.protocol == "ssp":
-        if opts.max_staleness is None:
-            raise ValueError(
-                "async.protocol=ssp needs async.max_staleness=s (how many gradients a worker "
-                "may run ahead of the slowest), e.g. async.max_staleness=4"
-            )
-        if opts.max_staleness < 0:
-            raise ValueError(f"async.max_staleness={opts.max_staleness}: must be >= 0")
-    if opts.protocol == "softsync" and (opts.softsync_c is None or opts.softsync_c < 1):
+    if opts.delay is not None and opts.delay < 0:
         raise ValueError(
-            "async.protocol=softsync needs async.softsync_c >= 1 (gradients per update; "
-            f"Zhang et al.'s n-softsync: c = K/n), e.g. async.softsync_c={max(1, workers // 2)}"
+            f"async.delay={opts.delay}: the fixed delay τ must be >= 0 "
+            "(or null for the event simulator)"
         )
-    if opts.delay is not None:
-        if opts.delay < 0:
-            raise ValueError(
-                f"async.delay={opts.delay}: the fixed delay τ must be >= 0 "
-                "(or null for the event simulator)"
-            )
-        if opts.protocol != "asgd":
-            raise ValueError(
-                f"async.delay fixes τ and replaces the protocol; drop async.delay or set "
-                f"async.protocol=asgd (it is {opts.protocol})"
-            )
     if opts.speed not in SPEEDS:
         raise ValueError(_choose("speed", opts.speed, SPEEDS))
     if not opts.compute_s > 0:
@@ -142,3 +119,5 @@ def check_options(opts: AsyncOptions, workers: int) -> None:
         raise ValueError(f"async.inject_delay={opts.inject_delay}: seconds must be >= 0")
     if not opts.timeout_s > 0:
         raise ValueError(f"async.timeout_s={opts.timeout_s}: must be > 0")
+    if opts.order not in ORDERS:
+        raise ValueError(_choose("order", opts.order, ORDERS))

@@ -23,8 +23,10 @@ from dpresearch.compress.rng import stream_seed
 BLOCK = 256  # draws per refill; fixed, so the streams do not depend on how they are consumed
 
 
-class _Stream:
-    """Successive draws of one worker from one numpy generator, refilled in blocks."""
+class DrawStream:
+    """Successive draws of one worker from one numpy generator, refilled in fixed blocks of
+    `BLOCK` (`fill(generator, n)`), so the n-th draw does not depend on how they are
+    consumed."""
 
     def __init__(self, seed: int, fill) -> None:
         self._rng = np.random.Generator(np.random.PCG64(seed))
@@ -75,15 +77,21 @@ class SpeedModel:
         self.straggler_prob, self.straggler_factor = straggler_prob, straggler_factor
         fill = self._base_fill()
         self._base = [
-            _Stream(stream_seed("async.speed", kind, seed, w), fill) if fill else None
+            DrawStream(stream_seed("async.speed", kind, seed, w), fill) if fill else None
             for w in range(workers)
         ]
         self._straggle = [
-            _Stream(stream_seed("async.straggler", seed, w), lambda g, n: g.random(n))
+            DrawStream(stream_seed("async.straggler", seed, w), lambda g, n: g.random(n))
             if straggler_prob > 0
             else None
             for w in range(workers)
         ]
+
+    @classmethod
+    def from_options(cls, opts, workers: int, seed: int) -> SpeedModel:
+        """The speed model the `async` node (`AsyncOptions`) describes for `workers`."""
+        return cls(opts.speed, opts.compute_s, workers, seed, opts.cv, opts.slow_workers,
+                   opts.slowdown, opts.straggler_prob, opts.straggler_factor)  # fmt: skip
 
     def _base_fill(self):
         """A function (generator, n) → n draws of mean 1, or None for constant times."""

@@ -4,6 +4,11 @@ Tensors are *stacked*: row `w` of a `[W, ...]` tensor belongs to local worker
 `local_workers[w]`. The same algorithm code then runs on K simulated workers in one process
 (W = K) and on K torch.distributed ranks (W = 1).
 
+Point-to-point messages (`isend`, `send`, `recv_any`, `recv`) go between *endpoints*: a worker
+id, or an endpoint a process holds besides its workers (a parameter server; see
+`first_worker`). A message is a tensor or a list of tensors; the receiver names where each
+arrives (same dtypes and sizes), and learns who sent it.
+
 Every op takes `record: bool | str = True`, the purpose of its traffic: True is the
 algorithm's own payload (gradients, models, gossip messages; `comm/bytes`), a string names
 another purpose ("buffers", "eval", "metrics", ...; `comm/bytes_<purpose>`), False records
@@ -31,6 +36,21 @@ if TYPE_CHECKING:
     from dpresearch.comm.hierarchy import Tiers
 
 REDUCTIONS = ("ring", "centralized")
+
+Message = Tensor | Sequence[Tensor]
+
+
+def message_parts(x: Message) -> list[Tensor]:
+    """A message's tensors, in order."""
+    return [x] if isinstance(x, Tensor) else list(x)
+
+
+def message_bytes(parts: Sequence[Tensor]) -> int:
+    return sum(t.nbytes for t in parts)
+
+
+class PeerTimeout(TimeoutError):
+    """No message arrived within the time a receive allowed."""
 
 
 class PendingOp:
@@ -97,7 +117,12 @@ class Communicator(ABC):
     which differs by rounding). On processes this gathers every payload and sums locally: the
     same bytes handed over per worker, more traffic on the wire than the ring; the network model
     still prices the allreduce the algorithm asked for. For reproducibility studies and tests.
+
+    first_worker: endpoints below it are processes of the run that hold no worker (a parameter
+    server: rank 0, workers 0…K−1 on ranks 1…K); `worker_of(endpoint)` maps. 0 in-process.
     """
+
+    first_worker: int = 0
 
     def __init__(
         self,
@@ -258,6 +283,99 @@ class Communicator(ABC):
                 self._plans.clear()
             self._plans[key] = plan
         return plan
+
+    # -- point-to-point messages ---------------------------------------------------------
+    @property
+    def num_workers(self) -> int:
+        """Workers of the run (endpoints from `first_worker` on)."""
+        return self.world_size - self.first_worker
+
+    def worker_of(self, endpoint: int) -> int | None:
+        """The worker id endpoint `endpoint` holds (None: a process without a worker)."""
+        return endpoint - self.first_worker if endpoint >= self.first_worker else None
+
+    def isend(
+        self,
+        x: Message,
+        dst: int,
+        src: int | None = None,
+        record: bool | str = True,
+        at: float | None = None,
+    ) -> PendingOp:
+        """Send message `x` from local endpoint `src` (default: this process's only one) to
+        endpoint `dst`; the tensors must stay unchanged until the returned op completes.
+        Bytes (O(1), see `CommLedger.record_message`): the message's bytes charged to `src`
+        when it is a worker, one "p2p" op priced α + bytes/B, `at` the sender's clock."""
+        parts = [x] if isinstance(x, Tensor) else list(x)
+        src = self._local_endpoint(src)
+        purpose = purpose_of(record)
+        if purpose is not None:
+            # the sender's ledger row; a process without a worker is charged nothing
+            row = self._worker_rows.get(src)
+            self.ledger.record_message(row, message_bytes(parts), purpose, at)
+        return self._isend(parts, dst, src, purpose is not None)
+
+    def send(self, x: Message, dst: int, src: int | None = None, record: bool | str = True,
+             at: float | None = None) -> None:  # fmt: skip
+        """`isend(...)`, waited for."""
+        self.isend(x, dst, src, record, at).wait()
+
+    def recv_any(
+        self,
+        out: Message | None = None,
+        dst: int | None = None,
+        timeout_s: float | None = None,
+        record: bool | str = True,
+    ) -> tuple[int, Message]:
+        """The next message for local endpoint `dst` (default: this process's only one) from
+        any sender: (sender, message). `out`: where the message's tensors land (required
+        across processes); without it the simulated communicator hands over the sent tensors
+        themselves. Raises `PeerTimeout` after `timeout_s` seconds without one (None: the
+        backend's own limit). A message from another process is recorded under its sender
+        (`CommLedger.record_heard`)."""
+        return self._recv(out, None, self._local_endpoint(dst), timeout_s, purpose_of(record))
+
+    def recv(
+        self,
+        src: int,
+        out: Message | None = None,
+        dst: int | None = None,
+        timeout_s: float | None = None,
+        record: bool | str = True,
+    ) -> Message:
+        """The next message for local endpoint `dst` from endpoint `src` (see `recv_any`)."""
+        dst = self._local_endpoint(dst)
+        return self._recv(out, src, dst, timeout_s, purpose_of(record))[1]
+
+    @property
+    def _worker_rows(self) -> dict[int, int]:
+        """Ledger row of each local endpoint that holds a worker (made once)."""
+        rows = self.__dict__.get("_rows")
+        if rows is None:
+            rows = self.__dict__["_rows"] = {
+                e: i for i, e in enumerate(self.local_workers) if self.worker_of(e) is not None
+            }
+        return rows
+
+    def _local_endpoint(self, endpoint: int | None) -> int:
+        if endpoint is None:
+            if self.num_local != 1:
+                raise ValueError("this process holds several endpoints: name the one meant")
+            return self.local_workers[0]
+        return endpoint
+
+    @abstractmethod
+    def _isend(self, parts: list[Tensor], dst: int, src: int, recorded: bool) -> PendingOp: ...
+
+    @abstractmethod
+    def _recv(
+        self,
+        out: Message | None,
+        src: int | None,
+        dst: int,
+        timeout_s: float | None,
+        purpose: str | None,
+    ) -> tuple[int, Message]: ...
 
     def barrier(self) -> None:
         """Block until every process has reached this point."""

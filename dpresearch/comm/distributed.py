@@ -1,16 +1,31 @@
-"""Collectives over torch.distributed: one worker per process (W = 1), gloo or NCCL."""
+"""Collectives over torch.distributed: one worker per process (W = 1), gloo or NCCL.
+
+Messages (`isend` / `recv_any` / `recv`) travel as one byte buffer each on the CPU (the
+message's tensors packed at 8-byte-aligned offsets), over the group itself on gloo and over a
+gloo group beside NCCL (NCCL cannot receive from any source), created with the communicator
+when `messages=True`. A receive waits on one `irecv`; gloo closes the connections of one that
+times out, so `PeerTimeout` ends the messages between these processes (a peer is taken as lost).
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dpresearch.comm.base import Communicator, ExchangePlan, PendingOp
+from dpresearch.comm.base import (
+    Communicator,
+    ExchangePlan,
+    Message,
+    PeerTimeout,
+    PendingOp,
+    message_bytes,
+)
 from dpresearch.comm.hierarchy import INTER, INTRA, Hierarchy, Tiers, price_tiers
 from dpresearch.comm.ledger import CommLedger, CommOp, LedgerView, purpose_of
 from dpresearch.comm.network import NetworkModel
@@ -21,7 +36,9 @@ class DistributedCommunicator(Communicator):
     of `group` (None: the default group, which must already be initialised).
 
     Worker ids are ranks within `group`. "centralized" reduction is a real parameter-server
-    pattern: `reduce` to worker 0, then `broadcast` from it.
+    pattern: `reduce` to worker 0, then `broadcast` from it. `messages`: point-to-point
+    messages will be used (on NCCL: creates the gloo group they travel in, a collective).
+    `first_worker`: ranks below it hold no worker (see `Communicator`).
     """
 
     def __init__(
@@ -33,12 +50,22 @@ class DistributedCommunicator(Communicator):
         p2p_schedule: str = "auto",
         hierarchy: Hierarchy | None = None,
         ledger: CommLedger | LedgerView | None = None,
+        messages: bool = False,
+        first_worker: int = 0,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("DistributedCommunicator needs an initialised process group")
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         super().__init__(size, [rank], network, reduction, deterministic, ledger)
+        self.first_worker = first_worker
         self.group = group
+        self._message_group = group
+        if messages and dist.get_backend(group) != "gloo":
+            self._message_group = dist.new_group(
+                backend="gloo", ranks=None if group is None else dist.get_process_group_ranks(group)
+            )
+        self._sends: dict[tuple[int, int], tuple[Tensor, PendingOp]] = {}  # (dst, size)
+        self._inbox: dict[int, Tensor] = {}  # receive buffers by size
         self._p2p_ready = False
         if p2p_schedule not in P2P_SCHEDULES:
             raise ValueError(
@@ -165,6 +192,77 @@ class DistributedCommunicator(Communicator):
                 rounds.append(ops)
         return rounds
 
+    # -- messages --------------------------------------------------------------------------
+    def _message_rank(self, endpoint: int) -> int:
+        group = self._message_group
+        return endpoint if group is None else dist.get_global_rank(group, endpoint)
+
+    def _isend(self, parts: list[Tensor], dst: int, src: int, recorded: bool) -> PendingOp:
+        size = packed_size(parts)
+        key = (dst, size)
+        held = self._sends.get(key)
+        if held is not None:
+            # the buffer's previous message has left (through its idempotent op: a second
+            # wait() on gloo's send work waits for another send)
+            held[1].wait()
+            buf = held[0]
+        else:
+            buf = torch.empty(size, dtype=torch.uint8)
+        pack(parts, buf)
+        start = time.perf_counter()
+        work = dist.isend(buf, dst=self._message_rank(dst), group=self._message_group)
+
+        def finish() -> None:
+            wait_start = time.perf_counter()
+            work.wait()
+            if recorded:
+                end = time.perf_counter()
+                self.ledger.add_time((start, end), (wait_start, end))
+
+        op = PendingOp(finish)
+        self._sends[key] = (buf, op)
+        return op
+
+    def _recv(
+        self,
+        out: Message | None,
+        src: int | None,
+        dst: int,
+        timeout_s: float | None,
+        purpose: str | None,
+    ) -> tuple[int, Message]:
+        if out is None:
+            raise ValueError("a receive across processes needs `out` (the message's tensors)")
+        parts = [out] if isinstance(out, Tensor) else list(out)
+        size = packed_size(parts)
+        buf = self._inbox.get(size)
+        if buf is None:
+            buf = self._inbox[size] = torch.empty(size, dtype=torch.uint8)
+        peer = None if src is None else self._message_rank(src)
+        work = dist.irecv(buf, src=peer, group=self._message_group)
+        start = time.perf_counter()
+        try:
+            work.wait() if timeout_s is None else work.wait(timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower():
+                raise PeerTimeout(f"no message within {timeout_s:g} s ({exc})") from None
+            raise
+        end = time.perf_counter()
+        sender = src if src is not None else self._sender(work)
+        unpack(buf, parts)
+        if purpose is not None:
+            nbytes = message_bytes(parts)
+            self.ledger.record_heard(sender, nbytes, purpose)
+            # priced here too: the process that hears every worker holds the run's op table
+            self.ledger.record_message(None, nbytes, purpose)
+            self.ledger.add_time((start, end), (start, end))
+        return sender, out
+
+    def _sender(self, work: Any) -> int:
+        rank = work._source_rank()
+        group = self._message_group
+        return rank if group is None else dist.get_group_rank(group, rank)
+
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
@@ -204,6 +302,34 @@ class DistributedCommunicator(Communicator):
 
 
 P2P_SCHEDULES = ("auto", "by_distance", "one_batch")
+ALIGN = 8
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+def packed_size(parts: Sequence[Tensor]) -> int:
+    """Bytes of the buffer `pack` fills: each tensor at an 8-byte-aligned offset."""
+    return sum(_aligned(t.numel() * t.element_size()) for t in parts)
+
+
+def pack(parts: Sequence[Tensor], buf: Tensor) -> None:
+    """Copy `parts` into the uint8 CPU buffer `buf` (see `packed_size`)."""
+    offset = 0
+    for t in parts:
+        n = t.numel() * t.element_size()
+        buf[offset : offset + n].view(t.dtype).copy_(t.reshape(-1))
+        offset += _aligned(n)
+
+
+def unpack(buf: Tensor, parts: Sequence[Tensor]) -> None:
+    """Copy the packed `buf` into `parts` (the same dtypes and sizes as packed)."""
+    offset = 0
+    for t in parts:
+        n = t.numel() * t.element_size()
+        t.view(-1).copy_(buf[offset : offset + n].view(t.dtype))
+        offset += _aligned(n)
 
 
 def default_p2p_schedule(backend: str) -> str:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from dpresearch.comm.base import Communicator, ExchangePlan
+from dpresearch.comm.base import Communicator, ExchangePlan, Message, PendingOp
 from dpresearch.comm.network import NetworkModel
 
 if TYPE_CHECKING:
@@ -95,6 +95,19 @@ class NodeGroups(Communicator):
         self, x: Tensor, plan: ExchangePlan, out: Tensor
     ) -> tuple[Tensor, Callable[[], float | None]]:
         raise NotImplementedError("NodeGroups has no neighbour exchange")
+
+    def _isend(self, parts: list[Tensor], dst: int, src: int, recorded: bool) -> PendingOp:
+        raise NotImplementedError("NodeGroups carries collectives only, no messages")
+
+    def _recv(
+        self,
+        out: Message | None,
+        src: int | None,
+        dst: int,
+        timeout_s: float | None,
+        purpose: str | None,
+    ) -> tuple[int, Message]:
+        raise NotImplementedError("NodeGroups carries collectives only, no messages")
 
 
 def price_tiers(parent: Communicator, hierarchy: Hierarchy) -> None:

@@ -15,6 +15,14 @@ every record; `modeled_s` sums the purposes that are part of training steps (all
 `OFF_STEP_PURPOSES`), since buffer broadcasts are real traffic of the step while evaluation and
 logging traffic are not the method's cost.
 
+Messages. A point-to-point message (`Communicator.isend`) is recorded at the send in O(1): its
+bytes charged to the sending local worker under its purpose, one "p2p" op (α + bytes/B) in
+the op table and the modeled seconds, and the sender's own clock (`clock`: simulated seconds
+for an event simulator, wall seconds since the ledger started for real ranks). A message
+received from another process is recorded too, under its sender (`heard`), and priced in the
+receiver's op table: that is how a process that hears every worker (a parameter server) knows
+their traffic, and the run's ops, without a collective.
+
 Time. The communicator reports, for each recorded collective, the interval it was in flight
 (launch → completion) and the interval the calling thread was blocked on it. `exposed_s` sums
 the blocked time (what a step actually waited for); `busy_s` is the length of the union of all
@@ -24,6 +32,7 @@ is communication hidden behind computation.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -92,10 +101,16 @@ class CommLedger:
     bytes_by_tier: dict[str, list[int]] = field(default_factory=dict)
     modeled_by_purpose: dict[str, float] = field(default_factory=dict)
     exposed_s: float = 0.0
-    op_counts: Counter = field(default_factory=Counter)
-    op_totals: Counter = field(default_factory=Counter)  # CommOp -> times recorded
-    purpose_op_counts: Counter = field(default_factory=Counter)
+    _op_counts: Counter = field(default_factory=Counter)
+    _op_totals: Counter = field(default_factory=Counter)  # CommOp -> times recorded
+    _purpose_op_counts: Counter = field(default_factory=Counter)
     step_ops: list[CommOp] = field(default_factory=list)
+    # per local worker: its clock at its last message (seconds; see the module docstring)
+    clock: list[float] = field(default_factory=list)
+    # bytes received per purpose, by sending endpoint (another process's)
+    heard: dict[str, dict[int, int]] = field(default_factory=dict)
+    # per (bytes, purpose) of a message: [op, its modeled seconds, messages not yet counted]
+    _messages: dict[tuple[int, str], list] = field(default_factory=dict)
     _hidden_steps: int = 0
     _busy_closed: float = 0.0
     _frontier: tuple[float, float] | None = None
@@ -103,6 +118,8 @@ class CommLedger:
 
     def __post_init__(self) -> None:
         self.bytes_by_purpose.setdefault(ALGORITHM, [0] * self.num_local)
+        self.clock = self.clock or [0.0] * self.num_local
+        self._started = time.perf_counter()
 
     # -- bytes -------------------------------------------------------------------------------
     @property
@@ -144,10 +161,10 @@ class CommLedger:
             op.purpose, 0.0
         ) + self.network_of(op).op_seconds(op)
         if op.purpose == ALGORITHM:
-            self.op_counts[op.kind] += 1
-        self.purpose_op_counts[(op.purpose, op.kind)] += 1
+            self._op_counts[op.kind] += 1
+        self._purpose_op_counts[(op.purpose, op.kind)] += 1
         if op.purpose not in OFF_STEP_PURPOSES:  # what `modeled_s` prices
-            self.op_totals[op] += 1
+            self._op_totals[op] += 1
         self.step_ops.append(op)
 
     @contextmanager
@@ -169,6 +186,65 @@ class CommLedger:
         two-level cluster: its local row i is row `rows[i]` here; every op it records is tagged
         `tier` (priced on that tier's link, its bytes also kept per tier)."""
         return LedgerView(self, tuple(rows), tier)
+
+    def record_message(
+        self, row: int | None, nbytes: int, purpose: str, at: float | None = None
+    ) -> None:
+        """One point-to-point message of `nbytes` sent by local worker `row` (None: an endpoint
+        that is not a worker, e.g. a parameter server, or another process's message heard
+        here: counted as an op, charged to nobody) at its clock `at` (None: wall seconds since
+        the ledger started). O(1): the op counts are folded in when read."""
+        entry = self._messages.get((nbytes, purpose))
+        if entry is None:
+            op = CommOp("p2p", nbytes, 2, peers=1, purpose=purpose)
+            entry = self._messages[(nbytes, purpose)] = [op, self.network.op_seconds(op), 0]
+        entry[2] += 1
+        if row is not None:
+            totals = self.bytes_by_purpose.get(purpose)
+            if totals is None:
+                totals = self.bytes_by_purpose[purpose] = [0] * self.num_local
+            totals[row] += nbytes
+            self.clock[row] = time.perf_counter() - self._started if at is None else at
+        modeled = self.modeled_by_purpose
+        modeled[purpose] = modeled.get(purpose, 0.0) + entry[1]
+        self.step_ops.append(entry[0])
+
+    def _fold_messages(self) -> None:
+        """Count the messages recorded since the last fold into the op counters."""
+        for op, _, count in self._messages.values():
+            if not count:
+                continue
+            if op.purpose == ALGORITHM:
+                self._op_counts["p2p"] += count
+            self._purpose_op_counts[(op.purpose, "p2p")] += count
+            if op.purpose not in OFF_STEP_PURPOSES:
+                self._op_totals[op] += count
+        for entry in self._messages.values():
+            entry[2] = 0
+
+    @property
+    def op_counts(self) -> Counter:
+        """The algorithm's ops recorded, by kind."""
+        self._fold_messages()
+        return self._op_counts
+
+    @property
+    def op_totals(self) -> Counter:
+        """Every distinct op priced in `modeled_s`, with the times it was recorded."""
+        self._fold_messages()
+        return self._op_totals
+
+    @property
+    def purpose_op_counts(self) -> Counter:
+        """Ops recorded per (purpose, kind)."""
+        self._fold_messages()
+        return self._purpose_op_counts
+
+    def record_heard(self, src: int, nbytes: int, purpose: str) -> None:
+        """A message of `nbytes` for `purpose` received from endpoint `src` of another
+        process. O(1)."""
+        by_source = self.heard.setdefault(purpose, {})
+        by_source[src] = by_source.get(src, 0) + nbytes
 
     # -- time --------------------------------------------------------------------------------
     def add_time(self, in_flight: tuple[float, float], blocked: tuple[float, float]) -> None:
@@ -221,13 +297,17 @@ class CommLedger:
     def reset(self) -> None:
         self.bytes_by_purpose = {ALGORITHM: [0] * self.num_local}
         self.bytes_by_tier = {}
+        self.clock = [0.0] * self.num_local
+        self.heard = {}
+        self._started = time.perf_counter()
         self.modeled_by_purpose = {}
         self.exposed_s = 0.0
         self._busy_closed, self._frontier = 0.0, None
         self._pending.clear()
-        self.op_counts.clear()
-        self.op_totals.clear()
-        self.purpose_op_counts.clear()
+        self._messages.clear()
+        self._op_counts.clear()
+        self._op_totals.clear()
+        self._purpose_op_counts.clear()
         self.step_ops.clear()
 
     def state_dict(self) -> dict:
@@ -247,6 +327,8 @@ class CommLedger:
                 for op, n in self.op_totals.items()
             ],
             "purpose_op_counts": [[p, k, n] for (p, k), n in self.purpose_op_counts.items()],
+            "clock": list(self.clock),
+            "heard": {p: dict(v) for p, v in self.heard.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -262,6 +344,9 @@ class CommLedger:
             self.op_totals[CommOp(kind, nbytes, group, peers, purpose, *extra)] += n
         for purpose, kind, n in state["purpose_op_counts"]:
             self.purpose_op_counts[(purpose, kind)] += n
+        self.clock = list(state["clock"])
+        self.heard = {p: dict(v) for p, v in state["heard"].items()}
+        self._started = time.perf_counter() - max(self.clock, default=0.0)
 
     def op_table(self) -> list[list]:
         """Every distinct op with its count, `[kind, nbytes, group, peers, count]`, then (where

@@ -1,13 +1,21 @@
-"""In-process collectives: K simulated workers held as the rows of stacked tensors."""
+"""In-process collectives: K simulated workers held as the rows of stacked tensors.
+
+Point-to-point messages go through a mailbox per destination endpoint (the workers 0…K−1, or
+any other id this process uses for an endpoint without a worker, e.g. a parameter server):
+`isend` appends the sent tensors themselves (nothing is copied; the op is complete at once),
+`recv_any` takes the oldest message, `recv` the oldest from one sender. A receive that finds
+no message fails at once: in one process nobody else could send one.
+"""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from dpresearch.comm.base import Communicator, ExchangePlan
+from dpresearch.comm.base import Communicator, ExchangePlan, Message, PeerTimeout, PendingOp
 from dpresearch.comm.hierarchy import (
     INTER,
     INTRA,
@@ -18,6 +26,8 @@ from dpresearch.comm.hierarchy import (
 )
 from dpresearch.comm.ledger import CommLedger, LedgerView
 from dpresearch.comm.network import NetworkModel
+
+_DONE = PendingOp(lambda: None)
 
 
 class SimulatedCommunicator(Communicator):
@@ -34,6 +44,7 @@ class SimulatedCommunicator(Communicator):
     ) -> None:
         super().__init__(world_size, range(world_size), network, reduction, deterministic, ledger)
         self._gather_index: dict[tuple[ExchangePlan, torch.device], tuple[Tensor, Tensor]] = {}
+        self._mailbox: dict[int, deque[tuple[int, list[Tensor]]]] = {}
         if hierarchy is not None:
             self.tiers = self._two_level(hierarchy)
 
@@ -51,6 +62,40 @@ class SimulatedCommunicator(Communicator):
             ledger=self.ledger.view(leaders, INTER),
         )
         return Tiers(hierarchy, intra, inter, leaders)
+
+    def _isend(self, parts: list[Tensor], dst: int, src: int, recorded: bool) -> PendingOp:
+        box = self._mailbox.get(dst)
+        if box is None:
+            box = self._mailbox[dst] = deque()
+        box.append((src, parts))
+        return _DONE
+
+    def _recv(
+        self,
+        out: Message | None,
+        src: int | None,
+        dst: int,
+        timeout_s: float | None,
+        purpose: str | None,
+    ) -> tuple[int, Message]:
+        box = self._mailbox.get(dst)
+        index = 0 if src is None or not box else next(
+            (i for i, (s, _) in enumerate(box) if s == src), None
+        )
+        if not box or index is None:
+            who = "any endpoint" if src is None else f"endpoint {src}"
+            raise PeerTimeout(
+                f"no message from {who} for endpoint {dst}: in one process nobody else can send"
+            )
+        sender, parts = box.popleft() if index == 0 else _take(box, index)
+        if out is None:
+            return sender, parts[0] if len(parts) == 1 else parts
+        targets = [out] if isinstance(out, Tensor) else list(out)
+        if len(targets) != len(parts):
+            raise ValueError(f"the message has {len(parts)} tensors, out {len(targets)}")
+        for target, part in zip(targets, parts, strict=True):
+            target.copy_(part)
+        return sender, out
 
     def _all_reduce_sum(self, x: Tensor) -> None:
         # Always worker order: `deterministic` changes nothing in-process.
@@ -94,3 +139,11 @@ class SimulatedCommunicator(Communicator):
                 missing.to(device) if bool(missing.any()) else None,
             )
         return self._gather_index[key]
+
+
+def _take(box: deque, index: int):
+    """Remove and return `box[index]`."""
+    box.rotate(-index)
+    item = box.popleft()
+    box.rotate(index)
+    return item

@@ -24,6 +24,7 @@ from dpresearch.config.environment import check_distributed_environment
 from dpresearch.config.errors import ConfigError
 
 BACKENDS = ("simulated", "gloo", "nccl")
+START_METHODS = ("forkserver", "spawn")  # backend.start_method (dpresearch.launch.forkserver)
 PARTITIONS = ("iid", "dirichlet", "shared")
 # Optimizer hyper-parameters that torch requires to be non-negative numbers.
 NON_NEGATIVE_OPTIMIZER_KEYS = ("lr", "momentum", "weight_decay", "dampening", "eps")
@@ -35,6 +36,21 @@ REDUCTIONS = ("ring", "centralized")
 P2P_SCHEDULES = ("auto", "by_distance", "one_batch")
 WANDB_MODES = ("online", "offline", "disabled")
 HIERARCHICAL_ALGORITHMS = ("dpresearch.algorithms.sync.SyncSGD",)
+DEFAULT_PROTOCOL = "dpresearch.asynchrony.protocol.ASGD"
+
+
+def _as_config_error(check: Callable[[], object]) -> None:
+    """Run `check`; a ValueError it raises (or one Hydra wraps, a constructor's) becomes a
+    `ConfigError` with its first line."""
+    try:
+        check()
+    except Exception as exc:  # noqa: BLE001 - Hydra wraps constructor errors
+        cause = exc
+        while not isinstance(cause, ValueError) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        if not isinstance(cause, ValueError):
+            raise
+        raise ConfigError(str(cause).strip().splitlines()[0]) from None
 
 
 def algorithm_class(cfg: DictConfig) -> type[Algorithm] | None:
@@ -110,6 +126,10 @@ def check_backend(cfg: DictConfig) -> None:
     if bc.heartbeat_s is not None and bc.heartbeat_s <= 0:
         raise ConfigError(
             f"backend.heartbeat_s={bc.heartbeat_s}: must be > 0 seconds (or null: no watchdog)"
+        )
+    if bc.start_method not in START_METHODS:
+        raise ConfigError(
+            f"backend.start_method={bc.start_method}; choose one of: {', '.join(START_METHODS)}"
         )
 
 
@@ -381,19 +401,8 @@ def check_algorithm(cfg: DictConfig) -> None:
     """The algorithm class's own checks (`Algorithm.check_config`), raising ValueError (e.g. a
     topology that cannot exist for `workers`); the first line becomes the `ConfigError`."""
     cls = algorithm_class(cfg)
-    if cls is None:
-        return
-    try:
-        cls.check_config(cfg)
-    except ValueError as exc:
-        raise ConfigError(str(exc).strip().splitlines()[0]) from None
-    except Exception as exc:  # noqa: BLE001 - Hydra wraps constructor errors
-        cause = exc
-        while cause.__cause__ is not None:
-            cause = cause.__cause__
-        if isinstance(cause, ValueError):
-            raise ConfigError(str(cause).strip().splitlines()[0]) from None
-        raise
+    if cls is not None:
+        _as_config_error(lambda: cls.check_config(cfg))
 
 
 def _is_default(node: Any, target: str, **defaults: Any) -> bool:
@@ -428,10 +437,18 @@ def check_compression(cfg: DictConfig) -> None:
                 "gossip), or leave compressor=identity error_feedback=none"
             )
         return
+    if "error_feedback" not in alg and not _is_default(
+        cfg.error_feedback, "dpresearch.compress.error_feedback.ErrorFeedback", mode="none",
+        momentum=0.0,
+    ):  # fmt: skip
+        raise ConfigError(
+            f"{alg._target_.rsplit('.', 1)[-1]} takes no error_feedback (its messages keep "
+            "their own copies); leave error_feedback=none"
+        )
     try:
         check_compatibility(
             alg.compressor,
-            alg.error_feedback,
+            alg.get("error_feedback"),
             granularity=alg.get("granularity", "auto"),
             bucket_mb=alg.get("bucket_mb", 25.0),
             collective=alg.get("collective", "auto"),
@@ -457,6 +474,24 @@ def check_outer(cfg: DictConfig) -> None:
         outer.check_config(cfg)
     except ValueError as exc:
         raise ConfigError(str(exc).strip().splitlines()[0]) from None
+
+
+def check_protocol(cfg: DictConfig) -> None:
+    """The `protocol` node builds for `workers` workers, and only an algorithm that takes one
+    is given one other than the default."""
+    from hydra.utils import instantiate
+
+    node = cfg.get("protocol")
+    if node is None:
+        return
+    if "protocol" not in cfg.algorithm:
+        if node.get("_target_") != DEFAULT_PROTOCOL:
+            raise ConfigError(
+                f"{cfg.algorithm._target_.rsplit('.', 1)[-1]} does not use a protocol; use "
+                "algorithm=async_sgd, or leave protocol=asgd"
+            )
+        return
+    _as_config_error(lambda: instantiate(node, workers=cfg.workers))
 
 
 # Nodes an algorithm takes by reference (`options: ${async}`, `topology: ${topology}`): set
@@ -508,6 +543,7 @@ PLUGIN_CHECKS: dict[str, Callable[[DictConfig], None]] = {
     "optimizer.owner": check_optimizer_owner,
     "schedule": check_schedule,
     "compressor": check_compression,
+    "protocol": check_protocol,
     "algorithm": check_algorithm,
     "outer": check_outer,
 }

@@ -92,9 +92,28 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     return CommandLine(overrides, multirun, runs, checkable, config_name)
 
 
-def _group_options(conf_dir: Path, group: str) -> list[str]:
-    folder = conf_dir / group
-    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+def _group_options(conf_dir: Path, config_name: str, searchpath: list[str]):
+    """`group -> its options` over every config source Hydra reads: the shipped `conf_dir`
+    and the directories a `hydra.searchpath=[...]` override adds (a user's own configs)."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    cache: dict[str, list[str]] = {}
+
+    def options(group: str) -> list[str]:
+        if group not in cache:
+            with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+                loader = GlobalHydra.instance().config_loader()
+                try:
+                    found = loader.get_group_options(
+                        group, config_name=config_name, overrides=searchpath
+                    )
+                except Exception:  # noqa: BLE001 - a bad search path: composing will say why
+                    found = []
+            cache[group] = sorted(found)
+        return cache[group]
+
+    return options
 
 
 def compose_command_line(cmd: CommandLine, conf_dir: Path) -> DictConfig:
@@ -108,6 +127,8 @@ def compose_command_line(cmd: CommandLine, conf_dir: Path) -> DictConfig:
     except HydraException as exc:
         raise ConfigError(f"cannot parse the overrides: {str(exc).splitlines()[0]}") from None
     first_values = []
+    searchpath = [ov.input_line for ov in parsed if ov.key_or_group == "hydra.searchpath"]
+    group_options = _group_options(conf_dir, cmd.config_name, searchpath)
     for ov in parsed:
         key = ov.key_or_group
         if ov.is_sweep_override() and not cmd.multirun:
@@ -120,7 +141,7 @@ def compose_command_line(cmd: CommandLine, conf_dir: Path) -> DictConfig:
             first_values.append(ov.input_line)
             continue
         values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else None
-        options = _group_options(conf_dir, key)
+        options = group_options(key) if "." not in key else []
         if options and not ov.is_delete():
             for value in values or [ov.value()]:
                 if isinstance(value, str) and value not in options:

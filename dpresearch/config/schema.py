@@ -1,7 +1,7 @@
 """Structured-config schema: types and defaults for every key that is not a plug-in.
 
 Plug-in groups (`data`, `model`, `optimizer`, `schedule`, `algorithm`, `compressor`,
-`error_feedback`, `topology`, `outer`) are Hydra `_target_`
+`error_feedback`, `topology`, `protocol`, `outer`) are Hydra `_target_`
 nodes whose keys belong to their target; their arguments are checked against the target's
 signature by `validate.py` before any worker starts. Everything else is typed here, so an
 unknown key or a wrongly typed value fails at composition.
@@ -84,12 +84,16 @@ class BackendConfig:
     bit-level comparisons across runs and backends fix it (e.g. 1). `timeout_s`: how long a
     collective may wait for a peer. `heartbeat_s`: a worker process started by this
     machine's launcher that shows no sign of life for this long (stopped, frozen) ends the job
-    with one line naming it (null: no watchdog; torchrun jobs rely on `timeout_s`)."""
+    with one line naming it (null: no watchdog; torchrun jobs rely on `timeout_s`).
+    `start_method`: how this machine's launcher starts its worker processes: `forkserver`
+    (forked from a server that imported torch once: a fraction of a second each after the
+    first launch) or `spawn` (a new interpreter each; see `dpresearch/launch/forkserver.py`)."""
 
     name: str = "simulated"
     threads: int | None = None
     timeout_s: float = 600.0
     heartbeat_s: float | None = 60.0
+    start_method: str = "forkserver"
 
 
 @dataclass
@@ -187,6 +191,7 @@ class Config:
     compressor: Any = None
     error_feedback: Any = None
     topology: Any = None
+    protocol: Any = None
 
 
 def schema() -> DictConfig:

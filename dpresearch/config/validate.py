@@ -39,6 +39,7 @@ RUNTIME_ARGS = {
     "error_feedback": {"inner"},
     "topology": {"num_workers"},
     "outer": {"base", "replicas", "comm", "optimizers"},
+    "protocol": {"workers"},
 }
 OWN_KEYS = {"optimizer": {"exclude_bn_bias_from_weight_decay"}}
 
@@ -93,8 +94,18 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
     OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg)))
 
 
+# Keys that became nodes of their own: what to pass instead.
+MOVED = {
+    "async.protocol": "the protocol is its own config group: pass protocol=asgd|ssp|softsync|sync",
+    "async.max_staleness": "pass protocol=ssp protocol.max_staleness=<s>",
+    "async.softsync_c": "pass protocol=softsync protocol.c=<c>",
+}
+
+
 def unknown_key_message(key: str, candidates: Sequence[str]) -> str:
     """One line for a key that the schema does not have, suggesting the closest ones."""
+    if key in MOVED:
+        return f"{key} is not a config key any more; {MOVED[key]}"
     parent, _, leaf = key.rpartition(".")
     close = difflib.get_close_matches(leaf, list(candidates), n=2, cutoff=0.6)
     guess = " or ".join(f"{parent + '.' if parent else ''}{c}" for c in close)

@@ -2,13 +2,15 @@
 
 - simulated: all K workers in this process.
 - gloo / nccl on one machine: K worker processes started with torch's elastic launcher (the
-  engine under torchrun); if any worker fails, the agent stops the others and the job fails
-  with that worker's traceback. A worker that stops showing signs of life for
-  `backend.heartbeat_s` (stopped, frozen) is killed by a watchdog and the job fails naming it
-  (`WorkerFrozen`). Started under `nohup` (SIGHUP ignored), the job keeps ignoring SIGHUP.
-  SIGTERM and SIGINT are not the agent's to act on: the launcher forwards the first one to the
-  workers through a stop file (`dpresearch.run.stop`), and they stop together at a step boundary
-  with a final checkpoint; a second one stops them at once (the agent's own shutdown).
+  engine under torchrun), forked from a server that imported torch once
+  (`dpresearch.launch.forkserver`; `backend.start_method=spawn`: a new interpreter each); if
+  any worker fails, the agent stops the others and the job fails with that worker's traceback.
+  A worker that stops showing signs of life for `backend.heartbeat_s` (stopped, frozen) is
+  killed by a watchdog and the job fails naming it (`WorkerFrozen`). Started under `nohup`
+  (SIGHUP ignored), the job keeps ignoring SIGHUP. SIGTERM and SIGINT are not the agent's to
+  act on: the launcher forwards the first one to the workers through a stop file
+  (`dpresearch.run.stop`), and they stop together at a step boundary with a final checkpoint; a
+  second one stops them at once (the agent's own shutdown).
 - under torchrun (its environment variables present): this process *is* one worker.
 
 Every worker process dies with its launcher, whatever killed it (`dpresearch.launch.lifeline`).
@@ -41,6 +43,7 @@ from dpresearch.config.environment import (
     environment_names,
     from_agent,
 )
+from dpresearch.launch import forkserver
 
 HEARTBEAT_ENV = "DPRESEARCH_HEARTBEAT_DIR"
 LAUNCHED_AT_ENV = "DPRESEARCH_LAUNCHED_AT"
@@ -129,12 +132,9 @@ def process_device(cfg: DictConfig) -> torch.device:
 
 
 def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
-    """Run this process as one torch.distributed process (environment set by the launcher):
-    one worker of the training loop, or — for an algorithm with its own `run_process`
-    classmethod (the asynchronous parameter server) — whatever part it gives this rank."""
+    """Run this process as one torch.distributed process of the training loop (environment set
+    by the launcher; rank 0 writes `run_dir`)."""
     import torch.distributed as dist
-
-    from dpresearch.config.checks import algorithm_class
 
     backend = cfg.backend.name
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
@@ -162,9 +162,14 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
             flush=True,
         )
     try:
-        cls = algorithm_class(cfg)
-        own = cls is not None and cls.traits.own_processes
-        summary = cls.run_process(cfg, run_dir) if own else _train(cfg, run_dir, device)
+        summary = _train(cfg, run_dir, device)
+        if dist.get_rank() == 0 and cfg.train.progress:
+            # (the processes' shutdown takes seconds, more on a busy machine: not a hang)
+            print(
+                f"{backend}: training done, results written; shutting down the "
+                f"{dist.get_world_size()} processes",
+                flush=True,
+            )
         # Leave together: a rank that exits while a peer still uses the gloo pair can abort it.
         dist.barrier()
         return summary
@@ -173,35 +178,45 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
 
 
 def _train(cfg: DictConfig, run_dir: Path | None, device: torch.device) -> dict[str, Any]:
-    """This process as worker `rank` of the training loop (rank 0 writes `run_dir`)."""
+    """This process as rank `rank` of the training loop (rank 0 writes `run_dir`): a worker,
+    or one of the algorithm's extra processes (`Traits.extra_processes`, the first ranks)."""
     from dpresearch.comm.distributed import DistributedCommunicator
+    from dpresearch.config.checks import algorithm_class
     from dpresearch.run.trainer import Trainer
 
+    traits = algorithm_class(cfg).traits
     comm = DistributedCommunicator(
         network_model(cfg),
         cfg.comm.reduction,
         deterministic=cfg.comm.deterministic,
         p2p_schedule=cfg.comm.p2p_schedule,
         hierarchy=hierarchy_of(cfg),
+        messages=traits.messages,
+        first_worker=traits.extra_processes,
     )
     writer_dir = run_dir if comm.is_main_process else None
     return Trainer(cfg, comm, device, writer_dir).run()
 
 
 @record
-def _worker_entry(cfg_container: dict, run_dir: str | None) -> dict[str, Any]:
-    """Entry point of a process started by `launch_local` (must be importable: spawn)."""
+def _worker_entry(
+    cfg_container: dict, run_dir: str | None, context: Any = None
+) -> dict[str, Any]:
+    """Entry point of a process started by `launch_local` (must be importable: spawn); a
+    forked one first takes over its launcher's environment (`forkserver.adopt`)."""
+    forkserver.adopt(context)
     from dpresearch.launch.console import worker_output
     from dpresearch.launch.heartbeat import Heartbeat
     from dpresearch.launch.lifeline import bind_to_launcher
     from dpresearch.run import stop
     from dpresearch.run.stop import STOP_FILE_ENV
 
-    bind_to_launcher()  # first: from here on, this process dies with the launcher
+    # First: from here on, this process dies with the launcher (a forked one with the fork
+    # server, its parent, which exits when the launcher does).
+    bind_to_launcher(forkserver.parent_to_die_with(context))
     cfg = OmegaConf.create(cfg_container)
     beats = os.environ.get(HEARTBEAT_ENV)
-    # Stop requests are recorded from the start (the loop honours them at its next step),
-    # unless the algorithm runs its own processes (the agent stops those with SIGTERM).
+    # Stop requests are recorded from the start (the loop honours them at its next step).
     stoppable = STOP_FILE_ENV in os.environ
     with worker_output(), stop.handling() if stoppable else contextlib.nullcontext():
         if not beats:
@@ -221,15 +236,11 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from dpresearch.config.checks import algorithm_class, process_count
+    from dpresearch.config.checks import process_count
     from dpresearch.launch.heartbeat import Watchdog
     from dpresearch.launch.lifeline import launcher_environment
 
     processes = process_count(cfg)
-    # The ordinary training loop stops cleanly on a request; an algorithm that runs its own
-    # processes (the parameter server) is stopped by the agent as before.
-    cls = algorithm_class(cfg)
-    forwards = cls is None or not cls.traits.own_processes
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -240,13 +251,13 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
         max_restarts=0,
         monitor_interval=0.2,
         start_method="spawn",
-        **_elastic_signals(forward_stop=forwards),
+        **_elastic_signals(),
     )
     container = OmegaConf.to_container(cfg, resolve=True)
     if cfg.train.progress:
         print(
             f"{cfg.backend.name}: starting {processes} worker processes on this machine "
-            "(each imports torch and joins the rendezvous; this takes a while)",
+            "(they join a rendezvous and build the run; this takes a few seconds)",
             flush=True,
         )
     heartbeat_s = cfg.backend.get("heartbeat_s")
@@ -261,37 +272,70 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
             stack.enter_context(_environment({HEARTBEAT_ENV: beats}))
             watchdog = Watchdog(Path(beats), heartbeat_s)
             stack.callback(watchdog.stop)
-        if forwards:
-            from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+        from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
 
-            from dpresearch.run.stop import STOP_FILE_ENV, forwarding
+        from dpresearch.run.stop import STOP_FILE_ENV, forwarding
 
-            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="dpresearch-stop-"))
-            stop_file = Path(folder) / "stop"
-            stack.enter_context(_environment({STOP_FILE_ENV: str(stop_file)}))
-            stack.enter_context(forwarding(stop_file, _terminate_process_handler))
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="dpresearch-stop-"))
+        stop_file = Path(folder) / "stop"
+        stack.enter_context(_environment({STOP_FILE_ENV: str(stop_file)}))
+        stack.enter_context(forwarding(stop_file, _terminate_process_handler))
+        method, context = forkserver.choose(cfg.backend.start_method)
+        config = dataclasses.replace(config, start_method=method)
         try:
             results = elastic_launch(config, _worker_entry)(
-                container, str(run_dir) if run_dir else None
+                container, str(run_dir) if run_dir else None, context
             )
         except ChildFailedError as exc:
             if watchdog is not None and watchdog.frozen is not None:
                 who = "worker" if processes == cfg.workers else "rank"  # ranks are workers?
                 raise WorkerFrozen(watchdog.frozen.message(heartbeat_s, who)) from exc
-            raise
+            raise every_failure(exc, processes) from None
     return results[0]
 
 
-def _elastic_signals(forward_stop: bool = False) -> dict[str, str]:
-    """`LaunchConfig` settings for the signals torch's elastic agent turns into a stop: all of
-    its default ones, but not SIGHUP when this process ignores it (started under `nohup`), as a
-    simulated run would, and not SIGTERM/SIGINT when `forward_stop` (the launcher forwards
-    them as a clean stop request). (Older torch without the setting: its defaults.)"""
+def every_failure(exc: Any, processes: int) -> Any:
+    """`exc` (torch's `ChildFailedError`) with every worker's recorded failure, earliest first.
+
+    torch's agent reports the first failed process it notices. When one worker raises, its
+    peers fail a moment later on the broken connection, and the agent may notice a peer first
+    (forked workers' exits reach it through the fork server) and report the peer's connection
+    error as the root cause. Every worker that raised wrote its error file before exiting; the
+    earliest written is the root cause, and `ChildFailedError.get_first_failure` picks it
+    (earliest timestamp in seconds, ties in the order given here)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failures = dict(exc.failures)
+    attempts = {Path(f.error_file).parent.parent for f in failures.values()}
+    if len(attempts) != 1 or not all(Path(f.error_file).is_file() for f in failures.values()):
+        return exc  # (no error files to compare)
+    (attempt,) = attempts
+    for rank in range(processes):  # one machine: a global rank is its local rank
+        path = attempt / str(rank) / "error.json"
+        if rank not in failures and path.is_file():
+            # (raised, so exited with 1 (torch's wrapper); its pid is not recorded)
+            failures[rank] = ProcessFailure(rank, pid=-1, exitcode=1, error_file=str(path))
+
+    def written(rank: int) -> int:
+        try:
+            return os.stat(failures[rank].error_file).st_mtime_ns
+        except OSError:
+            return 2**63
+
+    ordered = {rank: failures[rank] for rank in sorted(failures, key=written)}
+    return ChildFailedError(exc.name, ordered)
+
+
+def _elastic_signals() -> dict[str, str]:
+    """`LaunchConfig` settings for the signals torch's elastic agent turns into a stop: its
+    default ones but SIGTERM/SIGINT (the launcher forwards them as a clean stop request), and
+    not SIGHUP when this process ignores it (started under `nohup`), as a simulated run would.
+    (Older torch without the setting: its defaults.)"""
     from torch.distributed.launcher.api import LaunchConfig
 
     if "signals_to_handle" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
         return {}
-    handled = ["SIGQUIT"] if forward_stop else ["SIGTERM", "SIGINT", "SIGQUIT"]
+    handled = ["SIGQUIT"]
     # (getsignal gives an int 1 for an inherited SIG_IGN, hence `!=`)
     if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
         handled.append("SIGHUP")

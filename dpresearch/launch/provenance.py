@@ -1,9 +1,10 @@
 """`provenance.json`: what produced a run, written into its directory when the run starts.
 
 Holds the code (git commit of the dpresearch checkout and whether it had uncommitted changes;
-null outside a git checkout), the versions of Python and the packages that shape results, the
-host, the command line (the one that started the process, and for a sweep point the overrides
-that made this point), the working directory and the start time (UTC).
+null for an installed wheel or outside a git checkout), the versions of Python and the packages
+that shape results, the host, the command line (the one that started the process, and for a
+sweep point the overrides that made this point), the working directory and the start time
+(UTC).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from dpresearch import SOURCE_ROOT, __version__
+
 PACKAGES = ("dpresearch", "torch", "numpy", "hydra-core", "omegaconf", "wandb", "torchvision")
 # The command line of the process the user started; set by the entry point, inherited by
 # parallel sweep workers, whose own argv is their pool's.
 COMMAND_ENV = "DPRESEARCH_COMMAND"
-REPO = Path(__file__).resolve().parents[1]
 
 
 def remember_command(argv: Sequence[str]) -> None:
@@ -34,9 +36,11 @@ def remember_command(argv: Sequence[str]) -> None:
 
 
 def _git(*args: str) -> str | None:
+    if SOURCE_ROOT is None:  # an installed wheel: no checkout to describe
+        return None
     try:
         out = subprocess.run(
-            ["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10
+            ["git", "-C", str(SOURCE_ROOT), *args], capture_output=True, text=True, timeout=10
         )
     except (OSError, subprocess.SubprocessError):
         return None
@@ -49,12 +53,19 @@ def collect(overrides: Sequence[str] = ()) -> dict[str, Any]:
     status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
     versions: dict[str, str | None] = {"python": platform.python_version()}
     for name in PACKAGES:
+        if name == "dpresearch":  # the code that runs (an editable install's metadata may lag)
+            versions[name] = __version__
+            continue
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
     return {
-        "git": {"commit": commit, "dirty": bool(status) if commit else None, "repo": str(REPO)},
+        "git": {
+            "commit": commit,
+            "dirty": bool(status) if commit else None,
+            "repo": str(SOURCE_ROOT) if SOURCE_ROOT else None,
+        },
         "versions": versions,
         "host": socket.gethostname(),
         "platform": platform.platform(),

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig
 from torch import nn
 
@@ -33,6 +33,7 @@ from dpresearch.data.base import Dataset
 from dpresearch.data.partition import Partitioner
 from dpresearch.optim import make_optimizer
 from dpresearch.replicas import Replicas
+from dpresearch.run.checkpoint import checkpoint_interval
 from dpresearch.run.compute import WorkerCompute
 
 
@@ -93,6 +94,7 @@ class Run:
     compute: WorkerCompute
     steps_per_epoch: int
     total_steps: int
+    checkpoint_every: int  # steps (0: only on a stop request)
     gradients_per_step: int
     setup: dict[str, Any]  # the algorithm's and the compute's description of the set-up
     rng: GlobalRandom
@@ -108,8 +110,13 @@ class Run:
 
     @property
     def processes(self) -> int:
-        """Processes taking part in the run's collectives."""
+        """Processes of the run."""
         return self.comm.world_size // self.comm.num_local
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether every process takes every step together (see `Traits.lockstep`)."""
+        return self.algorithm.traits.lockstep or self.processes == 1
 
     def state_dict(self) -> dict[str, Any]:
         """This process's part of a checkpoint: each stateful part's own (live tensors: read
@@ -131,8 +138,9 @@ def build_run(
     algorithm_extra: dict[str, Any] | None = None,
 ) -> Run:
     """Build the run of `cfg` for the workers `comm` says this process holds (`dataset`: the
-    data set if already loaded, on any device). `algorithm_extra`: arguments added to the
-    `algorithm` node's instantiation (may override its `_target_`)."""
+    data set if already loaded, on any device). The algorithm is this process's part of the
+    configured one (`Algorithm.part`). `algorithm_extra`: arguments added to the `algorithm`
+    node's instantiation."""
     k, tc = cfg.workers, cfg.train
     torch.manual_seed(cfg.seed)
     data: Dataset = (
@@ -157,10 +165,13 @@ def build_run(
     comm.broadcast(replicas.buffers, src=0, record=False)
     lr_scale = float(k) if tc.lr_scaling == "linear" else 1.0
     optimizers = Optimizers(make_optimizer(cfg.optimizer, m, lr_scale) for m in replicas.models)
+    extra = dict(algorithm_extra or {})
+    part = get_object(cfg.algorithm._target_).part(comm)
+    extra.setdefault("_target_", f"{part.__module__}.{part.__qualname__}")
     runtime = dict(replicas=replicas, comm=comm, optimizers=optimizers)
     # the `outer` node (an outer optimizer) wraps the algorithm the `algorithm` node builds
     algorithm: Algorithm = outer.wrap(
-        cfg, instantiate(cfg.algorithm, **runtime, **(algorithm_extra or {})), **runtime
+        cfg, instantiate(cfg.algorithm, **runtime, **extra), **runtime
     )
     # One epoch = every worker's shard once: K × worker_steps gradients in all.
     per_step = algorithm.gradients_per_step
@@ -168,14 +179,16 @@ def build_run(
     total_steps = tc.steps or max(1, math.ceil(tc.epochs * steps_per_epoch))
     algorithm.set_run_length(steps_per_epoch, total_steps)
     schedule = instantiate(cfg.schedule, steps_per_epoch=steps_per_epoch, total_steps=total_steps)
-    compute = WorkerCompute.for_run(
-        cfg, data, partitioner, replicas, comm.local_workers, worker_steps, device
-    )
+    # the data shard of each local row: its worker id (a process without a worker: none)
+    shards = [comm.worker_of(e) for e in comm.local_workers]
+    compute = WorkerCompute.for_run(cfg, data, partitioner, replicas, shards, worker_steps, device)
+    algorithm.attach_compute(compute)
     run = Run(
         cfg=cfg, comm=comm, device=device, data=data, partitioner=partitioner,
         replicas=replicas, eval_model=copy.deepcopy(model).to(device), optimizers=optimizers,
         base_lr=optimizers[0].param_groups[0]["lr"], algorithm=algorithm, schedule=schedule,
         compute=compute, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+        checkpoint_every=checkpoint_interval(tc.checkpoint_every, steps_per_epoch),
         gradients_per_step=per_step, rng=GlobalRandom(),
         setup={**algorithm.describe(), **compute.describe()},
     )  # fmt: skip

@@ -15,35 +15,33 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from dpresearch.algorithms.base import Verdict
 from dpresearch.algorithms.outer import algorithm_name
 from dpresearch.run.build import Run
 from dpresearch.run.checkpoint import (
     FORMAT,
     CheckpointError,
-    checkpoint_interval,
     find_resume,
     incompatibility,
     load_checkpoint,
     to_cpu,
     write_checkpoint,
 )
-from dpresearch.run.loop import Hook, LoopState, Verdict
+from dpresearch.run.loop import Hook, LoopState
 
 
 class Checkpoints(Hook):
-    """Writes `run`'s checkpoints into `run_dir` (None: nowhere) every `train.checkpoint_every`
-    steps (a stop request's final one is written by the caller, `save`) and resumes from the
-    one `train.resume` names."""
+    """Writes `run`'s checkpoints into `run_dir` (None: nowhere) when the step's verdict says so
+    (every `train.checkpoint_every` steps; a stop request's final one is written by the caller,
+    `save`) and resumes from the one `train.resume` names."""
 
     def __init__(self, run: Run, state: LoopState, run_dir: Path | None) -> None:
-        tc = run.cfg.train
         self.run, self.state, self.run_dir = run, state, run_dir
-        self.every = checkpoint_interval(tc.checkpoint_every, run.steps_per_epoch)
-        self.keep = tc.checkpoint_keep
+        self.keep = run.cfg.train.checkpoint_keep
 
-    def after_step(self, done: int, final: bool, verdict: Verdict) -> None:
+    def after_step(self, done: int, verdict: Verdict) -> None:
         # (a stop request ends the run with its own checkpoint of this step)
-        if self.every and done % self.every == 0 and not final and not verdict.signum:
+        if verdict.checkpoint and not verdict.signum:
             self.save(done)
 
     def facts(self) -> dict[str, Any]:

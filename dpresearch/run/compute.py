@@ -40,7 +40,8 @@ def worker_seed(seed: int, worker: int) -> int:
 class WorkerCompute:
     """Runs forward/backward for local rows of `replicas` into their rows of `replicas.grads`.
 
-    workers: the global id of each local row (the partitioner's worker index).
+    workers: the global id of each local row (the partitioner's worker index; None: a row that
+    never computes, e.g. a parameter server's).
     steps_per_epoch: batches in one pass of a worker over its shard.
     autocast: None, "bf16" or "fp16"; with fp16 the loss is multiplied by `loss_scale` and the
     computed gradient rows divided by it again.
@@ -53,7 +54,7 @@ class WorkerCompute:
         data: Dataset,
         partitioner: Partitioner,
         replicas: Replicas,
-        workers: Sequence[int],
+        workers: Sequence[int | None],
         batch_size: int,
         steps_per_epoch: int,
         seed: int,
@@ -70,7 +71,10 @@ class WorkerCompute:
         self.device, self.channels_last = device, channels_last
         self.autocast_dtype = AUTOCAST_DTYPES.get(autocast or "")
         self.loss_scale = float(loss_scale) if autocast == "fp16" else 1.0
-        self.generators = [torch.Generator().manual_seed(worker_seed(seed, w)) for w in workers]
+        self.generators = [
+            torch.Generator().manual_seed(worker_seed(seed, -1 if w is None else w))
+            for w in workers
+        ]
         self.cursors = [0] * len(self.workers)
         self._epochs = [-1] * len(self.workers)
         # Per row: its current epoch's batches of indices, on the data's device.
@@ -92,7 +96,7 @@ class WorkerCompute:
         data: Dataset,
         partitioner: Partitioner,
         replicas: Replicas,
-        workers: Sequence[int],
+        workers: Sequence[int | None],
         steps_per_epoch: int,
         device: torch.device,
     ) -> WorkerCompute:

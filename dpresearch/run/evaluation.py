@@ -1,7 +1,8 @@
 """Evaluation of the model a run stands for: the algorithm's consensus model on the test set
 (and the validation split, if held out), split across processes with the sums combined, so
-evaluation costs each process 1/P of the test set; with an algorithm whose workers hold
-different models, also every worker's own model."""
+evaluation costs each process 1/P of the test set (in an asynchronous run on processes the main
+process evaluates alone); with an algorithm whose workers hold different models, also every
+worker's own model."""
 
 from __future__ import annotations
 
@@ -26,13 +27,17 @@ class Evaluator:
         comm = run.comm
         params, buffers = run.algorithm.consensus()
         model = run.replicas.load_into(run.eval_model, params, buffers)
-        process_index = comm.local_workers[0] // comm.num_local
+        # lockstep: each process 1/P of the test set, the sums combined; otherwise all here
+        part, parts = (0, 1)
+        if run.lockstep:
+            part, parts = comm.local_workers[0] // comm.num_local, run.processes
         splits = ["test"] + (["val"] if run.data.val_targets is not None else [])
         sums = torch.zeros(comm.num_local, 3 * len(splits), dtype=torch.float64,
                            device=run.device)  # fmt: skip
         for i, split in enumerate(splits):
-            sums[0, 3 * i : 3 * i + 3] = self.sums(model, process_index, run.processes, split)
-        comm.all_reduce(sums, op="sum", record=EVAL)
+            sums[0, 3 * i : 3 * i + 3] = self.sums(model, part, parts, split)
+        if run.lockstep:
+            comm.all_reduce(sums, op="sum", record=EVAL)
         result = {}
         for i, split in enumerate(splits):
             loss, correct, count = sums[0, 3 * i : 3 * i + 3].tolist()
@@ -42,7 +47,8 @@ class Evaluator:
         if run.algorithm.evaluates_local_models:
             # Each worker's model lives only where the worker does: it sees the whole test set.
             accs = torch.stack([self.sums(m, 0, 1)[1:] for m in run.replicas.models])
-            accs = comm.all_gather(accs[:, :1] / accs[:, 1:], record=EVAL)[:, 0]
+            accs = accs[:, :1] / accs[:, 1:]
+            accs = (comm.all_gather(accs, record=EVAL) if run.lockstep else accs)[:, 0]
             result["test/acc_local_mean"] = accs.mean().item()
             result["test/acc_local_min"] = accs.min().item()
         run.replicas.train()

@@ -7,26 +7,25 @@ row of the flat gradient buffer (`WorkerCompute`); then the processes agree on t
 verdict and the algorithm does what it does between backward and the next forward. Everything
 else — metrics, evaluation, checkpoints, fault injection — is a `Hook` called at fixed points.
 
-Ending a run. After each step's backward the processes agree, in one tiny collective (none in
-a simulated run), on three flags: a stop request (SIGTERM/SIGINT, `dpresearch.run.stop`), a
-non-finite training loss (`train.on_nonfinite`) and a write into the run directory that the
+Ending a run. After each step's backward the processes agree on the step's verdict
+(`Algorithm.agree`: lockstep algorithms in one tiny collective, none in a simulated run;
+asynchronous ones by their messages): a stop request (SIGTERM/SIGINT, `dpresearch.run.stop`),
+a non-finite training loss (`train.on_nonfinite`), a write into the run directory that the
 machine refused in an earlier step's hooks (`io_errors.RunIOError`: a full disk; the main
-process alone writes, so only it knows). A stop finishes the step (its hooks run) and ends with
-`Outcome("interrupted")`; a non-finite loss under `stop` ends before the step's update with
-`Outcome("diverged")`; `skip_step` drops the update and counts it; a refused write ends before
-the step's update with `Outcome("failed_io")` (after the last step: at once).
+process alone writes, so only it knows), a checkpoint due, the run's end. A stop finishes the
+step (its hooks run) and ends with `Outcome("interrupted")`; a non-finite loss under `stop`
+ends before the step's update with `Outcome("diverged")`; `skip_step` drops the update and
+counts it; a refused write ends before the step's update with `Outcome("failed_io")` (after
+the last step: at once).
 """
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from dpresearch.algorithms.base import StepPlan
+from dpresearch.algorithms.base import StepPlan, Verdict
 from dpresearch.comm.ledger import CommLedger
 from dpresearch.run import stop
 from dpresearch.run.build import Run
@@ -75,16 +74,6 @@ class LoopState:
 
 
 @dataclass(frozen=True)
-class Verdict:
-    """What every process agreed on after a step's backward: a stop request's signal (0:
-    none) and whether some worker's loss was non-finite (and `train.on_nonfinite` cares)."""
-
-    signum: int = 0
-    nonfinite: bool = False
-    io_failed: bool = False
-
-
-@dataclass(frozen=True)
 class Outcome:
     """How the loop ended: "finished", "interrupted" (after step `step`, by `signum`),
     "diverged" (a non-finite loss at step `step`, 1-based as metrics count) or "failed_io" (a
@@ -102,27 +91,25 @@ class Hook:
         """After the planned workers' forward/backward of `step` (0-based), before the
         agreement (fault injection)."""
 
-    def after_step(self, done: int, final: bool, verdict: Verdict) -> None:
-        """After step `done` (1-based) was applied or dropped; `final`: the run's last."""
+    def after_step(self, done: int, verdict: Verdict) -> None:
+        """After step `done` (1-based) was applied or dropped, with the step's verdict
+        (`verdict.finished`: the run's last)."""
 
 
-def run_loop(
-    run: Run,
-    state: LoopState,
-    hooks: Sequence[Hook],
-    on_nonfinite: str = "stop",
-    stoppable: bool = True,
-) -> Outcome:
-    """Run steps `state.step` … `run.total_steps − 1` (see the module docstring).
-    `stoppable`: honour stop requests (the caller records them: `stop.handling()`, held
-    until the run's ending is written, since a scheduler's signal is handed on afterwards)."""
+def run_loop(run: Run, state: LoopState, hooks: Sequence[Hook], on_nonfinite: str = "stop"
+             ) -> Outcome:  # fmt: skip
+    """Run steps from `state.step` on until the verdict says the run is finished (lockstep:
+    after `run.total_steps`), or a stop request or a non-finite loss ends it (see the module
+    docstring). The caller records stop requests (`stop.handling()`, held until the run's
+    ending is written, since a scheduler's signal is handed on afterwards)."""
     if on_nonfinite not in NONFINITE_MODES:
         raise ValueError(f"train.on_nonfinite={on_nonfinite}")
     algorithm, compute = run.algorithm, run.compute
     clock = state.start_clock(run.ledger)
     rows = _Rows(run)
     run.replicas.train()
-    for step in range(state.step, run.total_steps):
+    step = state.step
+    while True:
         plan = algorithm.plan(step)
         algorithm.set_lr(run.schedule(step))
         clock.step_begins()
@@ -131,7 +118,9 @@ def run_loop(
         compute.run(plan.workers)
         for hook in hooks:
             hook.after_compute(step)
-        verdict = agree(run, plan, on_nonfinite, stoppable, state.io_error is not None)
+        verdict = algorithm.agree(
+            proposal(run, plan, step + 1, on_nonfinite, state.io_error is not None)
+        )
         if verdict.io_failed:
             algorithm.drop_step(step)
             clock.step_ends()
@@ -147,38 +136,36 @@ def run_loop(
             algorithm.after_backward(step)
         clock.step_ends()
         done = state.step = step + 1
-        final = done == run.total_steps
         for hook in hooks:
             try:
-                hook.after_step(done, final, verdict)
+                hook.after_step(done, verdict)
             except RunIOError as exc:  # ends the run at the next agreement, all together
                 state.io_error = state.io_error or exc
-        if verdict.signum and not final:  # (on the last step: finishing is the stop)
+        if verdict.finished:  # (on the last step: finishing is the stop)
+            return Outcome("failed_io" if state.io_error is not None else "finished", done)
+        if verdict.signum:
             return Outcome("interrupted", done, verdict.signum)
-    if state.io_error is not None:
-        return Outcome("failed_io", run.total_steps)
-    return Outcome("finished", run.total_steps)
+        step = done
 
 
-def agree(
-    run: Run, plan: StepPlan, on_nonfinite: str, stoppable: bool, io_failed: bool = False
+def proposal(
+    run: Run, plan: StepPlan, done: int, on_nonfinite: str, io_failed: bool = False
 ) -> Verdict:
-    """The step's verdict, the same on every process: one 4-number allreduce [SIGINT seen,
-    other stop signal seen, non-finite loss, a refused write] when there are several
-    processes, none in a simulated run."""
-    signum = (stop.requested() or 0) if stoppable else 0
-    nonfinite = on_nonfinite != "continue" and not run.compute.last_losses_finite(plan.workers)
-    if run.processes > 1:
-        flags = torch.tensor(
-            [[signum == signal.SIGINT, signum not in (0, signal.SIGINT), nonfinite, io_failed]],
-            dtype=torch.float32,
-            device=run.device,
-        )
-        run.comm.all_reduce(flags, op="sum", record=False)
-        interrupt, terminate, bad, io = flags[0].tolist()
-        signum = signal.SIGINT if interrupt else signal.SIGTERM if terminate else 0
-        nonfinite, io_failed = bad > 0, io > 0
-    return Verdict(int(signum), nonfinite, io_failed)
+    """This process's view of step `done` (1-based) for the agreement: a stop request, a
+    non-finite loss of its workers (or one that reached it by message), a refused write, a
+    checkpoint due by `train.checkpoint_every`, and the last step."""
+    nonfinite = on_nonfinite != "continue" and not (
+        run.compute.last_losses_finite(plan.workers) and run.algorithm.losses_finite()
+    )
+    finished = done >= run.total_steps
+    every = run.checkpoint_every
+    return Verdict(
+        signum=stop.requested() or 0,
+        nonfinite=nonfinite,
+        checkpoint=bool(every) and done % every == 0 and not finished,
+        finished=finished,
+        io_failed=io_failed,
+    )
 
 
 class _Rows:

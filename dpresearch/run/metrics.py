@@ -10,35 +10,59 @@ from typing import Any
 
 import torch
 
+from dpresearch.algorithms.base import Verdict
 from dpresearch.comm.ledger import ALGORITHM, METRICS
 from dpresearch.run.build import Run
 from dpresearch.run.evaluation import Evaluator
 from dpresearch.run.logger import NullLogger, RunLogger
-from dpresearch.run.loop import Hook, LoopState, Verdict
+from dpresearch.run.loop import Hook, LoopState
 from dpresearch.run.progress import format_progress
 
 
 def bytes_per_worker(run: Run) -> dict[str, float]:
     """`comm/bytes`, `comm/bytes_max`: the mean and the max over all K workers of the
     algorithm's bytes each has sent; `comm/bytes_<purpose>`: the mean over all K workers for
-    every other purpose recorded (buffers, eval, metrics, ...). One gather, recorded as metrics
-    traffic; every process records the same purposes, so the rows line up."""
-    ledger = run.ledger
-    purposes = [ALGORITHM] + sorted(p for p in ledger.bytes_by_purpose if p != ALGORITHM)
-    mine = torch.tensor(
-        [ledger.bytes_of(p) for p in purposes], dtype=torch.float64, device=run.device
-    ).T.contiguous()
-    every = run.comm.all_gather(mine, record=METRICS)  # [K, purposes]
+    every other purpose recorded (buffers, eval, metrics, ...).
+
+    Lockstep: one gather of every process's ledger, recorded as metrics traffic; every process
+    records the same purposes, so the rows line up. Otherwise (the main process of an
+    asynchronous run, alone): its own workers' sends and what it heard from the others."""
+    ledger, comm = run.ledger, run.comm
+    if run.lockstep:
+        purposes = [ALGORITHM] + sorted(p for p in ledger.bytes_by_purpose if p != ALGORITHM)
+        mine = torch.tensor(
+            [ledger.bytes_of(p) for p in purposes], dtype=torch.float64, device=run.device
+        ).T.contiguous()
+        every = comm.all_gather(mine, record=METRICS)  # [K, purposes]
+    else:
+        purposes = [ALGORITHM] + sorted(
+            {*ledger.bytes_by_purpose, *ledger.heard} - {ALGORITHM}
+        )
+        every = torch.tensor(
+            [[_known_bytes(run, w, p) for p in purposes] for w in range(comm.num_workers)],
+            dtype=torch.float64,
+        )
     mean = every.mean(0).tolist()
     result = {"comm/bytes": mean[0], "comm/bytes_max": every[:, 0].max().item()}
     result.update({f"comm/bytes_{p}": m for p, m in zip(purposes[1:], mean[1:], strict=True)})
     return result
 
 
+def _known_bytes(run: Run, worker: int, purpose: str) -> int:
+    """Bytes worker `worker` sent for `purpose`, as this process knows them: its own
+    workers' from the ledger's rows, the others' as heard."""
+    comm, ledger = run.comm, run.ledger
+    endpoint = worker + comm.first_worker
+    if endpoint in comm.local_workers:
+        return ledger.bytes_of(purpose)[comm.local_workers.index(endpoint)]
+    return ledger.heard.get(purpose, {}).get(endpoint, 0)
+
+
 class MetricsLog(Hook):
     """Logs a metrics row every `train.log_every` steps, at every evaluation point
     (`train.eval_every`, default: every epoch end) and at the last step; evaluates at the
-    evaluation points (keeping the best test accuracy in the loop state)."""
+    evaluation points (keeping the best test accuracy in the loop state). In a lockstep run
+    every process takes part; otherwise only the main process has this hook."""
 
     def __init__(
         self, run: Run, state: LoopState, logger: RunLogger | NullLogger, progress: bool
@@ -52,13 +76,14 @@ class MetricsLog(Hook):
         self.counts_skipped = tc.on_nonfinite == "skip_step"
         self.window = torch.zeros(run.comm.num_local, 3, dtype=torch.float64, device=run.device)
 
-    def after_step(self, done: int, final: bool, verdict: Verdict) -> None:
-        evaluates = done % self.eval_every == 0 or final
+    def after_step(self, done: int, verdict: Verdict) -> None:
+        evaluates = done % self.eval_every == 0 or verdict.finished
         if not (evaluates or done % self.log_every == 0):
             return
         run, state = self.run, self.state
         run.compute.drain(self.window)
-        run.comm.all_reduce(self.window, op="sum", record=METRICS)
+        if run.lockstep:
+            run.comm.all_reduce(self.window, op="sum", record=METRICS)
         loss_sum, acc_sum, count = self.window[0].tolist()
         row: dict[str, Any] = {
             "step": done,

@@ -153,6 +153,20 @@ def _run_config(run_dir: Path) -> dict[str, Any] | None:
     return saved if isinstance(saved, dict) else None
 
 
+def nothing_to_resume(cfg: DictConfig, run_dir: Path | None) -> str | None:
+    """`train.resume=auto` with no checkpoint in `run_dir` yet: the line saying the run starts
+    from step 0 (a forgotten `hydra.run.dir` looks exactly like this); else None. Call after
+    `check_resume`, which refuses a resume that names a missing checkpoint."""
+    from dpresearch.run.checkpoint import find_resume
+
+    if cfg.train.resume is None or run_dir is None or find_resume(cfg.train.resume, run_dir):
+        return None
+    return (
+        f"train.resume={cfg.train.resume}: no checkpoint in {run_dir}; starting from step 0 (to "
+        "continue an earlier run, pass its directory as hydra.run.dir)"
+    )
+
+
 def check_resume(cfg: DictConfig, run_dir: Path | None, processes: int) -> None:
     """The checkpoint `train.resume` names (in `run_dir` for auto) can continue this run of
     `processes` processes; raises `ConfigError` (one line) otherwise. Nothing to resume (no

@@ -10,11 +10,13 @@ The launcher of local worker processes (`launch.launch_local`) does not let torc
 agent turn these signals into a kill: `forwarding()` writes the signal number into a stop file
 whose path the workers inherit (`STOP_FILE_ENV`); `requested()` reads it. Ctrl-C in a terminal
 also reaches the workers directly (one process group); either way they stop at the same step.
+A SIGTERM that reaches such a worker directly while no stop file is written is the agent
+ending the job after another worker failed: it ends the process at once.
 
 SIGUSR2 is what SLURM sends through submitit before a time limit or a preemption (Hydra's
 submitit launcher, `dpresearch/conf/hydra/launcher/slurm.yaml`). It stops the run like SIGTERM,
-and then, once the final checkpoint is written and the handlers are restored, it is handed on to the
-handler that was there before ours (submitit's, which requeues the job; with
+and then, once the final checkpoint is written and the handlers are restored, it is handed on
+to the handler that was there before ours (submitit's, which requeues the job; with
 `train.resume=auto` the requeued job continues from that checkpoint). Without such a handler
 the run ends with exit 140 (128 + SIGUSR2).
 """
@@ -61,6 +63,8 @@ def reset() -> None:
 
 def _record(signum: int, frame: object) -> None:
     global _requested
+    if signum == signal.SIGTERM and _from_the_agent():
+        os._exit(128 + signum)
     if _requested is not None:
         print(
             f"{signal.Signals(signum).name} again: stopping now, without a checkpoint",
@@ -69,6 +73,16 @@ def _record(signum: int, frame: object) -> None:
         )
         os._exit(128 + signum)
     _requested = signum
+
+
+def _from_the_agent() -> bool:
+    """Whether a SIGTERM that reached this process directly is torch's elastic agent stopping
+    the job after a failure: the local launcher (its stop file named) forwards a user's stop
+    through the stop file, so a SIGTERM with no stop file written is the agent's, and waiting
+    for a step boundary could only delay the end (a peer blocked on a dead worker's message
+    may never reach one)."""
+    path = os.environ.get(STOP_FILE_ENV)
+    return bool(path) and not os.path.exists(path)
 
 
 def _foreign(handler: object) -> bool:

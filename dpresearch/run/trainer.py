@@ -47,7 +47,7 @@ class FaultInjection(Hook):
     def __init__(self, run: Run) -> None:
         debug = run.cfg.debug
         self.worker, self.step = debug.fail_worker, debug.fail_at_step
-        self.here = self.worker in run.comm.local_workers
+        self.here = self.worker is not None and self.worker in run.compute.workers
 
     def after_compute(self, step: int) -> None:
         self._maybe_fail(step)
@@ -60,11 +60,7 @@ class FaultInjection(Hook):
 class Trainer:
     """Builds the run of `cfg` for the workers `comm` holds and runs it (see the module
     docstring). `run_dir`: where the main process writes (None: nowhere). `dataset`: the data
-    set if already loaded.
-
-    algorithm_target / algorithm_kwargs: instantiate the `algorithm` node as another class,
-    with extra arguments (the asynchronous server process runs the server half of its
-    algorithm, `asynchrony.remote.RemoteServer`), and leave stop requests to its launcher."""
+    set if already loaded."""
 
     def __init__(
         self,
@@ -73,15 +69,9 @@ class Trainer:
         device: torch.device,
         run_dir: Path | None,
         dataset: Dataset | None = None,
-        algorithm_target: str | None = None,
-        algorithm_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        extra = dict(algorithm_kwargs or {})
-        if algorithm_target is not None:
-            extra["_target_"] = algorithm_target
         self.cfg, self.run_dir = cfg, run_dir
-        self.stoppable = algorithm_target is None
-        self.built = run = build_run(cfg, comm, device, dataset, extra)
+        self.built = run = build_run(cfg, comm, device, dataset)
         tc = cfg.train
         if run.setup and comm.is_main_process and tc.progress:
             print(format_setup(run.setup), flush=True)
@@ -98,7 +88,9 @@ class Trainer:
         if resumed_at and comm.is_main_process and tc.progress:
             print(f"resumed from step {resumed_at} of {run.total_steps}", flush=True)
         self.metrics = MetricsLog(run, self.state, logger, tc.progress)
-        self.hooks: list[Hook] = [FaultInjection(run), self.metrics, self.checkpoints]
+        self.hooks: list[Hook] = [FaultInjection(run), self.checkpoints]
+        if run.lockstep or comm.is_main_process:  # (asynchronous: the main process reports)
+            self.hooks.insert(1, self.metrics)
 
     @property
     def logger(self) -> RunLogger | NullLogger:
@@ -130,16 +122,12 @@ class Trainer:
         request or a non-finite loss ends the run; returns the summary (with `status`). Stop
         requests are recorded until the summary is written (a scheduler's SIGUSR2 is handed on
         to its own handler after that)."""
-        if not self.stoppable:
-            return self._run()
         with stop.handling():
-            return self._run()
+            self.state.step = self.start_step  # (a second call runs the same steps again)
+            outcome = run_loop(self.built, self.state, self.hooks, self.cfg.train.on_nonfinite)
+            return self._ending(outcome)
 
-    def _run(self) -> dict[str, Any]:
-        self.state.step = self.start_step  # (a second call runs the same steps again)
-        outcome = run_loop(
-            self.built, self.state, self.hooks, self.cfg.train.on_nonfinite, self.stoppable
-        )
+    def _ending(self, outcome: Outcome) -> dict[str, Any]:
         try:
             if outcome.status == "finished":
                 return self._finished()
@@ -163,12 +151,11 @@ class Trainer:
             "total_steps": run.total_steps,
             "num_params": run.replicas.num_params,
             **self._data_facts(),
-            "comm/bytes_per_epoch": last["comm/bytes"] / (run.total_steps / run.steps_per_epoch),
+            "comm/bytes_per_epoch": last.get("comm/bytes", 0.0)
+            / (run.total_steps / run.steps_per_epoch),
             "comm/op_counts": dict(ledger.op_counts),
             "comm/ops": ledger.op_table(),
             **bytes_per_worker(run),  # the final evaluation's traffic included
-            # an algorithm that accounts its own traffic (asynchronous pushes) keeps it
-            **{k: v for k, v in state.algorithm_metrics.items() if k.startswith("comm/")},
             **run.setup,
             **run.algorithm.summary(),
         }

@@ -1,7 +1,8 @@
 """`python -m dpresearch.study run|status|report STUDY.yaml`: run a study, show where it
-stands, or write its results.md. Runs go to `runs/<study name>/` (or `--out`), results beside
-the study file in `results/` (or `--results`). Problems are one `error:` line, exit 2; a run
-whose points failed (the others ran) ends with one `error:` line naming them, exit 1."""
+stands, or write its results.md. Runs go to `runs/<study name>/` under the current directory
+(or `--out`), results beside the study file in `results/` (or `--results`). Problems are one
+`error:` line, exit 2; a run whose points failed (the others ran) ends with one `error:` line
+naming them, exit 1."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from dpresearch.analysis.errors import AnalysisError
-from dpresearch.study.spec import REPO, StudyError, load_study, slug
+from dpresearch.analysis.errors import AnalysisError, require_modules
+from dpresearch.study.spec import StudyError, load_study, slug
 
 
 def parser() -> argparse.ArgumentParser:
@@ -20,7 +21,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("action", choices=("run", "status", "report"))
     p.add_argument("study", type=Path, help="the study YAML")
-    p.add_argument("--out", type=Path, help="runs folder (default: runs/<study name>)")
+    p.add_argument(
+        "--out", type=Path, help="runs folder (default: runs/<study name> in the current directory)"
+    )
     p.add_argument(
         "--results",
         type=Path,
@@ -47,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[str] = []
     try:
         study = load_study(args.study)
-        out = args.out or REPO / "runs" / slug(study.name)
+        if args.action == "report" or args.report:  # before any point runs, not after
+            require_modules("pandas", "matplotlib", purpose="the study report")
+        out = args.out or Path("runs") / slug(study.name)
         results = args.results or study.results_dir
         if args.action == "report" or args.report:
             from dpresearch.analysis.report import check_out_dir

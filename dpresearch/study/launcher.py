@@ -39,8 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from dpresearch import SOURCE_ROOT
 from dpresearch.analysis.runs import POINT_FILE, infer_status
-from dpresearch.study.spec import REPO, Point, Study, StudyError, slug
+from dpresearch.study.spec import Point, Study, StudyError, slug
 
 DONE = ("finished", "diverged")  # a point holding one of these is a result: never re-run
 Runner = Callable[[Point, Path, list[str]], int]
@@ -143,9 +144,14 @@ def _popen_kwargs(jobs: int = 1) -> dict[str, Any]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if jobs > 1:
         env[JOBS_ENV] = str(jobs)  # jobs × threads within the cores
-    # The children import this checkout's dpresearch, whatever the interpreter has installed.
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    kwargs: dict[str, Any] = {"cwd": REPO, "env": env, "stdin": subprocess.DEVNULL}
+    if SOURCE_ROOT is not None:
+        # The children import this checkout's dpresearch, whatever the interpreter has
+        # installed (an installed wheel is what the interpreter imports anyway).
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(SOURCE_ROOT), *filter(None, [env.get("PYTHONPATH")])]
+        )
+    # They run where the study was started: relative paths in overrides mean the same there.
+    kwargs: dict[str, Any] = {"env": env, "stdin": subprocess.DEVNULL}
     if sys.platform.startswith("linux"):
         kwargs["preexec_fn"] = _die_with_parent
     return kwargs
@@ -215,6 +221,28 @@ def plan(
             state = "running"
         rows.append((point, state))
     return rows
+
+
+class _Tally:
+    """Points ended so far of `total`, the time since the first started and the estimated
+    time left at that pace (thread-safe: parallel points end concurrently)."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.began = total, 0, time.time()
+        self._lock = threading.Lock()
+
+    def one_more(self) -> str:
+        with self._lock:
+            self.done += 1
+            took = time.time() - self.began
+            left = took / self.done * (self.total - self.done)
+            return f"[{self.done}/{self.total}; {_duration(took)} so far, ETA {_duration(left)}]"
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def grid_runs(study: Study, out: str | Path):
@@ -365,6 +393,7 @@ def _run_points(
     log(f"== study {study.name}: {len(states) - len(todo)} points done, {len(todo)} to run")
     if not todo:
         return book.data["points"]
+    tally = _Tally(len(todo))
 
     def start(point: Point) -> Path:
         run_dir = out / point.dir
@@ -402,7 +431,11 @@ def _run_points(
             pid=None,
             seconds=round(time.time() - began, 1),
         )
-        log(f"== {point.id}: {status}" + (f" (exit {returncode})" if returncode else ""))
+        log(
+            f"== {point.id}: {status}"
+            + (f" (exit {returncode})" if returncode else "")
+            + f" in {time.time() - began:.0f} s {tally.one_more()}"
+        )
 
     if launcher == "hydra":
         groups: dict[tuple[str, float], list[Point]] = {}

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dpresearch import SOURCE_ROOT
 from dpresearch.analysis.aggregate import Selection, default_mode, duplicate_seed_notes
 from dpresearch.analysis.errors import AnalysisError
 from dpresearch.analysis.quality import examples_for, is_accuracy, mark_untrained, standard_error
@@ -43,7 +44,7 @@ from dpresearch.analysis.tables import (
     with_spread,
 )
 from dpresearch.study.select import Horizon, Pick, horizons, lr_column, selection_of
-from dpresearch.study.spec import REPO, Study, StudyError, slug
+from dpresearch.study.spec import Study, StudyError, slug
 
 MB = 1e6
 Z = 2.0  # a claim holds where the difference exceeds Z standard errors
@@ -76,8 +77,9 @@ def load_data(study: Study):
 
 
 def relative(path: Path) -> str:
-    """`path` relative to the repository (or the current directory), else its name."""
-    for base in (REPO, Path.cwd()):
+    """`path` relative to this source checkout (the shipped studies; none for an installed
+    wheel) or the current directory, else its name."""
+    for base in (*filter(None, [SOURCE_ROOT]), Path.cwd()):
         try:
             return Path(path).resolve().relative_to(base.resolve()).as_posix()
         except ValueError:

@@ -39,9 +39,9 @@ metric, the claim it tests and where its run data is shipped; expanded into poin
         overrides: [compressor=topk, data.partition=dirichlet]
         lr_from: top-k 1% + EF
 
-`{repo}` (the repository root) and `{study_dir}` (the YAML's folder) are substituted in
-overrides. A case may not set the lr key or `seed` itself (the grid and `seeds` do). Every
-problem is one `StudyError` line.
+`{repo}` (the git repository holding the study file, else the dpresearch checkout) and
+`{study_dir}` (the YAML's folder) are substituted in overrides. A case may not set the lr key
+or `seed` itself (the grid and `seeds` do). Every problem is one `StudyError` line.
 
 Protocol (`launcher.run_study`): the grid on the tuning seeds; wherever a case's selection (at
 any horizon) is the smallest or largest lr it tried, one more grid step beyond that edge, again
@@ -60,7 +60,8 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from dpresearch import SOURCE_ROOT
+
 KEYS = {"name", "description", "common", "lrs", "lr_key", "seeds", "tune_seeds", "select",
         "target", "network", "published", "cases", "title", "extend", "lr_range", "claim",
         "run_data", "results", "curves", "metrics", "min_tune_seeds", "labels",
@@ -271,8 +272,25 @@ def _strings(value: Any, what: str, study_dir: Path) -> tuple[str, ...]:
         return ()
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise StudyError(f"{what} must be a list of override strings, got {value!r}")
-    return tuple(
-        v.replace("{repo}", str(REPO)).replace("{study_dir}", str(study_dir)) for v in value
+    if any("{repo}" in v for v in value):
+        repo = str(repository_of(study_dir))
+        value = [v.replace("{repo}", repo) for v in value]
+    return tuple(v.replace("{study_dir}", str(study_dir)) for v in value)
+
+
+def repository_of(study_dir: Path) -> Path:
+    """What `{repo}` stands for: the git repository holding `study_dir` (a study kept in the
+    user's own repository, or a shipped one in this checkout), else the dpresearch source
+    checkout; raises `StudyError` when there is neither (an installed wheel, a study file
+    outside any repository)."""
+    for folder in (study_dir.resolve(), *study_dir.resolve().parents):
+        if (folder / ".git").exists():
+            return folder
+    if SOURCE_ROOT is not None:
+        return SOURCE_ROOT
+    raise StudyError(
+        f"{{repo}} in the study in {study_dir} stands for the git repository holding it, and "
+        "there is none; write the path out, or use {study_dir} (the study file's folder)"
     )
 
 

@@ -72,7 +72,7 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
-from dpresearch.algorithms.base import Algorithm, StepPlan
+from dpresearch.algorithms.base import Algorithm, StepPlan, Verdict
 from dpresearch.algorithms.local_sgd import average_optimizer_state
 from dpresearch.algorithms.outer.fragments import (
     PATTERNS,
@@ -238,6 +238,15 @@ class OuterOptimizer(Algorithm):
     def set_run_length(self, steps_per_epoch: int, total_steps: int) -> None:
         self.base.set_run_length(steps_per_epoch, total_steps)
         self.total_steps = total_steps
+
+    def attach_compute(self, compute: Any) -> None:
+        self.base.attach_compute(compute)
+
+    def losses_finite(self) -> bool:
+        return self.base.losses_finite()
+
+    def agree(self, proposal: Verdict) -> Verdict:
+        return self.base.agree(proposal)
 
     def summary(self) -> dict[str, Any]:
         return self.base.summary()

@@ -1,0 +1,378 @@
+"""AD-PSGD: asynchronous decentralized parallel SGD (Lian et al., ICML 2018).
+
+K workers on an undirected graph (`topology`), each with its own compute speed (the `async`
+node's speed model). Worker i repeatedly
+
+    1. reads its model, x̂_i ← x_i, and computes a stochastic gradient g_i at x̂_i (meanwhile its
+       neighbours may average with it, so x_i moves on: the gradient is stale);
+    2. averages with one neighbour j, atomically: x_i, x_j ← (x_i + x_j) / 2;
+    3. applies its gradient to its own model: x_i ← x_i − η·u_i(g_i) (its own optimizer);
+
+with no global clock. The event clock (`asynchrony/clock.py`) orders the workers' finishing
+times; every step of the loop is one event (one gradient), so an epoch is K × (batches per
+worker) steps, as in asynchronous SGD. The neighbour is chosen by `pairing`:
+
+- "random": uniform among i's neighbours, from i's own seeded stream;
+- "bipartite": the paper's deadlock-free rule for real ranks — the graph is 2-coloured,
+  workers of the first colour (active) average with a uniformly chosen neighbour, workers of
+  the second (passive) only apply their gradients (they are averaged with by active ones).
+
+The exchange of a pair is two point-to-point messages (x_i to j, x_j to i, float buffers with
+them when `mix_buffers`), each charged to its sender; the event takes compute + α + D/B.
+
+Compressed exchanges (`compressor=` any gossip-capable codec, `algorithm.gamma`): CHOCO-gossip
+(Koloskova et al. 2019) on the pair. Every directed edge keeps the public copy x̂_{i→j} of x_i
+that j holds (i holds the same copy, so both know it exactly). At an event i and j send
+q_i = C(x_i − x̂_{i→j}) and q_j = C(x_j − x̂_{j→i}); both add the decoded messages to their copies,
+then x_i += γ/2·(x̂_{j→i} − x̂_{i→j}) and x_j += γ/2·(x̂_{i→j} − x̂_{j→i}): the pair's sum is kept,
+and with the identity codec and γ = 1 it is the plain average. Float buffers travel
+uncompressed beside the wire row.
+Metrics: `gossip/consensus_distance` Ξ² = (1/K) Σ‖x_i − x̄‖², `adpsgd/staleness_mean` and
+`_max` (τ: how many averagings by other workers changed x_i while i computed its gradient),
+`time/simulated_s`; the summary holds τ's histogram and the pairs averaged.
+
+Modes: simulated (all K workers here), or real ranks (`backend=gloo|nccl`, one worker per
+process) where every rank replays the same seeded event order (`async.order=seeded`, the only
+real order so far): the pushing worker computes, the pair exchanges its models through the
+communicator and every rank steps through every event — so the real run equals the simulated
+one bit for bit, and its processes take every step together (agreement, metrics, checkpoints
+are the ordinary lockstep ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from dpresearch.algorithms.base import StepPlan, Traits
+from dpresearch.algorithms.choco import check_gamma
+from dpresearch.algorithms.gossip import Gossip, build_topology
+from dpresearch.asynchrony.clock import EventClock, transfer_seconds
+from dpresearch.asynchrony.options import AsyncOptions, check_options
+from dpresearch.asynchrony.push import parameter_chunks
+from dpresearch.asynchrony.speed import DrawStream, SpeedModel
+from dpresearch.comm.base import Communicator
+from dpresearch.comm.topology import Topology
+from dpresearch.compress import (
+    Codec,
+    Identity,
+    build_compressor,
+    check_algorithm_node,
+    check_pairing,
+)
+from dpresearch.compress.rng import stream_seed
+from dpresearch.replicas import Replicas
+
+PAIRINGS = ("random", "bipartite")
+
+
+def two_colouring(topology: Topology) -> list[int] | None:
+    """Colour 0/1 of every worker such that neighbours differ, or None (not bipartite)."""
+    peers = topology.out_peers(0)
+    colour: list[int | None] = [None] * topology.num_workers
+    for start in range(topology.num_workers):
+        if colour[start] is not None:
+            continue
+        colour[start], stack = 0, [start]
+        while stack:
+            i = stack.pop()
+            for j in peers[i]:
+                if colour[j] is None:
+                    colour[j] = 1 - colour[i]
+                    stack.append(j)
+                elif colour[j] == colour[i]:
+                    return None
+    return [int(c) for c in colour]
+
+
+class Pairing:
+    """Whom each worker averages with when its gradient is done (see the module docstring)."""
+
+    def __init__(self, rule: str, topology: Topology, seed: int) -> None:
+        if rule not in PAIRINGS:
+            raise ValueError(f"algorithm.pairing={rule}; choose one of: {', '.join(PAIRINGS)}")
+        self.rule = rule
+        self.peers = [list(p) for p in topology.out_peers(0)]
+        colours = two_colouring(topology) if rule == "bipartite" else None
+        if rule == "bipartite" and colours is None:
+            raise ValueError(
+                f"algorithm.pairing=bipartite needs a bipartite graph; topology={topology.name} "
+                f"with workers={topology.num_workers} is not (an even ring, a chain, a star, a "
+                "torus with even sides are); use algorithm.pairing=random"
+            )
+        self.active = [c == 0 for c in colours] if colours is not None else [True] * len(
+            self.peers
+        )  # fmt: skip
+        self.streams = [
+            DrawStream(stream_seed("adpsgd.pair", seed, w), lambda g, n: g.random(n))
+            for w in range(len(self.peers))
+        ]
+
+    def partner(self, worker: int) -> int | None:
+        """The neighbour `worker` averages with now (None: a passive worker, nobody)."""
+        if not self.active[worker]:
+            return None
+        peers = self.peers[worker]
+        return peers[int(self.streams[worker].next() * len(peers))]
+
+    def state_dict(self) -> dict:
+        return {"streams": [s.state_dict() for s in self.streams]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for stream, saved in zip(self.streams, state["streams"], strict=True):
+            stream.load_state_dict(saved)
+
+
+class ADPSGD(Gossip):
+    """AD-PSGD (see the module docstring). `options`: the `async` node (speed model, real
+    order); `pairing`: "random" or "bipartite"; `seed`: the run's (pairing and speed streams)."""
+
+    # one gradient per step; a dropped one would leave its worker without a next event
+    traits = Traits(skippable=False, messages=True)
+
+    def __init__(
+        self,
+        replicas: Replicas,
+        comm: Communicator,
+        optimizers: list[torch.optim.Optimizer],
+        topology: Mapping[str, Any] | None = None,
+        options: Mapping[str, Any] | None = None,
+        pairing: str = "random",
+        compressor: Mapping[str, Any] | None = None,
+        gamma: float = 1.0,
+        seed: int = 0,
+        granularity: str = "tensor",
+        bucket_mb: float = 25.0,
+        mix_buffers: bool = True,
+        eval_local_models: bool = True,
+    ) -> None:
+        super().__init__(replicas, comm, optimizers, topology, mix_buffers, eval_local_models)
+        k = comm.world_size
+        self.options = opts = AsyncOptions.from_node(options)
+        check_options(opts, k)
+        self.pairing = Pairing(pairing, self.topology, seed)
+        self.speed = SpeedModel.from_options(opts, k, seed)
+        params, buffers = replicas.params, replicas.buffers
+        self._has_buffers = mix_buffers and buffers.shape[1] > 0
+        check_gamma(gamma)
+        self.gamma = float(gamma)
+        method = build_compressor(compressor, seed)
+        check_pairing(method, None, "gossip")
+        self.codec: Codec | None = None
+        if type(method) is not Identity or gamma != 1.0:  # else the plain average
+            chunks = parameter_chunks(replicas.models[0], granularity, bucket_mb,
+                                      params.element_size())  # fmt: skip
+            self.codec = method.codec(chunks, params.dtype, params.device, comm.local_workers)
+            # x̂ of every directed edge with an end here (simulated: all of them)
+            peers = self.pairing.peers
+            edges = [(a, b) for a in range(k) for b in peers[a]
+                     if a in comm.local_workers or b in comm.local_workers]  # fmt: skip
+            self.edge = {e: n for n, e in enumerate(edges)}
+            self.hat = params.new_zeros((len(edges), params.shape[1]))
+            self.sent = params.new_empty((2, params.shape[1]))  # each side's decoded message
+            self.delta = params.new_empty((1, params.shape[1]))
+        row_bytes = (
+            self.codec.wire_bytes if self.codec is not None
+            else params.shape[1] * params.element_size()
+        )  # fmt: skip
+        if self._has_buffers:
+            row_bytes += buffers.shape[1] * buffers.element_size()
+        self.clock = EventClock(self.speed, 0.0, transfer_seconds(comm.ledger.network, row_bytes))
+        # the row of each worker held here (simulated: all; real ranks: one)
+        self.row = {w: r for r, w in enumerate(comm.local_workers)}
+        self.read = params.clone()  # x̂: what each local worker read when it started
+        self.live = torch.empty_like(params[0])  # the computing worker's x_i, kept aside
+        # what each side of a pair receives (simulated: both sides are here)
+        self.received = params.new_empty((2, params.shape[1]))
+        self.received_buffers = buffers.new_empty((2, buffers.shape[1]))
+        self.changed = [0] * k  # averagings by others since each worker's read
+        self.histogram: list[int] = []
+        self.pairs = 0
+        self._window: list[int] = []
+        self._event: tuple[int, int | None] = (-1, None)
+        self._started = False
+        self._idle = StepPlan(())
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig) -> None:
+        alg = cfg.algorithm
+        node = alg.get("topology") or {"_target_": "dpresearch.comm.topology.Ring"}
+        topology = build_topology(node, cfg.workers)
+        cls.check_topology(topology)
+        Pairing(alg.get("pairing", "random"), topology, 0)
+        opts = AsyncOptions.from_node(alg.get("options"))
+        check_options(opts, cfg.workers)
+        if opts.delay is not None:
+            raise ValueError("algorithm=adpsgd has no fixed-delay mode; drop async.delay")
+        check_gamma(alg.get("gamma", 1.0))
+        check_algorithm_node(alg, "gossip")
+        if cfg.backend.name != "simulated" and opts.order != "seeded":
+            raise ValueError(
+                f"algorithm=adpsgd on real processes (backend={cfg.backend.name}) replays the "
+                "seeded event order; add async.order=seeded"
+            )
+
+    @classmethod
+    def check_topology(cls, topology: Topology) -> None:
+        """Pairwise averaging needs a static undirected graph (any weights: the pair's own
+        average is doubly stochastic)."""
+        if topology.directed or topology.period != 1:
+            raise ValueError(
+                f"algorithm=adpsgd averages pairs of neighbours, so its graph must be undirected "
+                f"and static; topology={topology.name} is not: use topology=ring, torus, "
+                "complete, chain, star or random"
+            )
+
+    def describe(self) -> dict[str, Any]:
+        real = self.comm.num_local != self.comm.world_size
+        return {
+            **super().describe(),
+            "adpsgd": {
+                "mode": "real processes (seeded order)" if real else "event simulator",
+                "pairing": self.pairing.rule,
+                "active": sum(self.pairing.active),
+                "exchange_s": self.clock.push_s,
+                **self.speed.describe(),
+            },
+        }
+
+    # -- the step --------------------------------------------------------------------------------
+    @property
+    def gradients_per_step(self) -> int:
+        return 1
+
+    def plan(self, step: int) -> StepPlan:
+        if not self._started:  # every worker starts at once, on its initial model
+            self._started = True
+            for w in range(self.comm.world_size):
+                self.clock.start(w)
+        i = self.clock.next_arrival()
+        self._event = (i, self.pairing.partner(i))
+        row = self.row.get(i)
+        if row is None:
+            return self._idle
+        self.live.copy_(self.replicas.params[row])
+        return StepPlan((row,), {row: self.read[row]})
+
+    def after_backward(self, step: int) -> None:
+        i, j = self._event
+        params = self.replicas.params
+        here = self.row.get(i)
+        if here is not None:
+            params[here].copy_(self.live)  # x_i as it is now, the gradient computed at x̂_i
+        if j is not None:
+            self.pairs += 1
+            self.changed[j] += 1
+            if self.codec is None:
+                self._average(i, j)
+            else:
+                self._choco(i, j, step)
+        if here is not None:
+            self.optimizers[here].step()
+            self.read[here].copy_(params[here])  # i starts its next gradient on this
+        tau, self.changed[i] = self.changed[i], 0
+        if tau >= len(self.histogram):
+            self.histogram.extend([0] * (tau + 1 - len(self.histogram)))
+        self.histogram[tau] += 1
+        self._window.append(tau)
+        self.clock.start(i)
+
+    def _average(self, i: int, j: int) -> None:
+        """x_i, x_j ← (x_i + x_j) / 2 (and their float buffers), through two messages; both
+        received before either is averaged, and the same sum on every rank (a + b is b + a in
+        floating point)."""
+        params, buffers = self.replicas.params, self.replicas.buffers
+        sides = self._sides(i, j)
+        for me, peer, row, _ in sides:
+            message = [params[row]] + ([buffers[row]] if self._has_buffers else [])
+            self.comm.isend(message, dst=peer, src=me)
+        for me, peer, _, slot in sides:
+            out = [self.received[slot]]
+            if self._has_buffers:
+                out.append(self.received_buffers[slot])
+            self.comm.recv(peer, out, dst=me)
+        for _, _, row, slot in sides:
+            params[row].add_(self.received[slot]).mul_(0.5)
+            if self._has_buffers:
+                buffers[row].add_(self.received_buffers[slot]).mul_(0.5)
+
+    def _sides(self, i: int, j: int) -> list[tuple[int, int, int, int]]:
+        """(me, peer, my row, slot) of each end of the pair held here."""
+        return [(me, peer, self.row[me], slot)
+                for slot, (me, peer) in enumerate(((i, j), (j, i))) if me in self.row]  # fmt: skip
+
+    def _choco(self, i: int, j: int, step: int) -> None:
+        """The pair's compressed exchange (see the module docstring); every message encoded
+        before any copy moves, the same operations on every rank."""
+        params, buffers = self.replicas.params, self.replicas.buffers
+        codec, hat, edge = self.codec, self.hat, self.edge
+        sides = self._sides(i, j)
+        wires = {}
+        for me, peer, row, slot in sides:
+            torch.sub(params[row], hat[edge[(me, peer)]], out=self.delta[0])
+            wire = codec.encode(self.delta, step, (me,))[0].clone()  # the codec's buffer
+            codec.decode(wire.unsqueeze(0), step, self.sent[slot : slot + 1])
+            wires[me] = wire
+            message = [wire] + ([buffers[row]] if self._has_buffers else [])
+            self.comm.isend(message, dst=peer, src=me)
+        for me, peer, _, slot in sides:
+            out = [torch.empty_like(wires[me])]
+            if self._has_buffers:
+                out.append(self.received_buffers[slot])
+            self.comm.recv(peer, out, dst=me)
+            codec.decode(out[0].unsqueeze(0), step, self.received[slot : slot + 1])
+        # the copies of both directed edges: one per edge here (both ends here share it)
+        for me, peer, _, slot in sides:
+            hat[edge[(me, peer)]].add_(self.sent[slot])
+            if peer not in self.row:
+                hat[edge[(peer, me)]].add_(self.received[slot])
+        for me, peer, row, slot in sides:
+            diff = torch.sub(hat[edge[(peer, me)]], hat[edge[(me, peer)]], out=self.sent[slot])
+            params[row].add_(diff, alpha=self.gamma / 2)
+            if self._has_buffers:
+                buffers[row].add_(self.received_buffers[slot]).mul_(0.5)
+
+    def metrics(self) -> dict[str, float]:
+        window, self._window = self._window, []
+        return {
+            **super().metrics(),
+            "adpsgd/staleness_mean": sum(window) / len(window) if window else float("nan"),
+            "adpsgd/staleness_max": float(max(window)) if window else float("nan"),
+            "adpsgd/pairs": self.pairs,
+            "time/simulated_s": self.clock.now,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        total = sum(self.histogram)
+        mean = sum(t * n for t, n in enumerate(self.histogram)) / total if total else 0.0
+        return {"adpsgd/tau_histogram": list(self.histogram),
+                "adpsgd/staleness_mean_run": mean, "adpsgd/pairs": self.pairs}  # fmt: skip
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The reads x̂ of the local workers, the event queue, speed and pairing streams, the
+        staleness counts (the live models are the replicas' rows)."""
+        return {
+            "read": self.read, "clock": self.clock.state_dict(), "speed": self.speed.state_dict(),
+            "pairing": self.pairing.state_dict(), "changed": list(self.changed),
+            "histogram": list(self.histogram), "pairs": self.pairs, "window": list(self._window),
+            "started": self._started,
+            "hat": self.hat if self.codec is not None else None,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.read.copy_(state["read"])
+        self.clock.load_state_dict(state["clock"])
+        self.speed.load_state_dict(state["speed"])
+        self.pairing.load_state_dict(state["pairing"])
+        self.changed = [int(n) for n in state["changed"]]
+        self.histogram = [int(n) for n in state["histogram"]]
+        self.pairs, self._window = int(state["pairs"]), [int(t) for t in state["window"]]
+        self._started = bool(state["started"])
+        if (state["hat"] is None) != (self.codec is None):
+            raise ValueError("adpsgd state: saved with another compressor setting")
+        if self.codec is not None:
+            self.hat.copy_(state["hat"])

@@ -1,0 +1,333 @@
+"""How pushes reach the parameter server and pulls reach the workers: one interface, two
+transports, both through the communicator's point-to-point messages (so the ledger records every
+push at its send, per worker, with the worker's own clock).
+
+A push is one message `[header, wire, buffers]`: the header (float64) holds the version the
+worker read, its gradient count (the codec's step), and its batch's training loss and accuracy;
+the wire row is the gradient as `PushCodec` encodes it; the buffers are the worker's float
+buffers. A pull (server → worker) is `[header, parameters, buffers]` with the header holding
+the server's version and what the message means (`PULL`, or a control: checkpoint now, finish,
+stop on a signal, diverged); pulls are charged to nobody (the server holds no worker).
+
+- `EventTransport` (the event simulator, every worker in this process): the event clock
+  (`clock.py`, seeded compute times plus network-priced transfers) decides who pushes next;
+  that worker computes in this process on the parameters its row holds; its push is sent to the
+  server's endpoint and taken from its mailbox; a released worker's row takes the server's
+  state (its pull).
+- `ProcessTransport` (real ranks: the server on rank 0, worker w on rank w + 1): the server
+  receives the next push from whichever worker sends it (`async.order=arrival`), or from the
+  worker the event clock names (`seeded`: a real run replays the simulated order exactly), and
+  answers released workers with a pull. Before a checkpoint and at the end it waits for every
+  push in flight and keeps them (`held`, part of the checkpoint), then tells every worker; so a
+  checkpoint holds every message of the run. A worker silent for `async.timeout_s` seconds of
+  the server's listening time is named (`WorkerLost`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from dpresearch.algorithms.base import StepPlan, Verdict
+from dpresearch.asynchrony.clock import EventClock
+from dpresearch.asynchrony.push import PushCodec
+from dpresearch.asynchrony.server import ParameterServer
+from dpresearch.comm.base import Communicator, PeerTimeout
+from dpresearch.replicas import Replicas
+
+SERVER = -1  # the server's endpoint in a simulating process (it holds no worker)
+SERVER_RANK = 0  # ... and its rank on real processes
+HEADER = 4  # push header: read version, gradient count, loss, accuracy
+# pull header: [version, kind, signal]; the kinds of pull
+PULL, CHECKPOINT, FINISH, STOP, DIVERGED, IO_FAILED = range(6)
+
+
+class WorkerLost(RuntimeError):
+    """The server heard nothing from some workers within `async.timeout_s`."""
+
+
+@dataclass
+class Push:
+    """A push as the server received it (`gradient`: decoded, owned by the transport)."""
+
+    worker: int
+    read_version: int
+    count: int
+    loss: float  # the batch's training loss and accuracy (real ranks; 0 simulated)
+    acc: float
+    gradient: Tensor
+    buffers: Tensor
+
+
+def pull_header(version: int, kind: int = PULL, signum: int = 0) -> Tensor:
+    return torch.tensor([float(version), float(kind), float(signum)], dtype=torch.float64)
+
+
+def control_kind(verdict: Verdict) -> int | None:
+    """The control message a server's verdict sends every worker (None: none)."""
+    if verdict.io_failed:
+        return IO_FAILED
+    if verdict.nonfinite:
+        return DIVERGED
+    if verdict.finished:
+        return FINISH
+    if verdict.signum:
+        return STOP
+    return CHECKPOINT if verdict.checkpoint else None
+
+
+def verdict_of(kind: int, signum: int) -> Verdict:
+    """A worker's verdict from the server's control message."""
+    return Verdict(
+        signum=signum,
+        nonfinite=kind == DIVERGED,
+        checkpoint=kind == CHECKPOINT,
+        finished=kind == FINISH,
+        io_failed=kind == IO_FAILED,
+    )
+
+
+class EventTransport:
+    """Every worker in this process (rows of `replicas`), ordered by the event `clock`."""
+
+    def __init__(self, comm: Communicator, replicas: Replicas, codec: PushCodec,
+                 clock: EventClock) -> None:  # fmt: skip
+        self.comm, self.codec, self.clock = comm, codec, clock
+        k = comm.world_size
+        # Row views made once: selecting a row is a dispatched op, and this runs every push.
+        self.params, self.grads = list(replicas.params.unbind(0)), list(replicas.grads.unbind(0))
+        self.buffers = list(replicas.buffers.unbind(0))
+        self._has_buffers = replicas.buffers.shape[1] > 0
+        self._plans = [StepPlan((w,)) for w in range(k)]
+        self._headers = torch.zeros(k, HEADER, dtype=torch.float64)
+        self._header_values = self._headers.numpy()  # written without dispatching torch ops
+        self.read_version = [0] * k
+        self.pushes = [0] * k
+
+    @property
+    def now(self) -> float:
+        return self.clock.now
+
+    def next_push(self) -> tuple[int, StepPlan]:
+        """The next worker to push (the earliest arrival); it computes here."""
+        w = self.clock.next_arrival()
+        return w, self._plans[w]
+
+    def take(self, w: int) -> Push:
+        """Worker `w`'s push of the gradient in its row, sent to the server and received."""
+        count = self.pushes[w]
+        self.pushes[w] = count + 1
+        wire, decoded = self.codec.encode(w, self.grads[w], count)
+        header = self._headers[w]
+        self._header_values[w, :2] = (self.read_version[w], count)
+        self.comm.isend([header, wire, self.buffers[w]], SERVER, src=w, at=self.clock.now)
+        self.comm.recv(w, dst=SERVER)
+        return Push(w, self.read_version[w], count, 0.0, 0.0, decoded, self.buffers[w])
+
+    def x_read(self, w: int) -> Tensor:
+        """The parameters worker `w` computed its push on: its row still holds its pull."""
+        return self.params[w]
+
+    def losses_finite(self) -> bool:
+        """The pushing worker computed here: the loop checks its loss itself."""
+        return True
+
+    def release(self, workers: list[int], server: ParameterServer) -> None:
+        """`workers` pull the server's state now and start their next gradient."""
+        for w in workers:
+            self.params[w].copy_(server.params)
+            if self._has_buffers:
+                self.buffers[w].copy_(server.buffers)
+            self.read_version[w] = server.version
+            self.clock.start(w)
+
+    def end(self, verdict: Verdict, server: ParameterServer) -> None:
+        """Nothing to tell: every worker lives in this process."""
+
+    def state_dict(self) -> dict:
+        return {"clock": self.clock.state_dict(), "read_version": list(self.read_version),
+                "pushes": list(self.pushes)}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.clock.load_state_dict(state["clock"])
+        self.read_version = [int(v) for v in state["read_version"]]
+        self.pushes = [int(n) for n in state["pushes"]]
+
+
+class ProcessTransport:
+    """The server's side on real ranks (see the module docstring). `clock`: the event clock
+    whose order the server follows (`async.order=seeded`), or None (arrival order)."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        server: ParameterServer,
+        codec: PushCodec,
+        clock: EventClock | None,
+        timeout_s: float,
+        keep_read_params: bool = False,
+    ) -> None:
+        self.comm, self.codec, self.clock, self.timeout_s = comm, codec, clock, timeout_s
+        k = self.workers = comm.num_workers
+        params, buffers = server.params, server.buffers
+        self.inbox = [
+            torch.empty(HEADER, dtype=torch.float64),
+            torch.empty(codec.wire_size, dtype=codec.wire_dtype, device=params.device),
+            torch.empty_like(buffers),
+        ]
+        self.gradient = torch.empty_like(params)
+        self.read_version = [0] * k
+        self.pushes = [0] * k
+        self.computing: set[int] = set()  # released, push not yet received
+        self.held: deque[Push] = deque()  # received before a checkpoint or the end, not applied
+        # the parameters each worker last pulled (delay compensation needs x_read)
+        self.read_params = [torch.empty_like(params) for _ in range(k)] if keep_read_params \
+            else None  # fmt: skip
+        self.listened = 0.0  # seconds spent waiting for pushes
+        self.released_at = [0.0] * k  # `listened` when each worker was last released
+        self._push: Push | None = None
+        self._plan = StepPlan(())
+
+    @property
+    def now(self) -> float:
+        return self.clock.now if self.clock is not None else float("nan")
+
+    # -- pushes ------------------------------------------------------------------------------
+    def next_push(self) -> tuple[int, StepPlan]:
+        """Receive the next push (a held one first); nothing computes on the server."""
+        want = self.clock.next_arrival() if self.clock is not None else None
+        push = self._held(want)
+        if push is None:
+            push = self._receive(want)
+        self._push = push
+        return push.worker, self._plan
+
+    def take(self, w: int) -> Push:
+        """The push `next_push` received."""
+        assert self._push is not None and self._push.worker == w
+        return self._push
+
+    def x_read(self, w: int) -> Tensor | None:
+        """The parameters worker `w` computed its push on (kept for delay compensation)."""
+        return self.read_params[w] if self.read_params is not None else None
+
+    def losses_finite(self) -> bool:
+        """Whether the received push's training loss is finite."""
+        return self._push is None or math.isfinite(self._push.loss)
+
+    def _held(self, want: int | None) -> Push | None:
+        if not self.held:
+            return None
+        if want is None:
+            return self.held.popleft()
+        for i, push in enumerate(self.held):
+            if push.worker == want:
+                del self.held[i]
+                return push
+        return None
+
+    def _receive(self, want: int | None, record: bool = True) -> Push:
+        """Block until the push of `want` (None: anyone) arrives; raise `WorkerLost` if a
+        computing worker has been silent for `timeout_s` of listening. `record`: count it
+        (the ledger hears it, the push counts)."""
+        limit = self.timeout_s
+        deadline = min((self.released_at[w] + limit for w in self.computing), default=None)
+        wait = max(0.05, deadline - self.listened) if deadline is not None else limit
+        start = time.monotonic()
+        try:
+            if want is None:
+                rank, _ = self.comm.recv_any(self.inbox, timeout_s=wait, record=record)
+            else:
+                rank = want + self.comm.first_worker
+                self.comm.recv(rank, self.inbox, timeout_s=wait, record=record)
+        except PeerTimeout as exc:
+            self.listened += time.monotonic() - start
+            raise WorkerLost(self._lost_message(str(exc))) from None
+        self.listened += time.monotonic() - start
+        w = self.comm.worker_of(rank)
+        late = (j for j in self.computing if self.listened - self.released_at[j] > limit)
+        if any(j != w for j in late):
+            raise WorkerLost(self._lost_message("the others kept pushing"))
+        self.computing.discard(w)
+        self.pushes[w] += int(record)
+        header, wire, buffers = self.inbox
+        read_version, count, loss, acc = header.tolist()
+        gradient = self.codec.decode(wire, int(count), self.gradient)
+        return Push(w, int(read_version), int(count), loss, acc, gradient, buffers)
+
+    def _lost_message(self, detail: str) -> str:
+        limit = self.timeout_s
+        silent = sorted(w for w in self.computing if self.listened - self.released_at[w] >= limit)
+        return (
+            f"worker(s) {silent or sorted(self.computing)} sent no gradient for "
+            f"async.timeout_s={limit:g}s ({detail}): a worker process died or hangs; "
+            "raise async.timeout_s if its gradients are legitimately that slow"
+        )
+
+    # -- pulls -------------------------------------------------------------------------------
+    def release(self, workers: list[int], server: ParameterServer) -> None:
+        for w in workers:
+            self._send(w, server, PULL)
+            self.read_version[w] = server.version
+            if self.read_params is not None:
+                self.read_params[w].copy_(server.params)
+            self.released_at[w] = self.listened
+            self.computing.add(w)
+            if self.clock is not None:
+                self.clock.start(w)
+
+    def _send(self, w: int, server: ParameterServer, kind: int, signum: int = 0) -> None:
+        message = [pull_header(server.version, kind, signum), server.params, server.buffers]
+        self.comm.isend(message, w + self.comm.first_worker, record=False)
+
+    def end(self, verdict: Verdict, server: ParameterServer) -> None:
+        """Before a checkpoint or a stop: receive every push in flight and keep it (`held`,
+        in arrival order; the checkpoint holds it); at the end of the run (finished,
+        diverged) receive and drop them, uncounted (the simulator never computes them). Then
+        tell every worker (`control_kind(verdict)`)."""
+        kind = control_kind(verdict)
+        if kind is None:
+            return
+        keep = kind in (CHECKPOINT, STOP)
+        while self.computing:
+            want = min(self.computing) if self.clock is not None else None
+            push = self._receive(want, record=keep)
+            if keep:
+                self.held.append(replace(push, gradient=push.gradient.clone(),
+                                         buffers=push.buffers.clone()))  # fmt: skip
+        for w in range(self.workers):
+            self._send(w, server, kind, verdict.signum)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything a resumed server needs: pushes held (the run's messages in flight at the
+        checkpoint), what each worker read, the push counts, the seeded clock."""
+        return {
+            "held": [(p.worker, p.read_version, p.count, p.loss, p.acc, p.gradient, p.buffers)
+                     for p in self.held],  # fmt: skip
+            "read_version": list(self.read_version),
+            "read_params": self.read_params,
+            "pushes": list(self.pushes),
+            "computing": sorted(self.computing),
+            "clock": self.clock.state_dict() if self.clock is not None else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["computing"]:
+            raise ValueError("async state: saved with pushes in flight")
+        self.held = deque(
+            Push(int(w), int(v), int(n), float(loss), float(acc), g.clone(), b.clone())
+            for w, v, n, loss, acc, g, b in state["held"]
+        )
+        self.read_version = [int(v) for v in state["read_version"]]
+        self.pushes = [int(n) for n in state["pushes"]]
+        if self.read_params is not None:
+            for dst, src in zip(self.read_params, state["read_params"], strict=True):
+                dst.copy_(src)
+        if self.clock is not None:
+            self.clock.load_state_dict(state["clock"])

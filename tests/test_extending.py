@@ -1,0 +1,106 @@
+"""Acceptance D (issue 17): a new asynchronous protocol and a new gossip algorithm are each one
+class + one YAML. The files are taken from docs/extending.md (every block headed
+`# file: <path>`), written to a directory of the user's own, and trained with through
+`hydra.searchpath` — the worked example of the docs, composed and run."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, SMALL, compose_config, run_cli
+from test_checkpoint import InjectedFailure, check_resumed
+from test_equivalence import TOL, max_diff
+
+from dpresearch.train import train
+
+DOC = REPO / "docs" / "extending.md"
+BLOCK = re.compile(r"```(?:python|yaml)\n# file: (\S+)\n(.*?)```", re.S)
+
+
+@pytest.fixture
+def own_code(tmp_path: Path, monkeypatch) -> str:
+    """The doc's files written under `tmp_path/own`; returns the searchpath override."""
+    root = tmp_path / "own"
+    files = BLOCK.findall(DOC.read_text())
+    assert {name for name, _ in files} == {
+        "my_research/protocols.py", "my_research/gossip.py",
+        "conf/protocol/first_k.yaml", "conf/algorithm/randomized_gossip.yaml",
+    }  # fmt: skip
+    for name, text in files:
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    (root / "my_research" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setenv("PYTHONPATH", str(root))
+    return f"hydra.searchpath=[file://{root / 'conf'}]"
+
+
+def final(run_dir: Path) -> dict:
+    return torch.load(run_dir / "model_final.pt")
+
+
+def run(tmp_path: Path, name: str, *args: str) -> dict:
+    train(compose_config(*SMALL, "train.steps=40", "workers=4", *args), tmp_path / name)
+    return final(tmp_path / name)
+
+
+def test_first_k_protocol_spans_sync_and_asgd(own_code, tmp_path, one_thread):
+    """k = K is the synchronous barrier, k = 1 asynchronous SGD, exactly; k = 2 in between."""
+    speeds = ["algorithm=async_sgd", "async.speed=exponential", "async.slow_workers=[1]",
+              "async.slowdown=3"]  # fmt: skip
+    first_k = [*speeds, "protocol=first_k", own_code]
+    assert max_diff(run(tmp_path, "k4", *first_k, "protocol.k=4"),
+                    run(tmp_path, "sync", *speeds, "protocol=sync")) == 0  # fmt: skip
+    assert max_diff(run(tmp_path, "k1", *first_k, "protocol.k=1"),
+                    run(tmp_path, "asgd", *speeds, "protocol=asgd")) == 0  # fmt: skip
+    two = run(tmp_path, "k2", *first_k, "protocol.k=2")
+    assert max_diff(two, final(tmp_path / "sync")) > 1e-4
+    assert max_diff(two, final(tmp_path / "asgd")) > 1e-4
+
+
+def test_first_k_protocol_checkpoints_and_resumes_exactly(own_code, tmp_path, one_thread):
+    args = [*SMALL, "data.num_train=512", "train.batch_size=16", "train.log_every=1",
+            "train.eval_every=20", "train.steps=60", "workers=4", "algorithm=async_sgd",
+            "async.speed=exponential", "protocol=first_k", "protocol.k=3", own_code]  # fmt: skip
+    check_resumed(tmp_path, args, InjectedFailure)
+
+
+def test_randomized_gossip_on_two_workers_is_dpsgd(own_code, tmp_path, one_thread):
+    """Two workers on a complete graph are always matched: x ← (x_0 + x_1)/2 − η·g, D-PSGD's
+    update with weights 1/2."""
+    ours = run(tmp_path, "rg", "workers=2", "algorithm=randomized_gossip", "topology=complete",
+               own_code)  # fmt: skip
+    dpsgd = run(tmp_path, "d", "workers=2", "algorithm=dpsgd", "topology=complete")
+    assert max_diff(ours, dpsgd) <= TOL
+
+
+def test_randomized_gossip_trains_and_resumes_exactly(own_code, tmp_path, one_thread):
+    args = [*SMALL, "data.num_train=512", "train.batch_size=16", "train.log_every=1",
+            "train.eval_every=20", "train.steps=60", "workers=8", "topology=ring",
+            "algorithm=randomized_gossip", own_code]  # fmt: skip
+    check_resumed(tmp_path, args, InjectedFailure)
+    summary = train(compose_config(*args[:-1], "train.steps=200", own_code), tmp_path / "long")
+    assert summary["test/acc"] > 0.5 and summary["gossip/consensus_distance"] < 0.1
+
+
+def test_the_docs_commands_run_and_check_their_input(own_code, tmp_path):
+    out = run_cli([*SMALL, "algorithm=async_sgd", "protocol=first_k", "protocol.k=3",
+                   "train.steps=20", own_code, f"hydra.run.dir={tmp_path / 'run'}"],
+                  cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "run" / "summary.json").exists()
+    bad = run_cli(["algorithm=async_sgd", "protocol=first_k", own_code,
+                   f"hydra.run.dir={tmp_path / 'bad'}"], cwd=tmp_path)  # fmt: skip
+    lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
+    assert bad.returncode == 2 and len(lines) == 1, bad.stderr
+    assert lines[0] == (
+        "error: protocol=first_k needs 1 <= protocol.k <= workers (4), e.g. protocol.k=2"
+    )
+    assert not (tmp_path / "bad").exists()
+    directed = run_cli(["algorithm=randomized_gossip", "topology=exponential", own_code,
+                        f"hydra.run.dir={tmp_path / 'd'}"], cwd=tmp_path)  # fmt: skip
+    assert directed.returncode == 2 and "must be undirected" in directed.stderr

@@ -1,0 +1,147 @@
+"""Point-to-point messages in the communicator (issue 17, item 1): send to a peer, receive from
+any peer (with its id) or from one, lists of tensors as one message, a timeout, and the bytes
+recorded at the send in O(1) per worker and purpose with the sender's clock; the same on K
+simulated workers and on gloo processes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import free_port
+
+from dpresearch.comm.base import PeerTimeout
+from dpresearch.comm.distributed import DistributedCommunicator, pack, packed_size, unpack
+from dpresearch.comm.ledger import CommOp
+from dpresearch.comm.network import NetworkModel
+from dpresearch.comm.simulated import SimulatedCommunicator
+
+NET = NetworkModel.preset("1gbe")
+SERVER = -1  # an endpoint without a worker, held by the simulating process
+
+
+def test_simulated_messages_arrive_in_order_with_their_sender():
+    comm = SimulatedCommunicator(3, NET)
+    a, b = torch.arange(4.0), torch.arange(6, dtype=torch.int32)
+    comm.isend(a, dst=SERVER, src=2)
+    comm.send([a, b], dst=SERVER, src=0, record="pull")
+    comm.isend(b, dst=1, src=0)
+    sender, got = comm.recv_any(dst=SERVER)
+    assert sender == 2 and got is a  # handed over, not copied
+    out = [torch.empty(4), torch.empty(6, dtype=torch.int32)]
+    sender, got = comm.recv_any(out, dst=SERVER)
+    assert sender == 0 and got is out and torch.equal(out[1], b)
+    assert torch.equal(comm.recv(0, dst=1), b)
+    with pytest.raises(PeerTimeout, match="nobody else can send"):
+        comm.recv_any(dst=SERVER, timeout_s=5)
+
+
+def test_recv_from_one_sender_skips_the_others():
+    comm = SimulatedCommunicator(3, NET)
+    for w in (0, 1, 2):
+        comm.isend(torch.tensor([float(w)]), dst=SERVER, src=w)
+    assert comm.recv(1, dst=SERVER).item() == 1.0
+    assert [comm.recv_any(dst=SERVER)[0] for _ in range(2)] == [0, 2]
+
+
+def test_message_bytes_are_charged_to_the_sender_per_purpose_in_constant_time():
+    comm = SimulatedCommunicator(4, NET)
+    ledger = comm.ledger
+    grad, header = torch.zeros(250), torch.zeros(4, dtype=torch.float64)
+    for i in range(1000):
+        comm.isend([header, grad], dst=SERVER, src=i % 3, at=0.5 * i)
+    comm.isend(grad, dst=2, src=SERVER)  # the server holds no worker: charged to nobody
+    comm.isend(header, dst=SERVER, src=3, record="metrics")
+    size = 32 + 1000
+    assert ledger.bytes_by_purpose["algorithm"] == [334 * size, 333 * size, 333 * size, 0]
+    assert ledger.bytes_of("metrics") == [0, 0, 0, 32]
+    assert ledger.clock[:3] == [0.5 * 999, 0.5 * 997, 0.5 * 998]
+    op = CommOp("p2p", size, 2, peers=1)
+    assert ledger.op_totals[op] == 1000 and ledger.op_counts["p2p"] == 1001
+    assert ledger.modeled_by_purpose["algorithm"] == pytest.approx(
+        1000 * NET.op_seconds(op) + NET.op_seconds(CommOp("p2p", 1000, 2, peers=1))
+    )
+    assert NET.op_seconds(op) == pytest.approx(NET.latency_s + size / NET.bandwidth_Bps)
+    assert NetworkModel.preset("1gbe").total_seconds(ledger.op_table()) == pytest.approx(
+        ledger.modeled_s
+    )
+    restored = SimulatedCommunicator(4, NET).ledger
+    restored.load_state_dict(ledger.state_dict())
+    assert restored.bytes_by_purpose == ledger.bytes_by_purpose
+    assert restored.clock == ledger.clock
+
+
+def test_pack_round_trip_keeps_every_dtype():
+    parts = [torch.tensor([1.5, -2.0], dtype=torch.float64), torch.arange(3, dtype=torch.uint8),
+             torch.randn(5), torch.tensor([7], dtype=torch.int32)]  # fmt: skip
+    buf = torch.empty(packed_size(parts), dtype=torch.uint8)
+    assert buf.numel() == 16 + 8 + 24 + 8  # each part at an 8-byte boundary
+    pack(parts, buf)
+    out = [torch.empty_like(p) for p in parts]
+    unpack(buf, out)
+    assert all(torch.equal(a, b) for a, b in zip(parts, out, strict=True))
+
+
+def _gloo_peer(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    comm = DistributedCommunicator(NET, messages=True, first_worker=1)
+    header, body = torch.zeros(2, dtype=torch.float64), torch.zeros(3, dtype=torch.int32)
+    result: dict = {}
+    if rank == 0:  # the server: hears every worker, in any order
+        got = {}
+        for _ in range(world - 1):
+            sender, _ = comm.recv_any([header, body])
+            got[sender] = (header.tolist(), body.tolist())
+        result["got"] = got
+        comm.send(torch.tensor([42.0]), dst=2, record=False)
+        result["heard"] = comm.ledger.heard["algorithm"]
+    else:
+        message = [torch.tensor([rank, 0.5], dtype=torch.float64),
+                   torch.full((3,), 10 * rank, dtype=torch.int32)]  # fmt: skip
+        comm.send(message, dst=0, at=float(rank))
+        if rank == 2:
+            result["answer"] = comm.recv(0, torch.empty(1)).item()
+        result["sent"] = list(comm.ledger.bytes_by_worker)
+    torch.save(result, f"{out}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_gloo_messages_from_any_peer_with_a_timeout(tmp_path):
+    world = 3
+    torch.multiprocessing.spawn(
+        _gloo_peer, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True
+    )
+    server, one, two = (torch.load(tmp_path / f"rank{r}.pt") for r in range(world))
+    assert server["got"] == {1: ([1.0, 0.5], [10] * 3), 2: ([2.0, 0.5], [20] * 3)}
+    size = 16 + 12
+    assert server["heard"] == {1: size, 2: size}  # what each worker sent, heard
+    assert one["sent"] == [size] and two["sent"] == [size]
+    assert two["answer"] == 42.0
+
+
+def _silent_peer(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)  # fmt: skip
+    comm = DistributedCommunicator(NET, messages=True)
+    if rank == 0:
+        start = time.monotonic()
+        with pytest.raises(PeerTimeout, match="no message within 1 s"):
+            comm.recv_any(torch.empty(1), timeout_s=1.0)
+        (Path(out) / "waited").write_text(str(time.monotonic() - start))
+    else:
+        time.sleep(3)  # alive, but silent (gloo closed the pair: nothing more is sent)
+
+
+@pytest.mark.distributed
+def test_gloo_receive_times_out_on_a_silent_peer(tmp_path):
+    torch.multiprocessing.spawn(_silent_peer, args=(free_port(), str(tmp_path)), nprocs=2)
+    assert 0.9 <= float((tmp_path / "waited").read_text()) < 30
