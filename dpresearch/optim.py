@@ -23,17 +23,27 @@ def make_optimizer(
     cfg: DictConfig, model: nn.Module, lr_scale: float = 1.0
 ) -> torch.optim.Optimizer:
     """Instantiate the optimizer node for `model`'s trainable parameters; lr × `lr_scale`."""
-    node: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    return build_optimizer(cfg, [p for p in model.parameters() if p.requires_grad], lr_scale)
+
+
+def build_optimizer(
+    cfg: DictConfig | dict, params: list[nn.Parameter], lr_scale: float = 1.0
+) -> torch.optim.Optimizer:
+    """Instantiate the optimizer node for `params` (e.g. one fragment of a model); lr ×
+    `lr_scale`."""
+    node: dict[str, Any] = (
+        OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    )  # type: ignore[assignment]
     exclude = bool(node.pop("exclude_bn_bias_from_weight_decay", False))
     node["_partial_"] = True
     node["lr"] = float(node.get("lr", 0.1)) * lr_scale
     factory = instantiate(node)
-    params = [p for p in model.parameters() if p.requires_grad]
     if not exclude:
         return factory(params)
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    return factory([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return factory([g for g in groups if g["params"]])
 
 
 def set_lr(optimizer: torch.optim.Optimizer, base_lrs: list[float], multiplier: float) -> None:

@@ -185,6 +185,8 @@ BAD = [
         "async.tau_max=-1: must be >= 0",
     ),
     (["algorithm=async_sgd", "async.timeout_s=0"], "async.timeout_s=0.0: must be > 0"),
+    (["network.compute_step_s=-1"], "network.compute_step_s=-1"),
+    (["train.batched_workers=sometimes"], "train.batched_workers=sometimes; choose one of"),
 ]
 # Keys the source names in a `key=...` message that are not constraints of the user's:
 # overrides the study launcher writes itself.
@@ -217,11 +219,12 @@ def test_table_is_big_enough() -> None:
 def test_every_constrained_key_has_a_row() -> None:
     """Every config key that some check names in its error (`"<node>.<key>=..."` or
     `"<node>.<key>:"` in the source) is set by at least one row above (or by the asynchronous
-    options' own table): a new check without a row fails here."""
+    options' and the outer optimizers' own tables): a new check without a row fails here."""
     import re
 
     from conftest import REPO
     from test_async import BAD as ASYNC_BAD
+    from test_outer import BAD as OUTER_BAD
 
     nodes = "|".join(("train", "backend", "network", "comm", "logger", "debug", "data", "model",
                       "optimizer", "schedule", "algorithm", "compressor", "error_feedback",
@@ -232,7 +235,8 @@ def test_every_constrained_key_has_a_row() -> None:
         for path in (REPO / "dpresearch").rglob("*.py")
         for match in named.finditer(path.read_text())
     }
-    covered = {a.lstrip("+~").split("=", 1)[0] for args, _ in [*BAD, *ASYNC_BAD] for a in args}
+    rows = [*BAD, *ASYNC_BAD, *OUTER_BAD]
+    covered = {a.lstrip("+~").split("=", 1)[0] for args, _ in rows for a in args}
     assert len(constrained) > 50  # the scan finds the checks
     assert sorted(constrained - covered - NOT_CONSTRAINTS) == []
 

@@ -69,10 +69,13 @@ def test_inconsistent_peers_are_rejected():
 
 
 def test_start_variant_returns_the_result_on_wait():
-    comm = SimulatedCommunicator(3, NET)
+    comm, reference = SimulatedCommunicator(3, NET), SimulatedCommunicator(3, NET)
     pending = comm.start_neighbor_exchange(rows(3), ring(3), ring(3))
-    assert comm.ledger.bytes_sent == 0  # recorded when it finishes
-    assert torch.equal(pending.wait(), comm.neighbor_exchange(rows(3), ring(3), ring(3)))
+    expected = reference.neighbor_exchange(rows(3), ring(3), ring(3))
+    # recorded when launched: its bytes belong to the step that sent them, however late the wait
+    assert comm.ledger.bytes_sent == reference.ledger.bytes_sent > 0
+    assert torch.equal(pending.wait(), expected)
+    assert comm.ledger.bytes_sent == reference.ledger.bytes_sent  # not counted twice
 
 
 def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:

@@ -71,6 +71,9 @@ class Traits:
     when the run checkpoints or ends, and the main process alone logs and evaluates.
     messages: sends point-to-point messages between processes (`Communicator.isend`; on NCCL
     they travel in a gloo group the communicator creates beside it).
+    drifts: the workers' models drift apart between the algorithm's synchronisations (local
+    SGD, gossip), so an outer optimizer has pseudo-gradients to work on (synchronous SGD's
+    workers always hold one model, a parameter server's workers none of their own).
     compression_note: why an algorithm without `compressor`/`error_feedback` options takes
     none, shown when a configuration gives one (empty: the generic line).
     """
@@ -78,6 +81,7 @@ class Traits:
     checkpointable: bool = True
     skippable: bool = True
     extra_processes: int = 0
+    drifts: bool = False
     lockstep: bool = True
     messages: bool = False
     compression_note: str = ""
@@ -227,6 +231,30 @@ class Algorithm(ABC):
     def summary(self) -> dict[str, Any]:
         """Facts known only at the end of the run (e.g. a histogram), added to summary.json."""
         return {}
+
+    # -- under an outer optimizer (`algorithms/outer`) ------------------------------------------
+    @classmethod
+    def outer_handover(cls, node: Any) -> int | None:
+        """The period, in steps, of the exact averaging the algorithm configured by `node` does
+        on its own, which an outer optimizer wrapping it takes over (None: it has none). Raise
+        ValueError (one line naming the fix) where the algorithm cannot hand it over."""
+        return None
+
+    def hand_over_averaging(self) -> int | None:
+        """Called once, before the first step, by an outer optimizer wrapping this algorithm:
+        stop the exact averaging `outer_handover` names (the outer step replaces it) and
+        return its period (None: none)."""
+        return None
+
+    def model_rows(self) -> Tensor:
+        """The `[W, D]` rows whose mean over all K workers is the exact average of the workers'
+        models (an outer optimizer's pseudo-gradients are taken against it): by default the
+        parameters themselves."""
+        return self.replicas.params
+
+    def restarted(self) -> None:
+        """Every worker's parameters and buffers were just set to one common model by an outer
+        optimizer: reset whatever the algorithm derives from the workers' spread."""
 
     def state_dict(self) -> dict:
         """Algorithm state to checkpoint beyond what the trainer saves itself (every replica's

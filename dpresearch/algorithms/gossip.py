@@ -30,7 +30,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import Tensor
 
-from dpresearch.algorithms.base import Algorithm
+from dpresearch.algorithms.base import Algorithm, Traits
 from dpresearch.comm.base import Communicator, PendingOp
 from dpresearch.comm.ledger import BUFFERS, METRICS
 from dpresearch.comm.topology import Topology
@@ -55,6 +55,7 @@ class Gossip(Algorithm):
     """
 
     evaluates_local_models = True
+    traits = Traits(drifts=True)
 
     def __init__(
         self,

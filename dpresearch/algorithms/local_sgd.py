@@ -18,13 +18,19 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from dpresearch.algorithms.base import Algorithm
+from dpresearch.algorithms.base import Algorithm, Traits
 from dpresearch.comm.base import Communicator
 from dpresearch.replicas import Replicas
 
 
 class LocalSGD(Algorithm):
-    """Independent local steps with parameter averaging every `period` steps."""
+    """Independent local steps with parameter averaging every `period` steps.
+
+    Under an outer optimizer (DiLoCo, SlowMo over local SGD) the averaging every `period`
+    steps becomes the outer step's exact average: `period` is the outer period unless
+    `outer.period` says otherwise, and the algorithm itself no longer averages."""
+
+    traits = Traits(drifts=True)
 
     def __init__(
         self,
@@ -42,6 +48,7 @@ class LocalSGD(Algorithm):
         self.sync_steps = 0  # set from sync_epochs once the epoch length is known
         self.average_buffers = average_buffers
         self.average_optimizer_state = average_optimizer_state
+        self.handed_over = False  # an outer optimizer does the averaging
 
     @classmethod
     def check_config(cls, cfg: DictConfig) -> None:
@@ -52,8 +59,28 @@ class LocalSGD(Algorithm):
     def set_run_length(self, steps_per_epoch: int, total_steps: int) -> None:
         self.sync_steps = round(self.sync_epochs * steps_per_epoch)
 
+    @classmethod
+    def outer_handover(cls, node: Any) -> int | None:
+        if float(node.get("sync_epochs", 0.0) or 0.0) > 0:
+            raise ValueError(
+                "post-local SGD's dense phase cannot run under an outer optimizer; set "
+                "algorithm.sync_epochs=0"
+            )
+        if node.get("average_optimizer_state", False):
+            raise ValueError(
+                "under an outer optimizer the inner optimizer state is the outer's: set "
+                "algorithm.average_optimizer_state=false and outer.inner_state=average"
+            )
+        return int(node.get("period", 8))
+
+    def hand_over_averaging(self) -> int | None:
+        self.handed_over = True
+        return self.period
+
     def averages_after(self, step: int) -> bool:
         """Whether the parameters are averaged after `step` (0-based)."""
+        if self.handed_over:
+            return False
         if step < self.sync_steps:
             return True
         return (step + 1 - self.sync_steps) % self.period == 0
@@ -68,29 +95,41 @@ class LocalSGD(Algorithm):
             if self.average_buffers and self.replicas.buffers.shape[1] > 0:
                 self.comm.all_reduce(self.replicas.buffers, op="mean", record="buffers")
             if self.average_optimizer_state:
-                self._average_optimizer_state()
+                average_optimizer_state(self.optimizers, self.comm)
 
-    def _average_optimizer_state(self) -> None:
-        """Average every floating-point optimizer state tensor (e.g. momentum) over workers."""
-        per_worker = []
-        for opt in self.optimizers:
-            tensors = [
+
+def average_optimizer_state(
+    optimizers: list[torch.optim.Optimizer],
+    comm: Communicator,
+    params: list[list[torch.nn.Parameter]] | None = None,
+) -> None:
+    """Average every floating-point state tensor (e.g. momentum) of the local workers'
+    optimizers over all K workers, one allreduce (the algorithm's traffic); `params`: per
+    local worker, the parameters whose state is averaged (None: all)."""
+    per_worker = []
+    for w, opt in enumerate(optimizers):
+        mine = (
+            [p for group in opt.param_groups for p in group["params"]]
+            if params is None
+            else params[w]
+        )
+        per_worker.append(
+            [
                 v
-                for group in opt.param_groups
-                for p in group["params"]
+                for p in mine
                 for v in opt.state.get(p, {}).values()
                 if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0
             ]
-            per_worker.append(tensors)
-        if not per_worker[0]:
-            return
-        stacked = torch.stack([torch.cat([t.reshape(-1) for t in ts]) for ts in per_worker])
-        self.comm.all_reduce(stacked, op="mean")
-        for row, tensors in zip(stacked, per_worker, strict=True):
-            offset = 0
-            for t in tensors:
-                t.copy_(row[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        )
+    if not per_worker[0]:
+        return
+    stacked = torch.stack([torch.cat([t.reshape(-1) for t in ts]) for ts in per_worker])
+    comm.all_reduce(stacked, op="mean")
+    for row, tensors in zip(stacked, per_worker, strict=True):
+        offset = 0
+        for t in tensors:
+            t.copy_(row[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 def check_options(period: Any, sync_epochs: Any) -> None:

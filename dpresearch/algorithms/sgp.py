@@ -104,6 +104,15 @@ class SGP(Gossip):
         self.comm.all_reduce(buffers, op="mean", record="eval")
         return numerators[0] / weights[0], buffers[0] / weights[0]
 
+    def model_rows(self) -> Tensor:
+        """The push-sum numerators x_i = w_i·z_i: Σ_i w_i = K is preserved, so their mean is
+        Σ x / Σ w, the consensus (the plain mean of the z_i, where the weights differ)."""
+        return self.replicas.params * self.ps_weight
+
+    def restarted(self) -> None:
+        """Every worker restarts from one model z with weight 1 (x = z), as at the start."""
+        self.ps_weight.fill_(1.0)
+
     def state_dict(self) -> dict:
         return {"ps_weight": self.ps_weight.clone()}
 

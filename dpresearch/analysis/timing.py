@@ -36,23 +36,35 @@ def modeled_column(network: str | None) -> str:
     return f"modeled_s@{network}" if network else "comm/modeled_s"
 
 
+def _compute_step_s(row: Any) -> float:
+    """The run's modeled compute seconds per step (what overlapped ops hide behind)."""
+    value = row.get("cfg.network.compute_step_s")
+    try:
+        return 0.0 if value is None or math.isnan(float(value)) else float(value)
+    except (TypeError, ValueError):
+        return 0.0
+
+
 def _own_network(row: Any) -> NetworkModel | None:
     latency, bandwidth = row.get("cfg.network.latency_us"), row.get("cfg.network.bandwidth_gbit")
     try:
-        return NetworkModel.from_units(float(latency), float(bandwidth))
+        return NetworkModel.from_units(
+            float(latency), float(bandwidth), compute_step_s=_compute_step_s(row)
+        )
     except (TypeError, ValueError):
         return None
 
 
 def repricing_factors(runs, network: str) -> dict[str, float]:
-    """run → (its ops priced on `network`) / (its ops priced on its own network)."""
+    """run → (its ops priced on `network`) / (its ops priced on its own network); both keep
+    the run's own compute time per step (what overlapped ops hide behind)."""
     if network not in PRESETS:
         raise AnalysisError(
             f"unknown network preset {network!r}; choose one of: " + ", ".join(PRESETS)
         )
-    target = NetworkModel.preset(network)
     factors: dict[str, float] = {}
     for row in runs.to_dict("records"):
+        target = NetworkModel.preset(network, _compute_step_s(row))
         own = _own_network(row)
         ops = row.get("comm/ops")
         if own == target:

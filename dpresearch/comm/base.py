@@ -253,9 +253,9 @@ class Communicator(ABC):
     ) -> PendingOp:
         """`neighbor_exchange` begun in the background: `wait()` returns the `[W, P, ...]`
         result. Neither `x` nor `out` may be touched until then (the send may still be
-        reading x, the receives writing out). Time: in flight from here until the backend
-        reports completion (or, where it cannot, until `wait()` returns); exposed: the time
-        spent in `wait()`."""
+        reading x, the receives writing out). Bytes: recorded here, at the launch. Time: in
+        flight from here until the backend reports completion (or, where it cannot, until
+        `wait()` returns); exposed: the time spent in `wait()`."""
         self._check_rows(x)
         purpose = purpose_of(record)
         plan = self.exchange_plan(out_peers, in_peers)
@@ -471,9 +471,13 @@ class Communicator(ABC):
         op: CommOp,
         sent: Sequence[int] | None = None,
     ) -> Callable[[], None]:
-        """The `PendingOp` finish function of a collective launched at `start`: runs `finish`
-        (which blocks until done and may return the completion time), then records `op`, in
-        flight from `start` to its completion and blocked for the time spent waiting."""
+        """Record `op` now, at its launch (so its bytes belong to the step that sent it,
+        whenever it is waited for), and return the `PendingOp` finish function of a collective
+        launched at `start`: it runs `finish` (which blocks until done and may return the
+        completion time) and records the op's time, in flight from `start` to its completion and
+        blocked for the time spent waiting."""
+        if purpose is not None:
+            self.ledger.record(op, sent)
 
         def done() -> None:
             wait_start = time.perf_counter()
@@ -482,6 +486,5 @@ class Communicator(ABC):
             if purpose is not None:
                 end = wait_end if completed is None else min(completed, wait_end)
                 self.ledger.add_time((start, max(start, end)), (wait_start, wait_end))
-                self.ledger.record(op, sent)
 
         return done

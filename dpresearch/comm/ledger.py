@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from dpresearch.comm.network import NetworkModel
@@ -74,6 +75,8 @@ class CommOp:
     tier: "" for the run's one network, or the tier of a two-level cluster it crossed
     ("intra": inside nodes, "inter": between node leaders; see `comm.hierarchy`), priced on
     that tier's link.
+    hidden_steps: steps of computation the op runs behind (launched at one step, needed only
+    that many steps later); the network model charges only what they do not hide.
     """
 
     kind: str
@@ -82,6 +85,7 @@ class CommOp:
     peers: int = 0
     purpose: str = ALGORITHM
     tier: str = ""
+    hidden_steps: int = 0
 
 
 @dataclass
@@ -107,6 +111,7 @@ class CommLedger:
     heard: dict[str, dict[int, int]] = field(default_factory=dict)
     # per (bytes, purpose) of a message: [op, its modeled seconds, messages not yet counted]
     _messages: dict[tuple[int, str], list] = field(default_factory=dict)
+    _hidden_steps: int = 0
     _busy_closed: float = 0.0
     _frontier: tuple[float, float] | None = None
     _pending: list[tuple[float, float]] = field(default_factory=list)
@@ -140,6 +145,8 @@ class CommLedger:
     def record(self, op: CommOp, sent_by_worker: Sequence[int] | None = None) -> None:
         """Record `op` under `op.purpose`. `sent_by_worker`: bytes each local worker sent
         (default: `op.nbytes` each, the case of allreduce and allgather)."""
+        if self._hidden_steps and not op.hidden_steps:
+            op = replace(op, hidden_steps=self._hidden_steps)
         sent = sent_by_worker if sent_by_worker is not None else [op.nbytes] * self.num_local
         if len(sent) != self.num_local:
             raise ValueError(f"sent_by_worker needs {self.num_local} entries, got {len(sent)}")
@@ -159,6 +166,16 @@ class CommLedger:
         if op.purpose not in OFF_STEP_PURPOSES:  # what `modeled_s` prices
             self._op_totals[op] += 1
         self.step_ops.append(op)
+
+    @contextmanager
+    def hidden_behind(self, steps: int) -> Iterator[None]:
+        """Ops recorded inside run behind `steps` steps of computation (`CommOp.hidden_steps`):
+        e.g. a fragment's outer communication, launched at step t and merged at t + steps."""
+        before, self._hidden_steps = self._hidden_steps, int(steps)
+        try:
+            yield
+        finally:
+            self._hidden_steps = before
 
     def network_of(self, op: CommOp) -> NetworkModel:
         """The link `op` is priced on: its tier's, else the run's network."""
@@ -296,8 +313,8 @@ class CommLedger:
     def state_dict(self) -> dict:
         """The cumulative counters, for a checkpoint (the busy time as a closed total), as plain
         data (a checkpoint holds no class of ours: see `checkpoint.load_checkpoint`): the ops
-        as `[kind, nbytes, group, peers, purpose, count]` rows, with a seventh entry, the tier,
-        for ops of a two-level cluster."""
+        as `[kind, nbytes, group, peers, purpose, count]` rows, then (where not the defaults)
+        the tier of a two-level cluster and the op's `hidden_steps`."""
         return {
             "bytes_by_purpose": {p: list(v) for p, v in self.bytes_by_purpose.items()},
             "bytes_by_tier": {t: list(v) for t, v in self.bytes_by_tier.items()},
@@ -306,8 +323,7 @@ class CommLedger:
             "busy_s": self.busy_s,
             "op_counts": dict(self.op_counts),
             "op_totals": [
-                [op.kind, op.nbytes, op.group, op.peers, op.purpose, n]
-                + ([op.tier] if op.tier else [])
+                [op.kind, op.nbytes, op.group, op.peers, op.purpose, n] + _extra(op)
                 for op, n in self.op_totals.items()
             ],
             "purpose_op_counts": [[p, k, n] for (p, k), n in self.purpose_op_counts.items()],
@@ -324,8 +340,8 @@ class CommLedger:
         self.exposed_s = state["exposed_s"]
         self._busy_closed = state["busy_s"]
         self.op_counts.update(state["op_counts"])
-        for kind, nbytes, group, peers, purpose, n, *tier in state["op_totals"]:
-            self.op_totals[CommOp(kind, nbytes, group, peers, purpose, *tier)] += n
+        for kind, nbytes, group, peers, purpose, n, *extra in state["op_totals"]:
+            self.op_totals[CommOp(kind, nbytes, group, peers, purpose, *extra)] += n
         for purpose, kind, n in state["purpose_op_counts"]:
             self.purpose_op_counts[(purpose, kind)] += n
         self.clock = list(state["clock"])
@@ -333,13 +349,21 @@ class CommLedger:
         self._started = time.perf_counter() - max(self.clock, default=0.0)
 
     def op_table(self) -> list[list]:
-        """Every distinct op with its count, `[kind, nbytes, group, peers, count]` (and a sixth
-        entry, the tier, for ops of a two-level cluster), so a run can be re-priced on any
+        """Every distinct op with its count, `[kind, nbytes, group, peers, count]`, then (where
+        not the defaults) a sixth entry, the tier, for ops of a two-level cluster, and a seventh,
+        `hidden_steps`, for ops hidden behind computation; so a run can be re-priced on any
         network afterwards (`NetworkModel.total_seconds`)."""
         return [
-            [op.kind, op.nbytes, op.group, op.peers, n] + ([op.tier] if op.tier else [])
+            [op.kind, op.nbytes, op.group, op.peers, n] + _extra(op)
             for op, n in self.op_totals.items()
         ]
+
+
+def _extra(op: CommOp) -> list:
+    """An op row's optional tail: [tier] or [tier, hidden_steps] (nothing for the defaults)."""
+    if op.hidden_steps:
+        return [op.tier, op.hidden_steps]
+    return [op.tier] if op.tier else []
 
 
 @dataclass

@@ -13,8 +13,13 @@ D bytes per worker:
                              (n−1)α + (n−1)/n · D/B
 - neighbour exchange to p peers (sends serialised on one full-duplex link): α + p · D/B
 
-A group of one worker costs nothing. The presets are nominal figures for common fabrics; pass
-`network=custom network.latency_us=... network.bandwidth_gbit=...` for your own.
+A group of one worker costs nothing. An op recorded as hidden behind h steps of computation
+(`CommOp.hidden_steps`: a Streaming DiLoCo fragment launched at step t and merged at t + τ has
+h = τ) costs only what exceeds them: max(0, T − h·c), with T its formula above and c the
+modeled compute seconds of one step (`compute_step_s`, `network.compute_step_s`; 0 by default,
+so nothing is hidden unless a compute time is given). The presets are nominal figures for
+common fabrics; pass `network=custom network.latency_us=... network.bandwidth_gbit=...` for
+your own.
 
 Three optional terms make the model predict a CPU cluster's gloo rather than an ideal fabric
 (all off by default; `experiments/bench/emulated_network.py` measures them on a shaped link):
@@ -53,6 +58,8 @@ PRESETS: dict[str, tuple[float, float]] = {
     "25gbe": (10.0, 25.0),
     "100gb_ib": (2.0, 100.0),
     "nvlink": (2.0, 2400.0),  # 300 GB/s per direction (A100 NVLink 3)
+    # a wide-area link between sites (DiLoCo's setting): 100 Mbit/s, 10 ms one way
+    "wan_100mbit": (10_000.0, 0.1),
 }
 
 
@@ -60,13 +67,15 @@ PRESETS: dict[str, tuple[float, float]] = {
 class NetworkModel:
     """α-β model: `latency_s` per message, `bandwidth_Bps` bytes per second per link, plus
     host `overhead_s` per message, `allgather_factor` on allgather's bandwidth term and
-    `allgather_latency_s` per allgather round in place of `latency_s` (None: the same)."""
+    `allgather_latency_s` per allgather round in place of `latency_s` (None: the same);
+    `compute_step_s`: the compute seconds of one training step an overlapped op hides behind."""
 
     latency_s: float
     bandwidth_Bps: float
     overhead_s: float = 0.0
     allgather_factor: float = 1.0
     allgather_latency_s: float | None = None
+    compute_step_s: float = 0.0
 
     @classmethod
     def from_units(
@@ -76,6 +85,7 @@ class NetworkModel:
         message_overhead_us: float = 0.0,
         allgather_factor: float = 1.0,
         allgather_latency_us: float | None = None,
+        compute_step_s: float = 0.0,
     ) -> NetworkModel:
         return cls(
             latency_s=latency_us * 1e-6,
@@ -85,43 +95,56 @@ class NetworkModel:
             allgather_latency_s=(
                 None if allgather_latency_us is None else allgather_latency_us * 1e-6
             ),
+            compute_step_s=compute_step_s,
         )
 
     @classmethod
-    def preset(cls, name: str) -> NetworkModel:
+    def preset(cls, name: str, compute_step_s: float = 0.0) -> NetworkModel:
         if name not in PRESETS:
             raise ValueError(
                 f"unknown network preset {name!r}; choose one of: {', '.join(PRESETS)}"
             )
-        return cls.from_units(*PRESETS[name])
+        return cls.from_units(*PRESETS[name], compute_step_s=compute_step_s)
 
     def total_seconds(
         self, op_table: list[list], tiers: dict[str, NetworkModel] | None = None
     ) -> float:
         """Modeled seconds of a run's `comm/ops` table (`CommLedger.op_table`) on this
         network: re-prices a finished run on another fabric. Rows of a two-level cluster carry
-        their tier; `tiers` prices them on that tier's link (else they are priced here)."""
+        their tier (sixth entry); `tiers` prices them on that tier's link (else they are priced
+        here). Rows of ops hidden behind computation carry `hidden_steps` (seventh entry), the
+        steps of this network's `compute_step_s` they hide behind."""
         total = 0.0
         for row in op_table:
             kind, nbytes, group, peers, count = row[:5]
             network = (tiers or {}).get(row[5] if len(row) > 5 else "", self)
-            total += count * network.seconds(kind, nbytes, group, peers)
+            seconds = network.seconds(kind, nbytes, group, peers)
+            if len(row) > 6 and row[6]:
+                seconds = max(0.0, seconds - row[6] * self.compute_step_s)
+            total += count * seconds
         return total
 
     def op_seconds(self, op: CommOp) -> float:
-        """Modeled duration of one collective (see the module docstring for the formulas)."""
-        return self.seconds(op.kind, op.nbytes, op.group, op.peers)
+        """Modeled exposed duration of one collective (see the module docstring for the
+        formulas and for ops hidden behind computation)."""
+        return self.seconds(op.kind, op.nbytes, op.group, op.peers, op.hidden_steps)
 
-    def seconds(self, kind: str, nbytes: int, group: int, peers: int = 0) -> float:
-        """Modeled duration of one collective of `kind` moving `nbytes` per worker among
-        `group` workers (`peers`: a point-to-point op's largest out-degree)."""
+    def seconds(
+        self, kind: str, nbytes: int, group: int, peers: int = 0, hidden_steps: int = 0
+    ) -> float:
+        """Modeled exposed duration of one collective of `kind` moving `nbytes` per worker
+        among `group` workers (`peers`: a point-to-point op's largest out-degree), run behind
+        `hidden_steps` steps of computation."""
         latency = self.latency_s
         if kind == "allgather" and self.allgather_latency_s is not None:
             latency = self.allgather_latency_s
         a = latency + self.overhead_s
         if group <= 1 or (kind == "p2p" and not peers):
             return 0.0
-        return self._seconds(kind, group, nbytes, a, self.bandwidth_Bps, peers)
+        seconds = self._seconds(kind, group, nbytes, a, self.bandwidth_Bps, peers)
+        if hidden_steps:
+            return max(0.0, seconds - hidden_steps * self.compute_step_s)
+        return seconds
 
     def messages(self, op: CommOp) -> int:
         """Message rounds of `op`: how many times its formula charges α (and o)."""

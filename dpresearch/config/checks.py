@@ -288,6 +288,8 @@ def check_network(cfg: DictConfig) -> None:
         raise ConfigError(
             f"network.allgather_latency_us={ag_latency}: must be >= 0 (or null: latency_us)"
         )
+    if net.get("compute_step_s", 0.0) < 0:
+        raise ConfigError(f"network.compute_step_s={net.compute_step_s}: must be >= 0 seconds")
 
 
 def check_logger(cfg: DictConfig) -> None:
@@ -327,10 +329,14 @@ def check_data(cfg: DictConfig) -> None:
 
 def check_optimizer(cfg: DictConfig) -> None:
     """The hyper-parameters torch would reject mid-start, named by their key."""
-    node = cfg.optimizer
+    check_optimizer_values(cfg.optimizer, "optimizer")
+
+
+def check_optimizer_values(node: DictConfig, where: str) -> None:
+    """An optimizer node's values torch would reject mid-start, named `where.<key>`."""
     for key in NON_NEGATIVE_OPTIMIZER_KEYS:
         if key in node and (not _is_number(node[key]) or node[key] < 0):
-            raise ConfigError(f"optimizer.{key}={_show(node[key])}: must be a number >= 0")
+            raise ConfigError(f"{where}.{key}={_show(node[key])}: must be a number >= 0")
     if "betas" in node:
         betas = node.betas
         values = list(betas) if isinstance(betas, ListConfig) else None
@@ -340,7 +346,7 @@ def check_optimizer(cfg: DictConfig) -> None:
             or not all(_is_number(b) and 0 <= b < 1 for b in values)
         ):
             raise ConfigError(
-                f"optimizer.betas={_show(betas)}: must be two numbers in [0, 1), e.g. [0.9,0.999]"
+                f"{where}.betas={_show(betas)}: must be two numbers in [0, 1), e.g. [0.9,0.999]"
             )
 
 
@@ -453,6 +459,23 @@ def check_compression(cfg: DictConfig) -> None:
         raise ConfigError(str(exc)) from None
 
 
+def check_outer(cfg: DictConfig) -> None:
+    """An outer optimizer (`outer=...`): its optimizer node's values, then the outer node's
+    own checks (`algorithms.outer.check_config`: the base algorithm, the schedule, the codec);
+    nothing for `outer=none`. The nested nodes are built once by preflight."""
+    from dpresearch.algorithms import outer
+
+    node = outer.outer_node(cfg)
+    if node is None:
+        return
+    if node.get("optimizer") is not None:
+        check_optimizer_values(node.optimizer, "outer.optimizer")
+    try:
+        outer.check_config(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc).strip().splitlines()[0]) from None
+
+
 def check_protocol(cfg: DictConfig) -> None:
     """The `protocol` node builds for `workers` workers, and only an algorithm that takes one
     is given one other than the default."""
@@ -522,4 +545,5 @@ PLUGIN_CHECKS: dict[str, Callable[[DictConfig], None]] = {
     "compressor": check_compression,
     "protocol": check_protocol,
     "algorithm": check_algorithm,
+    "outer": check_outer,
 }

@@ -47,6 +47,7 @@ def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> Dataset:
     steps_per_epoch = check_fit(cfg, trained)
     model = build_model(cfg, dataset)
     check_optimizer(cfg, model)
+    check_fragments(cfg, model)
     check_batched(cfg, dataset)
     steps = cfg.train.steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
     schedule = _build("schedule", cfg.schedule, steps_per_epoch=steps_per_epoch,
@@ -130,6 +131,20 @@ def check_optimizer(cfg: DictConfig, model: torch.nn.Module) -> None:
     from dpresearch.optim import make_optimizer
 
     _call("optimizer", lambda: make_optimizer(cfg.optimizer, model))
+
+
+def check_fragments(cfg: DictConfig, model: torch.nn.Module) -> None:
+    """An outer optimizer's fragments can be cut from the model's blocks of layers, and its
+    optimizer node builds for the model's parameters."""
+    from dpresearch.algorithms.outer import outer_node
+    from dpresearch.algorithms.outer.fragments import blocks_of, split
+    from dpresearch.optim import make_optimizer
+
+    node = outer_node(cfg)
+    if node is not None:
+        count, pattern = node.get("fragments", 1), node.get("fragment_pattern", "sequential")
+        _call("outer", lambda: split(blocks_of(model), int(count), pattern))
+        _call("outer", lambda: make_optimizer(node.optimizer, model))
 
 
 def _build(group: str, node: DictConfig, **runtime: Any) -> Any:

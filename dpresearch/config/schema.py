@@ -1,7 +1,7 @@
 """Structured-config schema: types and defaults for every key that is not a plug-in.
 
 Plug-in groups (`data`, `model`, `optimizer`, `schedule`, `algorithm`, `compressor`,
-`error_feedback`, `topology`, `protocol`) are Hydra `_target_`
+`error_feedback`, `topology`, `protocol`, `outer`) are Hydra `_target_`
 nodes whose keys belong to their target; their arguments are checked against the target's
 signature by `validate.py` before any worker starts. Everything else is typed here, so an
 unknown key or a wrongly typed value fails at composition.
@@ -102,8 +102,11 @@ class NetworkConfig:
     `message_overhead_us`: host overhead per message (added to α); `allgather_factor`:
     multiplies allgather's bandwidth term; `allgather_latency_us`: latency of one allgather round
     in place of `latency_us` (see `dpresearch/comm/network.py`; 0, 1 and null: an ideal
-    fabric). With `comm.hierarchy` (a two-level cluster), `intra` names the preset pricing links
-    inside a node and `inter` the one between nodes (null: this network)."""
+    fabric). `compute_step_s`: modeled compute seconds of one training step, behind which
+    communication an algorithm overlaps with later steps (Streaming DiLoCo's fragments) is
+    hidden (0: nothing is hidden). With `comm.hierarchy` (a two-level cluster), `intra` names
+    the preset pricing links inside a node and `inter` the one between nodes (null: this
+    network)."""
 
     name: str = "10gbe"
     latency_us: float = 20.0
@@ -111,6 +114,7 @@ class NetworkConfig:
     message_overhead_us: float = 0.0
     allgather_factor: float = 1.0
     allgather_latency_us: float | None = None
+    compute_step_s: float = 0.0
     intra: str = "nvlink"
     inter: str | None = None
 
@@ -192,13 +196,17 @@ class Config:
 
 def schema() -> DictConfig:
     """`Config` plus the typed `async` node (`AsyncOptions`), which cannot be a dataclass field:
-    `async` is a Python keyword."""
+    `async` is a Python keyword, and the `outer` plug-in node, open (not struct): its options
+    compose nested groups (`optimizer@outer.optimizer`, `compressor@outer.compressor`) before
+    their own keys."""
     from dpresearch.asynchrony.options import AsyncOptions
 
     node = OmegaConf.structured(Config)
     OmegaConf.set_struct(node, False)
     node["async"] = OmegaConf.structured(AsyncOptions)
+    node["outer"] = OmegaConf.create({})
     OmegaConf.set_struct(node, True)
+    OmegaConf.set_struct(node.outer, False)
     return node
 
 

@@ -38,6 +38,7 @@ RUNTIME_ARGS = {
     "compressor": {"seed", "worker"},
     "error_feedback": {"inner"},
     "topology": {"num_workers"},
+    "outer": {"base", "replicas", "comm", "optimizers"},
     "protocol": {"workers"},
 }
 OWN_KEYS = {"optimizer": {"exclude_bn_bias_from_weight_decay"}}
@@ -85,7 +86,8 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
         check(cfg)
     check_run_length(cfg, overrides)
     for group in RUNTIME_ARGS:
-        check_target(group, cfg[group])
+        if group != "outer" or cfg.get("outer"):  # outer=none: no node
+            check_target(group, cfg[group])
     for check in PLUGIN_CHECKS.values():
         check(cfg)
     check_unused_nodes(cfg, overrides)
@@ -129,7 +131,12 @@ def check_schema_keys(cfg: DictConfig) -> None:
             if key not in schema:
                 raise ConfigError(unknown_key_message(f"{prefix}{key}", list(schema)))
             sub, sub_schema = node[key], schema[key]
-            if isinstance(sub, DictConfig) and isinstance(sub_schema, DictConfig):
+            # an open node of the schema (`outer`) is a plug-in: its keys are its target's
+            if (
+                isinstance(sub, DictConfig)
+                and isinstance(sub_schema, DictConfig)
+                and OmegaConf.is_struct(sub_schema)
+            ):
                 walk(sub, sub_schema, f"{prefix}{key}.")
 
     walk(cfg, _schema(), "")

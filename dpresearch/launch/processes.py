@@ -70,6 +70,7 @@ def network_model(cfg: DictConfig) -> NetworkModel:
         net.get("message_overhead_us", 0.0),
         net.get("allgather_factor", 1.0),
         net.get("allgather_latency_us", None),
+        net.get("compute_step_s", 0.0),
     )
 
 

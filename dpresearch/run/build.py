@@ -26,6 +26,7 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig
 from torch import nn
 
+from dpresearch.algorithms import outer
 from dpresearch.algorithms.base import Algorithm
 from dpresearch.comm.base import Communicator
 from dpresearch.data.base import Dataset
@@ -167,8 +168,10 @@ def build_run(
     extra = dict(algorithm_extra or {})
     part = get_object(cfg.algorithm._target_).part(comm)
     extra.setdefault("_target_", f"{part.__module__}.{part.__qualname__}")
-    algorithm: Algorithm = instantiate(
-        cfg.algorithm, replicas=replicas, comm=comm, optimizers=optimizers, **extra
+    runtime = dict(replicas=replicas, comm=comm, optimizers=optimizers)
+    # the `outer` node (an outer optimizer) wraps the algorithm the `algorithm` node builds
+    algorithm: Algorithm = outer.wrap(
+        cfg, instantiate(cfg.algorithm, **runtime, **extra), **runtime
     )
     # One epoch = every worker's shard once: K × worker_steps gradients in all.
     per_step = algorithm.gradients_per_step

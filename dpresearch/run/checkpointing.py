@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from dpresearch.algorithms.base import Verdict
+from dpresearch.algorithms.outer import algorithm_name
 from dpresearch.run.build import Run
 from dpresearch.run.checkpoint import (
     FORMAT,
@@ -49,7 +50,7 @@ class Checkpoints(Hook):
         return {
             "workers": run.cfg.workers,
             "processes": run.processes,
-            "algorithm": run.cfg.algorithm._target_,
+            "algorithm": algorithm_name(run.cfg),
             "num_params": run.replicas.num_params,
         }
 

@@ -171,6 +171,7 @@ def check_resume(cfg: DictConfig, run_dir: Path | None, processes: int) -> None:
     """The checkpoint `train.resume` names (in `run_dir` for auto) can continue this run of
     `processes` processes; raises `ConfigError` (one line) otherwise. Nothing to resume (no
     resume, or auto with no checkpoint yet) passes."""
+    from dpresearch.algorithms.outer import algorithm_name
     from dpresearch.run.checkpoint import CheckpointError, find_resume, incompatibility, read_header
 
     if cfg.train.resume is None:
@@ -182,7 +183,7 @@ def check_resume(cfg: DictConfig, run_dir: Path | None, processes: int) -> None:
         header = read_header(path)
     except CheckpointError as exc:
         raise ConfigError(str(exc)) from None
-    run = {"workers": cfg.workers, "processes": processes, "algorithm": cfg.algorithm._target_}
+    run = {"workers": cfg.workers, "processes": processes, "algorithm": algorithm_name(cfg)}
     problem = incompatibility(header, path, run)
     if problem is not None:
         raise ConfigError(problem)
