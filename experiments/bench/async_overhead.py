@@ -84,7 +84,6 @@ class Stopwatch:
 def simulated(args) -> dict[str, float]:
     """CPU seconds of `Trainer.run()` (the loop, not the set-up) and of its forward,
     backward, server-optimizer and batch-gather parts."""
-    import dpresearch.run.compute as compute
     from dpresearch.comm.simulated import SimulatedCommunicator
     from dpresearch.launch.processes import network_model
     from dpresearch.run.trainer import Trainer
@@ -98,15 +97,15 @@ def simulated(args) -> dict[str, float]:
     optimizer = trainer.algorithm.server.optimizer
     optimizer.step = core.wrap(optimizer.step)
     trainer.compute.next_batch = data.wrap(trainer.compute.next_batch)
-    functional, backward = compute.F.cross_entropy, torch.Tensor.backward
-    compute.F.cross_entropy = core.wrap(functional)
+    backward = torch.Tensor.backward
+    trainer.compute.data.loss = core.wrap(trainer.compute.data.loss)  # the data set's loss
     torch.Tensor.backward = core.wrap(backward)
     try:
         start = time.thread_time()
         trainer.run()
         run = time.thread_time() - start
     finally:
-        compute.F.cross_entropy, torch.Tensor.backward = functional, backward
+        torch.Tensor.backward = backward
     return {"run_s": run, "core_s": core.seconds, "data_s": data.seconds}
 
 
