@@ -257,5 +257,7 @@ def test_a_data_set_with_its_own_validation_needs_no_split():
     from dpresearch.study.check import check_study, dataset_class
 
     check_study(load_study(REPO / "experiments" / "async" / "least_squares.yaml"))
+    # cases without a grid of their own (`lr_from`) are checked at the lr they borrow
+    check_study(load_study(REPO / "experiments" / "gossip_subset" / "study.yaml"))
     cifar = OmegaConf.create({"_target_": "dpresearch.data.cifar.CIFAR10.load"})
     assert not dataset_class(cifar).own_validation

@@ -30,7 +30,8 @@ def check_study(study: Study) -> None:
     _known(study.target_metric, "target.metric")
     _compose(study, (), "common")
     for case in study.cases:
-        cfg = _compose(study, case.overrides, f"case {case.name!r}", case.lrs[0])
+        grid = case.lrs or study.case(case.lr_from).lrs  # an lr_from case runs at another's lr
+        cfg = _compose(study, case.overrides, f"case {case.name!r}", grid[0])
         if (metric is not None and metric.startswith("val/") and not cfg.train.val_size
                 and not dataset_class(cfg.data).own_validation):  # fmt: skip
             raise StudyError(
@@ -84,7 +85,7 @@ def _compose(study: Study, overrides: tuple[str, ...], where: str, lr: float | N
     from dpresearch.config.validate import ConfigError, validate
 
     register_configs()
-    lr = lr if lr is not None else min(c.lrs[0] for c in study.cases)
+    lr = lr if lr is not None else min(c.lrs[0] for c in study.cases if c.lrs)
     args = [*study.common, *overrides, f"{study.lr_key}={lr!r}", f"seed={study.seeds[0]}"]
     try:
         cfg = task_config(compose_command_line(parse_command_line(args), CONF_DIR))
