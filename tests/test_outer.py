@@ -533,8 +533,8 @@ def test_every_worker_matches_between_simulated_and_gloo(tmp_path):
 # -- bad input: one line naming the fix, before any worker starts --------------------------------
 DRIFT = ["algorithm=local_sgd", "outer=nesterov"]
 BAD = [
-    (["outer=nesterov"], "SyncSGD's never do; use algorithm=local_sgd (period 1 is synchronous"),
-    (["algorithm=async_sgd", "outer=nesterov"], "AsyncSGD's never do"),
+    (["outer=nesterov"], "SyncSGD is not one; use algorithm=local_sgd (period 1 is synchronous"),
+    (["algorithm=async_sgd", "outer=nesterov"], "AsyncSGD is not one"),
     (["algorithm=sgp", "outer=slowmo"], "outer.period is required: SGP has no averaging period"),
     ([*DRIFT, "outer.fragments=4"], "outer.fragments=4: the model has 3 blocks of layers"),
     ([*DRIFT, "algorithm.period=8", "outer.overlap=8"], "use 0 <= overlap < period"),
@@ -574,7 +574,7 @@ def test_bad_outer_input_is_one_line_before_any_worker(args, fragment, tmp_path,
 def test_bad_outer_input_on_the_command_line_with_gloo(tmp_path):
     out = run_cli([*SYNTHETIC_SMALL, "backend=gloo", "workers=2", "outer=nesterov"], tmp_path)
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
-    assert out.returncode == 2 and len(lines) == 1 and "SyncSGD's never do" in lines[0], lines
+    assert out.returncode == 2 and len(lines) == 1 and "SyncSGD is not one" in lines[0], lines
     assert list(tmp_path.iterdir()) == []
 
 

@@ -458,8 +458,8 @@ PERIOD_MESSAGE = (
 
 def no_drift_message(name: str) -> str:
     return (
-        f"an outer optimizer needs a base algorithm whose workers drift apart between "
-        f"synchronisations, and {name}'s never do; use algorithm=local_sgd (period 1 is "
+        f"an outer optimizer needs a lockstep base algorithm whose workers drift apart between "
+        f"synchronisations, and {name} is not one; use algorithm=local_sgd (period 1 is "
         "synchronous SGD with model averaging), dpsgd, choco or sgp"
     )
 
