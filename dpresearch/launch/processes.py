@@ -218,6 +218,7 @@ def _worker_entry(
     beats = os.environ.get(HEARTBEAT_ENV)
     # Stop requests are recorded from the start (the loop honours them at its next step).
     stoppable = STOP_FILE_ENV in os.environ
+    stop.exit_on_the_agents_sigterm()
     with worker_output(), stop.handling() if stoppable else contextlib.nullcontext():
         if not beats:
             return run_as_worker(cfg, Path(run_dir) if run_dir else None)

@@ -85,6 +85,30 @@ def _from_the_agent() -> bool:
     return bool(path) and not os.path.exists(path)
 
 
+def exit_on_the_agents_sigterm() -> None:
+    """In a worker of the local launcher (stop file named; main thread): end the process at once
+    when the agent's SIGTERM arrives (see `_from_the_agent`), even while the main thread is
+    blocked inside a collective or a receive, where no Python signal handler can run until it
+    returns (a server waiting for messages from workers that are gone would otherwise wait for
+    the agent's SIGKILL, 30 s later). The C-level handler writes the signal number into a wakeup
+    pipe; a daemon thread reading it acts (the blocked call has released the GIL)."""
+    if STOP_FILE_ENV not in os.environ or threading.current_thread() is not threading.main_thread():
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while True:
+            received = os.read(read_end, 64)
+            if not received:
+                return
+            if int(signal.SIGTERM) in received and _from_the_agent():
+                os._exit(128 + int(signal.SIGTERM))
+
+    threading.Thread(target=watch, name="agent-sigterm", daemon=True).start()
+
+
 def _foreign(handler: object) -> bool:
     """A Python handler installed by someone else (a scheduler), not one of this module's."""
     return callable(handler) and getattr(handler, "__module__", None) != __name__
