@@ -154,3 +154,22 @@ def test_computed_ahead_killed_and_resumed_equals_uninterrupted(case, tmp_path, 
     args = [*QUICK, "workers=4", *ASYNC, "model.batch_norm=true", "train.batched_workers=true",
             *CASES[case]]  # fmt: skip
     check_resumed(tmp_path, args, InjectedFailure)
+
+
+def test_a_non_finite_loss_computed_ahead_counts_at_its_push():
+    """A row computed ahead on non-finite parameters: the step that computed it is finite
+    (its planned row is), the step that plans it is not; its statistics join that step."""
+    trainer = trainer_for(*MLP_RUN, "algorithm=async_sgd", mode="true")
+    compute, params = trainer.compute, trainer.replicas.params
+    with torch.no_grad():
+        params[2].fill_(float("nan"))
+    compute.run([0], ahead=[1, 2])
+    assert compute.holds(1) and compute.holds(2) and not compute.holds(0)
+    assert compute.last_losses_finite([0])
+    assert [w for w, *_ in compute._pending] == [0]  # held statistics kept back
+    compute.run([2])
+    assert not compute.holds(2) and not compute.last_losses_finite([2])
+    assert [w for w, *_ in compute._pending] == [0, 2]
+    compute.run([1])
+    assert compute.last_losses_finite([1]) and not compute.holds(1)
+    assert compute.cursors[:3] == [1, 1, 1]  # each batch computed once

@@ -93,8 +93,11 @@ class WorkerCompute:
         self._pending_numel = 0
         self._sums: list[list[float]] = [[0.0, 0.0, 0] for _ in self.workers]
         self._latest: dict[int, Tensor] = {}  # row → the loss of its batch in the last `run`
-        # Rows computed ahead, not yet planned: row → (loss, outputs, targets) of its batch.
+        # Rows computed ahead, not yet planned: row → (loss, outputs, targets) of its batch,
+        # and whether its loss is finite (checked once per batched call, not once per push).
         self._held: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        self._held_finite: dict[int, bool] = {}
+        self._finite: dict[int, bool] = {}  # rows of the last `run` whose finiteness is known
         self.batched = BatchedWorkers(replicas) if batched and len(self.workers) > 1 else None
         self.mode = mode
 
@@ -176,11 +179,12 @@ class WorkerCompute:
         # step's statistics stay pending (`last_losses_finite`, `forget_last` read them).
         if len(self._pending) >= FOLD_EVERY or self._pending_numel >= FOLD_NUMEL:
             self._fold()
-        self._latest = {}
+        self._latest, self._finite = {}, {}
         held = self._held
         if held:
             for w in [w for w in rows if w in held]:
                 loss, out, y = held.pop(w)
+                self._finite[w] = self._held_finite.pop(w)
                 self._latest[w] = loss
                 self._pending.append((w, loss, out, y))
                 self._pending_numel += out.numel()
@@ -232,17 +236,24 @@ class WorkerCompute:
         assert self.batched is not None
         x, y = self.next_batches(rows)
         losses, out = self.batched.run(rows, x, y, self.autocast(), self.loss_scale)
+        finite = losses.isfinite().tolist() if hold else None
         for i, w in enumerate(rows):
+            if finite is not None:
+                self._finite[w] = finite[i]
             if w in hold:
                 self._held[w] = (losses[i], out[i], y[i])
+                self._held_finite[w] = self._finite.pop(w)
             else:
                 self._latest[w] = losses[i]
                 self._pending.append((w, losses[i], out[i], y[i]))
                 self._pending_numel += out[i].numel()
 
     def last_losses_finite(self, rows: Sequence[int]) -> bool:
-        """Whether the loss of each row's batch in the last `run` is finite (one host sync)."""
-        losses = [self._latest[w] for w in rows if w in self._latest]
+        """Whether the loss of each row's batch in the last `run` is finite (one host sync,
+        none where a batched call computing ahead checked it)."""
+        if not all(self._finite.get(w, True) for w in rows):
+            return False
+        losses = [self._latest[w] for w in rows if w in self._latest and w not in self._finite]
         if len(losses) == 1:
             return bool(losses[0].isfinite())
         return bool(torch.stack(losses).isfinite().all()) if losses else True
@@ -286,6 +297,8 @@ class WorkerCompute:
             index = torch.tensor(rows, dtype=torch.long, device=self.replicas.grads.device)
             self.replicas.grads.index_copy_(0, index, state["held_grads"].to(index.device))
         self._held = {w: tuple(s) for w, s in zip(rows, state.get("held_stats", []), strict=True)}
+        self._held_finite = {w: bool(s[0].isfinite()) for w, s in self._held.items()}
+        self._finite = {}
 
     def drain(self, window: Tensor) -> None:
         """Write into the float64 `window` ([W, 3]) each row's summed batch loss, summed batch
