@@ -510,8 +510,9 @@ def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.distributed
 def test_every_worker_matches_between_simulated_and_gloo(tmp_path):
-    torch.multiprocessing.spawn(_gloo_worker, args=(4, free_port(), str(tmp_path)), nprocs=4,
-                                join=True)  # fmt: skip
+    from gloo_session import spawn_sequence
+
+    spawn_sequence(4, [(_gloo_worker, (4, free_port(), str(tmp_path)))])
     real = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     for name, args in GLOO_CASES.items():
         simulated = run(*args)
