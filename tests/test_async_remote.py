@@ -186,7 +186,7 @@ def test_real_async_kill_9_then_resume_continues_exactly(tmp_path):
     try:
         wait_for_step(run_dir, proc, 45, timeout=300)
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank
-        proc.communicate(timeout=60)
+        proc.communicate(timeout=load_scaled(60))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL, cli_env, compose_config, run_cli
+from conftest import SMALL, cli_env, compose_config, load_scaled, run_cli
 
 from dpresearch.run.checkpoint import checkpoint_files, latest_checkpoint
 from dpresearch.run.io_errors import IO_EXIT
@@ -120,7 +120,7 @@ def test_a_full_disk_under_gloo_stops_every_process_together(small_disk, tmp_pat
     out = subprocess.run(
         [sys.executable, "-m", "dpresearch.train", *args, f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"), capture_output=True, text=True,
-        timeout=300,
+        timeout=load_scaled(300),
     )  # fmt: skip
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
     assert out.returncode == IO_EXIT and len(errors) == 1, out.stderr[-3000:]

@@ -91,7 +91,7 @@ def test_gloo_run_survives_sighup_under_setsid_nohup(tmp_path):
     try:
         wait_for_metrics(run_dir / "metrics.jsonl", proc, timeout=240)
         os.killpg(os.getpgid(proc.pid), signal.SIGHUP)  # the whole session: agent and workers
-        _, err = proc.communicate(timeout=240)
+        _, err = proc.communicate(timeout=load_scaled(240))
     finally:
         if proc.poll() is None:
             os.killpg(os.getpgid(proc.pid), signal.SIGKILL)

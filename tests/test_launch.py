@@ -78,7 +78,7 @@ def test_crashing_worker_fails_the_job_fast_with_its_traceback(tmp_path):
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        out, err = proc.communicate(timeout=240)
+        out, err = proc.communicate(timeout=load_scaled(240))
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SMALL, cli_env
+from conftest import SMALL, cli_env, load_scaled
 
 pytestmark = [
     pytest.mark.distributed,
@@ -104,13 +104,14 @@ def start(args: list[str], cwd: Path, background: bool) -> int:
     out = subprocess.run(
         ["bash", "-c", script, "script", str(cwd / "launcher.log"), *cmd], cwd=cwd,
         env=cli_env(WANDB_MODE="disabled"), stdout=subprocess.PIPE, text=True, check=True,
-        start_new_session=True, timeout=60,
+        start_new_session=True, timeout=load_scaled(60),
     )  # fmt: skip
     return int(out.stdout.split()[0])
 
 
 def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
+    """Poll `condition` until it holds; `timeout` (stretched by the load) bounds the wait."""
+    deadline = time.monotonic() + load_scaled(timeout)
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.1)
@@ -206,7 +207,7 @@ def test_twenty_stops_never_hang_and_the_run_stays_resumable(tmp_path):
          f"train.steps={last_step(run_dir) + 20}", f"hydra.run.dir={run_dir}",
          "train.resume=auto", "train.resume_allow_changes=[train.steps]"],
         cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"), capture_output=True, text=True,
-        timeout=300,
+        timeout=load_scaled(300),
     )  # fmt: skip
     assert final.returncode == 0, final.stderr[-3000:]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()

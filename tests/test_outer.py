@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import SHARED, SMALL, compose_config, free_port, run_cli
+from conftest import SHARED, SMALL, compose_config, free_port, load_scaled, run_cli
 from hydra.utils import instantiate
 from test_bad_input import SYNTHETIC_SMALL, run_main
 
@@ -633,7 +633,7 @@ def test_kill_9_resumes_exactly(case, tmp_path):
     try:
         wait_for_step(run_dir, proc, 25, timeout=240)
         os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=60)
+        proc.communicate(timeout=load_scaled(60))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
