@@ -76,6 +76,7 @@ def test_a_stopped_worker_ends_the_job_within_the_heartbeat(tmp_path):
     assert "backend.heartbeat_s=5" in last
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_gloo_run_survives_sighup_under_setsid_nohup(tmp_path):
     """Under `nohup` SIGHUP is ignored; the elastic agent used to stop the job on it."""
