@@ -389,7 +389,7 @@ def test_kill_9_then_resume_equals_uninterrupted(tmp_path):
     assert same(final_params(run_dir), final_params(reference))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the default suite's signal stop: test_async_remote's SIGTERM on gloo
 def test_sigint_simulated_stops_cleanly_and_resumes_exactly(tmp_path):
     args = [*QUICK, "train.steps=600", "train.log_every=1", "train.eval_every=300"]
     run_dir, _ = stop_and_resume(tmp_path, args, signal.SIGINT, bound_s=10)
@@ -490,6 +490,7 @@ runpy.run_module("dpresearch.train", run_name="__main__")
 """
 
 
+@pytest.mark.slow  # the default suite's signal stop: test_async_remote's SIGTERM on gloo
 def test_sigusr2_checkpoints_then_hands_on_to_the_schedulers_handler(tmp_path):
     """SLURM/submitit: SIGUSR2 before a time limit or a preemption. The run stops at a step
     boundary with a final checkpoint and `status: interrupted`, then the handler that was

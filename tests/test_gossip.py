@@ -249,7 +249,8 @@ def test_dpsgd_on_the_complete_graph_is_exact_averaging():
 
 # -- E: small rings on gloo through the command line ---------------------------------------------
 @pytest.mark.distributed
-@pytest.mark.parametrize("k", [2, 3])
+# k = 2 (slow): its workers spawned, a new interpreter each; the default suite's k = 3 forks them
+@pytest.mark.parametrize("k", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_small_rings_finish_on_gloo(tmp_path, k):
     start = time.perf_counter()
     result = run_cli(

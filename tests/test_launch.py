@@ -96,6 +96,7 @@ def test_crashing_worker_fails_the_job_fast_with_its_traceback(tmp_path):
     assert [r["step"] for r in logged] == [1, 2, 3]
 
 
+@pytest.mark.slow  # the default suite's offline W&B runs: test_wandb.py
 def test_wandb_offline_writes_local_run(tmp_path):
     out = run_cli(
         ["logger=wandb", "logger.mode=offline", "train.steps=4", *SMALL], cwd=tmp_path, timeout=180
