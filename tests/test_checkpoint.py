@@ -429,6 +429,7 @@ def test_progress_line_shows_throughput_and_eta():
     assert "5 steps/s (640 img/s)" in line and "ETA 0:30" in line
 
 
+@pytest.mark.slow  # two command-line runs; the default suite's CLI resume: kill -9 above
 def test_resume_from_a_checkpoint_file_continues_in_its_run_directory(tmp_path):
     """`train.resume=<run>/checkpoints/step_N.pt` without `hydra.run.dir`: the run continues
     in `<run>` from step N (a Lightning `ckpt_path`, but the run's own directory)."""

@@ -58,6 +58,7 @@ def grow(point: Path, size: int) -> None:
     assert out.returncode == 0, out.stderr
 
 
+@pytest.mark.slow  # two command-line runs; the default suite keeps the refusal below
 @pytest.mark.skipif(sys.platform != "linux", reason="tmpfs")
 def test_a_full_disk_is_one_line_failed_io_and_resumable(small_disk, tmp_path):
     reference = tmp_path / "reference"  # in this process: one interpreter start fewer

@@ -154,8 +154,9 @@ def _gloo_worker(rank: int, world: int, port: int, out: str, names: list[str]) -
 
 
 @pytest.mark.distributed
-# world 2 (slow): the ring of 2, one neighbour; the default suite keeps the odd ring and K = 4
-@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3, 4])
+@pytest.mark.parametrize(  # 2 and 3 slow: the default suite keeps K = 4 (five cases)
+    "world", [pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow), 4]
+)
 def test_every_worker_matches_between_simulated_and_gloo(tmp_path, world):
     names = [n for n, (k, _) in CASES.items() if k == world]
     spawn_sequence(world, [(_gloo_worker, (world, free_port(), str(tmp_path), names))])
@@ -249,8 +250,8 @@ def test_dpsgd_on_the_complete_graph_is_exact_averaging():
 
 # -- E: small rings on gloo through the command line ---------------------------------------------
 @pytest.mark.distributed
-# k = 2 (slow): its workers spawned, a new interpreter each; the default suite's k = 3 forks them
-@pytest.mark.parametrize("k", [pytest.param(2, marks=pytest.mark.slow), 3])
+# slow (a command-line gloo run each): the default suite's gossip on gloo is the K = 4 test above
+@pytest.mark.parametrize("k", [pytest.param(k, marks=pytest.mark.slow) for k in (2, 3)])
 def test_small_rings_finish_on_gloo(tmp_path, k):
     start = time.perf_counter()
     result = run_cli(
