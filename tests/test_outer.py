@@ -241,6 +241,7 @@ def test_diloco_equals_algorithm_1_of_the_paper_mlp():
     assert spread(trainer.replicas.params) == 0.0  # every worker restarted from θ
 
 
+@pytest.mark.slow  # the default suite: the MLP above; BatchNorm buffers in the gloo test below
 @pytest.mark.skipif(not SUBSET.is_dir(), reason=f"no CIFAR subset at {SUBSET}")
 def test_diloco_equals_algorithm_1_of_the_paper_resnet20_batchnorm():
     diloco = [a for a in DILOCO if not a.startswith("optimizer")]  # the recipe's Nesterov SGD
