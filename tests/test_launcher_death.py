@@ -167,6 +167,7 @@ def _lock_is_free(run_dir: Path) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # a hang guard: 20 gloo launches took 19 min at a load of 25
 def test_twenty_stops_never_hang_and_the_run_stays_resumable(tmp_path):
     """20 stops of one gloo × 2 run, each resumed with train.resume=auto: SIGTERM and SIGINT
     to the launcher (a clean stop: exit 128 + signal, checkpoint), SIGKILL of the launcher in
