@@ -615,8 +615,10 @@ def test_killed_and_resumed_equals_uninterrupted(case, tmp_path, one_thread):
     check_resumed(tmp_path, args, InjectedFailure)
 
 
-KILLED = ["streaming", *(pytest.param(c, marks=pytest.mark.slow) for c in
-                         ("diloco", "slowmo_sgp", "diloco_topk_ef14"))]  # fmt: skip
+# slow (a command-line run killed and resumed each): the default suite's outer resume is
+# test_killed_and_resumed_equals_uninterrupted above, its CLI kill -9 test_checkpoint's
+KILLED = [pytest.param(c, marks=pytest.mark.slow) for c in
+          ("streaming", "diloco", "slowmo_sgp", "diloco_topk_ef14")]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", KILLED)

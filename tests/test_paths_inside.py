@@ -99,6 +99,7 @@ def test_study_output_path_with_a_comma_and_a_space_on_the_command_line(tmp_path
     assert (out / "runs" / "a" / "lr0.1" / "seed0" / "summary.json").exists()
 
 
+@pytest.mark.slow  # two command-line runs; the sweep over hostile values above stays
 def test_a_single_run_directory_with_a_comma(tmp_path):
     """Unquoted, a comma in a single run's value is one line naming the fix; quoted, it is
     part of the path."""
