@@ -41,6 +41,7 @@ def test_study_folder_names_are_one_folder():
         assert len(folder) <= 100
 
 
+@pytest.mark.slow  # a command-line sweep; folder names: in-process above, a study's below
 def test_a_sweep_over_hostile_values_keeps_every_run_inside(tmp_path):
     sweep = tmp_path / "sweep"
     values = "'../../escape','/abs/path','a b','ünï','x,y',..,\"it's\""
