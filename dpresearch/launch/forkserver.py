@@ -29,13 +29,8 @@ import multiprocessing
 import os
 from multiprocessing import forkserver
 
-# What a worker imports, imported once by the server (each a module path). torch._dynamo: the
-# first torch optimizer a process builds imports it (`Optimizer.add_param_group` is wrapped by
-# `torch._disable_dynamo`), about a CPU second per worker otherwise; it starts no thread.
-PRELOAD = [
-    "dpresearch.launch.processes", "dpresearch.run.trainer", "dpresearch.comm.distributed",
-    "torch._dynamo",
-]  # fmt: skip
+# What a worker imports, imported once by the server (each a module path).
+PRELOAD = ["dpresearch.launch.processes", "dpresearch.run.trainer", "dpresearch.comm.distributed"]
 
 
 @dataclasses.dataclass(frozen=True)
