@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test command: set up .venv (with the dev extras) and run the test suite.
 #
-#   bash scripts/test.sh              # the default suite: slow tests (marked `slow`) left out
-#   bash scripts/test.sh --all        # every test, slow ones included (what CI runs)
+#   bash scripts/test.sh              # the default suite (minutes): slow tests (marked `slow`) left out
+#   bash scripts/test.sh --all        # every test, slow ones included (what CI runs: .ci/run)
 #   bash scripts/test.sh -m slow      # the slow tests alone
 #   bash scripts/test.sh -k equivalence --durations=0   # other arguments go to pytest
 #

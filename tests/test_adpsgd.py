@@ -115,20 +115,41 @@ def test_ring_of_8_exponential_speeds_keeps_consensus_and_matches_dpsgd(
     assert ad_sum["adpsgd/staleness_mean_run"] > 0  # stale: neighbours averaged meanwhile
 
 
+SEEDED = ["workers=4", ADPSGD, "topology=ring", "async.speed=exponential", "async.order=seeded",
+          "backend.threads=1", "train.steps=40"]  # fmt: skip
+EXCHANGES = {
+    "average": [],
+    # CHOCO-gossip on each pair: both ends keep the edges' copies
+    "topk": ["compressor=topk", "compressor.ratio=0.25", "algorithm.gamma=0.5"],
+}
+
+
+@pytest.fixture(scope="module")
+def real_runs(tmp_path_factory) -> dict:
+    """Every exchange of the test below trained on the same 4 gloo ranks, one after another
+    (`gloo_session`: one process start for both); the run directories by exchange."""
+    from gloo_session import train_on_gloo
+
+    folder = tmp_path_factory.mktemp("adpsgd-gloo")
+    common = [*SMALL, f"seed={SEED}", f"optimizer.lr={LR}", f"train.batch_size={BATCH}"]
+    train_on_gloo(4, [(compose_config(*common, *SEEDED, *args, "backend=gloo"), folder / name)
+                      for name, args in EXCHANGES.items()])  # fmt: skip
+    return {name: folder / name for name in EXCHANGES}
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("exchange", ["average", "topk"])
-def test_simulated_equals_four_gloo_ranks_for_a_seeded_order(small_config, tmp_path, exchange):
-    args = ["workers=4", ADPSGD, "topology=ring", "async.speed=exponential",
-            "async.order=seeded", "backend.threads=1", "train.steps=40"]  # fmt: skip
-    if exchange == "topk":  # CHOCO-gossip on each pair: both ends keep the edges' copies
-        args += ["compressor=topk", "compressor.ratio=0.25", "algorithm.gamma=0.5"]
+@pytest.mark.parametrize("exchange", list(EXCHANGES))
+def test_simulated_equals_four_gloo_ranks_for_a_seeded_order(
+    small_config, tmp_path, exchange, real_runs
+):
+    args = [*SEEDED, *EXCHANGES[exchange]]
     simulated = run_ours(small_config, tmp_path, "sim", *args)
-    real = run_ours(small_config, tmp_path, "real", *args, "backend=gloo")
+    real = torch.load(real_runs[exchange] / "model_final.pt")
     assert max_diff(simulated, real) <= TOL
     initial = run_ours(small_config, tmp_path, "init", "workers=4", "train.steps=1")
     assert max_diff(simulated, initial) > 1e-3
     sim_summary = json.loads((tmp_path / "sim" / "summary.json").read_text())
-    real_summary = json.loads((tmp_path / "real" / "summary.json").read_text())
+    real_summary = json.loads((real_runs[exchange] / "summary.json").read_text())
     assert sim_summary["adpsgd/tau_histogram"] == real_summary["adpsgd/tau_histogram"]
     assert sim_summary["comm/bytes"] == real_summary["comm/bytes"]
 

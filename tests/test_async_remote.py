@@ -35,6 +35,7 @@ from dpresearch.train import train
 ASYNC = "algorithm=async_sgd"
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_four_gloo_workers_train_with_staleness_k_minus_one(small_config, tmp_path):
     steps, k = 160, 4
@@ -91,6 +92,7 @@ def _a_worker(run: subprocess.Popen) -> int:
     return workers[1]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_killed_worker_ends_the_run_within_30_s(tmp_path):
     run, _ = _start(tmp_path)
@@ -184,7 +186,7 @@ def test_real_async_kill_9_then_resume_continues_exactly(tmp_path):
     try:
         wait_for_step(run_dir, proc, 45, timeout=300)
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank
-        proc.communicate(timeout=60)
+        proc.communicate(timeout=load_scaled(60))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

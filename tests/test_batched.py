@@ -153,7 +153,12 @@ def test_asynchronous_sgd_computes_each_push_as_the_loop():
 
 
 @needs_subset
-@pytest.mark.parametrize("name", ["sync", "local_sgd", "dpsgd", "choco", "sgp"])
+# every algorithm batched ≡ loop on the MLP above; on ResNet-20 the default suite keeps an
+# allreduce and a gossip one (the others slow)
+@pytest.mark.parametrize(
+    "name", ["sync", *(pytest.param(n, marks=pytest.mark.slow) for n in ("local_sgd",)),
+             "dpsgd", *(pytest.param(n, marks=pytest.mark.slow) for n in ("choco", "sgp"))],
+)  # fmt: skip
 def test_resnet20_with_batchnorm_batched_equals_loop(name):
     """In float64. ResNet-20 with BatchNorm at batch 4 is chaotic: in float32 the loop against
     itself with its parameters perturbed by 1e-7 (relative) is 3e-4 apart after 5 steps and
@@ -269,7 +274,10 @@ def test_divergence_and_skipped_steps_are_the_loops(tmp_path):
     )
 
 
-@pytest.mark.parametrize("case", ["sync_qsgd_ef14", "local_sgd", "choco"])
+@pytest.mark.parametrize(  # one in the default suite; the others slow
+    "case", ["sync_qsgd_ef14", *(pytest.param(c, marks=pytest.mark.slow) for c in
+                                 ("local_sgd", "choco"))],
+)  # fmt: skip
 def test_batched_run_killed_and_resumed_equals_uninterrupted(case, tmp_path, one_thread):
     """Killed after a checkpoint and resumed, a batched run continues bit for bit (cursors,
     generators, the stacked integer buffers), metrics line for line (test_checkpoint's

@@ -76,6 +76,7 @@ def test_skips_when_namespaces_fail(monkeypatch, capsys) -> None:
     assert calls == [calls[0]] and calls[0][:3] == ("ip", "netns", "add")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.skipif(
     not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("ip") is None,
@@ -217,6 +218,7 @@ def load(name: str):
     return module
 
 
+@pytest.mark.slow
 def test_batched_vs_ensemble_tiny(tmp_path):
     out = tmp_path / "ens.json"
     done = bench("batched_vs_ensemble.py", "--models", "logreg", "--workers", "2",
@@ -228,6 +230,7 @@ def test_batched_vs_ensemble_tiny(tmp_path):
     assert len(ratios) == 2 and all(r["ratios"][0] > 0 for r in ratios)
 
 
+@pytest.mark.slow
 def test_consensus_metric_cost_tiny(tmp_path):
     out = tmp_path / "cm.json"
     done = bench("consensus_metric_cost.py", "--workers", "2", "--rounds", "1", "--block", "2",
@@ -237,6 +240,7 @@ def test_consensus_metric_cost_tiny(tmp_path):
     assert 0 < data["share_median"] < data["old_share_median"]  # cheaper than before
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_skips_cleanly_without_a_gpu_and_runs_on_the_cpu(tmp_path):
     import torch
 
@@ -251,6 +255,7 @@ def test_gpu_benchmark_skips_cleanly_without_a_gpu_and_runs_on_the_cpu(tmp_path)
     assert json.loads(out.read_text())["summary"]["loop_over_batched"][0] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not SUBSET.is_dir(), reason=f"no CIFAR subset at {SUBSET}")
 def test_checkpoint_cost_tiny(tmp_path):
     out = tmp_path / "ckpt.json"

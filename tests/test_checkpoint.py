@@ -389,6 +389,7 @@ def test_kill_9_then_resume_equals_uninterrupted(tmp_path):
     assert same(final_params(run_dir), final_params(reference))
 
 
+@pytest.mark.slow  # the default suite's signal stop: test_async_remote's SIGTERM on gloo
 def test_sigint_simulated_stops_cleanly_and_resumes_exactly(tmp_path):
     args = [*QUICK, "train.steps=600", "train.log_every=1", "train.eval_every=300"]
     run_dir, _ = stop_and_resume(tmp_path, args, signal.SIGINT, bound_s=10)
@@ -428,13 +429,13 @@ def test_progress_line_shows_throughput_and_eta():
     assert "5 steps/s (640 img/s)" in line and "ETA 0:30" in line
 
 
+@pytest.mark.slow  # two command-line runs; the default suite's CLI resume: kill -9 above
 def test_resume_from_a_checkpoint_file_continues_in_its_run_directory(tmp_path):
     """`train.resume=<run>/checkpoints/step_N.pt` without `hydra.run.dir`: the run continues
     in `<run>` from step N (a Lightning `ckpt_path`, but the run's own directory)."""
     run_dir = tmp_path / "run"
     args = [*QUICK, "train.steps=10", "train.checkpoint_every=4", "train.checkpoint_keep=5"]
-    first = run_cli([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+    train(compose_config(*args), run_dir)  # in this process: one interpreter start fewer
     refused = run_cli([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert refused.returncode == 2 and "or train.resume=auto to continue" in refused.stderr
     before = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -490,6 +491,7 @@ runpy.run_module("dpresearch.train", run_name="__main__")
 """
 
 
+@pytest.mark.slow  # the default suite's signal stop: test_async_remote's SIGTERM on gloo
 def test_sigusr2_checkpoints_then_hands_on_to_the_schedulers_handler(tmp_path):
     """SLURM/submitit: SIGUSR2 before a time limit or a preemption. The run stops at a step
     boundary with a final checkpoint and `status: interrupted`, then the handler that was

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from conftest import SMALL, compose_config
+from omegaconf import DictConfig
 from test_equivalence import max_diff
 from torch import nn
 
@@ -244,10 +245,13 @@ def test_state_dict_continues_bit_for_bit():
 # -- end to end: ≡ Adam, simulated ≡ gloo ----------------------------------------------------
 
 
+def config(*overrides: str) -> DictConfig:
+    return compose_config(*SMALL, "workers=4", "train.steps=20", "train.batch_size=16",
+                          "backend.threads=1", *overrides)  # fmt: skip
+
+
 def trained(tmp_path, name: str, *overrides: str) -> dict:
-    cfg = compose_config(*SMALL, "workers=4", "train.steps=20", "train.batch_size=16",
-                         "backend.threads=1", *overrides)  # fmt: skip
-    train(cfg, tmp_path / name)
+    train(config(*overrides), tmp_path / name)
     return torch.load(tmp_path / name / "model_final.pt")
 
 
@@ -277,15 +281,27 @@ CASES = {
 }  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def on_gloo(tmp_path_factory) -> dict[str, dict]:
+    """Every case trained on the same 4 gloo processes, one after another (`gloo_session`:
+    one process start for all); the final parameters by case."""
+    from gloo_session import train_on_gloo
+
+    folder = tmp_path_factory.mktemp("adam-gloo")
+    jobs = [(config(*CASES[name], "comm.deterministic=true", "backend=gloo"), folder / name)
+            for name in CASES]  # fmt: skip
+    return dict(zip(CASES, train_on_gloo(4, jobs), strict=True))
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(CASES))
-def test_simulated_equals_gloo(tmp_path, name):
+def test_simulated_equals_gloo(tmp_path, name, on_gloo):
     """Acceptance B: the same parameters on 4 simulated workers and 4 gloo processes; sums in
     worker order (comm.deterministic) so that the warm-up's ring allreduce cannot flip a sign
     the 1-bit steps then amplify."""
     args = (*CASES[name], "comm.deterministic=true")
     simulated = trained(tmp_path, "sim", *args)
-    gloo = trained(tmp_path, "gloo", *args, "backend=gloo")
+    gloo = on_gloo[name]
     initial = trained(tmp_path, "init", *args, "train.steps=1")
     assert max_diff(simulated, initial) > 1e-3
     assert max_diff(simulated, gloo) <= 1e-6

@@ -298,7 +298,7 @@ def test_sigterm_mid_download_leaves_nothing(tmp_path: Path, served: Server) -> 
         cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + load_scaled(120)
         while not list(root.glob(".cifar-10-batches-py.tmp-*/archive.tar.gz")):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the download never started"

@@ -138,6 +138,7 @@ def test_post_local_sgd_averages_every_step_until_the_switch(small_config):
     assert torch.equal(trainer.replicas.params[0], trainer.replicas.params[3])
 
 
+@pytest.mark.slow  # local SGD on gloo in the default suite: test_outer's DiLoCo bases
 @pytest.mark.distributed
 def test_local_sgd_simulated_equals_gloo_with_odd_workers(small_config, tmp_path):
     args = (

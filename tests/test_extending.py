@@ -87,6 +87,7 @@ def test_randomized_gossip_trains_and_resumes_exactly(own_code, tmp_path, one_th
     assert summary["test/acc"] > 0.5 and summary["gossip/consensus_distance"] < 0.1
 
 
+@pytest.mark.slow  # three interpreter starts; the code they run is tested in-process above
 def test_the_docs_commands_run_and_check_their_input(own_code, tmp_path):
     out = run_cli([*SMALL, "algorithm=async_sgd", "protocol=first_k", "protocol.k=3",
                    "train.steps=20", own_code, f"hydra.run.dir={tmp_path / 'run'}"],

@@ -154,7 +154,9 @@ def _gloo_worker(rank: int, world: int, port: int, out: str, names: list[str]) -
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize(  # 2 and 3 slow: the default suite keeps K = 4 (five cases)
+    "world", [pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow), 4]
+)
 def test_every_worker_matches_between_simulated_and_gloo(tmp_path, world):
     names = [n for n, (k, _) in CASES.items() if k == world]
     spawn_sequence(world, [(_gloo_worker, (world, free_port(), str(tmp_path), names))])
@@ -173,10 +175,12 @@ def test_every_worker_matches_between_simulated_and_gloo(tmp_path, world):
         assert real[0][name][2]["gossip/consensus_distance"] == pytest.approx(distance, rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_deterministic_mode_is_bit_identical(tmp_path):
     """With comm.deterministic=true every sum is in worker order: bit for bit (here the
-    gossip sums already are; the flag must not change that)."""
+    gossip sums already are; the flag must not change that). Slow: the default suite checks
+    the flag on gloo in test_compressed_training (bit-exact casts and PowerSGD)."""
     cfg_args = ["algorithm=dpsgd", "comm.deterministic=true", "backend.threads=1"]
     sim = run_ours(lambda *o: compose_config(*SMALL, *o), tmp_path, "sim", "workers=3", *cfg_args)
     gloo = run_ours(
@@ -190,11 +194,14 @@ def test_deterministic_mode_is_bit_identical(tmp_path):
     assert max_diff(sim, gloo) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_dpsgd_under_torchrun_two_nodes_matches_simulated(tmp_path):
     """Acceptance C: 2 nodes × 2 processes (c10d rendezvous on 127.0.0.1), D-PSGD on a ring.
-    Also issue 2's acceptance C for any torchrun job (`test_launch`'s slow test): only global
-    rank 0 writes, one run directory and nothing else in the working directory."""
+    Also issue 2's acceptance C for any torchrun job (`test_launch`'s test): only global
+    rank 0 writes, one run directory and nothing else in the working directory. Slow (two
+    torchrun agents, four processes spawned): the default suite's gossip on gloo is
+    `test_every_worker_matches_between_simulated_and_gloo`."""
     args = ["algorithm=dpsgd", "workers=4", "backend.threads=1", *SMALL, "train.steps=12"]
     codes, outputs = torchrun_two_nodes(tmp_path, ["backend=gloo", *args, "hydra.run.dir=run"])
     assert codes == [0, 0], "\n".join(outputs)
@@ -243,7 +250,8 @@ def test_dpsgd_on_the_complete_graph_is_exact_averaging():
 
 # -- E: small rings on gloo through the command line ---------------------------------------------
 @pytest.mark.distributed
-@pytest.mark.parametrize("k", [2, 3])
+# slow (a command-line gloo run each): the default suite's gossip on gloo is the K = 4 test above
+@pytest.mark.parametrize("k", [pytest.param(k, marks=pytest.mark.slow) for k in (2, 3)])
 def test_small_rings_finish_on_gloo(tmp_path, k):
     start = time.perf_counter()
     result = run_cli(

@@ -18,9 +18,9 @@ def run_dirs(root):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_node_torchrun_writes_exactly_one_run_directory(tmp_path):
-    """Acceptance C: 2 nodes × 2 processes, c10d rendezvous on 127.0.0.1. (Slow: the default
-    suite checks the same of its torchrun job in
-    `test_gossip.py::test_dpsgd_under_torchrun_two_nodes_matches_simulated`.)"""
+    """Acceptance C: 2 nodes × 2 processes, c10d rendezvous on 127.0.0.1. (Slow, as is
+    `test_gossip.py::test_dpsgd_under_torchrun_two_nodes_matches_simulated`, which checks the
+    same of its torchrun job.)"""
     codes, outputs = torchrun_two_nodes(
         tmp_path, ["backend=gloo", "workers=4", "train.steps=12", *SMALL]
     )
@@ -35,8 +35,11 @@ def test_two_node_torchrun_writes_exactly_one_run_directory(tmp_path):
     assert all(dirs[0] in p.parents for p in written), sorted(written)
 
 
+@pytest.mark.slow
 def test_sweep_yields_one_run_directory_per_point(tmp_path):
-    """Acceptance E: a 2×2 -m sweep gives 4 run directories with distinct configs."""
+    """Acceptance E: a 2×2 -m sweep gives 4 run directories with distinct configs. (Slow: the
+    default suite's sweeps are test_run_dirs' two sweeps at once and test_sweeps' failed
+    points.)"""
     out = run_cli(
         [
             "-m",
@@ -78,7 +81,7 @@ def test_crashing_worker_fails_the_job_fast_with_its_traceback(tmp_path):
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        out, err = proc.communicate(timeout=240)
+        out, err = proc.communicate(timeout=load_scaled(240))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -93,6 +96,7 @@ def test_crashing_worker_fails_the_job_fast_with_its_traceback(tmp_path):
     assert [r["step"] for r in logged] == [1, 2, 3]
 
 
+@pytest.mark.slow  # the default suite's offline W&B runs: test_wandb.py
 def test_wandb_offline_writes_local_run(tmp_path):
     out = run_cli(
         ["logger=wandb", "logger.mode=offline", "train.steps=4", *SMALL], cwd=tmp_path, timeout=180

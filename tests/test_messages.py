@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import free_port
+from conftest import free_port, load_scaled
+from gloo_session import spawn_sequence
 
 from dpresearch.comm.base import PeerTimeout
 from dpresearch.comm.distributed import DistributedCommunicator, pack, packed_size, unpack
@@ -116,9 +117,7 @@ def _gloo_peer(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.distributed
 def test_gloo_messages_from_any_peer_with_a_timeout(tmp_path):
     world = 3
-    torch.multiprocessing.spawn(
-        _gloo_peer, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True
-    )
+    spawn_sequence(world, [(_gloo_peer, (world, free_port(), str(tmp_path)))])
     server, one, two = (torch.load(tmp_path / f"rank{r}.pt") for r in range(world))
     assert server["got"] == {1: ([1.0, 0.5], [10] * 3), 2: ([2.0, 0.5], [20] * 3)}
     size = 16 + 12
@@ -137,11 +136,13 @@ def _silent_peer(rank: int, port: int, out: str) -> None:
         with pytest.raises(PeerTimeout, match="no message within 1 s"):
             comm.recv_any(torch.empty(1), timeout_s=1.0)
         (Path(out) / "waited").write_text(str(time.monotonic() - start))
-    else:
-        time.sleep(3)  # alive, but silent (gloo closed the pair: nothing more is sent)
+    else:  # alive, but silent (gloo closed the pair: nothing more is sent) until rank 0 is done
+        deadline = time.monotonic() + 300  # a hang guard
+        while not (Path(out) / "waited").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 @pytest.mark.distributed
 def test_gloo_receive_times_out_on_a_silent_peer(tmp_path):
-    torch.multiprocessing.spawn(_silent_peer, args=(free_port(), str(tmp_path)), nprocs=2)
-    assert 0.9 <= float((tmp_path / "waited").read_text()) < 30
+    spawn_sequence(2, [(_silent_peer, (free_port(), str(tmp_path)))])
+    assert 0.9 <= float((tmp_path / "waited").read_text()) < load_scaled(30)  # a hang guard

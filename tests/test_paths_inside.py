@@ -41,6 +41,7 @@ def test_study_folder_names_are_one_folder():
         assert len(folder) <= 100
 
 
+@pytest.mark.slow  # a command-line sweep; folder names: in-process above, a study's below
 def test_a_sweep_over_hostile_values_keeps_every_run_inside(tmp_path):
     sweep = tmp_path / "sweep"
     values = "'../../escape','/abs/path','a b','ünï','x,y',..,\"it's\""
@@ -99,6 +100,7 @@ def test_study_output_path_with_a_comma_and_a_space_on_the_command_line(tmp_path
     assert (out / "runs" / "a" / "lr0.1" / "seed0" / "summary.json").exists()
 
 
+@pytest.mark.slow  # two command-line runs; the sweep over hostile values above stays
 def test_a_single_run_directory_with_a_comma(tmp_path):
     """Unquoted, a comma in a single run's value is one line naming the fix; quoted, it is
     part of the path."""

@@ -80,6 +80,7 @@ def test_a_resume_with_other_settings_is_refused_and_writes_nothing(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
+@pytest.mark.slow  # the refusal in-process above stays
 def test_the_same_refusal_from_the_command_line_leaves_the_run_byte_identical(finished, tmp_path):
     """Through a process of its own: Hydra never starts, so neither `.hydra/*.yaml` nor
     `provenance.json` nor `train.log` is rewritten."""

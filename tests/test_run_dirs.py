@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import CONF_DIR, SMALL, cli_env, load_scaled, run_cli
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -41,6 +42,7 @@ def test_sweep_point_folder_names_carry_every_override_including_seed():
     assert sweep["subdir"] == "${hydra.job.num}-${hydra.job.override_dirname}"
 
 
+@pytest.mark.slow  # two command-line sweeps at once; the default suite's sweeps: test_sweeps
 def test_two_sweeps_started_together_never_share_a_file(tmp_path):
     """Acceptance C: `-m seed=0,1` and `-m seed=2,3` started at once, default directories."""
     procs = [

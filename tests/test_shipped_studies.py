@@ -28,7 +28,16 @@ def test_every_study_ships_its_run_data():
         assert load_study(path).data_path.stat().st_size < 2_000_000  # compact
 
 
-@pytest.mark.parametrize("path", STUDIES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+# The two largest reports (several seconds each) are slow; the default suite regenerates the rest.
+SLOW_REPORTS = {"async", "gossip_subset"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=pytest.mark.slow) if p.parent.name in SLOW_REPORTS else p
+     for p in STUDIES],
+    ids=lambda p: f"{p.parent.name}/{p.stem}",
+)  # fmt: skip
 def test_report_regenerates_byte_for_byte_with_readable_figures(path, tmp_path):
     study = load_study(path)
     command = f"python -m dpresearch.study report {relative(study.path)}"

@@ -141,6 +141,7 @@ def test_local_launcher_runs_a_point_as_a_subprocess(tmp_path, capsys):
     assert "1 finished" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # the default suite's study launcher: the local one above
 def test_hydra_launcher_runs_the_seeds_as_one_multirun(tmp_path, capsys):
     path = write_study(tmp_path, lrs=[0.1], seeds=[0, 1], cases={"dense": []})
     out = tmp_path / "out"

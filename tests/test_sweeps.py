@@ -67,10 +67,11 @@ def check_parallel_gloo_sweep(tmp_path: Path, seeds: list[int]) -> None:
         assert log.startswith("run directory: ") and "step 4/4" in log
 
 
+@pytest.mark.slow  # a joblib worker that spawns its gloo processes: one new interpreter each
 @pytest.mark.distributed
 def test_parallel_launcher_runs_a_gloo_point_with_labelled_output(tmp_path):
-    """Acceptance G, joblib launcher, in the default suite: a gloo ×2 run inside a joblib
-    (loky) job (`cannot find context for 'loky'` before), its lines labelled."""
+    """Acceptance G, joblib launcher: a gloo ×2 run inside a joblib (loky) job (`cannot find
+    context for 'loky'` before), its lines labelled."""
     check_parallel_gloo_sweep(tmp_path, [0])
 
 

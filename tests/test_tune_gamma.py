@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import REPO, run_cli
 
 from dpresearch.tune_gamma import compose_tuning_config, tune
@@ -27,6 +28,7 @@ def test_exact_gossip_prefers_the_full_step():
     assert tune(cfg)["best_gamma"] == 1.0
 
 
+@pytest.mark.slow  # a command-line run; the curve in-process above, the CLI's bad option below
 def test_command_line_prints_the_curve_and_writes_json(tmp_path):
     out = tmp_path / "curves.json"
     result = run_cli(

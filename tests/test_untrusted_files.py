@@ -106,6 +106,7 @@ def test_resume_auto_finding_a_planted_checkpoint_never_runs_it(tmp_path, monkey
     assert snapshot(run_dir) == before  # the named run is left as it was, lock file included
 
 
+@pytest.mark.slow  # the same refusal in-process above, through train.resume=PATH and =auto
 def test_resume_of_a_planted_checkpoint_on_the_command_line(tmp_path):
     """The same through the real entry point, in a process of its own."""
     marker, run_dir = tmp_path / "ran", tmp_path / "run"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 
+import pytest
 import yaml
 from conftest import SMALL, run_cli
 from omegaconf import OmegaConf
@@ -20,6 +21,7 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # waits for W&B's connection timeout; the fallback in-process below stays
 def test_unreachable_server_falls_back_to_offline_and_the_run_completes(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed_port()}")
     monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")
