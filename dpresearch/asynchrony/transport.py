@@ -324,6 +324,12 @@ class ProcessTransport:
                                          buffers=push.buffers.clone()))  # fmt: skip
         for w in range(self.workers):
             self._send(w, server, kind, verdict.signum)
+        # Delivered before this process goes on: every worker is waiting for it, and a send
+        # still in flight when the run ends (its work and buffer freed) may never arrive,
+        # leaving its worker waiting forever (seen under load).
+        for sent in self._sent:
+            if sent is not None:
+                sent.wait()
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict:
