@@ -387,3 +387,27 @@ def test_overhead_benchmark_runs(tmp_path, one_thread):
     assert bench.main([*args, "--batch", "16", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert 0 < result["core_s"] < result["run_s"] and 0 < result["outside_fraction"] < 1
+
+
+def test_simulator_vs_minimal_loop_benchmark_runs(tmp_path, one_thread):
+    """The benchmark's sides run, and its two hand-written references agree: the closed-form
+    loop computing ahead makes the minimal loop's updates (so its time is a fair floor)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "bench" / "async_vs_minimal.py"
+    spec = importlib.util.spec_from_file_location("async_vs_minimal", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "vs.json"
+    args = ["--rounds", "1", "--updates", "150", "--workers", "8", "--features", "32",
+            "--batch", "8", "--sides", "ahead", "one", "minimal", "ideal"]  # fmt: skip
+    assert bench.main([*args, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["ratio_median"]) == {"ahead", "one", "ideal"}
+    assert all(r > 0 for r in result["ratio_median"].values())
+    namespace = bench.argparse.Namespace(workers=8, batch=8, features=32, updates=150,
+                                         clock="cpu")  # fmt: skip
+    _, reference = bench.minimal(namespace)
+    _, ideal = bench.ideal(namespace)
+    assert (reference - ideal).abs().max() <= 1e-5 * max(1.0, reference.abs().max().item())
+    assert (reference - bench.reference(namespace)[4]).abs().max() > 1e-3  # it trained

@@ -76,6 +76,17 @@ def rows_after(
     """A simulated run of `overrides` with `train.batched_workers=mode`, the model and its
     inputs in `dtype`; its rows after it (evaluation left out: it reads the rows, it does not
     change them)."""
+    trainer = trainer_for(*overrides, mode=mode, dtype=dtype)
+    initial = trainer.replicas.params.clone()
+    trainer.run()
+    reps = trainer.replicas
+    rows = {"params": reps.params, "buffers": reps.buffers, "int_buffers": reps.int_buffers}
+    rows["moved"] = (reps.params - initial).abs().max()
+    return trainer, rows
+
+
+def trainer_for(*overrides: str, mode: str, dtype: torch.dtype = torch.float32) -> Trainer:
+    """The simulated run of `rows_after`, built, not yet run."""
     cfg = compose_config(*overrides, f"train.batched_workers={mode}", "train.save_model=false")
     torch.set_num_threads(1)
     default = torch.get_default_dtype()
@@ -91,12 +102,7 @@ def rows_after(
         data, one, many = trainer.data, trainer.data.transform_train, trainer.data.transform_batches
         data.transform_train = lambda x, g: one(x, g).to(dtype)  # type: ignore[method-assign]
         data.transform_batches = lambda x, gs: many(x, gs).to(dtype)  # type: ignore[method-assign]
-    initial = trainer.replicas.params.clone()
-    trainer.run()
-    reps = trainer.replicas
-    rows = {"params": reps.params, "buffers": reps.buffers, "int_buffers": reps.int_buffers}
-    rows["moved"] = (reps.params - initial).abs().max()
-    return trainer, rows
+    return trainer
 
 
 def assert_same_rows(*overrides: str, tol: float = TOL, dtype: torch.dtype = torch.float32) -> None:
@@ -133,9 +139,13 @@ def test_signum_votes_the_same_signs_batched_as_in_the_loop():
 
 
 def test_asynchronous_sgd_computes_each_push_as_the_loop():
-    """One push per step: a single row is computed as the loop computes it (bit for bit)."""
-    loop_run, loop = rows_after(*MLP_RUN, "algorithm=async_sgd", mode="false")
-    _, batched = rows_after(*MLP_RUN, "algorithm=async_sgd", mode="true")
+    """One push per step computed alone (fixed-delay mode: its read is chosen at its step): a
+    single row is computed as the loop computes it (bit for bit). The event simulator computes
+    the gradients of workers in flight ahead, together: `test_async_ahead.py`."""
+    fixed = ("algorithm=async_sgd", "async.delay=2")
+    loop_run, loop = rows_after(*MLP_RUN, *fixed, mode="false")
+    batched_run, batched = rows_after(*MLP_RUN, *fixed, mode="true")
+    assert batched_run.compute.batched is not None
     assert loop["moved"] > 1e-3
     assert all(torch.equal(loop[k], batched[k]) for k in ("params", "buffers", "int_buffers"))
     server = loop_run.algorithm.server.params

@@ -13,6 +13,14 @@ every worker the protocol releases pulls the server's parameters and starts its 
 So one step consumes one batch: an epoch is K × (batches per worker) steps, and `train.steps`
 counts pushes (with protocol=sync, K pushes per update).
 
+Computed ahead (simulated, with batched worker compute, `train.batched_workers`): a worker in
+flight holds its pull in its row and its next batch is fixed, so its gradient is the same
+whenever it is computed. When the clock names a worker whose gradient is not yet computed, the
+plan lists every worker in flight as `StepPlan.ahead`: the compute runs all those not yet
+computed in one batched call and holds their gradients in their rows (and their batches'
+statistics) until each is named; pushes are applied one at a time in event order as before —
+the same events and, up to the rounding of batched kernels, the same result.
+
 On real ranks each worker runs the ordinary training loop too, with `AsyncWorker` (this
 algorithm's part for worker ranks): a step receives the server's next message — a pull
 (compute on it, push) or a control (checkpoint now, finish, stop) — so checkpoints, stop requests
@@ -138,6 +146,7 @@ class AsyncSGD(Algorithm):
         self._started = False
         self._ending = Verdict()
         self.history: Tensor | None = None
+        self._ahead: Any = None  # the run's batched WorkerCompute, when pushes compute ahead
         if opts.delay is not None:
             # x_v lives in slot v mod (τ+1) while v ≥ version − τ.
             self.history = self.server.params.expand(opts.delay + 1, -1).clone()
@@ -189,6 +198,8 @@ class AsyncSGD(Algorithm):
         }
         if opts.delay is not None:
             facts["delay"] = opts.delay
+        if not real and opts.delay is None:
+            facts["compute_ahead"] = self._ahead is not None
         if opts.slow_workers:
             facts["slow_workers"] = list(opts.slow_workers)
             facts["slowdown"] = opts.slowdown
@@ -215,7 +226,15 @@ class AsyncSGD(Algorithm):
             self._started = True
             self.transport.release(self.protocol.begin(), self.server)
         self._worker, plan = self.transport.next_push()
+        if self._ahead is not None and not self._ahead.holds(self._worker):
+            return StepPlan(plan.workers, ahead=self.clock.in_flight())
         return plan
+
+    def attach_compute(self, compute: Any) -> None:
+        """A batched compute in the event simulator computes the workers in flight ahead."""
+        simulated = isinstance(self.transport, EventTransport) and self.history is None
+        if simulated and compute.batched is not None:
+            self._ahead = compute
 
     def losses_finite(self) -> bool:
         return self.transport.losses_finite()

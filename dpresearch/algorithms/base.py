@@ -43,10 +43,17 @@ class StepPlan:
     reads: parameters a planned worker computes on instead of its row's current ones (e.g. a
     stale snapshot): row w's parameters are overwritten with `reads[w]` (a `[D]` tensor the
     algorithm owns; copied at once, so it may change afterwards) before the forward pass.
+    ahead: rows (not in `workers`) whose parameters and next batch stay fixed until a later
+    plan lists them in `workers` (an event simulator's workers in flight, their pulls in their
+    rows). A batched compute may compute their next gradients now, together with `workers`,
+    and hold them in their gradient rows (and their batches' statistics) until then; so the
+    algorithm must leave those rows' parameters, buffers and gradients alone meanwhile. The
+    loop computes one row at a time and ignores it.
     """
 
     workers: tuple[int, ...]
     reads: Mapping[int, Tensor] = field(default_factory=dict)
+    ahead: tuple[int, ...] = ()
 
     @classmethod
     def every(cls, num_local: int) -> StepPlan:

@@ -144,14 +144,7 @@ def plot_groups(
         ax.set_xscale("log")
     if logy if logy is not None else _spans_decades(curves["y"]):
         ax.set_yscale("log")
-    ax.set_xlabel(xlabel or x_label)
-    ax.set_ylabel(ylabel or y_label)
-    if title:
-        ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    if groups:
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
+    finish(fig, ax, xlabel or x_label, ylabel or y_label, title, bool(groups))
     for out in outs:
         save(fig, out)
     return fig
@@ -184,14 +177,7 @@ def plot_points(
     xs = np.array([p[1] for p in points], dtype=float)
     if len(xs) and xs.min() > 0 and xs.max() / xs.min() > 10:  # amounts over a decade: log
         ax.set_xscale("log")
-    ax.set_xlabel(x_label)
-    ax.set_ylabel(y_label)
-    if title:
-        ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    if points:
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
+    finish(fig, ax, x_label, y_label, title, bool(points))
     save(fig, out)
     return fig
 
@@ -221,16 +207,22 @@ def plot_histograms(
     if longest > 100:
         ax.set_xscale("symlog", linthresh=10)
     ax.set_yscale("log")
+    finish(fig, ax, xlabel, ylabel, title, bool(series))
+    save(fig, out)
+    return fig
+
+
+def finish(fig, ax, xlabel: str, ylabel: str, title: str | None, legend: bool) -> None:
+    """The look every figure shares: axis labels, a small title, a light grid, the legend
+    outside the axes on the right (`legend`: there are labelled series), a tight layout."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if title:
         ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    if series:
+    if legend:
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
-    save(fig, out)
-    return fig
 
 
 def save(fig, out: str | Path) -> None:

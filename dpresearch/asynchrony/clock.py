@@ -47,6 +47,10 @@ class EventClock:
         self.now, worker = heapq.heappop(self._heap)
         return worker
 
+    def in_flight(self) -> tuple[int, ...]:
+        """The workers with a pending arrival (released, not yet pushed), in no set order."""
+        return tuple(w for _, w in self._heap)
+
     def state_dict(self) -> dict:
         """`now` and the pending arrivals (the speed model's streams are its own state)."""
         return {"now": self.now, "heap": list(self._heap)}

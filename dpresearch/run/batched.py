@@ -41,9 +41,9 @@ MODES = ("auto", "true", "false")
 # with `experiments/bench/batched_vs_ensemble.py`, see the bench README).
 CPU_BATCHED_MIN_WORKERS = 8
 CPU_BATCHED_MAX_MACS = 2.0e7
-# A probe's gradients may differ from the loop's by this much (relative): batched kernels
-# round differently, a wrong result differs by far more.
-PROBE_RTOL = 1e-4
+# A probe's gradients may differ from the loop's by this much (relative, in float64: the two
+# ways agree to ~1e-14 on every shipped model); a wrong result differs by far more.
+PROBE_RTOL = 1e-8
 PROBE_RTOL_16BIT = 5e-2  # under bf16/fp16 autocast every product is rounded to 8 or 11 bits
 
 
@@ -211,19 +211,24 @@ def probe(
 ) -> str | None:
     """Why `model` cannot run its workers batched, or None: a copy on `device` is run both
     ways on two rows with different parameters and inputs (training mode, under the run's
-    `autocast`: None, "bf16" or "fp16"), and the gradients and buffers compared."""
+    `autocast`: None, "bf16" or "fp16"), and the gradients and buffers compared. Without
+    autocast the copy runs in float64: in float32, BatchNorm over the probe's 4-image batches
+    amplifies rounding so much in a deep model (ResNet-18: the loop itself 2 % from the exact
+    gradient) that no tolerance would tell rounding from a forward that keeps state; in float64
+    the two ways agree to ~1e-14."""
     device = torch.device(device)
-    model = copy.deepcopy(model).to(device).train()
-    generator = torch.Generator().manual_seed(0)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(autocast or "")
+    model = copy.deepcopy(model).to(device, None if dtype else torch.float64).train()
+    real = next((p.dtype for p in model.parameters()), torch.float32)
+    generator = torch.Generator().manual_seed(0)
     context = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else (lambda: _NULL)
     try:
         loop, batched = (Replicas(model, 2, device) for _ in range(2))
         with torch.no_grad():
-            noise = torch.randn(loop.params.shape, generator=generator).to(device) * 1e-2
+            noise = torch.randn(loop.params.shape, generator=generator).to(device, real) * 1e-2
             for reps in (loop, batched):
                 reps.params.add_(noise)
-        x = torch.randn(2, 4, *input_shape, generator=generator).to(device)
+        x = torch.randn(2, 4, *input_shape, generator=generator).to(device, real)
         y = torch.randint(num_classes, (2, 4), generator=generator).to(device)
         for w in range(2):
             with context():
