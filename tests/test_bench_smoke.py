@@ -319,6 +319,18 @@ def test_async_real_pushes_tiny(tmp_path):
     assert result["after_pushes_per_s"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_async_real_cpu_tiny():
+    """The CPU-per-push companion of benchmark E at tiny size (this code on both sides, run at
+    once): every rank's CPU time is read per window and the ratios are printed."""
+    done = bench("async_real_cpu.py", "--before", str(REPO), "--windows", "2", "--seconds", "2",
+                 "--warmup", "100", "--hidden", "16", "--features", "16", timeout=900)  # fmt: skip
+    assert "after / before: server CPU per push" in done.stdout
+    lines = [line for line in done.stdout.splitlines() if "ms CPU per push" in line]
+    assert [line.split(":")[0] for line in lines] == ["before", "after"]
+
+
 # -- issue 22 ----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_worker_start_tiny():

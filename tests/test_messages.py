@@ -15,7 +15,7 @@ from conftest import free_port, load_scaled
 from gloo_session import spawn_sequence
 
 from dpresearch.comm.base import PeerTimeout
-from dpresearch.comm.distributed import DistributedCommunicator, pack, packed_size, unpack
+from dpresearch.comm.distributed import DistributedCommunicator, pack, packed_size, unpack, views
 from dpresearch.comm.ledger import CommOp
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
@@ -38,6 +38,10 @@ def test_simulated_messages_arrive_in_order_with_their_sender():
     assert torch.equal(comm.recv(0, dst=1), b)
     with pytest.raises(PeerTimeout, match="nobody else can send"):
         comm.recv_any(dst=SERVER, timeout_s=5)
+    # in one process a laid-out message is plain tensors of the same dtypes and shapes
+    packed = comm.packed([a, b])
+    assert packed.buffer is None and [(t.dtype, t.shape) for t in packed] == [
+        (a.dtype, a.shape), (b.dtype, b.shape)]  # fmt: skip
 
 
 def test_recv_from_one_sender_skips_the_others():
@@ -84,6 +88,11 @@ def test_pack_round_trip_keeps_every_dtype():
     out = [torch.empty_like(p) for p in parts]
     unpack(buf, out)
     assert all(torch.equal(a, b) for a, b in zip(parts, out, strict=True))
+    # a packed message's tensors are these places in the buffer (what `packed` lays out)
+    laid_out = views(buf, parts)
+    assert all(torch.equal(a, b) for a, b in zip(parts, laid_out, strict=True))
+    laid_out[2].zero_()
+    assert buf[24:44].eq(0).all() and buf[16:19].tolist() == [0, 1, 2]
 
 
 def _gloo_peer(rank: int, world: int, port: int, out: str) -> None:
@@ -96,15 +105,25 @@ def _gloo_peer(rank: int, world: int, port: int, out: str) -> None:
     result: dict = {}
     if rank == 0:  # the server: hears every worker, in any order
         got = {}
-        for _ in range(world - 1):
-            sender, _ = comm.recv_any([header, body])
-            got[sender] = (header.tolist(), body.tolist())
+        # the first message lands in plain tensors (copied out of a receive buffer), the
+        # second in a packed message's own buffer (in place)
+        inbox = comm.packed([header, body])
+        assert inbox.buffer is not None and inbox[1].data_ptr() == inbox.buffer.data_ptr() + 16
+        for place in ([header, body], inbox):
+            sender, message = comm.recv_any(place)
+            assert message is place
+            got[sender] = (place[0].tolist(), place[1].tolist())
         result["got"] = got
         comm.send(torch.tensor([42.0]), dst=2, record=False)
         result["heard"] = comm.ledger.heard["algorithm"]
     else:
         message = [torch.tensor([rank, 0.5], dtype=torch.float64),
                    torch.full((3,), 10 * rank, dtype=torch.int32)]  # fmt: skip
+        if rank == 2:  # sent as its buffer, with no copy
+            packed = comm.packed(message)
+            for place, part in zip(packed, message, strict=True):
+                place.copy_(part)
+            message = packed
         comm.send(message, dst=0, at=float(rank))
         if rank == 2:
             result["answer"] = comm.recv(0, torch.empty(1)).item()

@@ -62,6 +62,8 @@ from dpresearch.asynchrony.transport import (
     SERVER_RANK,
     EventTransport,
     ProcessTransport,
+    pull_message,
+    push_message,
     verdict_of,
 )
 from dpresearch.comm.base import Communicator
@@ -353,8 +355,14 @@ class AsyncWorker(Algorithm):
             node.get("granularity", "tensor"), node.get("bucket_mb", 25.0),
         )  # fmt: skip
         self.speed = SpeedModel.from_options(opts, comm.num_workers, seed)  # (injected delays)
-        self.header = torch.zeros(HEADER, dtype=torch.float64)
-        self.inbox = [torch.empty(3, dtype=torch.float64), replicas.params[0], replicas.buffers[0]]
+        params, buffers = replicas.params[0], replicas.buffers[0]
+        # Messages laid out once (`Communicator.packed`): a pull lands in `inbox` as it
+        # travels, a push is written into `outbox` and sent from there.
+        self.inbox = pull_message(comm, params, buffers)
+        self.outbox = push_message(comm, self.codec, buffers)
+        self._pull_header = self.inbox[0].numpy()  # read and written without torch ops
+        self._push_header = self.outbox[0].numpy()
+        self._has_buffers = buffers.numel() > 0
         self.window = torch.zeros(1, 3, dtype=torch.float64, device=replicas.params.device)
         self.read_version = 0
         self.count = 0  # gradients pushed: the codec's step
@@ -367,9 +375,13 @@ class AsyncWorker(Algorithm):
         return 1
 
     def plan(self, step: int) -> StepPlan:
-        with torch.no_grad():
-            self.comm.recv(SERVER_RANK, self.inbox, record=False)
-        version, kind, signum = self.inbox[0].tolist()
+        inbox, replicas = self.inbox, self.replicas
+        self.comm.recv(SERVER_RANK, inbox, record=False)
+        with torch.no_grad():  # (a control message carries the server's state too)
+            replicas.params[0].copy_(inbox[1])
+            if self._has_buffers:
+                replicas.buffers[0].copy_(inbox[2])
+        version, kind, signum = self._pull_header.tolist()
         if int(kind) == PULL:
             self._control = None
             self.read_version = int(version)
@@ -389,8 +401,12 @@ class AsyncWorker(Algorithm):
             time.sleep(self.options.inject_delay * self.speed.relative(self.worker))
         wire, _ = self.codec.encode(0, self.replicas.grads[0], self.count)
         loss, acc = self.batch_loss()
-        self.header.copy_(torch.tensor([self.read_version, self.count, loss, acc]))
-        self.comm.send([self.header, wire, self.replicas.buffers[0]], SERVER_RANK)
+        out = self.outbox
+        self._push_header[:] = (self.read_version, self.count, loss, acc)
+        out[1].copy_(wire.reshape(-1))
+        if self._has_buffers:
+            out[2].copy_(self.replicas.buffers[0])
+        self.comm.send(out, SERVER_RANK)  # (returns once sent: `outbox` is free again)
         self.count += 1
 
     def attach_compute(self, compute: Any) -> None:

@@ -106,8 +106,10 @@ class PushCodec:
         self.memory.load_state_dict(state["memory"])
 
     def decode(self, wire: Tensor, step: int, out: Tensor) -> Tensor:
-        """The gradient a pushed wire row carries (server side), into `out`."""
+        """The gradient a pushed wire row carries (server side): decoded into `out`, or `wire`
+        itself when pushes pass through uncompressed (no copy: it is read before the wire row
+        is overwritten)."""
         if self.passthrough:
-            return out.copy_(wire)
+            return wire
         self.codec.decode(wire.unsqueeze(0), step, out.unsqueeze(0))
         return out

@@ -37,13 +37,13 @@ from dpresearch.algorithms.base import StepPlan, Verdict
 from dpresearch.asynchrony.clock import EventClock
 from dpresearch.asynchrony.push import PushCodec
 from dpresearch.asynchrony.server import ParameterServer
-from dpresearch.comm.base import Communicator, PeerTimeout
+from dpresearch.comm.base import Communicator, Packed, PeerTimeout, PendingOp
 from dpresearch.replicas import Replicas
 
 SERVER = -1  # the server's endpoint in a simulating process (it holds no worker)
 SERVER_RANK = 0  # ... and its rank on real processes
 HEADER = 4  # push header: read version, gradient count, loss, accuracy
-# pull header: [version, kind, signal]; the kinds of pull
+PULL_HEADER = 3  # pull header: [version, kind, signal]; the kinds of pull:
 PULL, CHECKPOINT, FINISH, STOP, DIVERGED, IO_FAILED = range(6)
 
 
@@ -53,7 +53,8 @@ class WorkerLost(RuntimeError):
 
 @dataclass
 class Push:
-    """A push as the server received it (`gradient`: decoded, owned by the transport)."""
+    """A push as the server received it (`gradient`, `buffers`: owned by the transport, valid
+    until its next receive)."""
 
     worker: int
     read_version: int
@@ -64,8 +65,16 @@ class Push:
     buffers: Tensor
 
 
-def pull_header(version: int, kind: int = PULL, signum: int = 0) -> Tensor:
-    return torch.tensor([float(version), float(kind), float(signum)], dtype=torch.float64)
+def pull_message(comm: Communicator, params: Tensor, buffers: Tensor) -> Packed:
+    """A pull laid out for `comm`: [header: version, kind, signal (float64)], parameters,
+    buffers (see the module docstring)."""
+    return comm.packed([torch.empty(PULL_HEADER, dtype=torch.float64), params, buffers])
+
+
+def push_message(comm: Communicator, codec: PushCodec, buffers: Tensor) -> Packed:
+    """A push laid out for `comm`: [header (float64, `HEADER`), wire row, buffers]."""
+    wire = torch.empty(codec.wire_size, dtype=codec.wire_dtype, device=buffers.device)
+    return comm.packed([torch.empty(HEADER, dtype=torch.float64), wire, buffers])
 
 
 def control_kind(verdict: Verdict) -> int | None:
@@ -175,11 +184,15 @@ class ProcessTransport:
         self.comm, self.codec, self.clock, self.timeout_s = comm, codec, clock, timeout_s
         k = self.workers = comm.num_workers
         params, buffers = server.params, server.buffers
-        self.inbox = [
-            torch.empty(HEADER, dtype=torch.float64),
-            torch.empty(codec.wire_size, dtype=codec.wire_dtype, device=params.device),
-            torch.empty_like(buffers),
-        ]
+        self.device = params.device
+        # Messages laid out once (`Communicator.packed`): a push lands in `inbox` as it
+        # travels, a pull is written into worker w's `outbox[w]` and sent from there.
+        self.inbox = push_message(comm, codec, buffers)
+        self._push_header = self.inbox[0].numpy()  # read without dispatching torch ops
+        self.outbox = [pull_message(comm, params, buffers) for _ in range(k)]
+        self._pull_headers = [out[0].numpy() for out in self.outbox]
+        self._has_buffers = buffers.numel() > 0
+        self._sent: list[PendingOp | None] = [None] * k  # each outbox's message in flight
         self.gradient = torch.empty_like(params)
         self.read_version = [0] * k
         self.pushes = [0] * k
@@ -255,10 +268,10 @@ class ProcessTransport:
             raise WorkerLost(self._lost_message("the others kept pushing"))
         self.computing.discard(w)
         self.pushes[w] += int(record)
-        header, wire, buffers = self.inbox
-        read_version, count, loss, acc = header.tolist()
-        gradient = self.codec.decode(wire, int(count), self.gradient)
-        return Push(w, int(read_version), int(count), loss, acc, gradient, buffers)
+        _, wire, buffers = self.inbox
+        read_version, count, loss, acc = self._push_header.tolist()
+        gradient = self.codec.decode(wire.to(self.device), int(count), self.gradient)
+        return Push(w, int(read_version), int(count), loss, acc, gradient, buffers.to(self.device))
 
     def _lost_message(self, detail: str) -> str:
         limit = self.timeout_s
@@ -282,8 +295,17 @@ class ProcessTransport:
                 self.clock.start(w)
 
     def _send(self, w: int, server: ParameterServer, kind: int, signum: int = 0) -> None:
-        message = [pull_header(server.version, kind, signum), server.params, server.buffers]
-        self.comm.isend(message, w + self.comm.first_worker, record=False)
+        """Send worker `w` a pull: [version, kind, signal], the server's parameters and buffers
+        (a control message carries them too: the worker's row takes them either way)."""
+        sent = self._sent[w]
+        if sent is not None:
+            sent.wait()  # `outbox[w]` is rewritten: its last message must have left
+        out = self.outbox[w]
+        self._pull_headers[w][:] = (server.version, kind, signum)
+        out[1].copy_(server.params)
+        if self._has_buffers:
+            out[2].copy_(server.buffers)
+        self._sent[w] = self.comm.isend(out, w + self.comm.first_worker, record=False)
 
     def end(self, verdict: Verdict, server: ParameterServer) -> None:
         """Before a checkpoint or a stop: receive every push in flight and keep it (`held`,
@@ -302,6 +324,12 @@ class ProcessTransport:
                                          buffers=push.buffers.clone()))  # fmt: skip
         for w in range(self.workers):
             self._send(w, server, kind, verdict.signum)
+        # Delivered before this process goes on: every worker is waiting for it, and a send
+        # still in flight when the run ends (its work and buffer freed) may never arrive,
+        # leaving its worker waiting forever (seen under load).
+        for sent in self._sent:
+            if sent is not None:
+                sent.wait()
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -7,7 +7,9 @@ Tensors are *stacked*: row `w` of a `[W, ...]` tensor belongs to local worker
 Point-to-point messages (`isend`, `send`, `recv_any`, `recv`) go between *endpoints*: a worker
 id, or an endpoint a process holds besides its workers (a parameter server; see
 `first_worker`). A message is a tensor or a list of tensors; the receiver names where each
-arrives (same dtypes and sizes), and learns who sent it.
+arrives (same dtypes and sizes), and learns who sent it. A message sent or received again and
+again can be laid out once (`packed`): its tensors are then what travels, with no copy into or
+out of a transport buffer.
 
 Every op takes `record: bool | str = True`, the purpose of its traffic: True is the
 algorithm's own payload (gradients, models, gossip messages; `comm/bytes`), a string names
@@ -43,6 +45,17 @@ Message = Tensor | Sequence[Tensor]
 def message_parts(x: Message) -> list[Tensor]:
     """A message's tensors, in order."""
     return [x] if isinstance(x, Tensor) else list(x)
+
+
+class Packed(list):
+    """A message laid out once by a communicator (`Communicator.packed`): its tensors, which
+    are views into `buffer` (one byte buffer, the form the message travels in) when the
+    communicator packs messages, so that a send sends the buffer as it is and a receive lands
+    in the tensors themselves; `buffer` is None where messages are not packed (one process)."""
+
+    def __init__(self, parts: Sequence[Tensor], buffer: Tensor | None = None) -> None:
+        super().__init__(parts)
+        self.buffer = buffer
 
 
 def message_bytes(parts: Sequence[Tensor]) -> int:
@@ -294,6 +307,13 @@ class Communicator(ABC):
         """The worker id endpoint `endpoint` holds (None: a process without a worker)."""
         return endpoint - self.first_worker if endpoint >= self.first_worker else None
 
+    def packed(self, like: Message) -> Packed:
+        """A message with the dtypes and shapes of `like`'s tensors (their values are not
+        copied), laid out for this communicator: sending it or receiving into it costs no copy
+        (see `Packed`). Between processes its tensors are on the CPU, where messages travel;
+        in one process, on `like`'s devices."""
+        return Packed([torch.empty_like(t) for t in message_parts(like)])
+
     def isend(
         self,
         x: Message,
@@ -306,7 +326,7 @@ class Communicator(ABC):
         endpoint `dst`; the tensors must stay unchanged until the returned op completes.
         Bytes (O(1), see `CommLedger.record_message`): the message's bytes charged to `src`
         when it is a worker, one "p2p" op priced α + bytes/B, `at` the sender's clock."""
-        parts = [x] if isinstance(x, Tensor) else list(x)
+        parts = x if isinstance(x, Packed) else message_parts(x)
         src = self._local_endpoint(src)
         purpose = purpose_of(record)
         if purpose is not None:
@@ -365,7 +385,8 @@ class Communicator(ABC):
         return endpoint
 
     @abstractmethod
-    def _isend(self, parts: list[Tensor], dst: int, src: int, recorded: bool) -> PendingOp: ...
+    def _isend(self, parts: list[Tensor], dst: int, src: int, recorded: bool) -> PendingOp:
+        """Send `parts` (a `Packed` message as it is: see `packed`)."""
 
     @abstractmethod
     def _recv(

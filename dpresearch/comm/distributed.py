@@ -3,7 +3,9 @@
 Messages (`isend` / `recv_any` / `recv`) travel as one byte buffer each on the CPU (the
 message's tensors packed at 8-byte-aligned offsets), over the group itself on gloo and over a
 gloo group beside NCCL (NCCL cannot receive from any source), created with the communicator
-when `messages=True`. A receive waits on one `irecv`; gloo closes the connections of one that
+when `messages=True`. A `packed` message's tensors are views into its own buffer: sent as it is,
+received in place; any other message is copied into a buffer kept per (peer, size) and out of one
+kept per size. A receive waits on one `irecv`; gloo closes the connections of one that
 times out, so `PeerTimeout` ends the messages between these processes (a peer is taken as lost).
 """
 
@@ -22,9 +24,11 @@ from dpresearch.comm.base import (
     Communicator,
     ExchangePlan,
     Message,
+    Packed,
     PeerTimeout,
     PendingOp,
     message_bytes,
+    message_parts,
 )
 from dpresearch.comm.hierarchy import INTER, INTRA, Hierarchy, Tiers, price_tiers
 from dpresearch.comm.ledger import CommLedger, CommOp, LedgerView, purpose_of
@@ -197,18 +201,15 @@ class DistributedCommunicator(Communicator):
         group = self._message_group
         return endpoint if group is None else dist.get_global_rank(group, endpoint)
 
+    def packed(self, like: Message) -> Packed:
+        parts = message_parts(like)
+        buf = torch.empty(packed_size(parts), dtype=torch.uint8)
+        return Packed(views(buf, parts), buf)
+
     def _isend(self, parts: list[Tensor], dst: int, src: int, recorded: bool) -> PendingOp:
-        size = packed_size(parts)
-        key = (dst, size)
-        held = self._sends.get(key)
-        if held is not None:
-            # the buffer's previous message has left (through its idempotent op: a second
-            # wait() on gloo's send work waits for another send)
-            held[1].wait()
-            buf = held[0]
-        else:
-            buf = torch.empty(size, dtype=torch.uint8)
-        pack(parts, buf)
+        # a packed message's tensors are its buffer, the caller's to keep unchanged until sent
+        own = isinstance(parts, Packed) and parts.buffer is not None
+        buf = parts.buffer if own else self._send_buffer(parts, dst)
         start = time.perf_counter()
         work = dist.isend(buf, dst=self._message_rank(dst), group=self._message_group)
 
@@ -220,8 +221,23 @@ class DistributedCommunicator(Communicator):
                 self.ledger.add_time((start, end), (wait_start, end))
 
         op = PendingOp(finish)
-        self._sends[key] = (buf, op)
+        if not own:
+            self._sends[(dst, buf.numel())] = (buf, op)
         return op
+
+    def _send_buffer(self, parts: list[Tensor], dst: int) -> Tensor:
+        """`parts` copied into this communicator's buffer for messages of their size to `dst`."""
+        key = (dst, packed_size(parts))
+        held = self._sends.get(key)
+        if held is not None:
+            # the buffer's previous message has left (through its idempotent op: a second
+            # wait() on gloo's send work waits for another send)
+            held[1].wait()
+            buf = held[0]
+        else:
+            buf = torch.empty(key[1], dtype=torch.uint8)
+        pack(parts, buf)
+        return buf
 
     def _recv(
         self,
@@ -233,11 +249,9 @@ class DistributedCommunicator(Communicator):
     ) -> tuple[int, Message]:
         if out is None:
             raise ValueError("a receive across processes needs `out` (the message's tensors)")
-        parts = [out] if isinstance(out, Tensor) else list(out)
-        size = packed_size(parts)
-        buf = self._inbox.get(size)
-        if buf is None:
-            buf = self._inbox[size] = torch.empty(size, dtype=torch.uint8)
+        in_place = isinstance(out, Packed) and out.buffer is not None
+        parts = message_parts(out)
+        buf = out.buffer if in_place else self._receive_buffer(packed_size(parts))
         peer = None if src is None else self._message_rank(src)
         work = dist.irecv(buf, src=peer, group=self._message_group)
         start = time.perf_counter()
@@ -249,7 +263,8 @@ class DistributedCommunicator(Communicator):
             raise
         end = time.perf_counter()
         sender = src if src is not None else self._sender(work)
-        unpack(buf, parts)
+        if not in_place:
+            unpack(buf, parts)
         if purpose is not None:
             nbytes = message_bytes(parts)
             self.ledger.record_heard(sender, nbytes, purpose)
@@ -257,6 +272,12 @@ class DistributedCommunicator(Communicator):
             self.ledger.record_message(None, nbytes, purpose)
             self.ledger.add_time((start, end), (start, end))
         return sender, out
+
+    def _receive_buffer(self, size: int) -> Tensor:
+        buf = self._inbox.get(size)
+        if buf is None:
+            buf = self._inbox[size] = torch.empty(size, dtype=torch.uint8)
+        return buf
 
     def _sender(self, work: Any) -> int:
         rank = work._source_rank()
@@ -321,6 +342,17 @@ def pack(parts: Sequence[Tensor], buf: Tensor) -> None:
         n = t.numel() * t.element_size()
         buf[offset : offset + n].view(t.dtype).copy_(t.reshape(-1))
         offset += _aligned(n)
+
+
+def views(buf: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
+    """Tensors shaped like `like`'s, viewing the uint8 CPU buffer `buf` where `pack` puts them
+    (see `packed_size`)."""
+    out, offset = [], 0
+    for t in like:
+        n = t.numel() * t.element_size()
+        out.append(buf[offset : offset + n].view(t.dtype).view(t.shape))
+        offset += _aligned(n)
+    return out
 
 
 def unpack(buf: Tensor, parts: Sequence[Tensor]) -> None:
