@@ -139,6 +139,7 @@ def real_runs(tmp_path_factory) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("exchange", list(EXCHANGES))
+@pytest.mark.slow
 def test_simulated_equals_four_gloo_ranks_for_a_seeded_order(
     small_config, tmp_path, exchange, real_runs
 ):

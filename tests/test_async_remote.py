@@ -225,6 +225,7 @@ def test_real_async_kill_9_then_resume_continues_exactly(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_real_async_sigterm_checkpoints_and_resumes_exactly(tmp_path):
     """SIGTERM to the job: every rank stops at a step boundary through the server, with a
     checkpoint holding the pushes in flight and `status: interrupted`; the resumed run ends as

@@ -377,6 +377,7 @@ def test_a_torchrun_environment_left_over_is_one_line(
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_peers_that_never_come_are_one_line_after_the_timeout(tmp_path):
     """RANK/WORLD_SIZE/... left in the environment with a free port: rank 0 hosts the
     rendezvous and waits `backend.timeout_s` for the peer, then says so in one line (before:

@@ -281,6 +281,7 @@ def test_preflight_honours_hydra_searchpath(tmp_path):
         compose_command_line(parse_command_line(["compressor=mytopk"]), CONF_DIR)
 
 
+@pytest.mark.slow
 def test_a_run_with_ones_own_compressor_from_the_searchpath(tmp_path):
     """The whole command line: checked, run with the user's compressor, and the run's last
     line says it finished, how far, and where."""

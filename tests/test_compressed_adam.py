@@ -295,6 +295,7 @@ def on_gloo(tmp_path_factory) -> dict[str, dict]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_simulated_equals_gloo(tmp_path, name, on_gloo):
     """Acceptance B: the same parameters on 4 simulated workers and 4 gloo processes; sums in
     worker order (comm.deterministic) so that the warm-up's ring allreduce cannot flip a sign

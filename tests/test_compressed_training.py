@@ -59,6 +59,7 @@ DETERMINISTIC = ["fp16", "bf16", "powersgd", "topk_exact"]
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_every_compressor_simulated_equals_gloo_in_one_process_group(small_config, tmp_path):
     """The default suite's form of the two parametrized tests below (slow: one launch per
     compressor): every compressor, and the deterministic reduction, trained on the same 4 gloo

@@ -95,6 +95,7 @@ def test_a_full_disk_is_one_line_failed_io_and_resumable(small_disk, tmp_path):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="tmpfs")
+@pytest.mark.slow
 def test_a_disk_already_full_is_refused_before_the_run_starts(small_disk, tmp_path):
     disk = small_disk(1_000_000)
     (disk / "filler").write_bytes(b"\0" * 900_000)

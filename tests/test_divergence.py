@@ -48,6 +48,7 @@ def check_diverged_cli(tmp_path: Path, *extra: str) -> None:
     assert all(math.isfinite(m["train/loss"]) for m in logged)
 
 
+@pytest.mark.slow
 def test_huge_lr_stops_at_the_first_nonfinite_step_simulated(tmp_path):
     check_diverged_cli(tmp_path)
 

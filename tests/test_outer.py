@@ -510,6 +510,7 @@ def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_every_worker_matches_between_simulated_and_gloo(tmp_path):
     from gloo_session import spawn_sequence
 

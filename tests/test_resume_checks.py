@@ -98,6 +98,7 @@ def test_the_same_refusal_from_the_command_line_leaves_the_run_byte_identical(fi
     assert snapshot(run_dir) == before
 
 
+@pytest.mark.slow
 def test_a_deliberate_change_is_let_through_by_name(finished, tmp_path, monkeypatch):
     run_dir = copy_run(finished, tmp_path, unfinished=True)
     args = [*RUN, "train.steps=14", "train.resume=auto", f"hydra.run.dir={run_dir}"]

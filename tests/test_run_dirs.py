@@ -69,6 +69,7 @@ def test_two_sweeps_started_together_never_share_a_file(tmp_path):
         assert f"seed: {point.name.split('seed=')[1].split(',')[0]}" in config
 
 
+@pytest.mark.slow
 def test_rerun_into_the_same_directory_is_refused_and_the_run_is_kept(tmp_path):
     """Acceptance C: the second run changes nothing in the first one's directory. Also item 6:
     the first line names the run directory, train.log holds the output, provenance.json."""

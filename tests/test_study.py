@@ -73,6 +73,7 @@ def test_bad_study_is_one_line(tmp_path, changes, message):
         load_study(write_study(tmp_path, **changes))
 
 
+@pytest.mark.slow
 def test_killed_study_resumes_without_rerunning_finished_points(tmp_path, monkeypatch):
     study = load_study(write_study(tmp_path))
     out = tmp_path / "out"
@@ -126,6 +127,7 @@ def test_killed_study_resumes_without_rerunning_finished_points(tmp_path, monkey
     assert "**Bytes:** MB = 10⁶ bytes of `comm/bytes`" in text  # which counter the table uses
 
 
+@pytest.mark.slow
 def test_local_launcher_runs_a_point_as_a_subprocess(tmp_path, capsys):
     path = write_study(tmp_path, lrs=[0.1], cases={"dense": ["compressor=identity"]})
     out = tmp_path / "out"
@@ -250,6 +252,7 @@ def test_a_study_whose_points_fail_exits_non_zero(tmp_path, capsys):
     assert err[0].startswith("error: 1 of 1 points failed: broken | lr 0.1 | seed 0")
 
 
+@pytest.mark.slow
 def test_a_data_set_with_its_own_validation_needs_no_split():
     """Least squares validates on all its rows (`Dataset.own_validation`): the shipped study
     selecting on `val/loss` passes the checks without `train.val_size`; CIFAR does not."""

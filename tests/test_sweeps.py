@@ -17,6 +17,7 @@ def points(sweep_dir: Path) -> dict[str, Path]:
     return {p.parent.name: p.parent for p in sweep_dir.glob("*/config.yaml")}
 
 
+@pytest.mark.slow
 def test_sweep_runs_every_good_point_and_lists_the_failed_ones(tmp_path):
     """`workers=0` is rejected before launching (no folder); `workers=3` fails while running
     (worker 2 raises); `workers=2` completes; the sweep exits 1 naming both failed points."""
