@@ -115,6 +115,7 @@ def test_identity_two_level_training_equals_flat_training(tmp_path):
         pytest.param(["compressor=identity"], marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow
 def test_two_level_simulated_equals_gloo(tmp_path, overrides):
     """G = 2 on 4 workers: the intra-node reduce and broadcast on torch.distributed subgroups
     created once at start, the inter-node aggregation on the leaders' group."""

@@ -110,6 +110,7 @@ def test_wandb_offline_writes_local_run(tmp_path):
     assert b"sync-identity-mlp-synthetic-w4-s0" in recorded  # a readable name by default
 
 
+@pytest.mark.slow
 def test_default_run_needs_no_network_or_account(tmp_path):
     env_free = {k: v for k, v in cli_env().items() if not k.startswith("WANDB")}
     out = subprocess.run(

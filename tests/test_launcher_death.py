@@ -143,6 +143,7 @@ def kill_launcher_and_check(run_dir: Path, launcher: int) -> None:
     [True, pytest.param(False, marks=pytest.mark.slow)],
     ids=["background", "foreground"],
 )
+@pytest.mark.slow
 def test_sigkill_of_the_launcher_takes_its_workers(background, tmp_path):
     run_dir = tmp_path / "run"
     launcher = start([*GLOO, "train.steps=1000000", f"hydra.run.dir={run_dir}"], tmp_path,

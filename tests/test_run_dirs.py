@@ -93,6 +93,7 @@ def test_rerun_into_the_same_directory_is_refused_and_the_run_is_kept(tmp_path):
     assert steps_of(run_dir / "metrics.jsonl") == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_claim_is_exclusive_between_processes(tmp_path):
     """Two processes cannot write one directory: while one holds the claim, another's fails
     with one line naming the holder; after release it succeeds."""

@@ -168,6 +168,7 @@ def test_shipped_studies_compose_and_validate(path):
         validate(compose_config(*point.overrides))
 
 
+@pytest.mark.slow
 def test_two_stage_study_selects_on_the_tuning_seed_then_runs_the_others(tmp_path):
     """tune_seeds: the grid runs on seed 0 alone; the other seeds run only at each case's
     selected lr; the report selects on seed 0 even where the other seeds would disagree."""

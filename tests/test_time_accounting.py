@@ -150,6 +150,7 @@ def overlap_blocks(
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_gloo_overlap_on_and_off_add_up(tmp_path):
     """Acceptance A, gloo × 2, with the bucketed allreduce overlapping backward and without:
     every logged row adds up with no term negative, and only overlap reports overlapped comm.

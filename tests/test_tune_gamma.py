@@ -42,6 +42,7 @@ def test_command_line_prints_the_curve_and_writes_json(tmp_path):
     assert set(saved["curves"]) == {"0.1", "1.0"} and len(saved["curves"]["0.1"]) == 21
 
 
+@pytest.mark.slow
 def test_bad_option_is_one_error_line():
     result = run_cli(["topology=torus", "workers=7"], cwd=REPO, module="dpresearch.tune_gamma")
     assert result.returncode == 2
