@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from dpresearch.data.synthetic import make_synthetic
+from dpresearch.launch.processes import leave_together
 from dpresearch.models.mlp import MLP
 
 # Must match conftest.SMALL and the overrides the tests pass.
@@ -67,8 +68,8 @@ def ddp_worker(
         opt.step()
     if rank == 0:
         torch.save(model.state_dict(), out_path)
-    dist.barrier()  # no rank tears gloo down while a peer still talks to it
-    dist.destroy_process_group()
+    leave_together()
+    del ddp, opt  # the reducer's reference to the group, dropped while gloo's threads are idle
 
 
 def run_ddp(

@@ -163,18 +163,34 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
         )
     try:
         summary = _train(cfg, run_dir, device)
-        if dist.get_rank() == 0 and cfg.train.progress:
-            # (the processes' shutdown takes seconds, more on a busy machine: not a hang)
-            print(
-                f"{backend}: training done, results written; shutting down the "
-                f"{dist.get_world_size()} processes",
-                flush=True,
-            )
-        # Leave together: a rank that exits while a peer still uses the gloo pair can abort it.
-        dist.barrier()
-        return summary
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    if dist.get_rank() == 0 and cfg.train.progress:
+        # (the processes' shutdown takes seconds, more on a busy machine: not a hang)
+        print(
+            f"{backend}: training done, results written; shutting down the "
+            f"{dist.get_world_size()} processes",
+            flush=True,
+        )
+    leave_together()
+    return summary
+
+
+def leave_together() -> None:
+    """Wait for every rank, then tear the process group down (a rank that exits while a peer
+    still uses the gloo pair can abort it). The barrier's work is held here until the group is
+    gone: otherwise gloo's worker thread may drop the last reference to it — a destructor that
+    takes the GIL — while this thread, holding the GIL, joins that worker thread in the
+    group's destructor: a deadlock seen at the end of 2-rank DDP runs."""
+    import torch.distributed as dist
+
+    work = dist.barrier(async_op=True)
+    try:
+        work.wait()
     finally:
         dist.destroy_process_group()
+        del work
 
 
 def _train(cfg: DictConfig, run_dir: Path | None, device: torch.device) -> dict[str, Any]:
