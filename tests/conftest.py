@@ -57,6 +57,20 @@ def one_thread():
 
 
 @pytest.fixture
+def one_process_group():
+    """A one-rank gloo group in this process, torn down with `leave_together`. A test that
+    builds a DDP model must drop it (and `gc.collect()`) before the fixture ends: a reducer
+    holding the group's last reference joins gloo's threads while holding the GIL."""
+    import torch.distributed as dist
+
+    from dpresearch.launch.processes import leave_together
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    leave_together()
+
+
+@pytest.fixture
 def small_config() -> Callable[..., DictConfig]:
     """compose(SMALL + overrides)."""
     return lambda *overrides: compose_config(*SMALL, *overrides)

@@ -3,6 +3,7 @@ torch DDP with DistributedSampler, and single-process SGD on the concatenated gl
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -68,8 +69,13 @@ def ddp_worker(
         opt.step()
     if rank == 0:
         torch.save(model.state_dict(), out_path)
+    # The reducer's reference to the group goes first, while the group is alive, so that the
+    # group's destructor runs inside `leave_together` with gloo's threads idle (see there).
+    del ddp, opt
+    if hook is not None:
+        del state, fn
+    gc.collect()
     leave_together()
-    del ddp, opt  # the reducer's reference to the group, dropped while gloo's threads are idle
 
 
 def run_ddp(

@@ -103,15 +103,7 @@ def test_network_presets_units():
         NetworkModel.preset("carrier-pigeon")
 
 
-@pytest.fixture
-def single_process_group():
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def test_distributed_bytes_equal_tensor_handed_to_collective(single_process_group, monkeypatch):
+def test_distributed_bytes_equal_tensor_handed_to_collective(one_process_group, monkeypatch):
     """Recorded bytes equal the bytes of the tensor torch.distributed actually received."""
     handed = []
     real = dist.all_reduce

@@ -3,6 +3,7 @@ simulated workers (same compressor, same error feedback, same seeds)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from pathlib import Path
@@ -28,6 +29,7 @@ from dpresearch.compress import (
     make_comm_hook,
     param_layout,
 )
+from dpresearch.launch.processes import leave_together
 from dpresearch.replicas import Replicas
 
 NET = NetworkModel.preset("10gbe")
@@ -82,9 +84,11 @@ def ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                 F.cross_entropy(ddp(x), y).backward()
                 opt.step()
             results[name] = (flat_params(ddp.module), state.comm.ledger.bytes_sent, state.step)
+            del ddp, state, hook, opt  # the reducer goes while the group is alive
+            gc.collect()
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        leave_together()
 
 
 def simulated(name: str) -> tuple[torch.Tensor, int]:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from dpresearch.algorithms.overlap import OverlappedGradientAverage
@@ -12,13 +10,6 @@ from dpresearch.comm.distributed import DistributedCommunicator
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.replicas import Replicas
-
-
-@pytest.fixture
-def single_process_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def model() -> torch.nn.Module:
@@ -32,7 +23,7 @@ def model() -> torch.nn.Module:
     )
 
 
-def test_buckets_start_during_backward_and_give_the_plain_average(single_process_group):
+def test_buckets_start_during_backward_and_give_the_plain_average(one_process_group):
     comm = DistributedCommunicator(NetworkModel.preset("10gbe"))
     assert comm.can_overlap
     replicas = Replicas(model(), 1, torch.device("cpu"))
@@ -56,7 +47,7 @@ def test_buckets_start_during_backward_and_give_the_plain_average(single_process
     assert torch.equal(expected, plain.grads)
 
 
-def test_unused_parameters_are_reduced_at_finish(single_process_group):
+def test_unused_parameters_are_reduced_at_finish(one_process_group):
     comm = DistributedCommunicator(NetworkModel.preset("10gbe"))
     replicas = Replicas(model(), 1, torch.device("cpu"))
     overlap = OverlappedGradientAverage(replicas, comm, bucket_mb=0.1, first_bucket_mb=0.1)

@@ -14,6 +14,11 @@ Future: communication does not overlap the rest of the backward pass (a correctn
 adapter for research runs). Chunks are keyed by parameter index exactly as `CompressedReducer`
 keys them, and the error-feedback memory is one row over the model's parameters in their flat
 order, so a hooked DDP run reproduces a simulated run — also after DDP regroups its buckets.
+
+Tearing down: drop the DDP model (and the hook state) before `destroy_process_group`, and end
+with `dpresearch.launch.processes.leave_together()`. A DDP reducer that outlives the group holds
+its last reference; releasing it joins gloo's worker threads while holding the GIL, and a worker
+still releasing a work that refers to Python objects then waits for the GIL forever (torch 2.13).
 """
 
 from collections.abc import Mapping
