@@ -300,6 +300,11 @@ def test_auto_batches_many_small_workers_on_the_cpu_and_says_so(capsys):
     big = compose_config(*SMALL, "workers=16", "model.hidden=[4096,4096]", "train.batch_size=64")
     batched, line = decide(big, data, 16, cpu)
     assert not batched and "multiply-adds per worker forward" in line
+    # so do workers whose inputs together exceed the cache budget (64 × 64 × 3072 floats)
+    wide = compose_config("model=logreg", "workers=64", "data.num_features=3072",
+                          "data.num_train=4096", "train.batch_size=64")  # fmt: skip
+    batched, line = decide(wide, preflight(wide), 64, cpu)
+    assert not batched and "48.0 MiB" in line
     # and the run prints its choice once at the start
     train(compose_config(*SMALL, "workers=16", "train.steps=2", "train.progress=true"), None)
     out = capsys.readouterr().out

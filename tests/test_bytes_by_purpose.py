@@ -14,7 +14,7 @@ from conftest import compose_config, free_port
 from gloo_session import spawn_sequence
 
 from dpresearch.comm.distributed import DistributedCommunicator
-from dpresearch.comm.ledger import CommOp
+from dpresearch.comm.ledger import OFF_STEP_PURPOSES, CommOp
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.data.base import Dataset
@@ -84,6 +84,7 @@ def test_resnet20_topk_counts_gradient_bytes_only():
         "backend.threads=1",
     )
     comm = SimulatedCommunicator(4, NET)
+    comm.ledger.history = []
     trainer = Trainer(cfg, comm, torch.device("cpu"), None, tiny_images())
     model = trainer.replicas.models[0]
     per_step = topk_formula(model, 0.01)
@@ -102,10 +103,14 @@ def test_resnet20_topk_counts_gradient_bytes_only():
     assert min(ledger.bytes_of("metrics")) > 0 and summary["comm/bytes_metrics"] > 0
     assert min(ledger.bytes_of("eval")) > 0 and summary["comm/bytes_eval"] > 0
     # Modeled time: the gradient allgathers and the buffer broadcasts, nothing else.
-    priced = [op for op in ledger.step_ops if op.purpose in ("algorithm", "buffers")]
+    ops = ledger.history
+    priced = [op for op in ops if op.purpose in ("algorithm", "buffers")]
     assert {op.kind for op in priced} == {"allgather", "broadcast"}
     assert ledger.modeled_s == pytest.approx(sum(NET.op_seconds(op) for op in priced))
-    assert ledger.modeled_s < sum(NET.op_seconds(op) for op in ledger.step_ops)
+    assert ledger.modeled_s < sum(NET.op_seconds(op) for op in ops)
+    assert sum(ledger.op_totals.values()) == len(priced)  # what modeled_s prices, counted
+    # the loop ends every step: what is left is the final evaluation's, not the steps'
+    assert all(op.purpose in OFF_STEP_PURPOSES for op in ledger.step_ops)
 
 
 def _broadcast_worker(rank: int, port: int, out: str) -> None:

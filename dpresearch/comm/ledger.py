@@ -104,7 +104,10 @@ class CommLedger:
     _op_counts: Counter = field(default_factory=Counter)
     _op_totals: Counter = field(default_factory=Counter)  # CommOp -> times recorded
     _purpose_op_counts: Counter = field(default_factory=Counter)
-    step_ops: list[CommOp] = field(default_factory=list)
+    step_ops: list[CommOp] = field(default_factory=list)  # since the last `end_step`
+    # when a list: `end_step` appends each ended step's ops to it (a benchmark that checks every
+    # step's ops); None keeps nothing, so a long run's ledger does not grow with its steps
+    history: list[CommOp] | None = None
     # per local worker: its clock at its last message (seconds; see the module docstring)
     clock: list[float] = field(default_factory=list)
     # bytes received per purpose, by sending endpoint (another process's)
@@ -290,8 +293,11 @@ class CommLedger:
 
     # -- steps -------------------------------------------------------------------------------
     def end_step(self) -> list[CommOp]:
-        """Return and clear the ops recorded since the last call."""
+        """Return and clear the ops recorded since the last call (the run loop calls it after
+        every step; `history`, when a list, keeps them)."""
         ops, self.step_ops = self.step_ops, []
+        if self.history is not None:
+            self.history.extend(ops)
         return ops
 
     def reset(self) -> None:

@@ -141,6 +141,7 @@ def run_loop(run: Run, state: LoopState, hooks: Sequence[Hook], on_nonfinite: st
                 hook.after_step(done, verdict)
             except RunIOError as exc:  # ends the run at the next agreement, all together
                 state.io_error = state.io_error or exc
+        run.ledger.end_step()  # the step's ops are priced and counted: keep the list bounded
         if verdict.finished:  # (on the last step: finishing is the stop)
             return Outcome("failed_io" if state.io_error is not None else "finished", done)
         if verdict.signum:

@@ -432,6 +432,7 @@ def worker(spec: dict) -> None:
             cfg = compose(*base, *overrides, f"algorithm.overlap={regime == 'training'}")
             validate(cfg)
             comm = comm_class(network_model(cfg), barrier=regime == "isolated")
+            comm.ledger.history = []  # every step's ops, in order (ops_per_step checks them)
             run_dir = out / job if rank == 0 else None
             stolen, started = cpu_steal_s(), time.monotonic()
             Trainer(cfg, comm, torch.device("cpu"), run_dir, dataset).run()
@@ -439,7 +440,7 @@ def worker(spec: dict) -> None:
             steal = _steal_share(stolen, started)
             priced = [
                 (op.kind, op.nbytes, op.group, op.peers)
-                for op in comm.ledger.step_ops
+                for op in comm.ledger.history
                 if op.purpose not in OFF_STEP_PURPOSES
             ]
             result["jobs"][job] = {"ops": comm.ops, "priced": priced, "steal": steal}
