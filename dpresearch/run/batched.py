@@ -45,7 +45,8 @@ CPU_BATCHED_MAX_MACS = 2.0e7
 # ... and while the inputs of all workers' batches together stay near the CPU's cache: beyond
 # it a batched step streams them from memory, while one worker at a time works in cache
 # (logistic regression, 3072 features, batch 64: 16 workers = 12.6 MB batched ≈ one by one,
-# 64 workers = 50 MB one by one 0.59× the batched step; the MLP at 64 workers, 2 MB, gains).
+# 64 workers = 50 MB one by one 0.59× the batched step in one quiet run, equal in another,
+# never slower; the MLP at 64 workers, 2 MB, gains from batching).
 CPU_BATCHED_MAX_INPUT_BYTES = 8 * 2**20
 # A probe's gradients may differ from the loop's by this much (relative, in float64: the two
 # ways agree to ~1e-14 on every shipped model); a wrong result differs by far more.
