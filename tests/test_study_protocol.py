@@ -210,3 +210,30 @@ def test_a_horizon_window_averages_the_last_evaluations():
     assert (
         early["test/acc"].iloc[0] == pytest.approx(0.35) and early["status"].iloc[0] == "finished"
     )
+
+
+def test_a_case_whose_every_lr_diverged_grows_below_its_grid(tmp_path):
+    """Every lr of the initial grid diverges (0.1, 0.32, 1): no lr can be picked, so the harness
+    adds the grid's step below (0.032), then keeps growing past the edge pick until it is
+    interior (0.01 best, 0.0032 tried), and only then runs the final seeds at 0.01."""
+    study = stub_study(tmp_path, {"hot": {"overrides": [], "lrs": [0.1, 0.32, 1.0]}})
+    ran: list[str] = []
+    inner = stub_runner(peak_at(0.01), ran)
+
+    def runner(point, run_dir, overrides):
+        inner(point, run_dir, overrides)
+        if point.lr >= 0.1:  # the loss blew up: the trainer's summary says so
+            summary = json.loads((run_dir / "summary.json").read_text())
+            (run_dir / "summary.json").write_text(json.dumps({**summary, "status": "diverged"}))
+        return 0
+
+    lines: list[str] = []
+    run_study(study, tmp_path / "out", launcher=runner, log=lines.append)
+    tuned = sorted({float(p.split("lr ")[1].split(" |")[0]) for p in ran
+                    if p.endswith(("seed 0", "seed 1"))})  # fmt: skip
+    assert tuned == [0.0032, 0.01, 0.032, 0.1, 0.32, 1.0]
+    assert any("hot: no lr tried can be picked (every one failed); adding lr 0.032" in line
+               for line in lines)  # fmt: skip
+    assert [p for p in ran if p.endswith(("seed 2", "seed 3"))] == [
+        "hot | lr 0.01 | seed 2", "hot | lr 0.01 | seed 3"]  # fmt: skip
+    assert selected_lrs(study, tmp_path / "out") == {"hot": 0.01}

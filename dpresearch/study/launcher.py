@@ -315,14 +315,15 @@ def run_study(
     wanted |= {c.lr_from for c in study.cases if c.name in wanted and c.lr_from}
     while True:
         found = study_horizons(study, out)
-        grow = {case: lrs for case, lrs in extensions(found).items() if case in wanted}
+        grow = {case: lrs for case, lrs in extensions(study, found).items() if case in wanted}
         new = [study.point(study.case(case), lr, seed) for case, lrs in grow.items()
                for lr in lrs for seed in study.selection_seeds]  # fmt: skip
         if not new:
             break
         for case, lrs in grow.items():
-            log(f"== {case}: the pick is at an edge of its grid; adding lr "
-                + ", ".join(f"{lr:g}" for lr in lrs))  # fmt: skip
+            why = ("the pick is at an edge of its grid" if any(case in h.picks for h in found)
+                   else "no lr tried can be picked (every one failed)")  # fmt: skip
+            log(f"== {case}: {why}; adding lr " + ", ".join(f"{lr:g}" for lr in lrs))
         if dry_run:
             log("== (dry run: the extensions and final seeds depend on those runs' results)")
             return records

@@ -172,11 +172,45 @@ def chosen_lrs(found: list[Horizon]) -> dict[str, list[float]]:
     return out
 
 
-def extensions(found: list[Horizon]) -> dict[str, list[float]]:
-    """Per case, the lrs to add: one grid step beyond every edge pick short of its bound."""
+def extensions(study: Study, found: list[Horizon]) -> dict[str, list[float]]:
+    """Per case, the lrs to add: one grid step beyond every edge pick short of its bound, and
+    for a case where no lr can be picked (a seed of every lr tried failed) one step below the
+    smallest lr tried if a seed diverged there, or above the largest if seeds there only did
+    not train (`unpickable`)."""
     out: dict[str, list[float]] = {}
     for horizon in found:
-        for case, pick in horizon.picks.items():
-            if pick.next_lr is not None and pick.next_lr not in out.setdefault(case, []):
-                out[case].append(pick.next_lr)
+        wanted = [(case, pick.next_lr) for case, pick in horizon.picks.items()]
+        wanted += list(unpickable(study, horizon).items())
+        for case, lr in wanted:
+            if lr is not None and lr not in out.setdefault(case, []):
+                out[case].append(lr)
     return {case: lrs for case, lrs in out.items() if lrs}
+
+
+def unpickable(study: Study, horizon: Horizon) -> dict[str, float | None]:
+    """Each tuned case with tuning runs but no pick at `horizon` → the lr to try next: the
+    grid's step below the smallest lr tried where a seed diverged at it (the lr is too large
+    everywhere), above the largest where its seeds did not train and none diverged (too small
+    everywhere), None otherwise or at the grid's bound."""
+    if horizon.stats is None:
+        return {}
+    lr, seed = lr_column(study), "cfg.seed"
+    runs = horizon.runs[horizon.runs[seed].isin(list(study.selection_seeds))]
+    out: dict[str, float | None] = {}
+    for case in horizon.stats["case"].unique():
+        if case in horizon.picks:
+            continue
+        own = runs[runs["case"] == case]
+        tried = sorted(float(v) for v in own[lr].unique())
+        if not tried:
+            continue
+        at_smallest = set(own[own[lr] == tried[0]]["status"])
+        at_largest = set(own[own[lr] == tried[-1]]["status"])
+        grid = study.case(str(case)).grid
+        if "diverged" in at_smallest:
+            out[str(case)] = grid.next_beyond(tried, up=False)
+        elif "did not train" in at_largest and "diverged" not in at_largest:
+            out[str(case)] = grid.next_beyond(tried, up=True)
+        else:
+            out[str(case)] = None
+    return out
