@@ -87,13 +87,16 @@ class WorkerCompute:
         self._epochs = [-1] * len(self.workers)
         # Per row: its current epoch's batches of indices, on the data's device.
         self._batches: list[tuple[Tensor, ...]] = [()] * len(self.workers)
-        # Batches not yet reduced, in order: (row, loss, outputs, targets), detached, and their
-        # outputs' elements; per row, since the last `drain`: [summed loss, summed accuracy,
-        # batches] of those reduced.
-        self._pending: list[tuple[int, Tensor, Tensor, Tensor]] = []
+        # Batches not yet reduced, in order, detached: (row, loss, outputs [B, ...], targets
+        # [B]) for one row's batch, (rows, losses [S], outputs [S, B, ...], targets [S, B]) for
+        # a batched call of S rows (one entry: no per-row work per step); and their outputs'
+        # elements. Per row, since the last `drain`: [summed loss, summed accuracy, batches] of
+        # those reduced.
+        self._pending: list[tuple[int | tuple[int, ...], Tensor, Tensor, Tensor]] = []
         self._pending_numel = 0
         self._sums: list[list[float]] = [[0.0, 0.0, 0] for _ in self.workers]
-        self._latest: dict[int, Tensor] = {}  # row → the loss of its batch in the last `run`
+        # row → its batch's loss in the last `run`: (loss, None) or (losses, its position)
+        self._latest: dict[int, tuple[Tensor, int | None]] = {}
         # Rows computed ahead, not yet planned: row → (loss, outputs, targets) of its batch,
         # and whether its loss is finite (checked once per batched call, not once per push).
         self._held: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
@@ -186,9 +189,7 @@ class WorkerCompute:
             for w in [w for w in rows if w in held]:
                 loss, out, y = held.pop(w)
                 self._finite[w] = self._held_finite.pop(w)
-                self._latest[w] = loss
-                self._pending.append((w, loss, out, y))
-                self._pending_numel += out.numel()
+                self._add_pending(w, loss, out, y)
             rows = [w for w in rows if w not in self._latest]
         if not rows:
             return
@@ -228,44 +229,77 @@ class WorkerCompute:
             (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
             # Per batch as few small ops as possible: the statistics are computed for many
             # batches at once in `_fold`.
-            self._latest[w] = loss.detach()
-            self._pending.append((w, self._latest[w], out.detach(), y))
-            self._pending_numel += out.numel()
+            self._add_pending(w, loss.detach(), out.detach(), y)
 
     def _run_batched(self, rows: Sequence[int], hold: set[int]) -> None:
         """`rows` as one batched computation; the statistics of those in `hold` held back."""
         assert self.batched is not None
         x, y = self.next_batches(rows)
         losses, out = self.batched.run(rows, x, y, self.autocast(), self.loss_scale)
-        finite = losses.isfinite().tolist() if hold else None
+        if not hold:
+            self._add_pending(tuple(rows), losses, out, y)
+            return
+        finite = losses.isfinite().tolist()
         for i, w in enumerate(rows):
-            if finite is not None:
-                self._finite[w] = finite[i]
             if w in hold:
                 self._held[w] = (losses[i], out[i], y[i])
-                self._held_finite[w] = self._finite.pop(w)
+                self._held_finite[w] = finite[i]
             else:
-                self._latest[w] = losses[i]
-                self._pending.append((w, losses[i], out[i], y[i]))
-                self._pending_numel += out[i].numel()
+                self._finite[w] = finite[i]
+                self._add_pending(w, losses[i], out[i], y[i])
+
+    def _add_pending(
+        self, rows: int | tuple[int, ...], losses: Tensor, out: Tensor, y: Tensor
+    ) -> None:
+        """Keep one computation's batch statistics for `_fold` (one row: its loss, outputs,
+        targets; a tuple of S rows: `[S]`, `[S, B, ...]`, `[S, B]`); they are the rows' latest."""
+        if isinstance(rows, int):
+            self._latest[rows] = (losses, None)
+        else:
+            for i, w in enumerate(rows):
+                self._latest[w] = (losses, i)
+        self._pending.append((rows, losses, out, y))
+        self._pending_numel += out.numel()
 
     def last_losses_finite(self, rows: Sequence[int]) -> bool:
         """Whether the loss of each row's batch in the last `run` is finite (one host sync,
         none where a batched call computing ahead checked it)."""
         if not all(self._finite.get(w, True) for w in rows):
             return False
-        losses = [self._latest[w] for w in rows if w in self._latest and w not in self._finite]
-        if len(losses) == 1:
-            return math.isfinite(losses[0].item())  # (one dispatch: 20× cheaper on a CPU)
-        return bool(torch.stack(losses).isfinite().all()) if losses else True
+        positions: dict[int, tuple[Tensor, list[int]]] = {}
+        for w in rows:
+            if w in self._latest and w not in self._finite:
+                losses, i = self._latest[w]
+                positions.setdefault(id(losses), (losses, []))[1].append(-1 if i is None else i)
+        checked = [
+            losses.view(-1) if losses.dim() == 0 or len(at) == losses.shape[0] else losses[at]
+            for losses, at in positions.values()
+        ]
+        if len(checked) == 1 and checked[0].numel() == 1:
+            return math.isfinite(checked[0].item())  # (one dispatch: 20× cheaper on a CPU)
+        return bool(torch.cat(checked).isfinite().all()) if checked else True
 
     def forget_last(self, rows: Sequence[int]) -> None:
         """Drop each row's latest batch statistics (a skipped step is not averaged in)."""
+        pending = self._pending
         for w in rows:
-            for i in range(len(self._pending) - 1, -1, -1):
-                if self._pending[i][0] == w:
-                    self._pending_numel -= self._pending.pop(i)[2].numel()
-                    break
+            for i in range(len(pending) - 1, -1, -1):
+                entry_rows, losses, out, y = pending[i]
+                if entry_rows != w and (isinstance(entry_rows, int) or w not in entry_rows):
+                    continue
+                self._pending_numel -= out.numel()
+                keep = (
+                    []
+                    if isinstance(entry_rows, int)
+                    else [j for j, r in enumerate(entry_rows) if r != w]
+                )
+                if keep:
+                    kept = (tuple(entry_rows[j] for j in keep), losses[keep], out[keep], y[keep])
+                    pending[i] = kept
+                    self._pending_numel += out[keep].numel()
+                else:
+                    pending.pop(i)
+                break
 
     def state_dict(self) -> dict:
         """Data cursors, augmentation generators and the undrained batch statistics: the
@@ -315,16 +349,31 @@ class WorkerCompute:
         pending = self._pending
         if not pending:
             return
-        losses = torch.stack([p[1] for p in pending]).double().tolist()
-        sizes = [p[3].shape[0] for p in pending]
+        # Reduced together — one-row batches first, then batched calls — and added to the rows'
+        # sums in the order they were computed.
+        singles = [p for p in pending if isinstance(p[0], int)]
+        calls = [p for p in pending if not isinstance(p[0], int)]
+        loss_parts = [torch.stack([p[1] for p in singles])] if singles else []
+        losses = torch.cat(loss_parts + [p[1] for p in calls]).double().tolist()
+        sizes = [p[3].shape[0] for p in singles] + [p[3].shape[1] for p in calls for _ in p[0]]
         hits = self.data.hits(
-            torch.cat([p[2] for p in pending]), torch.cat([p[3] for p in pending])
+            torch.cat([p[2] for p in singles] + [p[2].flatten(0, 1) for p in calls]),
+            torch.cat([p[3] for p in singles] + [p[3].flatten(0, 1) for p in calls]),
         )
         if min(sizes) == max(sizes):
             correct = hits.view(len(sizes), sizes[0]).sum(1).tolist()
         else:
             correct = [int(h.sum()) for h in hits.split(sizes)]
-        for (row, *_), loss, right, n in zip(pending, losses, correct, sizes, strict=True):
+        at, single, call = [], 0, len(singles)
+        for p in pending:
+            if isinstance(p[0], int):
+                at.append((p[0], single))
+                single += 1
+            else:
+                at.extend((w, call + j) for j, w in enumerate(p[0]))
+                call += len(p[0])
+        for row, i in at:
+            loss, right, n = losses[i], correct[i], sizes[i]
             sums = self._sums[row]
             sums[0] += loss
             sums[1] += right / n

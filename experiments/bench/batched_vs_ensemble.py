@@ -10,7 +10,12 @@ optimizer), read from metrics.jsonl logged every `--block` steps.
 The reference: an independent ensemble of K models as stacked parameters `[K, *shape]`,
 `vmap(grad(loss))` over the K batches gathered from the same data set and the same
 per-worker index sequences, and one SGD update of the stacked parameters — timed around the
-same work.
+same work. `--floor` adds the same ensemble delivering its gradients into one flat `[K, D]`
+buffer (a `torch._foreach_copy_` of vmap's outputs into its rows, the SGD update read from
+there): what any implementation pays whose gradients must sit where a collective or a codec
+reads them — vmap's outputs are fresh tensors that no kernel can be told to write into a given
+buffer, and `Replicas` keeps every worker's gradient in a row of `replicas.grads`, as DDP
+keeps them in its buckets. Ours ÷ floor is then our own overhead beyond that copy.
 
 Both sides are timed with one clock (`--clock`): `cpu` (default) is this thread's CPU time
 (`time.thread_time`, put in place of the trainer's `perf_counter` for the run), which other
@@ -85,8 +90,9 @@ def ours(model: str, workers: int, mode: str, args) -> tuple[list[float], str]:
     return times, trainer.compute.mode
 
 
-def ensemble(model: str, workers: int, args) -> list[float]:
-    """Block times of the vmap ensemble doing the same steps (after warm-up)."""
+def ensemble(model: str, workers: int, args, buffer: bool = False) -> list[float]:
+    """Block times of the vmap ensemble doing the same steps (after warm-up); `buffer`: its
+    gradients copied into the rows of one flat `[K, D]` buffer and the update read from there."""
     from hydra.utils import instantiate
     from torch.func import functional_call, grad, stack_module_state, vmap
 
@@ -107,6 +113,13 @@ def ensemble(model: str, workers: int, args) -> list[float]:
         return F.cross_entropy(functional_call(template, (p, b), (x,)), y)
 
     grads_of = vmap(grad(loss_of))
+    names = list(params)
+    flat = torch.zeros(workers, sum(params[n][0].numel() for n in names))
+    rows, start = {}, 0
+    for n in names:
+        size = params[n][0].numel()
+        rows[n] = flat[:, start : start + size].view_as(params[n])
+        start += size
     per_epoch = partitioner.samples_per_worker // batch
     orders = [partitioner.epoch_indices(w, 0)[: per_epoch * batch] for w in range(workers)]
     cuts = [o.split(batch) for o in orders]
@@ -119,6 +132,9 @@ def ensemble(model: str, workers: int, args) -> list[float]:
         x = data.train_inputs.index_select(0, index).view(workers, batch, -1)
         y = data.train_targets.index_select(0, index).view(workers, batch)
         grads = grads_of(params, buffers, x, y)
+        if buffer:
+            torch._foreach_copy_([rows[n] for n in names], [grads[n] for n in names])
+            grads = rows
         with torch.no_grad():
             for name, p in params.items():
                 p.sub_(grads[name], alpha=LR)
@@ -132,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["mlp", "logreg"], choices=list(MODELS))
     parser.add_argument("--workers", nargs="+", type=int, default=[16, 64])
     parser.add_argument("--modes", nargs="+", default=["auto"], choices=["auto", "true", "false"])
+    parser.add_argument(
+        "--floor", action="store_true", help="also the ensemble with its gradients in a buffer"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--blocks", type=int, default=2)
@@ -147,34 +166,43 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for model in args.models:
         for k in args.workers:
-            ratios: dict[str, list[float]] = {m: [] for m in args.modes}
-            took: dict[str, str] = {}
+            columns = [*args.modes, *(["floor"] if args.floor else [])]
+            ratios: dict[str, list[float]] = {m: [] for m in columns}
+            over_floor: dict[str, list[float]] = {m: [] for m in args.modes}
+            took: dict[str, str] = {"floor": "ensemble + flat gradient buffer"}
+            sides = ["ours", "ensemble", *(["floor"] if args.floor else [])]
             for r in range(args.rounds):
-                order = ["ours", "ensemble"] if r % 2 == 0 else ["ensemble", "ours"]
+                order = sides if r % 2 == 0 else sides[::-1]
                 step: dict[str, float] = {}
                 for side in order:
-                    if side == "ensemble":
-                        step["ensemble"] = statistics.median(ensemble(model, k, args))
+                    if side in ("ensemble", "floor"):
+                        times = ensemble(model, k, args, buffer=side == "floor")
+                        step[side] = statistics.median(times)
                         continue
                     for mode in args.modes:
                         times, took[mode] = ours(model, k, mode, args)
                         step[mode] = statistics.median(times)
-                for mode in args.modes:
-                    ratios[mode].append(step[mode] / step["ensemble"])
+                for column in columns:
+                    ratios[column].append(step[column] / step["ensemble"])
+                    if args.floor and column != "floor":
+                        over_floor[column].append(step[column] / step["floor"])
                 results.add(model=model, workers=k, round=r, step_s=step, load=bt.load())
                 print(f"{model} K={k} round {r}: " + ", ".join(
                     f"{m} {1e3 * s:.2f} ms" for m, s in step.items()) + f" ({bt.load()})",
                     flush=True)  # fmt: skip
-            for mode in args.modes:
-                rows.append((model, k, mode, took[mode], ratios[mode]))
+            for column in columns:
+                rows.append((model, k, column, took[column], ratios[column],
+                             over_floor.get(column, [])))  # fmt: skip
     print()
-    print("| model | K | batched_workers | took | ours / ensemble (median [range]) | target |")
-    print("|---|---|---|---|---|---|")
-    for model, k, mode, took_mode, values in rows:
+    print("| model | K | side | took | ÷ ensemble (median [range]) | ÷ floor | target |")
+    print("|---|---|---|---|---|---|---|")
+    for model, k, mode, took_mode, values, floor in rows:
+        beyond = f"{statistics.median(floor):.3f} {bt.fmt_range(floor)}" if floor else "–"
         print(f"| {model} | {k} | {mode} | {took_mode.split(' (')[0]} | "
-              f"{statistics.median(values):.3f} {bt.fmt_range(values)} | ≤ 1.05 |")  # fmt: skip
-    results.write(summary=[{"model": m, "workers": k, "mode": mode, "ratios": v}
-                           for m, k, mode, _, v in rows], end_load=bt.load())  # fmt: skip
+              f"{statistics.median(values):.3f} {bt.fmt_range(values)} | {beyond} | "
+              "≤ 1.05 |")  # fmt: skip
+    results.write(summary=[{"model": m, "workers": k, "mode": mode, "ratios": v, "over_floor": f}
+                           for m, k, mode, _, v, f in rows], end_load=bt.load())  # fmt: skip
     print(f"wrote {results.path}")
     return 0
 
