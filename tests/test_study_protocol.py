@@ -237,3 +237,31 @@ def test_a_case_whose_every_lr_diverged_grows_below_its_grid(tmp_path):
     assert [p for p in ran if p.endswith(("seed 2", "seed 3"))] == [
         "hot | lr 0.01 | seed 2", "hot | lr 0.01 | seed 3"]  # fmt: skip
     assert selected_lrs(study, tmp_path / "out") == {"hot": 0.01}
+
+
+def test_modeled_time_is_repriced_on_every_network_the_study_names(tmp_path):
+    """`network: [1gbe, wan_100mbit]` with `metrics: [comm/modeled_s@wan_100mbit]`: each run's
+    modeled communication seconds in all, re-priced from its own network's price of its op
+    table to the WAN preset's — the preset's own price of that table."""
+    import pandas as pd
+
+    from dpresearch.comm.network import NetworkModel
+    from dpresearch.study.report import with_repriced_totals
+
+    study = stub_study(tmp_path, {"a": [], "b": []}, lrs=[0.1], network=["1gbe", "wan_100mbit"],
+                       metrics=["comm/modeled_s@wan_100mbit"])  # fmt: skip
+    assert study.networks == ("1gbe", "wan_100mbit")
+    ops = [[["allreduce", 1_000_000, 8, 0, 144]], [["allgather", 4096, 8, 0, 9]]]
+    own = NetworkModel.preset("1gbe", 0.01)
+    runs = pd.DataFrame({
+        "run": ["a0", "b0"], "comm/ops": ops,
+        "comm/modeled_s": [own.total_seconds(o) for o in ops],
+        "cfg.network.latency_us": [50.0, 50.0], "cfg.network.bandwidth_gbit": [1.0, 1.0],
+        "cfg.network.compute_step_s": [0.01, 0.01],
+    })  # fmt: skip
+    priced = with_repriced_totals(study, runs)["comm/modeled_s@wan_100mbit"].tolist()
+    wan = NetworkModel.preset("wan_100mbit", 0.01)
+    assert priced == pytest.approx([wan.total_seconds(o) for o in ops], rel=1e-12)
+    assert priced[0] > 10 * runs["comm/modeled_s"][0]  # 100 Mbit/s and 10 ms: far dearer
+    with pytest.raises(StudyError, match="network must be a preset name or a list"):
+        stub_study(tmp_path, {"a": []}, lrs=[0.1], network={"name": "1gbe"})

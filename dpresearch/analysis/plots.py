@@ -53,7 +53,7 @@ LABELS: dict[str, tuple[str, float]] = {
     "async/tau_histogram": ("staleness τ of an applied gradient (server updates)", 1.0),
 }
 NETWORKS = {"1gbe": "1 GbE", "10gbe": "10 GbE", "25gbe": "25 GbE", "100gb_ib": "100 Gb InfiniBand",
-            "nvlink": "NVLink"}  # fmt: skip
+            "nvlink": "NVLink", "wan_100mbit": "a 100 Mbit/s, 10 ms WAN"}  # fmt: skip
 
 
 def axis_label(metric: str, labels: Mapping[str, str] | None = None) -> tuple[str, float]:

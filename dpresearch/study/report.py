@@ -114,6 +114,7 @@ class StudyReport:
 def build(study: Study, header: dict, runs, metrics, include_failed: bool = False) -> StudyReport:
     if "case" not in runs or lr_column(study) not in runs:
         raise StudyError(f"{study.data_path.name}: runs without a study case or lr")
+    runs = with_repriced_totals(study, runs)
     selection = selection_of(study, runs)
     found = horizons(study, runs, metrics)
     report = StudyReport(study, header, runs, metrics, selection, found, include_failed)
@@ -144,6 +145,23 @@ def build(study: Study, header: dict, runs, metrics, include_failed: bool = Fals
     if header.get("source"):
         report.notes.append(f"run data: {header['source']}")
     return report
+
+
+REPRICED = "comm/modeled_s@"
+
+
+def with_repriced_totals(study: Study, runs):
+    """`runs` with a column `comm/modeled_s@<preset>` for each such name in the study's
+    `metrics`: every run's modeled communication seconds in all, re-priced on that preset
+    (`analysis.timing.repricing_factors`)."""
+    from dpresearch.analysis.timing import repricing_factors
+
+    for name in study.metrics:
+        if not name.startswith(REPRICED) or name in runs or "comm/modeled_s" not in runs:
+            continue
+        factors = runs["run"].map(repricing_factors(runs, name[len(REPRICED) :]))
+        runs = runs.assign(**{name: runs["comm/modeled_s"] * factors.astype(float)})
+    return runs
 
 
 def _final_runs(report: StudyReport, horizon: Horizon, case: str, lr: float):
@@ -557,7 +575,9 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
     from dpresearch.analysis.timing import add_modeled_time, modeled_column
 
     study, horizon = report.study, report.last
-    metrics = add_modeled_time(report.metrics, report.runs, study.network)
+    metrics = report.metrics
+    for network in study.networks:
+        metrics = add_modeled_time(metrics, report.runs, network)
     groups: dict[str, list[str]] = {}
     for case in study.cases:
         pick = _pick_for(horizon, study, case.name)
@@ -603,7 +623,8 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
                                   path, study.title)  # fmt: skip
             written.append((path, fig))
     ys = [m for m in dict.fromkeys([*result_metrics(report), *study.curves]) if m in metrics]
-    xs = ["epoch", "comm/bytes", modeled_column(study.network), "time/simulated_s"]
+    xs = ["epoch", "comm/bytes", *(modeled_column(n) for n in study.networks or [None])]
+    xs.append("time/simulated_s")
     vlines = list(study.claim.horizons) if study.claim and study.claim.horizons else []
     horizon_key = study.claim.horizon_key if study.claim else "epoch"
     for y in ys:

@@ -15,7 +15,8 @@ metric, the claim it tests and where its run data is shipped; expanded into poin
                                          # final seeds) at the selected lr only
     select: val/acc:max                  # null: validation metric, else final training loss
     target: {metric: test/acc, value: 0.6}
-    network: 1gbe                        # modeled seconds in the report
+    network: 1gbe                        # modeled seconds in the report (a list: each one;
+                                         # `metrics: [comm/modeled_s@wan_100mbit]` tabulates)
     published: {file: published.csv}    # published numbers with their sources (own table)
     claim:                               # what the study tests, judged at each horizon
       statement: error feedback recovers top-k's accuracy
@@ -193,7 +194,7 @@ class Study:
     select: str | None = None
     target_metric: str = "test/acc"
     target: float | None = None
-    network: str | None = None
+    networks: tuple[str, ...] = ()  # presets the report re-prices modeled time on
     published: dict[str, Any] = field(default_factory=dict)
     description: str = ""
     title: str = ""
@@ -463,6 +464,10 @@ def load_study(path: str | Path) -> Study:
     published = raw.get("published") or {}
     if published and "file" not in published:
         raise StudyError("published needs `file` (a CSV beside the study file)")
+    networks = raw.get("network") or []
+    networks = [networks] if isinstance(networks, str) else networks
+    if not isinstance(networks, list) or not all(isinstance(n, str) for n in networks):
+        raise StudyError(f"network must be a preset name or a list of them, got {networks!r}")
     curves, metrics = raw.get("curves") or [], raw.get("metrics") or []
     histograms = raw.get("histograms") or []
     for what, value in (("curves", curves), ("metrics", metrics), ("histograms", histograms)):
@@ -480,7 +485,7 @@ def load_study(path: str | Path) -> Study:
         common=_strings(raw.get("common"), "common", path.parent), lr_key=lr_key,
         select=raw.get("select"), target_metric=str(target.get("metric", "test/acc")),
         target=float(target["value"]) if "value" in target else None,
-        network=raw.get("network"), published=dict(published),
+        networks=tuple(networks), published=dict(published),
         description=str(raw.get("description", "")), title=str(raw.get("title", name)),
         tune_seeds=tuple(tune_seeds) if tune_seeds is not None else None,
         claim=_claim(raw.get("claim"), names), run_data=_path(raw.get("run_data"), path.parent),
