@@ -77,3 +77,74 @@ def test_anything_else_steps_one_by_one():
     opts[2].param_groups[0]["lr"] = 0.1
     opts[1].register_step_post_hook(lambda *a: None)
     assert not _same_plain_sgd(opts)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_stepping_on_the_flat_rows_is_bit_identical_to_each_step(name, channels_last):
+    """`FlatRows`: one SGD call on `replicas.params`/`.grads` — parameters and momentum buffers
+    bit for bit each optimizer's own step, from the first step (buffers created) on; through a
+    state-dict round trip (buffers copied back into flat rows), a reset of some parameters'
+    buffers (that step per tensor) and an in-place average of the buffers. Two parameter
+    groups do not tile the rows: they step per tensor, still identically."""
+    from dpresearch.algorithms.local_sgd import average_optimizer_state
+    from dpresearch.comm.network import NetworkModel
+    from dpresearch.comm.simulated import SimulatedCommunicator
+    from dpresearch.models.resnet_cifar import ResNetCifar
+    from dpresearch.optim import FlatRows
+
+    node = {"_target_": "torch.optim.SGD", "lr": 0.1, **SETTINGS[name]}
+
+    def build():
+        torch.manual_seed(0)
+        model = (ResNetCifar(10, (3, 8, 8), depth=8, width=4) if channels_last
+                 else MLP(5, (6,), hidden=[7], batch_norm=True))  # fmt: skip
+        reps = Replicas(model, 4, torch.device("cpu"), channels_last=channels_last)
+        return reps, [make_optimizer(OmegaConf.create(node), m) for m in reps.models]
+
+    (a, opts_a), (b, opts_b) = build(), build()
+    rows = FlatRows(b.params, b.grads)
+    flat = not name == "two_groups"
+    momentum = SETTINGS[name]["momentum"] != 0
+
+    def step_both(seed):
+        grads = torch.randn(a.grads.shape, generator=torch.Generator().manual_seed(seed))
+        a.grads.copy_(grads)
+        b.grads.copy_(grads)
+        for opt in opts_a:
+            opt.step()
+        took = rows.step(opts_b)
+        assert took is (flat and not partial), seed
+        if not took:
+            step_together(opts_b)
+        assert torch.equal(a.params, b.params), seed
+        for oa, ob in zip(opts_a, opts_b, strict=True):
+            for p_a, p_b in zip(oa.param_groups[0]["params"], ob.param_groups[0]["params"],
+                                strict=True):  # fmt: skip
+                sa, sb = oa.state.get(p_a, {}), ob.state.get(p_b, {})
+                assert sa.keys() == sb.keys()
+                assert all(torch.equal(sa[k], sb[k]) for k in sa if torch.is_tensor(sa[k]))
+
+    partial = False
+    for step in range(3):
+        step_both(step)
+    if flat and momentum:  # the buffers are views of one flat buffer
+        assert rows.momentum is not None
+        assert all(s["momentum_buffer"].untyped_storage().data_ptr()
+                   == rows.momentum.untyped_storage().data_ptr()
+                   for s in opts_b[1].state.values())  # fmt: skip
+    for oa, ob in zip(opts_a, opts_b, strict=True):  # a resumed run: state read from a file
+        ob.load_state_dict(copy.deepcopy(oa.state_dict()))
+    step_both(3)
+    comm = SimulatedCommunicator(4, NetworkModel.preset("1gbe"))
+    for opts in (opts_a, opts_b):
+        average_optimizer_state(opts, comm)
+    step_both(4)
+    if momentum:  # a fragment's reset: some parameters lose their buffer
+        for opts in (opts_a, opts_b):
+            for opt in opts:
+                opt.state.pop(opt.param_groups[0]["params"][0], None)
+        partial = True
+        step_both(5)
+        partial = False
+    step_both(6)

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from dpresearch.comm.base import Communicator
-from dpresearch.optim import set_lr, step_together
+from dpresearch.optim import FlatRows, set_lr, step_together
 from dpresearch.replicas import Replicas
 
 
@@ -145,6 +145,7 @@ class Algorithm(ABC):
         # a plain list: Hydra hands a list argument over as an OmegaConf ListConfig, whose
         # iteration costs microseconds per element on every step
         self.optimizers = list(optimizers)
+        self._rows = FlatRows(replicas.params, replicas.grads)
         self.base_lrs = [[g["lr"] for g in opt.param_groups] for opt in optimizers]
         self._lockstep = StepPlan.every(replicas.num_local)
 
@@ -166,8 +167,9 @@ class Algorithm(ABC):
 
     def step_optimizers(self) -> None:
         """Every local worker's optimizer steps (in one multi-tensor call where they are all
-        the same plain SGD, `optim.step_together`; the same result as one by one)."""
-        step_together(self.optimizers)
+        the same plain SGD, over the flat rows where they can, `optim.step_together`; the same
+        result as one by one)."""
+        step_together(self.optimizers, self._rows)
 
     def before_forward(self, step: int) -> None:
         """Called before the workers' forward passes of `step`."""

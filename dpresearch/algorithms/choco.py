@@ -105,8 +105,7 @@ class ChocoSGD(Gossip):
             raise ValueError(TIME_VARYING_MESSAGE.format(name=topology.name))
 
     def after_backward(self, step: int) -> None:
-        for opt in self.optimizers:
-            opt.step()
+        self.step_optimizers()
         params, x_hat, s, codec = self.replicas.params, self.x_hat, self.s, self.codec
         wire = codec.encode((params - x_hat).to(params.dtype), step)
         received = self.start_exchange(wire, step, "wire").wait()  # [W, P, L]

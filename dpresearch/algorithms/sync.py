@@ -108,8 +108,7 @@ class SyncSGD(Algorithm):
             self.overlap.finish()
         else:
             self.reducer.reduce(self.replicas.grads, step)
-        for opt in self.optimizers:
-            opt.step()
+        self.step_optimizers()
 
     def metrics(self) -> dict[str, float]:
         """On a two-level cluster: `comm/bytes_intra` and `comm/bytes_inter`, the algorithm's
