@@ -104,7 +104,7 @@ def test_stepping_on_the_flat_rows_is_bit_identical_to_each_step(name, channels_
 
     (a, opts_a), (b, opts_b) = build(), build()
     rows = FlatRows(b.params, b.grads)
-    flat = not name == "two_groups"
+    flat = name != "two_groups"
     momentum = SETTINGS[name]["momentum"] != 0
 
     def step_both(seed):
