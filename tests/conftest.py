@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -118,6 +119,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def terminal_signals() -> None:
+    """`preexec_fn` of a run a test stops with SIGINT: SIGINT and SIGQUIT at their defaults, as
+    in a job a terminal starts. A suite started with them ignored (a script's background job:
+    `cmd &` without job control) would pass that on, and a run keeps ignoring an ignored SIGINT
+    on purpose (`dpresearch/run/stop.py`) — the test would then wait for a stop that never
+    comes."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
 def cli_env(**extra: str) -> dict[str, str]:

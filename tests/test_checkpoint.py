@@ -19,7 +19,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SHARED, SMALL, cli_env, compose_config, load_scaled, run_cli
+from conftest import (
+    SHARED,
+    SMALL,
+    cli_env,
+    compose_config,
+    load_scaled,
+    run_cli,
+    terminal_signals,
+)
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from dpresearch.run.checkpoint import (
@@ -302,6 +310,7 @@ def start_cli(args: list[str], cwd: Path) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=terminal_signals,
     )
 
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SMALL, cli_env, load_scaled
+from conftest import SMALL, cli_env, load_scaled, terminal_signals
 
 pytestmark = [
     pytest.mark.distributed,
@@ -97,7 +97,8 @@ def start(args: list[str], cwd: Path, background: bool) -> int:
     if not background:
         log = open(cwd / "launcher.log", "a")  # noqa: SIM115 - the child's from here on
         proc = subprocess.Popen(cmd, cwd=cwd, env=cli_env(WANDB_MODE="disabled"),
-                                stdout=log, stderr=log, start_new_session=True)  # fmt: skip
+                                stdout=log, stderr=log, start_new_session=True,
+                                preexec_fn=terminal_signals)  # fmt: skip
         _STARTED.append(proc)  # reaped when the test ends
         return proc.pid
     script = 'log=$1; shift; "$@" < /dev/null >> "$log" 2>&1 & echo $!'
