@@ -251,17 +251,21 @@ def test_modeled_time_is_repriced_on_every_network_the_study_names(tmp_path):
     study = stub_study(tmp_path, {"a": [], "b": []}, lrs=[0.1], network=["1gbe", "wan_100mbit"],
                        metrics=["comm/modeled_s@wan_100mbit"])  # fmt: skip
     assert study.networks == ("1gbe", "wan_100mbit")
-    ops = [[["allreduce", 1_000_000, 8, 0, 144]], [["allgather", 4096, 8, 0, 9]]]
+    # the third run's ops hide behind one step of compute each: free on 1 GbE, not on the WAN
+    ops = [[["allreduce", 1_000_000, 8, 0, 144]], [["allgather", 4096, 8, 0, 9]],
+           [["allreduce", 65_536, 8, 0, 36, "", 1]]]  # fmt: skip
     own = NetworkModel.preset("1gbe", 0.01)
     runs = pd.DataFrame({
-        "run": ["a0", "b0"], "comm/ops": ops,
+        "run": ["a0", "b0", "c0"], "comm/ops": ops,
         "comm/modeled_s": [own.total_seconds(o) for o in ops],
-        "cfg.network.latency_us": [50.0, 50.0], "cfg.network.bandwidth_gbit": [1.0, 1.0],
-        "cfg.network.compute_step_s": [0.01, 0.01],
+        "cfg.network.latency_us": [50.0] * 3, "cfg.network.bandwidth_gbit": [1.0] * 3,
+        "cfg.network.compute_step_s": [0.01] * 3,
     })  # fmt: skip
+    assert runs["comm/modeled_s"][2] == 0.0
     priced = with_repriced_totals(study, runs)["comm/modeled_s@wan_100mbit"].tolist()
     wan = NetworkModel.preset("wan_100mbit", 0.01)
     assert priced == pytest.approx([wan.total_seconds(o) for o in ops], rel=1e-12)
     assert priced[0] > 10 * runs["comm/modeled_s"][0]  # 100 Mbit/s and 10 ms: far dearer
+    assert priced[2] > 0.1  # 14 latency rounds of 10 ms are not hidden behind 10 ms of compute
     with pytest.raises(StudyError, match="network must be a preset name or a list"):
         stub_study(tmp_path, {"a": []}, lrs=[0.1], network={"name": "1gbe"})

@@ -57,24 +57,36 @@ def _own_network(row: Any) -> NetworkModel | None:
 
 def repricing_factors(runs, network: str) -> dict[str, float]:
     """run → (its ops priced on `network`) / (its ops priced on its own network); both keep
-    the run's own compute time per step (what overlapped ops hide behind)."""
-    if network not in PRESETS:
-        raise AnalysisError(
-            f"unknown network preset {network!r}; choose one of: " + ", ".join(PRESETS)
-        )
+    the run's own compute time per step (what overlapped ops hide behind). NaN where no factor
+    exists: no op table, or ops the run's own network hid entirely but `network` does not."""
     factors: dict[str, float] = {}
-    for row in runs.to_dict("records"):
-        target = NetworkModel.preset(network, _compute_step_s(row))
-        own = _own_network(row)
-        ops = row.get("comm/ops")
-        if own == target:
+    for row, theirs in zip(runs.to_dict("records"), repriced_totals(runs, network).values(),
+                           strict=True):  # fmt: skip
+        own, ops = _own_network(row), row.get("comm/ops")
+        if own == NetworkModel.preset(network, _compute_step_s(row)):
             factors[row["run"]] = 1.0
         elif own is None or not isinstance(ops, list):
             factors[row["run"]] = math.nan
         else:
-            theirs, mine = target.total_seconds(ops), own.total_seconds(ops)
+            mine = own.total_seconds(ops)
             factors[row["run"]] = theirs / mine if mine > 0 else (0.0 if theirs == 0 else math.nan)
     return factors
+
+
+def repriced_totals(runs, network: str) -> dict[str, float]:
+    """run → its whole `comm/ops` table priced on `network` (the run's own compute time per
+    step hiding what it overlaps): exact for every finished run, also one whose own network
+    hid all of its communication; NaN without an op table."""
+    if network not in PRESETS:
+        raise AnalysisError(
+            f"unknown network preset {network!r}; choose one of: " + ", ".join(PRESETS)
+        )
+    totals: dict[str, float] = {}
+    for row in runs.to_dict("records"):
+        ops = row.get("comm/ops")
+        target = NetworkModel.preset(network, _compute_step_s(row))
+        totals[row["run"]] = target.total_seconds(ops) if isinstance(ops, list) else math.nan
+    return totals
 
 
 def add_modeled_time(metrics, runs, network: str | None):

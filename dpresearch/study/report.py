@@ -152,15 +152,15 @@ REPRICED = "comm/modeled_s@"
 
 def with_repriced_totals(study: Study, runs):
     """`runs` with a column `comm/modeled_s@<preset>` for each such name in the study's
-    `metrics`: every run's modeled communication seconds in all, re-priced on that preset
-    (`analysis.timing.repricing_factors`)."""
-    from dpresearch.analysis.timing import repricing_factors
+    `metrics`: every run's modeled communication seconds in all, its op table priced on that
+    preset (`analysis.timing.repriced_totals`)."""
+    from dpresearch.analysis.timing import repriced_totals
 
     for name in study.metrics:
-        if not name.startswith(REPRICED) or name in runs or "comm/modeled_s" not in runs:
+        if not name.startswith(REPRICED) or name in runs or "comm/ops" not in runs:
             continue
-        factors = runs["run"].map(repricing_factors(runs, name[len(REPRICED) :]))
-        runs = runs.assign(**{name: runs["comm/modeled_s"] * factors.astype(float)})
+        totals = runs["run"].map(repriced_totals(runs, name[len(REPRICED) :]))
+        runs = runs.assign(**{name: totals.astype(float)})
     return runs
 
 
