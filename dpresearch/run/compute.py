@@ -296,7 +296,7 @@ class WorkerCompute:
                 if keep:
                     kept = (tuple(entry_rows[j] for j in keep), losses[keep], out[keep], y[keep])
                     pending[i] = kept
-                    self._pending_numel += out[keep].numel()
+                    self._pending_numel += kept[2].numel()
                 else:
                     pending.pop(i)
                 break
