@@ -2,8 +2,10 @@
 
 Each class is a Hydra `_target_`; the trainer adds `steps_per_epoch` and `total_steps`.
 Calling a schedule with the step index (0-based) gives the multiplier for that step.
-Warm-up (all schedules): linear from `warmup_from` to 1 over `warmup_epochs` (Goyal et al. 2017
-warm up from the single-worker lr: `warmup_from = 1/K`).
+Warm-up (all schedules but `OneCycle`): linear from `warmup_from` to 1 over `warmup_epochs`
+(Goyal et al. 2017 warm up from the single-worker lr: `warmup_from = 1/K`), or over
+`warmup_steps` optimizer steps instead (language models count warm-up in steps, e.g. nanoGPT's
+100); the two are exclusive.
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ from collections.abc import Sequence
 
 
 class Schedule:
-    """Base: linear warm-up then `after_warmup(epoch)`; `epoch` is fractional."""
+    """Base: linear warm-up then `after_warmup(epoch)`; `epoch` is fractional.
+
+    `warmup_steps` (None: unused) gives the warm-up in steps; it is held as the equivalent
+    `warmup_epochs` (steps / `steps_per_epoch`), so every schedule's decay starts where the
+    warm-up ends. Setting both to > 0 is a `ValueError`.
+    """
 
     def __init__(
         self,
@@ -21,9 +28,23 @@ class Schedule:
         total_steps: int,
         warmup_epochs: float = 0.0,
         warmup_from: float = 0.0,
+        warmup_steps: int | None = None,
     ) -> None:
         self.steps_per_epoch = max(1, steps_per_epoch)
         self.total_steps = max(1, total_steps)
+        if warmup_steps is not None:
+            is_int = isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool)
+            if not is_int or warmup_steps < 0:
+                raise ValueError(
+                    f"schedule.warmup_steps={warmup_steps}: must be an integer >= 0 (or null)"
+                )
+            if warmup_steps > 0 and warmup_epochs > 0:
+                raise ValueError(
+                    "schedule.warmup_steps and schedule.warmup_epochs are both set; use one"
+                )
+            if warmup_steps > 0:
+                warmup_epochs = warmup_steps / self.steps_per_epoch
+        self.warmup_steps = warmup_steps
         self.warmup_epochs = warmup_epochs
         self.warmup_from = warmup_from
 

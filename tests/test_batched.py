@@ -353,14 +353,22 @@ FAST = {"mlp", "logreg", "resnet20"}
 )
 def test_every_shipped_model_batches_or_says_why(name):
     """Every model in conf/model/ runs batched exactly as the loop (`probe`), or — only the
-    torchvision bridge, whose models may draw (dropout) or be missing — says why."""
+    torchvision bridge, whose models may draw (dropout) or be missing, and a GPT with dropout
+    — says why. The GPTs are probed on token windows of a text corpus (`Dataset.probe_batch`)."""
     if name == "torchvision":
         pytest.importorskip("torchvision")
     images = name.startswith(("resnet", "vgg")) or name == "torchvision"
-    shape, classes = ((3, 32, 32) if images else (16,)), 10
+    shape, classes, data = ((3, 32, 32) if images else (16,)), 10, None
     node = compose_config(f"model={name}").model
-    reason = probe_config(node, shape, classes)
-    if name == "torchvision":
+    if name.startswith("gpt"):
+        from dpresearch.data.text import TextDataset
+
+        data = TextDataset(torch.zeros(64, dtype=torch.int32), torch.zeros(1),
+                           torch.zeros(64, dtype=torch.int32), torch.zeros(1, dtype=torch.long),
+                           classes, block_size=8)  # fmt: skip
+        shape = data.input_shape
+    reason = probe_config(node, shape, classes, data=data)
+    if name == "torchvision" or node.get("dropout", 0) > 0:
         assert reason is None or "cannot" in reason or "random" in reason
     else:
         assert reason is None, reason

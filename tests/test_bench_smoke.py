@@ -342,3 +342,44 @@ def test_worker_start_tiny():
     assert re.search(r"first forkserver launch \(server start included\): \d+\.\d+ s", done.stdout)
     assert re.search(r"spawn / forkserver: median \d+\.\d+ \(range", done.stdout)
     assert re.search(r"^load [\d. ]+ on \d+ CPUs -> load ", done.stdout, re.M)  # the load
+
+
+SHAKESPEARE = SHARED / "data" / "shakespeare" / "works"
+
+
+@pytest.mark.skipif(not SHAKESPEARE.is_dir(), reason=f"no Shakespeare corpus at {SHAKESPEARE}")
+def test_lm_throughput_tiny(tmp_path):
+    """The LM benchmark end to end at a tiny size: every side measured, both ratio rows
+    printed, the per-round ratios written; `--device cuda` skips cleanly without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        done = bench("lm_throughput.py", "--device", "cuda")
+        assert done.stdout.strip().startswith("lm_throughput: skipped: no CUDA GPU")
+    out = tmp_path / "lm.json"
+    done = bench("lm_throughput.py", "--model", "gpt_tiny", "--workers", "2", "--batch", "2",
+                 "--rounds", "1", "--block", "1", "--blocks", "1", "--warmup", "1",
+                 "--json", str(out))  # fmt: skip
+    assert "| simulated ÷ minimal_global |" in done.stdout and "| ours ÷ minimal |" in done.stdout
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["simulated_over_minimal_global"][0] > 0 and summary["ours_over_minimal"][0] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SHAKESPEARE.is_dir(), reason=f"no Shakespeare corpus at {SHAKESPEARE}")
+def test_gpu_lm_script_runs_on_the_cpu(tmp_path):
+    """The GPU script's CPU smoke mode (4 steps, gpt_tiny): the benchmark's JSON and both runs'
+    metrics, summaries and samples land in OUT, and its last lines compare the two runs."""
+    done = subprocess.run(
+        ["bash", str(BENCH / "gpu_lm.sh"), str(tmp_path / "out"), "4", "cpu", "gpt_tiny",
+         sys.executable],
+        cwd=REPO, env=cli_env(DPRESEARCH_SHAKESPEARE=str(SHAKESPEARE)), capture_output=True,
+        text=True, timeout=load_scaled(600),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    assert names == {"lm_throughput.json"} | {
+        f"{case}_{f}" for case in ("sync", "diloco")
+        for f in ("metrics.jsonl", "summary.json", "sample.txt")
+    }  # fmt: skip
+    assert re.search(r"^diloco: val/bpc \d", done.stdout, re.M), done.stdout[-1000:]

@@ -26,8 +26,9 @@ def own_code(tmp_path: Path, monkeypatch) -> str:
     root = tmp_path / "own"
     files = BLOCK.findall(DOC.read_text())
     assert {name for name, _ in files} == {
-        "my_research/protocols.py", "my_research/gossip.py",
+        "my_research/protocols.py", "my_research/gossip.py", "my_research/lstm.py",
         "conf/protocol/first_k.yaml", "conf/algorithm/randomized_gossip.yaml",
+        "conf/model/char_lstm.yaml",
     }  # fmt: skip
     for name, text in files:
         path = root / name
@@ -105,3 +106,22 @@ def test_the_docs_commands_run_and_check_their_input(own_code, tmp_path):
     directed = run_cli(["algorithm=randomized_gossip", "topology=exponential", own_code,
                         f"hydra.run.dir={tmp_path / 'd'}"], cwd=tmp_path)  # fmt: skip
     assert directed.returncode == 2 and "must be undirected" in directed.stderr
+
+
+def test_char_lstm_trains_on_the_shared_corpus(own_code, tmp_path, one_thread):
+    """The doc's language model, one class + one YAML: the checks pass, it trains on the
+    Shakespeare corpus (loss falls from ln 84 ≈ 4.43) and reports bits per character."""
+    import json
+
+    corpus = REPO.parent / "shared" / "data" / "shakespeare" / "works"
+    if not corpus.is_dir():
+        pytest.skip(f"the Shakespeare corpus is not at {corpus}")
+    args = ["data=shakespeare", f"data.root={corpus}", "model=char_lstm", "model.block_size=16",
+            "data.eval_tokens=512", "data.sample_tokens=10", "train.steps=40",
+            "train.log_every=10", "optimizer.lr=0.01", "schedule=constant", own_code,
+            f"hydra.run.dir={tmp_path / 'lstm'}"]  # fmt: skip
+    out = run_cli(args, tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads((tmp_path / "lstm" / "summary.json").read_text())
+    assert summary["test/bpc"] < 4.2  # the unigram entropy is 4.80 bits per character
+    assert (tmp_path / "lstm" / "sample.txt").read_text()

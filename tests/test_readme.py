@@ -233,6 +233,7 @@ def cifar_subset(monkeypatch):
         pytest.skip(f"the CIFAR-10 subset is not at {SUBSET}")
     monkeypatch.setenv("DPRESEARCH_DATA", str(SUBSET))
     monkeypatch.setenv("DPRESEARCH_SUBSET", str(SUBSET))
+    monkeypatch.setenv("DPRESEARCH_SHAKESPEARE", str(SHARED / "data" / "shakespeare" / "works"))
 
 
 # -- coverage ---------------------------------------------------------------------------------
@@ -360,6 +361,8 @@ def write_readme_files(folder: Path, tiny: bool) -> None:
     """The files the README's commands name, in `folder`: the study example with its
     published numbers (`write_readme_study`) and a config folder of one's own (`myconf/`)."""
     write_readme_study(folder, tiny)
+    sonnets = SHARED / "data" / "shakespeare" / "works" / "sonnets.txt"
+    (folder / "my_corpus.txt").write_text(sonnets.read_text())  # the README's own corpus
     (folder / "myconf" / "compressor").mkdir(parents=True, exist_ok=True)
     (folder / "myconf" / "compressor" / "mytopk.yaml").write_text(
         "_target_: dpresearch.compress.topk.TopK\nratio: 0.05\n"
@@ -515,7 +518,8 @@ def test_readme_commands_run_in_order(tmp_path):
     write_readme_files(tmp_path, tiny=True)
     env = cli_env(WANDB_MODE="disabled", OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0",
                   DPRESEARCH_DATA=os.environ["DPRESEARCH_DATA"],
-                  DPRESEARCH_SUBSET=os.environ["DPRESEARCH_SUBSET"])  # fmt: skip
+                  DPRESEARCH_SUBSET=os.environ["DPRESEARCH_SUBSET"],
+                  DPRESEARCH_SHAKESPEARE=os.environ["DPRESEARCH_SHAKESPEARE"])  # fmt: skip
     ran = []
     for command in commands():
         if command.text in SKIPPED:

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from dpresearch.analysis.errors import AnalysisError, require_columns
 from dpresearch.analysis.runs import FINISHED, STATUSES
 
-VALIDATION_METRICS = ("val/acc", "valid/acc", "validation/acc", "val/loss", "valid/loss")
+# (a language model's bits per character first: its runs also report next-token accuracy)
+VALIDATION_METRICS = ("val/bpc", "val/acc", "valid/acc", "validation/acc", "val/loss",
+                      "valid/loss")  # fmt: skip
 TRAIN_METRIC = "train/loss"
 FAILED = ("diverged", "did not train")
 
@@ -39,7 +41,8 @@ class Selection:
 
 
 def default_mode(metric: str) -> str:
-    return "min" if "loss" in metric or "error" in metric else "max"
+    lower_is_better = ("loss", "error", "bpc", "ppl", "bits")
+    return "min" if any(word in metric for word in lower_is_better) else "max"
 
 
 def choose_selection(columns: Sequence[str], metric: str | None = None) -> Selection:

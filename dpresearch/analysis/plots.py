@@ -32,6 +32,10 @@ DECADES = 2.0  # a positive axis spanning more than this many decades is drawn o
 LABELS: dict[str, tuple[str, float]] = {
     "epoch": ("training progress (epochs)", 1.0),
     "step": ("training progress (steps)", 1.0),
+    "tokens": ("training tokens, all workers (millions)", 1e-6),
+    "test/bpc": ("test loss (bits per character)", 1.0),
+    "val/bpc": ("validation loss (bits per character)", 1.0),
+    "comm/bytes_per_token": ("data sent per worker per training token (bytes)", 1.0),
     "comm/bytes": ("data sent per worker (MB)", 1e-6),
     "comm/modeled_s": ("modeled communication time (s)", 1.0),
     "time/simulated_s": ("simulated time (s)", 1.0),

@@ -32,7 +32,7 @@ from dpresearch.analysis.runs import FINISHED, STATUSES, find_runs, load_metrics
 from dpresearch.analysis.runs import load_summaries as load_runs_frame
 from dpresearch.analysis.timing import add_modeled_time, modeled_column, time_to_accuracy
 
-DEFAULT_METRICS = ("test/acc", "best/test_acc", "train/loss")
+DEFAULT_METRICS = ("test/acc", "best/test_acc", "test/bpc", "val/bpc", "train/loss")
 DEFAULT_TUNE = ("cfg.optimizer.lr",)
 MB = 1e6
 PROGRESS_FROM_RUNS = 50  # load_report's progress lines start at this many runs
@@ -401,13 +401,15 @@ def plot_files(report: Report, out: Path, kinds: Sequence[str] = ("png",)) -> li
 
     ys = [
         y
-        for y in dict.fromkeys([report.spec.target_metric, "test/acc", "train/loss"])
+        for y in dict.fromkeys(
+            [report.spec.target_metric, "test/acc", "test/bpc", "val/bpc", "train/loss"]
+        )
         if y in report.metrics
     ]
     modeled = modeled_column(report.spec.network)
     written = []
     for y in ys:
-        for x in ("epoch", "comm/bytes", modeled):
+        for x in ("epoch", "tokens", "comm/bytes", modeled):
             if x not in report.metrics or not report.metrics[x].notna().any():
                 continue
             stem = f"{y}_vs_{x}".replace("/", "_").replace("@", "_")

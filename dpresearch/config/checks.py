@@ -11,6 +11,7 @@ becomes the `ConfigError`), one line naming the fix.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from dpresearch.algorithms.base import Algorithm
 from dpresearch.config.environment import check_distributed_environment
 from dpresearch.config.errors import ConfigError
+from dpresearch.data.base import Dataset
 
 BACKENDS = ("simulated", "gloo", "nccl")
 START_METHODS = ("forkserver", "spawn")  # backend.start_method (dpresearch.launch.forkserver)
@@ -310,12 +312,26 @@ def _show(value: Any) -> str:
     return json.dumps(value).replace(" ", "") if isinstance(value, list) else str(value)
 
 
+def partitions_of(node: DictConfig) -> tuple[str, ...]:
+    """The partitions the data set of `node` declares (`Dataset.PARTITIONS`): its `_target_`'s
+    class where the target is a class or one of its class methods, the default set otherwise."""
+    try:
+        target = get_object(node._target_)
+    except Exception:  # noqa: BLE001 - an unimportable target: check_target says so
+        return PARTITIONS
+    owner = target.__self__ if inspect.ismethod(target) else target
+    if isinstance(owner, type) and issubclass(owner, Dataset):
+        return owner.PARTITIONS
+    return PARTITIONS
+
+
 def check_data(cfg: DictConfig) -> None:
     """The partition options every `Dataset` takes, and the download deadline."""
     node = cfg.data
     partition = node.get("partition", "iid")
-    if partition not in PARTITIONS:
-        raise ConfigError(f"data.partition={partition}; choose one of: {', '.join(PARTITIONS)}")
+    partitions = partitions_of(node)
+    if partition not in partitions:
+        raise ConfigError(f"data.partition={partition}; choose one of: {', '.join(partitions)}")
     alpha = node.get("alpha", 1.0)
     if not _is_number(alpha) or alpha <= 0:
         raise ConfigError(

@@ -81,8 +81,8 @@ def build_model(cfg: DictConfig, dataset: Dataset) -> torch.nn.Module:
     def wrong_model(exc: BaseException) -> ConfigError:
         return ConfigError(
             f"model {name} cannot take this data set's inputs of shape {shape} "
-            f"({_first_line(exc)}); pick a model for them, e.g. model=mlp for vectors or "
-            "model=resnet20 for images"
+            f"({_first_line(exc)}); pick a model for them, e.g. model=mlp for vectors, "
+            "model=resnet20 for images or model=gpt for text"
         )
 
     try:
@@ -99,10 +99,10 @@ def build_model(cfg: DictConfig, dataset: Dataset) -> torch.nn.Module:
             out = model(x.cpu())
     except Exception as exc:  # noqa: BLE001 - any failure means the same: wrong model for data
         raise wrong_model(exc) from None
-    if out.dim() != 2 or out.shape[1] != dataset.num_classes:
+    if tuple(out.shape[1:]) != dataset.output_shape:
         raise ConfigError(
             f"model {name} returns outputs of shape {tuple(out.shape[1:])} per example, not "
-            f"{dataset.num_classes} class scores; check its num_classes handling"
+            f"{dataset.output_shape} (scores per class); check its num_classes handling"
         )
     return model
 
@@ -120,7 +120,7 @@ def check_batched(cfg: DictConfig, dataset: Dataset) -> None:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     reason = probe_config(
-        cfg.model, dataset.input_shape, dataset.num_classes, cfg.train.autocast, device
+        cfg.model, dataset.input_shape, dataset.num_classes, cfg.train.autocast, device, dataset
     )
     if reason is not None:
         raise ConfigError(unbatchable_message(cfg.model._target_.rsplit(".", 1)[-1], reason))

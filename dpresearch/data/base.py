@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,8 @@ class Dataset:
     """
 
     classification: ClassVar[bool] = True
+    # The `data.partition` values `make_partitioner` takes.
+    PARTITIONS: ClassVar[tuple[str, ...]] = ("iid", "dirichlet", "shared")
     # Whether the data set brings its own validation split (`val/*` reported without
     # `train.val_size`), e.g. an optimization problem validated on all its rows.
     own_validation: ClassVar[bool] = False
@@ -67,6 +69,40 @@ class Dataset:
     @property
     def num_train(self) -> int:
         return int(self.train_targets.shape[0])
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        """The model's output per example: one score per class (a language model: one per
+        token of its window and vocabulary entry)."""
+        return (self.num_classes,)
+
+    @property
+    def tokens_per_example(self) -> int | None:
+        """Tokens in one training example (text: a window), None for data without tokens."""
+        return None
+
+    def facts(self) -> dict[str, Any]:
+        """What a run records about its data beyond the sizes (`summary.json`, `data/...`)."""
+        return {}
+
+    def split_metrics(self, split: str, loss: float) -> dict[str, float]:
+        """Metrics derived from the mean loss of evaluation split `split` (text: bits per
+        character)."""
+        return {}
+
+    def sample(self, model: torch.nn.Module, generator: torch.Generator) -> str | None:
+        """A sample of what `model` generates (text data: a passage), None for other data."""
+        return None
+
+    def probe_batch(
+        self, rows: int, batch: int, generator: torch.Generator
+    ) -> tuple[Tensor, Tensor]:
+        """Random inputs `[rows, batch, *input_shape]` and targets of the data's kinds, for
+        probing a model (`run.batched.probe`)."""
+        return (
+            torch.randn(rows, batch, *self.input_shape, generator=generator),
+            torch.randint(self.num_classes, (rows, batch), generator=generator),
+        )
 
     def to(self, device: torch.device | str) -> Dataset:
         """Move all split tensors to `device` (in place); returns self."""

@@ -135,5 +135,7 @@ def for_simulated(cfg: Any, dataset: Any, device_type: str) -> tuple[int, str]:
     per-worker batch)."""
     from dpresearch.models.workload import forward_macs
 
-    macs = forward_macs(cfg.model, dataset.input_shape, dataset.num_classes)
+    macs = forward_macs(
+        cfg.model, dataset.input_shape, dataset.num_classes, dataset.tokens_per_example is not None
+    )
     return choose(cfg, device_type, macs * cfg.train.batch_size if macs else None)

@@ -15,9 +15,12 @@ import torch
 _MACS: dict[str, float | None] = {}
 
 
-def forward_macs(model_node: Any, input_shape: Sequence[int], num_classes: int) -> float | None:
+def forward_macs(
+    model_node: Any, input_shape: Sequence[int], num_classes: int, tokens: bool = False
+) -> float | None:
     """Multiply-adds of one example's forward pass through the model `model_node` builds (a
-    `model` config node), or None where it cannot be counted."""
+    `model` config node) on float inputs of `input_shape` (`tokens`: token ids), or None where
+    it cannot be counted."""
     from hydra.utils import instantiate
     from omegaconf import DictConfig, OmegaConf
     from torch.utils.flop_counter import FlopCounterMode
@@ -27,12 +30,13 @@ def forward_macs(model_node: Any, input_shape: Sequence[int], num_classes: int) 
         if isinstance(model_node, DictConfig)
         else model_node
     )
-    key = json.dumps([node, list(input_shape), num_classes], sort_keys=True, default=str)
+    key = json.dumps([node, list(input_shape), num_classes, tokens], sort_keys=True, default=str)
     if key not in _MACS:
         try:
             with torch.device("meta"):
                 model = instantiate(node, num_classes=num_classes, input_shape=tuple(input_shape))
-                x = torch.empty(2, *input_shape)  # two: BatchNorm refuses one in training
+                # two: BatchNorm refuses one in training
+                x = torch.zeros(2, *input_shape, dtype=torch.long if tokens else torch.float32)
             with FlopCounterMode(display=False) as counter:
                 model(x)
             _MACS[key] = counter.get_total_flops() / 2 / 2

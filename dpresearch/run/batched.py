@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,10 @@ from torch.func import functional_call, grad, vmap
 from dpresearch.replicas import Replicas
 
 MODES = ("auto", "true", "false")
+# vmap runs an operator without a batching rule (CPU attention, `scaled_dot_product_attention`)
+# row by row, correctly, and says so at every call: the batched-workers line says how workers
+# compute, and the warning would repeat every step.
+warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
 # On a CPU a batched step gains only while per-operation overhead outweighs the arithmetic,
 # and only with enough workers to spread vmap's own fixed cost over: `auto` batches on a CPU
 # from this many local workers and up to this many multiply-adds per worker forward (measured
@@ -215,10 +220,12 @@ def probe(
     num_classes: int,
     autocast: str | None = None,
     device: torch.device | str = "cpu",
+    data: Any = None,
 ) -> str | None:
     """Why `model` cannot run its workers batched, or None: a copy on `device` is run both
     ways on two rows with different parameters and inputs (training mode, under the run's
-    `autocast`: None, "bf16" or "fp16"), and the gradients and buffers compared. Without
+    `autocast`: None, "bf16" or "fp16"), and the gradients and buffers compared; with the data
+    set `data`, on its kind of inputs (`Dataset.probe_batch`) and its loss. Without
     autocast the copy runs in float64: in float32, BatchNorm over the probe's 4-image batches
     amplifies rounding so much in a deep model (ResNet-18: the loop itself 2 % from the exact
     gradient) that no tolerance would tell rounding from a forward that keeps state; in float64
@@ -235,13 +242,20 @@ def probe(
             noise = torch.randn(loop.params.shape, generator=generator).to(device, real) * 1e-2
             for reps in (loop, batched):
                 reps.params.add_(noise)
-        x = torch.randn(2, 4, *input_shape, generator=generator).to(device, real)
-        y = torch.randint(num_classes, (2, 4), generator=generator).to(device)
+        if data is not None:
+            x, y = data.probe_batch(2, 4, generator)
+            loss_fn = data.loss
+        else:
+            x = torch.randn(2, 4, *input_shape, generator=generator)
+            y = torch.randint(num_classes, (2, 4), generator=generator)
+            loss_fn = F.cross_entropy
+        x = x.to(device, real) if x.is_floating_point() else x.to(device)
+        y = y.to(device)
         for w in range(2):
             with context():
-                loss = F.cross_entropy(loop.models[w](x[w]), y[w])
+                loss = loss_fn(loop.models[w](x[w]), y[w])
             loss.backward()
-        BatchedWorkers(batched).run([0, 1], x, y, context())
+        BatchedWorkers(batched, loss_fn).run([0, 1], x, y, context())
     except Exception as exc:  # noqa: BLE001 - any failure is a reason to fall back
         return _reason(exc, autocast)
     rtol = PROBE_RTOL if dtype is None else PROBE_RTOL_16BIT
@@ -284,6 +298,7 @@ def probe_config(
     num_classes: int,
     autocast: str | None = None,
     device: torch.device | str = "cpu",
+    data: Any = None,
 ) -> str | None:
     """`probe` of the model a `model` config node builds (memoised per node, shape, autocast
     and device type: the checks before a run and the run itself ask once). Building it does
@@ -298,13 +313,15 @@ def probe_config(
     )
     device = torch.device(device)
     key = json.dumps(
-        [node, list(input_shape), num_classes, autocast, device.type], sort_keys=True, default=str
+        [node, list(input_shape), num_classes, autocast, device.type, type(data).__name__],
+        sort_keys=True,
+        default=str,
     )
     if key not in _PROBED:
         state = torch.get_rng_state()
         try:
             model = instantiate(node, num_classes=num_classes, input_shape=tuple(input_shape))
-            _PROBED[key] = probe(model, input_shape, num_classes, autocast, device)
+            _PROBED[key] = probe(model, input_shape, num_classes, autocast, device, data)
         finally:
             torch.set_rng_state(state)
     return _PROBED[key]
@@ -335,7 +352,9 @@ def decide(cfg: Any, data: Any, num_local: int, device: torch.device) -> tuple[b
             f"{CPU_BATCHED_MIN_WORKERS} workers in one process)"
         )
     if mode == "auto" and device.type == "cpu":
-        per_example = forward_macs(cfg.model, data.input_shape, data.num_classes)
+        per_example = forward_macs(
+            cfg.model, data.input_shape, data.num_classes, data.tokens_per_example is not None
+        )
         macs = per_example * cfg.train.batch_size if per_example is not None else None
         if macs is None or macs > CPU_BATCHED_MAX_MACS:
             size = "uncounted" if macs is None else describe_macs(macs)
@@ -351,7 +370,9 @@ def decide(cfg: Any, data: Any, num_local: int, device: torch.device) -> tuple[b
                 f"workers' inputs fit {CPU_BATCHED_MAX_INPUT_BYTES // 2**20} MiB; "
                 f"{num_local} × batch {cfg.train.batch_size}: {inputs / 2**20:.1f} MiB)"
             )
-    reason = probe_config(cfg.model, data.input_shape, data.num_classes, cfg.train.autocast, device)
+    reason = probe_config(
+        cfg.model, data.input_shape, data.num_classes, cfg.train.autocast, device, data
+    )
     if reason is not None:
         if mode == "true":
             raise ConfigError(unbatchable_message(name, reason))

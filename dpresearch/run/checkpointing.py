@@ -52,6 +52,7 @@ class Checkpoints(Hook):
             "processes": run.processes,
             "algorithm": algorithm_name(run.cfg),
             "num_params": run.replicas.num_params,
+            "vocabulary": run.data.facts().get("data/vocab_fingerprint"),
         }
 
     def save(self, done: int) -> Path | None:

@@ -102,7 +102,8 @@ class WorkerCompute:
         self._held: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
         self._held_finite: dict[int, bool] = {}
         self._finite: dict[int, bool] = {}  # rows of the last `run` whose finiteness is known
-        self.batched = BatchedWorkers(replicas) if batched and len(self.workers) > 1 else None
+        several = batched and len(self.workers) > 1
+        self.batched = BatchedWorkers(replicas, data.loss) if several else None
         self.mode = mode
 
     @classmethod

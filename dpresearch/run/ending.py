@@ -82,11 +82,19 @@ def shown(path: Path | str) -> str:
 
 
 def final_line(summary: dict[str, Any], run_dir: Path | None, seconds: float) -> str:
-    """One line for a finished run: status, steps, wall time, where the results are."""
+    """One line for a finished run: status, steps, wall time, (a language model: its test bits
+    per character beside the corpus's unigram entropy) where the results are."""
     done = summary.get("step", summary.get("total_steps"))
     total = summary.get("total_steps", done)
     where = f"; results in {shown(run_dir)}" if run_dir is not None else ""
-    return f"{summary.get('status', 'finished')}: {done}/{total} steps in {seconds:.1f} s{where}"
+    bpc = ""
+    if "test/bpc" in summary and "data/unigram_bits_per_char" in summary:
+        bpc = (
+            f"; test/bpc {summary['test/bpc']:.3f} (unigram entropy "
+            f"{summary['data/unigram_bits_per_char']:.2f} bits per character)"
+        )
+    status = summary.get("status", "finished")
+    return f"{status}: {done}/{total} steps in {seconds:.1f} s{bpc}{where}"
 
 
 def interrupted_line(

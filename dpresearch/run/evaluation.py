@@ -42,6 +42,7 @@ class Evaluator:
         for i, split in enumerate(splits):
             loss, correct, count = sums[0, 3 * i : 3 * i + 3].tolist()
             result[f"{split}/loss"] = loss / count
+            result.update(run.data.split_metrics(split, loss / count))
             if run.data.classification:  # a regression data set has a loss only
                 result[f"{split}/acc"] = correct / count
         if run.algorithm.evaluates_local_models:
@@ -68,6 +69,6 @@ class Evaluator:
             sums[0] += run.data.loss(out, y, reduction="sum").double()
             if run.data.classification:
                 sums[1] += run.data.hits(out, y).sum().double()
-            sums[2] += y.numel()
+            sums[2] += y.shape[0]  # examples: `loss` sums one mean per example
         model.train(was_training)
         return sums

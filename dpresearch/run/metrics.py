@@ -48,6 +48,22 @@ def bytes_per_worker(run: Run) -> dict[str, float]:
     return result
 
 
+def token_metrics(run: Run, row: dict[str, Any]) -> dict[str, float]:
+    """For data made of tokens: `tokens` (trained on so far, all workers), `tokens_per_s`
+    (over the steps' own time: compute and exposed communication) and `comm/bytes_per_token`
+    (the algorithm's bytes a worker sent per token it trained on); {} otherwise."""
+    per_example = run.data.tokens_per_example
+    if not per_example:
+        return {}
+    tokens = row["samples"] * per_example
+    step_s = row["time/compute_s"] + row["time/comm_s"]
+    return {
+        "tokens": tokens,
+        "tokens_per_s": tokens / step_s if step_s > 0 else math.nan,
+        "comm/bytes_per_token": row["comm/bytes"] * run.comm.num_workers / tokens,
+    }
+
+
 def _known_bytes(run: Run, worker: int, purpose: str) -> int:
     """Bytes worker `worker` sent for `purpose`, as this process knows them: its own
     workers' from the ledger's rows, the others' as heard."""
@@ -97,6 +113,7 @@ class MetricsLog(Hook):
             "comm/modeled_s": run.ledger.modeled_s,
             **state.clock.metrics(),
         }
+        row.update(token_metrics(run, row))
         if self.counts_skipped:
             row["train/skipped_steps"] = state.skipped
         state.algorithm_metrics = run.algorithm.metrics()

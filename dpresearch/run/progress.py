@@ -22,12 +22,14 @@ def _duration(seconds: float) -> str:
 
 
 def format_progress(m: dict[str, Any], total_steps: int) -> str:
-    """One line: step, epoch, losses, accuracy, lr, bytes sent per worker, modeled comm time,
-    throughput (steps/s and training images/s, averaged over the run's wall time so far) and
-    the time left at that rate (ETA)."""
+    """One line: step, epoch, losses, accuracy (a language model: bits per character), lr, bytes
+    sent per worker, modeled comm time, throughput (steps/s and training images or tokens/s,
+    averaged over the run's wall time so far) and the time left at that rate (ETA)."""
     parts = [f"step {m['step']}/{total_steps}", f"ep {m['epoch']:.2f}"]
     parts.append(f"loss {m['train/loss']:.4f}")
-    if "test/acc" in m:
+    if "test/bpc" in m:
+        parts.append(f"test loss {m['test/loss']:.4f} bpc {m['test/bpc']:.4f}")
+    elif "test/acc" in m:
         parts.append(f"test loss {m['test/loss']:.4f} acc {m['test/acc']:.4f}")
     if "test/acc_local_mean" in m:
         parts.append(
@@ -47,7 +49,9 @@ def format_progress(m: dict[str, Any], total_steps: int) -> str:
     if wall > 0 and m["step"] > 0:
         rate = m["step"] / wall
         speed = f"{rate:.3g} steps/s"
-        if "samples" in m:
+        if "tokens" in m:
+            speed += f" ({m['tokens'] / wall:.0f} tokens/s)"
+        elif "samples" in m:
             speed += f" ({m['samples'] / wall:.0f} img/s)"
         parts.append(speed)
         parts.append(f"ETA {_duration((total_steps - m['step']) / rate)}")

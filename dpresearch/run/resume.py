@@ -167,6 +167,13 @@ def nothing_to_resume(cfg: DictConfig, run_dir: Path | None) -> str | None:
     )
 
 
+def data_vocabulary(cfg: DictConfig) -> str | None:
+    """The fingerprint of the vocabulary of the run's data (text), None for other data."""
+    from dpresearch.config.validate import prepare_data
+
+    return prepare_data(cfg).facts().get("data/vocab_fingerprint")
+
+
 def check_resume(cfg: DictConfig, run_dir: Path | None, processes: int) -> None:
     """The checkpoint `train.resume` names (in `run_dir` for auto) can continue this run of
     `processes` processes; raises `ConfigError` (one line) otherwise. Nothing to resume (no
@@ -187,6 +194,13 @@ def check_resume(cfg: DictConfig, run_dir: Path | None, processes: int) -> None:
     problem = incompatibility(header, path, run)
     if problem is not None:
         raise ConfigError(problem)
+    vocabulary = data_vocabulary(cfg)
+    if header.get("vocabulary", vocabulary) != vocabulary:
+        raise ConfigError(
+            f"checkpoint {path} was trained on another vocabulary (fingerprint "
+            f"{header.get('vocabulary')}, this corpus gives {vocabulary}); resume on the "
+            "corpus and data.tokenizer it was trained on"
+        )
     saved = header.get("config")
     if isinstance(saved, dict):
         differing = trajectory_differences(saved, cfg, allowed_changes(cfg))

@@ -28,7 +28,7 @@ from dpresearch.comm.base import Communicator
 from dpresearch.data.base import Dataset
 from dpresearch.run import stop
 from dpresearch.run.build import Run, build_run
-from dpresearch.run.checkpoint import atomic_save, latest_checkpoint
+from dpresearch.run.checkpoint import atomic_save, atomic_write_text, latest_checkpoint
 from dpresearch.run.checkpointing import Checkpoints
 from dpresearch.run.io_errors import RunIOError, writing
 from dpresearch.run.logger import NullLogger, RunLogger
@@ -165,8 +165,20 @@ class Trainer:
             model, weights = self.logger.run_dir / "model_final.pt", run.eval_model.state_dict()
             with writing(model, sum(t.numel() * t.element_size() for t in weights.values())):
                 atomic_save(weights, model)
+        if isinstance(self.logger, RunLogger):
+            self._write_sample(self.logger.run_dir / "sample.txt")
         self.logger.finish(summary)
         return summary
+
+    def _write_sample(self, path: Path) -> None:
+        """A text sample of the final model (`Dataset.sample`; data without text: none),
+        drawn with a generator seeded by the run's seed."""
+        run = self.built
+        generator = torch.Generator(device=run.device).manual_seed(self.cfg.seed)
+        text = run.data.sample(run.eval_model, generator)
+        if text is not None:
+            with writing(path, len(text.encode())):
+                atomic_write_text(path, text)
 
     def _interrupted(self, outcome: Outcome) -> dict[str, Any]:
         """A stop request honoured after step `outcome.step`: final checkpoint, `status:
@@ -212,7 +224,7 @@ class Trainer:
     def _best(self) -> dict[str, float]:
         return {"best/test_acc": self.state.best_acc} if self.built.data.classification else {}
 
-    def _data_facts(self) -> dict[str, int]:
+    def _data_facts(self) -> dict[str, Any]:
         """The sizes a report needs to judge its numbers: classes (chance level) and the
         examples behind each accuracy (its binomial standard error)."""
         data = self.built.data
@@ -220,7 +232,7 @@ class Trainer:
                  "data/test_examples": int(data.test_targets.shape[0])}  # fmt: skip
         if data.val_targets is not None:
             facts["data/val_examples"] = int(data.val_targets.shape[0])
-        return facts
+        return {**facts, **data.facts()}
 
     def _ended_early(self, status: str, **facts: Any) -> dict[str, Any]:
         """The summary of a run that ended before its last step: the last logged metrics,

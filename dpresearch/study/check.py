@@ -21,7 +21,8 @@ from dpresearch.study.spec import Study, StudyError
 
 # What a run's summary reports that a study may select on or aim at.
 METRICS = ("train/loss", "train/acc", "val/loss", "val/acc", "test/loss", "test/acc",
-           "best/test_acc", "test/acc_local_mean", "test/acc_local_min")  # fmt: skip
+           "best/test_acc", "test/acc_local_mean", "test/acc_local_min", "test/bpc", "val/bpc",
+           "test/ppl", "val/ppl")  # fmt: skip
 
 
 def check_study(study: Study) -> None:

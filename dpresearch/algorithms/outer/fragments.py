@@ -85,8 +85,12 @@ def blocks_of(model: nn.Module) -> list[Block]:
     """The model's blocks in the flat rows' order (see the module docstring)."""
     found: list[tuple[str, list[int], list[int], list[int]]] = []  # name, tensors, cols, bufs
     tensor = offset = buffer_offset = 0
+    seen: set[int] = set()  # a tied parameter (GPT's head is its embedding) belongs to the first
     for name, module in model.named_modules():
-        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        own = [
+            p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in seen
+        ]
+        seen.update(id(p) for p in own)
         if own:
             block = block_of(model, name)
             numel = sum(p.numel() for p in own)
