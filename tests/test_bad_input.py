@@ -22,6 +22,8 @@ SUBSET = SHARED / "data" / "cifar10-subset"
 SYNTHETIC_SMALL = ["data.num_train=256", "data.num_test=64"]
 
 # (overrides, a fragment the error line must hold). "{tmp}" is the test's own directory.
+SHAKESPEARE = SHARED / "data" / "shakespeare" / "works"
+TEXT = ["data=shakespeare", f"data.root={SHAKESPEARE}", "model=gpt_tiny"]
 BAD = [
     # The 20 that gave tracebacks (issue 9, "Why").
     (["data.partition=foo"], "data.partition=foo; choose one of: iid, dirichlet"),
@@ -112,6 +114,14 @@ BAD = [
     (["optimizer=onebit_adam", "algorithm=local_sgd"], "runs its own algorithm"),
     (["algorithm=zero_one_adam"], "select it with optimizer=zero_one_adam"),
     (["optimizer=onebit_adam", "optimizer.freeze_step=-1"], "freeze_step=-1: must be >= 0"),
+    # DeMo (tests/test_demo.py)
+    (["optimizer=demo", "algorithm.topk=0"], "algorithm.topk=0: must be an integer >= 1"),
+    (["optimizer=demo", "algorithm.chunk=0"], "algorithm.chunk=0: must be an integer >= 1"),
+    (["optimizer=demo", "algorithm.beta=1.0"], "algorithm.beta=1.0: the momentum decay must"),
+    (["optimizer=demo", "algorithm.average=median"], "algorithm.average=median; choose one of"),
+    # SPARTA (tests/test_sparta.py)
+    (["algorithm=sparta", "algorithm.p=0"], "algorithm.p=0: the fraction of parameter entries"),
+    (["algorithm=sparta", "algorithm.selection=topk"], "algorithm.selection=topk; choose one"),
     # Asynchrony through the layers, AD-PSGD (issue 17).
     (["algorithm=async_sgd", "protocol=fifo"], "protocol=fifo is not an option; choose one of"),
     (["algorithm=async_sgd", "async.protocol=ssp"], "pass protocol=asgd|ssp|softsync|sync"),
@@ -187,6 +197,19 @@ BAD = [
     (["algorithm=async_sgd", "async.timeout_s=0"], "async.timeout_s=0.0: must be > 0"),
     (["network.compute_step_s=-1"], "network.compute_step_s=-1"),
     (["train.batched_workers=sometimes"], "train.batched_workers=sometimes; choose one of"),
+    ([*TEXT, "data.block_size=0"], "data.block_size=0 must be a positive integer"),
+    ([*TEXT, "+data.dtype=float16"], "data.dtype=float16; choose one of: uint16"),
+    ([*TEXT, "data.eval_tokens=1"], "data.eval_tokens=1 must be an integer >= data.block_size"),
+    ([*TEXT, "data.piece=8"], "data.piece=8 must be an integer >= data.block_size+1=65"),
+    ([*TEXT, "data.tokenizer=words"], "data.tokenizer=words; choose one of: char, byte, gpt2"),
+    ([*TEXT, "model.block_size=32", "data.block_size=64"], "model.block_size=32 is shorter"),
+    ([*TEXT, "model.dropout=1"], "model.dropout=1: must be in [0, 1)"),
+    ([*TEXT, "model.n_embd=65"], "model.n_embd=65 must be a multiple of model.n_head=2"),
+    (["data=cifar10", f"data.root={SUBSET}", "model=gpt_tiny"], "model.input_shape=[3, 32, 32]"),
+    ([*TEXT, "optimizer=muon", "optimizer.adamw_betas=[2]"], "optimizer.adamw_betas=[2]"),
+    ([*TEXT, "optimizer=muon", "optimizer.adjust_lr_fn=x"], "optimizer.adjust_lr_fn=x: choose"),
+    ([*TEXT, "optimizer=muon", "+optimizer.ns_coefficients=[1]"], "optimizer.ns_coefficients"),
+    ([*TEXT, "schedule.warmup_steps=-1"], "schedule.warmup_steps=-1: must be an integer >= 0"),
 ]
 # Keys the source names in a `key=...` message that are not constraints of the user's:
 # overrides the study launcher writes itself.

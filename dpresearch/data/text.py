@@ -327,6 +327,8 @@ class TextDataset(Dataset):
         """Read the corpus at `root` (see the module docstring) and place it on `device`.
         Missing data raises FileNotFoundError, unusable data or options ValueError, each one
         line naming the fix."""
+        if dtype not in BIN_DTYPES:
+            raise ValueError(f"data.dtype={dtype}; choose one of: {', '.join(BIN_DTYPES)}")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"data.block_size={block_size} must be a positive integer")
         if not isinstance(piece, int) or piece < block_size + 1:
@@ -584,10 +586,14 @@ class _MetaUnpickler(pickle.Unpickler):
 
 
 def _read_meta(folder: Path, vocab_size: int | None) -> Vocabulary:
-    meta: dict[str, Any] | None = None
-    if (folder / "meta.json").is_file():
-        meta = json.loads((folder / "meta.json").read_text())
-    elif (folder / "meta.pkl").is_file():
+    meta: Any = None
+    file = folder / ("meta.json" if (folder / "meta.json").is_file() else "meta.pkl")
+    if file.suffix == ".json":
+        try:
+            meta = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"data.root: {file} is not JSON ({exc})") from None
+    elif file.is_file():
         try:
             with open(folder / "meta.pkl", "rb") as f:
                 meta = _MetaUnpickler(f).load()
@@ -603,9 +609,16 @@ def _read_meta(folder: Path, vocab_size: int | None) -> Vocabulary:
                 "for GPT-2 tokens)"
             )
         return Vocabulary("ids", int(vocab_size))
-    size = int(meta.get("vocab_size", vocab_size or 0))
+    if not isinstance(meta, dict):
+        raise ValueError(
+            f"data.root: {file} is not nanoGPT's vocabulary (a dict with vocab_size and itos); "
+            "fix it or remove it and set data.vocab_size"
+        )
     itos = meta.get("itos") or {}
-    symbols = tuple(str(itos[i]) for i in sorted(int(k) for k in itos)) if itos else ()
+    # JSON keys are strings, pickled ones ints; a list is its own order
+    table = {int(k): v for k, v in (enumerate(itos) if isinstance(itos, list) else itos.items())}
+    symbols = tuple(str(table[i]) for i in sorted(table))
+    size = int(meta.get("vocab_size", vocab_size or len(symbols)))
     if symbols and len(symbols) != size:
         raise ValueError(f"data.root: {folder} meta lists {len(symbols)} symbols for {size} ids")
     return Vocabulary("ids", size, symbols)
@@ -613,8 +626,6 @@ def _read_meta(folder: Path, vocab_size: int | None) -> Vocabulary:
 
 def _read_bins(folder: Path, vocab_size: int | None, dtype: str):
     """The splits of a nanoGPT folder (train.bin, val.bin, test.bin if present)."""
-    if dtype not in BIN_DTYPES:
-        raise ValueError(f"data.dtype={dtype}; choose one of: {', '.join(BIN_DTYPES)}")
     vocab = _read_meta(folder, vocab_size)
     if not (folder / "val.bin").is_file():
         raise FileNotFoundError(f"data.root={folder} has train.bin but no val.bin; add it")
@@ -631,11 +642,11 @@ def _read_bins(folder: Path, vocab_size: int | None, dtype: str):
                 "set data.dtype to the type it was written with"
             )
         ids = np.fromfile(file, dtype=dtype)
-        top = int(ids.max())
-        if top >= vocab.size or int(ids.min()) < 0:
+        low, top = int(ids.min()), int(ids.max())
+        if top >= vocab.size or low < 0:
             raise ValueError(
-                f"data.root: {file} holds token id {top}, beyond the vocabulary of "
-                f"{vocab.size}; check data.dtype and data.vocab_size"
+                f"data.root: {file} holds token id {low if low < 0 else top}, outside the "
+                f"vocabulary of {vocab.size}; check data.dtype and data.vocab_size"
             )
         streams[split] = ids.astype(np.int64)
     n = len(streams["train"])
