@@ -205,7 +205,7 @@ BAD = [
     ([*TEXT, "model.block_size=32", "data.block_size=64"], "model.block_size=32 is shorter"),
     ([*TEXT, "model.dropout=1"], "model.dropout=1: must be in [0, 1)"),
     ([*TEXT, "model.n_embd=65"], "model.n_embd=65 must be a multiple of model.n_head=2"),
-    (["data=cifar10", f"data.root={SUBSET}", "model=gpt_tiny"], "model.input_shape=[3, 32, 32]"),
+    (["data=cifar10", f"data.root={SUBSET}", "model=gpt_tiny"], "not inputs of shape [3, 32, 32]"),
     ([*TEXT, "optimizer=muon", "optimizer.adamw_betas=[2]"], "optimizer.adamw_betas=[2]"),
     ([*TEXT, "optimizer=muon", "optimizer.adjust_lr_fn=x"], "optimizer.adjust_lr_fn=x: choose"),
     ([*TEXT, "optimizer=muon", "+optimizer.ns_coefficients=[1]"], "optimizer.ns_coefficients"),

@@ -14,6 +14,7 @@ NEEDS_GPU = {("backend", "nccl")}
 SELECTED_BY = {
     ("algorithm", "onebit_adam"): ["optimizer=onebit_adam"],
     ("algorithm", "zero_one_adam"): ["optimizer=zero_one_adam"],
+    ("algorithm", "demo"): ["optimizer=demo"],
 }
 
 

@@ -153,7 +153,11 @@ def test_dropout_only_in_training_mode():
             r"^model.block_size=4 is shorter than the data's windows of 8; "
             r"raise model.block_size or lower data.block_size$",
         ),
-        (dict(), (3, 32, 32), r"^model.input_shape=\[3, 32, 32\]: GPT takes windows of token ids"),
+        (
+            dict(),
+            (3, 32, 32),
+            r"^model GPT takes windows of token ids, not inputs of shape \[3, 32, 32\]",
+        ),
         (dict(n_layer=0), (8,), r"^model.n_layer=0: must be an integer >= 1$"),
     ],
 )

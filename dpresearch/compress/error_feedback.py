@@ -35,7 +35,10 @@ class ErrorFeedback:
     the message as every receiver decodes it:
     - mode="none":  send C(g_w).
     - mode="ef14" (Seide et al. 2014; Karimireddy et al. 2019):
-          p_w = g_w + e_w;  send C(p_w);  e_w ← p_w − D(C(p_w)).
+          p_w = g_w + β·e_w;  send C(p_w);  e_w ← p_w − D(C(p_w)),
+      β = `decay` (default 1: the plain memory, computed without the multiply). β < 1 is
+      SparseLoCo's accumulator (Sarfi et al. 2025), e ← β·e + Δ before the top-k, which
+      stands in for the outer momentum: the memory decays before the new input is added.
     - mode="ef21" (Richtárik et al. 2021): worker state h_w, shared estimate H = mean_w h_w
       (both start at 0):
           c_w = C(g_w − h_w);  h_w ← h_w + D(c_w);  H ← H + mean_w D(c_w);  aggregate = H.
@@ -59,15 +62,24 @@ class ErrorFeedback:
         momentum: float = 0.0,
         momentum_masking: bool = False,
         start_after_steps: int = 0,
+        decay: float = 1.0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}; choose one of: {', '.join(MODES)}")
+        if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 <= decay <= 1:
+            raise ValueError(f"decay={decay}: must be a number in [0, 1]")
+        if decay != 1 and mode != "ef14":
+            raise ValueError(
+                f"decay={decay} decays EF14's memory (e ← decay·e + g), not mode={mode}'s; "
+                "set error_feedback=ef14 or decay=1"
+            )
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum={momentum}: must be in [0, 1)")
         if start_after_steps < 0:
             raise ValueError(f"start_after_steps={start_after_steps}: must be >= 0")
         self.mode, self.momentum = mode, float(momentum)
         self.momentum_masking, self.start_after_steps = momentum_masking, int(start_after_steps)
+        self.decay = float(decay)
         self.memory: Tensor | None = None  # e_w (ef14) or h_w (ef21): [rows, numel]
         self.velocity: Tensor | None = None  # u_w: [rows, numel]
         self.estimate: Tensor | None = None  # H (ef21), the same for every worker: [numel]
@@ -114,6 +126,8 @@ class ErrorFeedback:
             return u
         memory = _take(self.memory, rows, cols)
         if self.mode == "ef14":
+            if self.decay != 1.0:
+                memory.mul_(self.decay)
             return memory.add_(u)  # stored back by `update`
         delta = self.ws.get("delta", tuple(u.shape), u.dtype, u.device)
         return torch.sub(u, memory, out=delta)

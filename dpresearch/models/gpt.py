@@ -97,8 +97,8 @@ class GPT(nn.Module):
         super().__init__()
         if len(input_shape) != 1:
             raise ValueError(
-                f"model.input_shape={list(input_shape)}: GPT takes windows of token ids "
-                "(input_shape (T,)), not images; use a text data set"
+                f"model GPT takes windows of token ids, not inputs of shape {list(input_shape)}; "
+                "use a text data set (data=shakespeare or data=text)"
             )
         window = int(input_shape[0])
         block_size = window if block_size is None else block_size

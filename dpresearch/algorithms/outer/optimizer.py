@@ -21,6 +21,12 @@ exact average of the workers' models into a pseudo-gradient and steps a global m
   later; meanwhile the workers keep training. The merge mixes: x_i,f ← (1−α)·θ̃_f + α·x_i,f
   with α = `mix` (0: take the outer result, the paper's α = 0.5: average it with the local
   progress). F = 1, τ = 0, α = 0 is DiLoCo.
+- SparseLoCo (Sarfi et al. 2025, Algorithm 1; `outer=sparseloco`): no outer momentum, each
+  worker's decayed error-feedback accumulator stands in for it. Per outer step, Δ_i = θ − x_i:
+      e_i ← β·e_i + Δ_i;  m_i = Q(TopK_chunk(e_i));  e_i ← e_i − m_i;  θ ← θ − α·(1/K)·Σ_i m_i
+  — the compressed path below with EF14's `decay` β = 0.95, the `quantized_topk` codec (each
+  4096-entry block's top 1.56 %, values to 2 bits with a per-tensor codebook; its module gives
+  Q and the bytes) and outer SGD with lr α = 1, momentum 0.
 
 What the base algorithm had as its own periodic exact average (local SGD's) is handed over:
 `period` defaults to local SGD's `algorithm.period`, and local SGD stops averaging by itself.
@@ -460,7 +466,7 @@ def no_drift_message(name: str) -> str:
     return (
         f"an outer optimizer needs a lockstep base algorithm whose workers drift apart between "
         f"synchronisations, and {name} is not one; use algorithm=local_sgd (period 1 is "
-        "synchronous SGD with model averaging), dpsgd, choco or sgp"
+        "synchronous SGD with model averaging), dpsgd, choco, sgp or sparta"
     )
 
 
