@@ -20,8 +20,11 @@ from dpresearch.analysis.errors import AnalysisError
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("roots", nargs="+", help="run directories or folders holding them")
-    parser.add_argument("--by", nargs="+", help="columns that label a group (default: what "
-                        "differs between the runs but the seed)")
+    parser.add_argument(
+        "--by",
+        nargs="+",
+        help="columns that label a group (default: what differs between the runs but the seed)",
+    )
     parser.add_argument("--metrics", nargs="+", default=["test/acc", "comm/bytes_per_epoch"])
     parser.add_argument("--plot", help="write a PNG of --y against --x for every label")
     parser.add_argument("--x", default="epoch")

@@ -130,7 +130,7 @@ def _same_plain_sgd(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
     for opt in optimizers:
         if type(opt) is not torch.optim.SGD or len(opt.param_groups) != len(first.param_groups):
             return False
-        if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:  # noqa: SLF001
+        if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
             return False
         for group, reference in zip(opt.param_groups, first.param_groups, strict=True):
             if group.get("fused") or group.get("differentiable"):

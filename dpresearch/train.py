@@ -29,10 +29,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
 from dpresearch import CONF_DIR
-from dpresearch.config.environment import from_agent
 from dpresearch.config.preflight import preflight
 from dpresearch.config.schema import register_configs
 from dpresearch.config.validate import ConfigError, forget_data
+from dpresearch.launch.environment import from_agent
 from dpresearch.launch.processes import (
     WorkerFrozen,
     global_rank,
@@ -41,7 +41,7 @@ from dpresearch.launch.processes import (
     run_simulated,
     under_torchrun,
 )
-from dpresearch.run.checkpoint import CheckpointError
+from dpresearch.run.checkpoint_files import CheckpointError
 from dpresearch.run.io_errors import IO_EXIT, MIN_FREE_BYTES, RunIOError, free_bytes
 from dpresearch.run.resume import check_resume, finished_run, nothing_to_resume
 
@@ -172,6 +172,10 @@ def _end_of_run(
         line = interrupted_line(summary, run_dir, seconds, command)
         print(line, file=sys.stderr, flush=True)
         # In a sweep too: the user asked the whole job to stop, not this point alone.
+        if not multirun:  # (a single run: no sweep to tell; the teardown only delays the end)
+            from dpresearch.run.stop import exit_now
+
+            exit_now(int(summary.get("exit_code", 130)))
         sys.exit(int(summary.get("exit_code", 130)))
     if status == "diverged":
         kept = summary.get("last_checkpoint")
@@ -254,7 +258,7 @@ def _check_before_hydra(argv: list[str]) -> list[str]:
     pinned_by_user = any(a.split("=", 1)[0].lstrip("+") == "hydra.run.dir" for a in argv)
     if resume not in (None, "auto") and not pinned_by_user:
         # train.resume=<checkpoint or run directory>: continue in that run's directory.
-        from dpresearch.run.checkpoint import find_resume, run_dir_of
+        from dpresearch.run.checkpoint_files import find_resume, run_dir_of
 
         run_dir = run_dir_of(find_resume(resume, None)) or run_dir
     claim = claim_run_dir(run_dir, resume=resume is not None)  # held until this process ends
@@ -290,7 +294,7 @@ def main() -> None:
         )
         sys.exit(2)
     if under_torchrun() and from_agent():  # one of torchrun's workers: dies with its agent
-        from dpresearch.launch.lifeline import bind_to_launcher
+        from dpresearch.run.lifeline import bind_to_launcher
 
         bind_to_launcher(os.getppid())
     remember_invocation(sys.argv[0], sys.argv[1:])

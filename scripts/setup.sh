@@ -34,6 +34,18 @@ fi
 
 spec="."
 [ -n "$extras" ] && spec=".[${extras}]"
+# Installed already from this pyproject.toml (with these extras, or any when none are asked
+# for): nothing to do, so a second run needs no network (pip would fetch its build tools).
+stamp=".venv/.dpresearch-setup"
+hash="$("$py" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())')"
+want="$hash $extras"
+have="$(cat "$stamp" 2>/dev/null || true)"
+if { [ "$have" = "$want" ] || { [ -z "$extras" ] && [ "${have%% *}" = "$hash" ]; }; } \
+    && "$py" -c "import dpresearch" >/dev/null 2>&1; then
+  echo "setup: ready, already installed ($("$py" -c 'import torch; print("torch", torch.__version__)'))"
+  exit 0
+fi
 # torch is already satisfied above, so this never replaces the user's build.
 pip install -e "$spec"
+echo "$want" > "$stamp"
 echo "setup: ready ($("$py" -c 'import torch; print("torch", torch.__version__)'))"

@@ -3,6 +3,7 @@
 #
 #   bash scripts/test.sh              # the default suite (minutes): slow tests (marked `slow`) left out
 #   bash scripts/test.sh --all        # every test, slow ones included (what CI runs: .ci/run)
+#   bash scripts/test.sh -m quick     # the core in about 2 minutes (helpers.QUICK_CORE)
 #   bash scripts/test.sh -m slow      # the slow tests alone
 #   bash scripts/test.sh -k equivalence --durations=0   # other arguments go to pytest
 #

@@ -20,9 +20,19 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SMALL, compose_config
-from reference import BATCH, DATA, LR, SEED, _model, _shard_batches
-from test_equivalence import TOL, max_diff, run_ours
+from helpers import (
+    BATCH,
+    DATA,
+    LR,
+    SEED,
+    SMALL,
+    TOL,
+    compose_config,
+    max_diff,
+    reference_model,
+    run_ours,
+    shard_batches,
+)
 
 from dpresearch.algorithms.adpsgd import two_colouring
 from dpresearch.comm.network import NetworkModel
@@ -43,9 +53,9 @@ def adpsgd_reference(workers: int, events: int) -> list[dict]:
     parameter-wise with partner j = its neighbours[⌊u·deg⌋] (u the next uniform draw of numpy
     PCG64 seeded stream_seed("adpsgd.pair", seed, i)), then steps x_i −= η·g and reads x_i."""
     data = make_synthetic(**DATA)
-    models = [_model(batch_norm=False) for _ in range(workers)]
+    models = [reference_model(batch_norm=False) for _ in range(workers)]
     reads = [copy.deepcopy(m) for m in models]
-    batches = [_shard_batches(workers, w, DATA["num_train"]) for w in range(workers)]
+    batches = [shard_batches(workers, w, DATA["num_train"]) for w in range(workers)]
     draws = [
         np.random.Generator(np.random.PCG64(stream_seed("adpsgd.pair", SEED, w))).random(256)
         for w in range(workers)
@@ -82,7 +92,7 @@ def test_complete_graph_equal_speeds_equals_the_reference(small_config, one_thre
     reference = adpsgd_reference(workers, events)
     ours = [m.state_dict() for m in trainer.replicas.models]
     assert all(max_diff(a, b) <= TOL for a, b in zip(ours, reference, strict=True))
-    initial = _model(batch_norm=False).state_dict()
+    initial = reference_model(batch_norm=False).state_dict()
     assert max_diff(ours[0], initial) > 1e-3  # it trained
     assert summary["adpsgd/pairs"] == events
     # each event: both sides of the pair sent their model once (charged to the sender)
@@ -127,8 +137,8 @@ EXCHANGES = {
 @pytest.fixture(scope="module")
 def real_runs(tmp_path_factory) -> dict:
     """Every exchange of the test below trained on the same 4 gloo ranks, one after another
-    (`gloo_session`: one process start for both); the run directories by exchange."""
-    from gloo_session import train_on_gloo
+    (`helpers.spawn_sequence`: one process start for both); the run directories by exchange."""
+    from helpers import train_on_gloo
 
     folder = tmp_path_factory.mktemp("adpsgd-gloo")
     common = [*SMALL, f"seed={SEED}", f"optimizer.lr={LR}", f"train.batch_size={BATCH}"]

@@ -6,8 +6,7 @@ import math
 import statistics
 
 import pytest
-from analysis_fixtures import OPS, ramp, write_run
-from conftest import compose_config
+from helpers import OPS, compose_config, ramp, write_run
 
 from dpresearch.analysis import (
     AnalysisError,

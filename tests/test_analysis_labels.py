@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import yaml
-from analysis_fixtures import ramp, write_run
+from helpers import ramp, write_run
 
 from dpresearch.analysis import ReportSpec, load_report, write_report
 from dpresearch.analysis.__main__ import main as analysis_main

@@ -1,6 +1,8 @@
-"""The layers stay layers: no import cycle between the package's modules, torch.distributed
-called only by the communicator and the launcher, algorithm traits read from one declaration,
-a short loop, and configuration checks owned by their nodes."""
+"""The layers stay layers: no import cycle between the package's modules nor between its
+packages (`comm`, `run`, `launch`, ...; a module at the top is a package of its own),
+torch.distributed called only by the communicator and the launcher, algorithm traits read from
+one declaration, the outer optimizer's delegation complete, a short loop, and configuration
+checks owned by their nodes."""
 
 from __future__ import annotations
 
@@ -98,15 +100,72 @@ def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     return found
 
 
+def package_of(module: str) -> str:
+    """The package a module belongs to: `dpresearch.run.build` → `run`; a module directly
+    under `dpresearch` is its own (`dpresearch.train` → `train`)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def package_graph(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, str]]:
+    """package → {package it imports: one import that does it, `module:line`}."""
+    packages: dict[str, dict[str, str]] = {package_of(m): {} for m in graph}
+    for module, targets in graph.items():
+        for target, line in targets.items():
+            a, b = package_of(module), package_of(target)
+            if a != b:
+                packages[a].setdefault(b, f"{module}:{line}")
+    return packages
+
+
 def test_no_import_cycle():
     graph = import_graph()
     assert len(graph) > 50  # the walk found the package
     assert cycles(graph) == []
 
 
+def test_no_package_import_cycle():
+    """Packages are layers too: no two packages import each other, however indirectly (module
+    and function-level imports both count)."""
+    packages = package_graph(import_graph())
+    assert {"comm", "run", "launch", "config", "algorithms"} <= set(packages)
+    found = cycles(packages)
+    # each cycle with the imports that close it
+    closing = [{a: {b: packages[a][b] for b in packages[a] if b in c} for a in c} for c in found]
+    assert closing == []
+
+
 def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}
     assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_the_cycle_finder_finds_a_package_cycle():
+    """Modules without a cycle among them whose packages import each other: a package cycle,
+    through a function-level import too."""
+    graph = {
+        "dpresearch.config.checks": {"dpresearch.run.build": 1},
+        "dpresearch.run.build": {"dpresearch.comm.base": 2},
+        "dpresearch.run.resume": {"dpresearch.config.validate": 3},
+        "dpresearch.config.validate": {},
+        "dpresearch.comm.base": {},
+        "dpresearch.train": {"dpresearch.config.checks": 4},
+    }
+    assert cycles(graph) == []
+    assert cycles(package_graph(graph)) == [["config", "run"]]
+
+
+def test_function_level_imports_are_in_the_graph(tmp_path, monkeypatch):
+    """A lazy import is still a dependency: the graph sees it."""
+    package = tmp_path / "dpresearch"
+    (package / "a").mkdir(parents=True)
+    (package / "b").mkdir()
+    (package / "a" / "m.py").write_text("def f():\n    from dpresearch.b.n import g\n")
+    (package / "b" / "n.py").write_text("from dpresearch.a.m import f\n\ndef g(): pass\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", package)
+    graph = import_graph()
+    assert graph["dpresearch.a.m"] == {"dpresearch.b.n": 2}
+    assert cycles(package_graph(graph)) == [["a", "b"]]
 
 
 def distributed_calls(path: Path) -> list[int]:
@@ -195,3 +254,39 @@ def test_validation_is_split_by_config_node():
     assert set(schema()) - checked == elsewhere
     for check in (*checks.NODE_CHECKS.values(), *checks.PLUGIN_CHECKS.values()):
         assert len(inspect.getsource(check).splitlines()) < 60, check.__name__
+
+
+def algorithm_members() -> set[str]:
+    """The members `Algorithm` defines (hooks, class attributes), dunders and ABC's aside."""
+    return {n for n in vars(Algorithm) if not n.startswith("__") and n != "_abc_impl"}
+
+
+def outer_delegation_gaps(outer: type[Algorithm], members: set[str]) -> dict[str, str]:
+    """Members of `Algorithm` that `outer` neither defines, takes from its base in `__init__`
+    (`self.<name> = base.<name>`), nor leaves on purpose (`NOT_FORWARDED`); and members it
+    both defines and claims to leave."""
+    init = inspect.getsource(outer.__init__)
+    taken = {n for n in members if f"self.{n} = base.{n}" in init}
+    defined = {n for n in members if n in vars(outer)} | taken
+    left = set(outer.NOT_FORWARDED)
+    gaps = {n: "neither forwarded nor left on purpose" for n in members - defined - left}
+    gaps.update({n: "forwarded and also listed as left" for n in defined & left})
+    gaps.update({n: "listed as left but not a member of Algorithm" for n in left - members})
+    return gaps
+
+
+def test_the_outer_optimizer_decides_every_algorithm_hook():
+    """`OuterOptimizer` wraps any base algorithm: every hook of `Algorithm` is forwarded (or
+    wrapped) or left as `Algorithm` has it for a stated reason."""
+    from dpresearch.algorithms.outer.optimizer import OuterOptimizer
+
+    assert outer_delegation_gaps(OuterOptimizer, algorithm_members()) == {}
+
+
+def test_a_new_algorithm_hook_is_a_gap_of_the_outer_optimizer():
+    from dpresearch.algorithms.outer.optimizer import OuterOptimizer
+
+    members = algorithm_members() | {"new_hook"}
+    assert outer_delegation_gaps(OuterOptimizer, members) == {
+        "new_hook": "neither forwarded nor left on purpose"
+    }

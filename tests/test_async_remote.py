@@ -18,18 +18,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL, compose_config, free_port, load_scaled, run_cli, worker_processes
-from test_checkpoint import (
+from helpers import (
+    SMALL,
+    compose_config,
     final_params,
+    free_port,
+    load_scaled,
     metric_lines,
+    run_cli,
+    run_ours,
     same,
     start_cli,
     stop_and_resume,
     wait_for_step,
+    worker_processes,
 )
-from test_equivalence import run_ours
 
-from dpresearch.run.checkpoint import latest_checkpoint, to_cpu
+from dpresearch.run.checkpoint_files import latest_checkpoint, to_cpu
 from dpresearch.train import train
 
 ASYNC = "algorithm=async_sgd"
@@ -156,7 +161,7 @@ def _resume_state(rank: int, port: int, args: list[str], out: str) -> None:
     import torch.distributed as dist
 
     from dpresearch.comm.distributed import DistributedCommunicator
-    from dpresearch.launch.processes import network_model
+    from dpresearch.run.build import network_model
     from dpresearch.run.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -196,7 +201,8 @@ def test_real_async_kill_9_then_resume_continues_exactly(tmp_path):
     server = saved["states"][0]["algorithm"]
     # at resume: what the checkpoint holds, the pushes then in flight held with it
     torch.multiprocessing.spawn(
-        _resume_state, args=(free_port(), [*args, f"train.resume={checkpoint}"], str(tmp_path)),
+        _resume_state,
+        args=(free_port(), [*args, f"train.resume={checkpoint}"], str(tmp_path)),
         nprocs=5,
     )
     resumed = torch.load(tmp_path / "resumed.pt")

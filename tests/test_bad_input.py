@@ -8,18 +8,13 @@ rows also go through the real command line in a subprocess, gloo included.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import SHARED, run_cli
+from helpers import SHARED, SMALL, SYNTHETIC_SMALL, compose_config, run_cli, run_main
 
-import dpresearch.train as entry
-from dpresearch.launch.provenance import COMMAND_ENV
+from dpresearch.config.validate import ConfigError, validate
 
 SUBSET = SHARED / "data" / "cifar10-subset"
-SYNTHETIC_SMALL = ["data.num_train=256", "data.num_test=64"]
 
 # (overrides, a fragment the error line must hold). "{tmp}" is the test's own directory.
 SHAKESPEARE = SHARED / "data" / "shakespeare" / "works"
@@ -114,6 +109,14 @@ BAD = [
     (["optimizer=onebit_adam", "algorithm=local_sgd"], "runs its own algorithm"),
     (["algorithm=zero_one_adam"], "select it with optimizer=zero_one_adam"),
     (["optimizer=onebit_adam", "optimizer.freeze_step=-1"], "freeze_step=-1: must be >= 0"),
+    # A plug-in key's value against its parameter's annotation (issue 33, item 5).
+    (["algorithm=local_sgd", "outer=nesterov", "outer.period=2.5"], "outer.period=2.5: must be"),
+    (
+        ["algorithm=local_sgd", "outer=nesterov", "outer.scale_by_inner_lr=maybe"],
+        "outer.scale_by_inner_lr=maybe: must be true or false",
+    ),
+    (["algorithm=dpsgd", "algorithm.mix_buffers=maybe"], "algorithm.mix_buffers=maybe: must be"),
+    (["optimizer=onebit_adam", "algorithm.buffers=foo"], "algorithm.buffers=foo; choose one of"),
     # DeMo (tests/test_demo.py)
     (["optimizer=demo", "algorithm.topk=0"], "algorithm.topk=0: must be an integer >= 1"),
     (["optimizer=demo", "algorithm.chunk=0"], "algorithm.chunk=0: must be an integer >= 1"),
@@ -218,23 +221,6 @@ if not torch.cuda.is_available():
     BAD.append((["backend=nccl"], "use backend=gloo"))
 
 
-def run_main(args: list[str], tmp_path: Path, monkeypatch, capsys) -> tuple[int, str, str]:
-    """`python -m dpresearch.train args` in this process, from `tmp_path`; Hydra never starts
-    (a case that passes every check would be a failure of this test)."""
-
-    def hydra_started() -> None:
-        raise AssertionError("the checks passed: this input was accepted")
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv(COMMAND_ENV, raising=False)  # main() records its command line there
-    monkeypatch.setattr(entry, "_hydra_main", hydra_started)
-    monkeypatch.setattr(sys, "argv", ["dpresearch.train", *args])
-    with pytest.raises(SystemExit) as stopped:
-        entry.main()
-    out = capsys.readouterr()
-    return stopped.value.code, out.out, out.err
-
-
 def test_table_is_big_enough() -> None:
     assert len(BAD) >= 40
 
@@ -245,9 +231,7 @@ def test_every_constrained_key_has_a_row() -> None:
     options' and the outer optimizers' own tables): a new check without a row fails here."""
     import re
 
-    from conftest import REPO
-    from test_async import BAD as ASYNC_BAD
-    from test_outer import BAD as OUTER_BAD
+    from helpers import REPO
 
     nodes = "|".join(("train", "backend", "network", "comm", "logger", "debug", "data", "model",
                       "optimizer", "schedule", "algorithm", "compressor", "error_feedback",
@@ -289,10 +273,10 @@ def test_bad_input_is_one_line_exit_2_and_no_run_directory(
 def test_real_mode_resume_of_another_world_size_is_one_line(tmp_path):
     """A real asynchronous run's checkpoint (4 workers + the server: 5 processes) resumed with
     3 workers: refused from the checkpoint's header, before any process starts."""
-    from conftest import compose_config
+    from helpers import compose_config
 
     from dpresearch.config.validate import ConfigError
-    from dpresearch.run.checkpoint import FORMAT
+    from dpresearch.run.checkpoint_files import FORMAT
     from dpresearch.train import train
 
     checkpoint = tmp_path / "step_10.pt"
@@ -380,7 +364,7 @@ def test_a_torchrun_environment_left_over_is_one_line(
 ):
     import socket
 
-    from conftest import free_port
+    from helpers import free_port
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
@@ -405,7 +389,7 @@ def test_peers_that_never_come_are_one_line_after_the_timeout(tmp_path):
     """RANK/WORLD_SIZE/... left in the environment with a free port: rank 0 hosts the
     rendezvous and waits `backend.timeout_s` for the peer, then says so in one line (before:
     a 27-line DistNetworkError, or a wait of 10 minutes)."""
-    from conftest import free_port
+    from helpers import free_port
 
     env = {**STALE, "MASTER_PORT": str(free_port())}
     out = run_cli(
@@ -418,3 +402,70 @@ def test_peers_that_never_come_are_one_line_after_the_timeout(tmp_path):
     assert "rank 0 could not join the other processes at 127.0.0.1:" in errors[0]
     assert "the variables came from the environment" in errors[0]
     assert "Traceback" not in out.stderr
+
+
+# -- the asynchronous options' bad inputs (the config check alone) ---------------------------
+ASYNC_BAD = [
+    (["async.delay=-1"], "the fixed delay τ must be >= 0"),
+    (["protocol=ssp"], "needs protocol.max_staleness"),
+    (["async.lr_policy=sqrt"], "choose one of: constant, inverse, delay_adaptive, drop"),
+    (["async.lr_policy=drop"], "needs async.tau_max"),
+    (["protocol=softsync"], "needs protocol.c"),
+    (["async.slow_workers=[7]"], "workers are 0..3"),
+    (["async.speed=gamma"], "choose one of: constant, exponential"),
+    (["compressor=powersgd"], "cannot compress a push"),
+    (["error_feedback=ef21"], "support error_feedback=none or ef14"),
+    (["async.delay=2", "backend=gloo"], "use backend=simulated"),
+    (["train.on_nonfinite=skip_step"], "skip_step is not supported"),
+]
+
+
+@pytest.mark.parametrize("args,fix", ASYNC_BAD)
+def test_bad_async_input_is_one_line(args, fix):
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(*SMALL, "algorithm=async_sgd", *args))
+    message = str(err.value)
+    assert fix in message and "\n" not in message
+
+
+# -- the outer optimizers' bad inputs: one line naming the fix, before any worker starts ------
+DRIFT = ["algorithm=local_sgd", "outer=nesterov"]
+
+
+OUTER_BAD = [
+    (["outer=nesterov"], "SyncSGD is not one; use algorithm=local_sgd (period 1 is synchronous"),
+    (["algorithm=async_sgd", "outer=nesterov"], "AsyncSGD is not one"),
+    (["algorithm=sgp", "outer=slowmo"], "outer.period is required: SGP has no averaging period"),
+    ([*DRIFT, "outer.fragments=4"], "outer.fragments=4: the model has 3 blocks of layers"),
+    ([*DRIFT, "algorithm.period=8", "outer.overlap=8"], "use 0 <= overlap < period"),
+    ([*DRIFT, "algorithm.period=2", "outer.fragments=3"], "at most one fragment starts per step"),
+    ([*DRIFT, "outer.mix=1"], "outer.mix=1: the share of local progress kept at a merge"),
+    ([*DRIFT, "outer.inner_state=zero"], "outer.inner_state=zero; choose one of: keep, reset"),
+    ([*DRIFT, "outer.fragment_pattern=random"], "choose one of: sequential, strided"),
+    ([*DRIFT, "outer.optimizer.lr=-1"], "outer.optimizer.lr=-1: must be a number >= 0"),
+    ([*DRIFT, "outer.optimizer.momentum=0"], "outer: Nesterov momentum requires a momentum"),
+    ([*DRIFT, "outer.perod=4"], "outer.perod is not an option of"),
+    ([*DRIFT, "algorithm.sync_epochs=1"], "set algorithm.sync_epochs=0"),
+    ([*DRIFT, "algorithm.average_optimizer_state=true"], "outer.inner_state=average"),
+    (
+        [*DRIFT, "compressor@outer.compressor=topk", "outer.compressor.ratio=2"],
+        "outer.compressor.ratio=2: must be in (0, 1]",
+    ),
+    (
+        [*DRIFT, "compressor@outer.compressor=signum", "error_feedback@outer.error_feedback=ef14"],
+        "use error_feedback@outer.error_feedback=none",
+    ),
+]
+
+
+@pytest.mark.parametrize("args,fragment", OUTER_BAD, ids=[" ".join(a) for a, _ in OUTER_BAD])
+def test_bad_outer_input_is_one_line_before_any_worker(args, fragment, tmp_path, monkeypatch,
+                                                       capsys):  # fmt: skip
+    run_dir = tmp_path / "run"
+    args = [*SYNTHETIC_SMALL, *args, f"hydra.run.dir={run_dir}"]
+    code, out, err = run_main(args, tmp_path, monkeypatch, capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert fragment in lines[0], lines[0]
+    assert not run_dir.exists() and list(tmp_path.iterdir()) == []

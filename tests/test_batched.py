@@ -14,13 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SHARED, SMALL, compose_config
+from helpers import (
+    CHECKPOINT_CASES,
+    CHECKPOINTED,
+    MLP_RUN,
+    RESNET_RUN,
+    SMALL,
+    check_resumed,
+    compose_config,
+    needs_subset,
+    trainer_for,
+)
 from torch import nn
 
-from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.config.preflight import preflight
 from dpresearch.config.validate import ConfigError
-from dpresearch.launch.processes import network_model
 from dpresearch.models.mlp import MLP
 from dpresearch.models.resnet_cifar import ResNetCifar
 from dpresearch.replicas import Replicas
@@ -30,16 +38,6 @@ from dpresearch.train import train
 
 TOL = 1e-6
 STEPS = 20
-SUBSET = SHARED / "data" / "cifar10-subset"
-MLP_RUN = [*SMALL, "workers=4", "train.batch_size=8", f"train.steps={STEPS}",
-           "model.batch_norm=true", "backend.threads=1"]  # fmt: skip
-RESNET_RUN = [
-    "data=cifar10", f"data.root={SUBSET}", "data.subset=512",
-    "model=resnet20", "model.width=4", "workers=3", "train.batch_size=4", "train.steps=20",
-    "train.log_every=5", "train.progress=false", "train.eval_batch_size=64",
-    "backend.threads=1", "optimizer.lr=0.05", "optimizer.momentum=0.9",
-]  # fmt: skip
-needs_subset = pytest.mark.skipif(not SUBSET.is_dir(), reason=f"no CIFAR subset at {SUBSET}")
 
 ALGORITHMS = {
     "sync": [],
@@ -83,26 +81,6 @@ def rows_after(
     rows = {"params": reps.params, "buffers": reps.buffers, "int_buffers": reps.int_buffers}
     rows["moved"] = (reps.params - initial).abs().max()
     return trainer, rows
-
-
-def trainer_for(*overrides: str, mode: str, dtype: torch.dtype = torch.float32) -> Trainer:
-    """The simulated run of `rows_after`, built, not yet run."""
-    cfg = compose_config(*overrides, f"train.batched_workers={mode}", "train.save_model=false")
-    torch.set_num_threads(1)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        device = torch.device("cuda" if cfg.train.device.startswith("cuda") else "cpu")
-        trainer = Trainer(cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)),
-                          device, None)  # fmt: skip
-    finally:
-        torch.set_default_dtype(default)
-    trainer.metrics.evaluate = lambda: {"test/loss": 0.0, "test/acc": 0.0}  # type: ignore[method-assign]
-    if dtype != torch.float32:
-        data, one, many = trainer.data, trainer.data.transform_train, trainer.data.transform_batches
-        data.transform_train = lambda x, g: one(x, g).to(dtype)  # type: ignore[method-assign]
-        data.transform_batches = lambda x, gs: many(x, gs).to(dtype)  # type: ignore[method-assign]
-    return trainer
 
 
 def assert_same_rows(*overrides: str, tol: float = TOL, dtype: torch.dtype = torch.float32) -> None:
@@ -280,12 +258,10 @@ def test_divergence_and_skipped_steps_are_the_loops(tmp_path):
 )  # fmt: skip
 def test_batched_run_killed_and_resumed_equals_uninterrupted(case, tmp_path, one_thread):
     """Killed after a checkpoint and resumed, a batched run continues bit for bit (cursors,
-    generators, the stacked integer buffers), metrics line for line (test_checkpoint's
-    check)."""
-    from test_checkpoint import CASES, QUICK, check_resumed
-
-    args = [*QUICK, "workers=4", "model.batch_norm=true", "train.batched_workers=true"]
-    check_resumed(tmp_path, [*args, *CASES[case]], InjectedFailure)
+    generators, the stacked integer buffers), metrics line for line
+    (`helpers.check_resumed`)."""
+    args = [*CHECKPOINTED, "workers=4", "model.batch_norm=true", "train.batched_workers=true"]
+    check_resumed(tmp_path, [*args, *CHECKPOINT_CASES[case]], InjectedFailure)
 
 
 def test_auto_batches_many_small_workers_on_the_cpu_and_says_so(capsys):

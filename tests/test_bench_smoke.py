@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import SHARED, cli_env, load_scaled
+from helpers import SHARED, cli_env, load_scaled
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "experiments" / "bench" / "emulated_network.py"

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import compose_config, free_port
-from gloo_session import spawn_sequence
+from helpers import compose_config, free_port, spawn_sequence
 
 from dpresearch.comm.distributed import DistributedCommunicator
 from dpresearch.comm.ledger import OFF_STEP_PURPOSES, CommOp

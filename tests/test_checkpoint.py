@@ -10,27 +10,32 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
-import torch
-from conftest import (
-    SHARED,
-    SMALL,
+from helpers import (
+    CHECKPOINT_CASES,
+    CHECKPOINTED,
+    RESUME_STEPS,
+    SUBSET,
+    check_resumed,
     cli_env,
     compose_config,
+    final_params,
+    kill_and_resume,
     load_scaled,
+    metric_lines,
     run_cli,
-    terminal_signals,
+    same,
+    start_cli,
+    stop_and_resume,
+    wait_for_step,
 )
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from dpresearch.run.checkpoint import (
+from dpresearch.run.checkpoint_files import (
     checkpoint_files,
     checkpoint_interval,
     find_resume,
@@ -39,50 +44,8 @@ from dpresearch.run.checkpoint import (
 from dpresearch.run.trainer import InjectedFailure
 from dpresearch.train import train
 
-SUBSET = SHARED / "data" / "cifar10-subset"
-STEPS, KILL_AT, EVERY = 60, 35, 10
-QUICK = [
-    *SMALL,
-    "data.num_train=512",
-    "data.num_test=64",
-    "train.batch_size=16",
-    "train.log_every=1",
-    "train.eval_every=20",
-    f"train.steps={STEPS}",
-]
 # Lines that differ between two runs of the same computation: wall-clock timings.
-TIMED = ("time/",)
 
-CASES = {
-    "sync_qsgd_ef14": ["compressor=qsgd", "error_feedback=ef14"],
-    "topk_ef21": ["compressor=topk", "compressor.ratio=0.1", "error_feedback=ef21"],
-    "powersgd_ef": [
-        "compressor=powersgd",
-        "error_feedback=ef14",
-        "compressor.min_compression_rate=1.0",
-        "model.hidden=[32,32]",
-    ],
-    "local_sgd": ["algorithm=local_sgd", "algorithm.period=4", "optimizer.momentum=0.9"],
-    "choco": ["algorithm=choco", "compressor=topk", "compressor.ratio=0.25"],
-    "dpsgd": ["algorithm=dpsgd", "optimizer.momentum=0.9"],
-    "sgp": ["algorithm=sgp", "topology=one_peer_exponential"],
-    # issue 20: aggregator state in sketch space, node leaders' memories, compressed Adam
-    # (checkpoints at 30 after the freeze; 0/1 Adam checkpointed with local steps pending)
-    "sketch": ["compressor=sketch", "compressor.ratio=0.05"],
-    "two_level_onebit": [
-        "comm.hierarchy.workers_per_node=2", "compressor=onebit", "error_feedback=ef14",
-    ],
-    "onebit_adam": ["optimizer=onebit_adam", "optimizer.lr=0.01", "optimizer.freeze_step=20"],
-    "zero_one_adam": [
-        "optimizer=zero_one_adam", "optimizer.lr=0.01", "optimizer.var_freeze_step=20",
-        "optimizer.var_update_scaler=4", "optimizer.local_step_scaler=3",
-        "optimizer.local_step_clipper=4",
-    ],
-    # AD-PSGD: reads, event queue, speed and pairing streams, staleness counts
-    "adpsgd": ["algorithm=adpsgd", "async.speed=exponential", "optimizer.momentum=0.9"],
-    "adpsgd_topk": ["algorithm=adpsgd", "compressor=topk", "compressor.ratio=0.25",
-                    "algorithm.gamma=0.5", "async.speed=exponential"],  # + the edges' copies
-}  # fmt: skip
 
 # Simulated asynchronous SGD: 60 pushes of 4 workers; the server, protocol, speed streams,
 # event queue and push codecs are in the checkpoint (`AsyncSGD.state_dict`).
@@ -112,68 +75,14 @@ ASYNC_CASES = {
 ASYNC_KEYS = ("async/", "time/simulated_s")
 
 
-def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "model_final.pt")
-
-
-def metric_lines(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def untimed(line: dict) -> dict:
-    return {k: v for k, v in line.items() if not k.startswith(TIMED)}
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def kill_and_resume(tmp_path: Path, args: list[str], failure: type[BaseException]) -> Path:
-    """Run with a checkpoint every `EVERY` steps until the injected failure at step
-    `KILL_AT`, then resume; returns the run directory."""
-    run_dir = tmp_path / "resumed"
-    every = [f"train.checkpoint_every={EVERY}"]
-    cfg = compose_config(*args, *every, "debug.fail_worker=1", f"debug.fail_at_step={KILL_AT}")
-    with pytest.raises(failure):
-        train(cfg, run_dir)
-    assert latest_checkpoint(run_dir).name == f"step_{KILL_AT // EVERY * EVERY}.pt"
-    assert not (run_dir / "summary.json").exists()
-    before = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert json.loads(before[-1])["step"] == KILL_AT  # logged past the checkpoint
-    summary = train(compose_config(*args, *every, "train.resume=auto"), run_dir)
-    assert summary["status"] == "finished"
-    # The lines up to the checkpoint are the first attempt's own (timings included): the run
-    # continued from the checkpoint rather than starting over.
-    kept = [ln for ln in before if json.loads(ln)["step"] <= KILL_AT // EVERY * EVERY]
-    after = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert after[: len(kept)] == kept
-    return run_dir
-
-
-def check_resumed(tmp_path: Path, args: list[str], failure: type[BaseException]) -> None:
-    reference = tmp_path / "reference"
-    train(compose_config(*args), reference)
-    resumed = kill_and_resume(tmp_path, args, failure)
-    assert same(final_params(resumed), final_params(reference))
-    lines, ref_lines = metric_lines(resumed), metric_lines(reference)
-    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))  # each step exactly once
-    assert [untimed(m) for m in lines] == [untimed(m) for m in ref_lines]
-    summary = json.loads((resumed / "summary.json").read_text())
-    ref_summary = json.loads((reference / "summary.json").read_text())
-    assert summary["comm/bytes"] == ref_summary["comm/bytes"]
-    assert summary["comm/ops"] == ref_summary["comm/ops"]
-    assert summary["status"] == "finished"
-    assert len(checkpoint_files(resumed / "checkpoints")) == 2  # train.checkpoint_keep=2
-
-
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(CHECKPOINT_CASES))
 def test_killed_and_resumed_equals_uninterrupted_simulated(case, tmp_path, one_thread):
-    check_resumed(tmp_path, [*QUICK, "workers=4", *CASES[case]], InjectedFailure)
+    check_resumed(tmp_path, [*CHECKPOINTED, "workers=4", *CHECKPOINT_CASES[case]], InjectedFailure)
 
 
 @pytest.mark.parametrize("case", list(ASYNC_CASES))
 def test_killed_and_resumed_async_equals_uninterrupted(case, tmp_path, one_thread):
-    args = [*QUICK, "workers=4", *ASYNC_CASES[case]]
+    args = [*CHECKPOINTED, "workers=4", *ASYNC_CASES[case]]
     check_resumed(tmp_path, args, InjectedFailure)
     resumed, reference = tmp_path / "resumed", tmp_path / "reference"
 
@@ -206,7 +115,7 @@ def test_augmented_images_and_batchnorm_resume_exactly(tmp_path):
         "model.batch_norm=true",
         "workers=2",
         "train.batch_size=4",
-        f"train.steps={STEPS}",
+        f"train.steps={RESUME_STEPS}",
         "train.log_every=1",
         "train.eval_every=60",
         "train.progress=false",
@@ -216,7 +125,7 @@ def test_augmented_images_and_batchnorm_resume_exactly(tmp_path):
     train(compose_config(*args), reference)
     resumed = kill_and_resume(tmp_path, args, InjectedFailure)
     assert same(final_params(resumed), final_params(reference))
-    assert [m["step"] for m in metric_lines(resumed)] == list(range(1, STEPS + 1))
+    assert [m["step"] for m in metric_lines(resumed)] == list(range(1, RESUME_STEPS + 1))
 
 
 @pytest.mark.slow
@@ -231,7 +140,7 @@ def test_resnet20_with_augmentation_and_batchnorm_resumes_exactly(tmp_path):
         "workers=2",
         "train.batch_size=4",
         "train.eval_batch_size=500",
-        f"train.steps={STEPS}",
+        f"train.steps={RESUME_STEPS}",
         "train.log_every=5",
         "train.eval_every=60",
         "train.progress=false",
@@ -242,7 +151,7 @@ def test_resnet20_with_augmentation_and_batchnorm_resumes_exactly(tmp_path):
     resumed = kill_and_resume(tmp_path, [*args, "train.log_every=1"], InjectedFailure)
     assert same(final_params(resumed), final_params(reference))
     steps = [m["step"] for m in metric_lines(resumed)]
-    assert steps == list(range(1, STEPS + 1))
+    assert steps == list(range(1, RESUME_STEPS + 1))
 
 
 @pytest.mark.slow
@@ -251,7 +160,13 @@ def test_killed_and_resumed_equals_uninterrupted_gloo(tmp_path):
     """sync + QSGD + EF14 on 2 gloo processes: a worker process dies at step 35."""
     check_resumed(
         tmp_path,
-        [*QUICK, "workers=2", *CASES["sync_qsgd_ef14"], "backend=gloo", "backend.threads=1"],
+        [
+            *CHECKPOINTED,
+            "workers=2",
+            *CHECKPOINT_CASES["sync_qsgd_ef14"],
+            "backend=gloo",
+            "backend.threads=1",
+        ],
         ChildFailedError,
     )
 
@@ -266,7 +181,7 @@ def test_checkpoint_interval_and_resume_lookup(tmp_path):
     assert find_resume(None, tmp_path) is None
     assert find_resume("auto", tmp_path) is None  # nothing there: a fresh start
     run_dir = tmp_path / "run"
-    cfg = compose_config(*QUICK, "train.steps=20", "train.checkpoint_every=1ep")
+    cfg = compose_config(*CHECKPOINTED, "train.steps=20", "train.checkpoint_every=1ep")
     train(cfg, run_dir)
     files = checkpoint_files(run_dir / "checkpoints")
     assert [f.name for f in files] == ["step_8.pt", "step_16.pt"]  # 8 steps per epoch
@@ -280,7 +195,7 @@ def test_resume_auto_without_a_checkpoint_starts_fresh_and_drops_old_lines(tmp_p
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "train/loss": 9}\n')
-    train(compose_config(*QUICK, "train.steps=5", "train.resume=auto"), run_dir)
+    train(compose_config(*CHECKPOINTED, "train.steps=5", "train.resume=auto"), run_dir)
     assert [m["step"] for m in metric_lines(run_dir)] == [1, 2, 3, 4, 5]
     assert metric_lines(run_dir)[0]["train/loss"] != 9
 
@@ -289,10 +204,10 @@ def test_resume_of_another_layout_is_one_line_before_any_worker_starts(tmp_path)
     from dpresearch.config.validate import ConfigError
 
     run_dir = tmp_path / "run"
-    args = [*QUICK, "workers=2", "train.steps=10", "train.checkpoint_every=5"]
+    args = [*CHECKPOINTED, "workers=2", "train.steps=10", "train.checkpoint_every=5"]
     train(compose_config(*args), run_dir)
     with pytest.raises(ConfigError, match="was written with workers=2, this run has workers=4"):
-        train(compose_config(*QUICK, f"train.resume={run_dir}"), tmp_path / "new")
+        train(compose_config(*CHECKPOINTED, f"train.resume={run_dir}"), tmp_path / "new")
     # the same workers as 2 gloo processes: refused from the header, nothing launched
     with pytest.raises(ConfigError, match="with processes=1, this run has processes=2"):
         train(compose_config(*args, "backend=gloo", f"train.resume={run_dir}"), tmp_path / "g")
@@ -301,84 +216,13 @@ def test_resume_of_another_layout_is_one_line_before_any_worker_starts(tmp_path)
 
 
 # -- stop requests -------------------------------------------------------------------------
-def start_cli(args: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "dpresearch.train", *args],
-        cwd=cwd,
-        env=cli_env(WANDB_MODE="disabled"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=terminal_signals,
-    )
-
-
-def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: float) -> None:
-    deadline = time.monotonic() + load_scaled(timeout)
-    path = run_dir / "metrics.jsonl"
-    while True:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        lines = path.read_text().splitlines() if path.exists() else []
-        if lines and json.loads(lines[-1])["step"] >= step:
-            return
-        assert time.monotonic() < deadline, "the run logged too few steps in time"
-        time.sleep(0.1)
-
-
-def stop_and_resume(
-    tmp_path: Path, args: list[str], signum: int, bound_s: float
-) -> tuple[Path, str]:
-    """Start `args` on the command line, send `signum` once it has logged a few steps, check
-    the clean stop (exit 128 + signum within `bound_s` on a quiet machine, longer in
-    proportion to the load; one line, checkpoint, status), then
-    resume with train.resume=auto to the end; returns the run directory and the stop's
-    stderr."""
-    run_dir = tmp_path / "run"
-    proc = start_cli([*args, f"hydra.run.dir={run_dir}"], tmp_path)
-    try:
-        wait_for_step(run_dir, proc, 3, timeout=240)
-        os.kill(proc.pid, signum)
-        sent = time.monotonic()
-        _, err = proc.communicate(timeout=load_scaled(120))
-        took = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    print(f"stopped {took:.1f} s after {signal.Signals(signum).name}")
-    assert proc.returncode == 128 + signum, err[-3000:]
-    assert took <= load_scaled(bound_s), f"the run took {took:.1f} s to stop"
-    assert "Traceback" not in err, err[-3000:]
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("interrupted at step "), err[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "interrupted"
-    step = summary["interrupted_at_step"]
-    assert latest_checkpoint(run_dir).name == f"step_{step}.pt"
-    # The line names the checkpoint and the exact command that continues this run (its run
-    # directory pinned: train.resume=auto alone would start afresh in a new directory).
-    head, _, command = lines[0].partition("; resume with: ")
-    assert head.startswith(f"interrupted at step {step}/{summary['total_steps']} after "), head
-    assert head.endswith(f": checkpoint {latest_checkpoint(run_dir)}"), head
-    words = shlex.split(command)
-    assert words[:3] == [Path(sys.executable).name, "-m", "dpresearch.train"], command
-    assert words[3:] == [*args, f"hydra.run.dir={run_dir.resolve()}", "train.resume=auto"]
-    assert not (run_dir / "model_final.pt").exists()
-    out = subprocess.run(
-        [sys.executable, *words[1:]],  # the printed command, run as printed
-        cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"), capture_output=True, text=True,
-        timeout=load_scaled(300),
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
-    return run_dir, err
 
 
 def test_kill_9_then_resume_equals_uninterrupted(tmp_path):
     """A real SIGKILL at an arbitrary step (after the first checkpoint): the lock and any
     half-written file it leaves are taken over, the resumed run ends as an uninterrupted one."""
     run_dir = tmp_path / "run"
-    args = [*QUICK, "train.steps=400", "train.eval_every=200", "train.checkpoint_every=10"]
+    args = [*CHECKPOINTED, "train.steps=400", "train.eval_every=200", "train.checkpoint_every=10"]
     proc = start_cli([*args, f"hydra.run.dir={run_dir}"], tmp_path)
     try:
         wait_for_step(run_dir, proc, 35, timeout=240)
@@ -400,7 +244,7 @@ def test_kill_9_then_resume_equals_uninterrupted(tmp_path):
 
 @pytest.mark.slow  # the default suite's signal stop: test_async_remote's SIGTERM on gloo
 def test_sigint_simulated_stops_cleanly_and_resumes_exactly(tmp_path):
-    args = [*QUICK, "train.steps=600", "train.log_every=1", "train.eval_every=300"]
+    args = [*CHECKPOINTED, "train.steps=600", "train.log_every=1", "train.eval_every=300"]
     run_dir, _ = stop_and_resume(tmp_path, args, signal.SIGINT, bound_s=10)
     steps = [m["step"] for m in metric_lines(run_dir)]
     assert steps == list(range(1, 601))
@@ -414,7 +258,7 @@ def test_sigint_simulated_stops_cleanly_and_resumes_exactly(tmp_path):
 def test_sigterm_gloo_stops_within_10_s_and_resumes_exactly(tmp_path):
     """Acceptance E: SIGTERM to the launcher of a gloo × 2 run."""
     args = [
-        *QUICK, "workers=2", "backend=gloo", "backend.threads=1", "comm.deterministic=true",
+        *CHECKPOINTED, "workers=2", "backend=gloo", "backend.threads=1", "comm.deterministic=true",
         "train.steps=4000", "train.log_every=1", "train.eval_every=2000",
     ]  # fmt: skip
     run_dir, _ = stop_and_resume(tmp_path, args, signal.SIGTERM, bound_s=10)
@@ -443,7 +287,7 @@ def test_resume_from_a_checkpoint_file_continues_in_its_run_directory(tmp_path):
     """`train.resume=<run>/checkpoints/step_N.pt` without `hydra.run.dir`: the run continues
     in `<run>` from step N (a Lightning `ckpt_path`, but the run's own directory)."""
     run_dir = tmp_path / "run"
-    args = [*QUICK, "train.steps=10", "train.checkpoint_every=4", "train.checkpoint_keep=5"]
+    args = [*CHECKPOINTED, "train.steps=10", "train.checkpoint_every=4", "train.checkpoint_keep=5"]
     train(compose_config(*args), run_dir)  # in this process: one interpreter start fewer
     refused = run_cli([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert refused.returncode == 2 and "or train.resume=auto to continue" in refused.stderr
@@ -463,7 +307,7 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     the run directory, so `wandb sync` (or an online run) continues one W&B run."""
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run"
-    args = [*QUICK, "train.steps=10", "train.checkpoint_every=5", "logger=wandb",
+    args = [*CHECKPOINTED, "train.steps=10", "train.checkpoint_every=5", "logger=wandb",
             "logger.mode=offline"]  # fmt: skip
     with pytest.raises(InjectedFailure):
         train(compose_config(*args, "debug.fail_worker=0", "debug.fail_at_step=7"), run_dir)
@@ -476,9 +320,9 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
 
 def test_resume_auto_of_a_finished_run_leaves_it_as_it_is(tmp_path):
     run_dir = tmp_path / "run"
-    train(compose_config(*QUICK, "train.steps=5"), run_dir)
+    train(compose_config(*CHECKPOINTED, "train.steps=5"), run_dir)
     before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
-    summary = train(compose_config(*QUICK, "train.steps=5", "train.resume=auto"), run_dir)
+    summary = train(compose_config(*CHECKPOINTED, "train.steps=5", "train.resume=auto"), run_dir)
     assert summary["status"] == "finished"
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
 
@@ -506,7 +350,7 @@ def test_sigusr2_checkpoints_then_hands_on_to_the_schedulers_handler(tmp_path):
     boundary with a final checkpoint and `status: interrupted`, then the handler that was
     installed before it (submitit's requeue) runs; the requeued job resumes exactly."""
     run_dir, marker = tmp_path / "run", tmp_path / "requeued"
-    args = [*QUICK, "train.steps=600", "train.eval_every=300", f"hydra.run.dir={run_dir}"]
+    args = [*CHECKPOINTED, "train.steps=600", "train.eval_every=300", f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(
         [sys.executable, "-c", SCHEDULER, str(marker), *args],
         cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"), stdout=subprocess.PIPE,

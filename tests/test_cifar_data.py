@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import write_md5sums
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from test_download import write_md5sums
 
 from dpresearch import CONF_DIR
 from dpresearch.data.cifar import CIFAR10, CIFAR100, normalize, random_crop_flip

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from analysis_fixtures import ramp, write_run
-from conftest import SMALL, compose_config, run_cli
+from helpers import SMALL, compose_config, ramp, run_cli, write_run
 
 from dpresearch import CONF_DIR, __version__, cli
 from dpresearch.analysis import report as analysis_report
@@ -114,7 +113,7 @@ def test_resume_command_of_a_sweep_point_is_a_single_run_of_that_point(monkeypat
     )
     command = run_lines.resume_command(tmp_path / "1-seed=1", ["seed=1", "train.resume=auto"])
     assert shlex.split(command) == [
-        Path(sys.executable).name, "-m", "dpresearch.train", "seed=1",
+        run_lines.interpreter(), "-m", "dpresearch.train", "seed=1",
         f"hydra.run.dir={tmp_path / '1-seed=1'}", "train.resume=auto",
     ]  # fmt: skip
     run_lines.remember_invocation("dpresearch train", ["seed=2"])
@@ -170,8 +169,10 @@ def test_a_misspelled_key_gets_a_short_line_with_the_closest_names(tmp_path, cap
         assert len(err[0]) < 800 and "config keys cfg.* (--keys lists them)" in err[0]
     assert analysis_main([str(root), "--keys"]) == 0
     keys = capsys.readouterr().out.split()
-    assert "case" in keys and "cfg.optimizer.lr" in keys and keys.index("case") < keys.index(
-        "cfg.seed"
+    assert (
+        "case" in keys
+        and "cfg.optimizer.lr" in keys
+        and keys.index("case") < keys.index("cfg.seed")
     )
 
 
@@ -247,8 +248,11 @@ def test_study_progress_counts_points_and_estimates_the_rest(tmp_path):
     run_study(load_study(path), tmp_path / "out", launcher=runner, log=lines.append)
     ends = [ln for ln in lines if ": finished" in ln]
     assert len(ends) == 2
-    assert re.fullmatch(r"== a \| lr 0.1 \| seed 0: finished in \d+ s \[1/2; \d+:\d\d so far, "
-                        r"ETA \d+:\d\d\]", ends[0]), ends[0]
+    assert re.fullmatch(
+        r"== a \| lr 0.1 \| seed 0: finished in \d+ s \[1/2; \d+:\d\d so far, "
+        r"ETA \d+:\d\d\]",
+        ends[0],
+    ), ends[0]
     assert ends[1].endswith("ETA 0:00]")
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_compressed_reduce import layout_of
+from helpers import layout_of
 
 import dpresearch.compress as dc
 from dpresearch.comm.network import NetworkModel
@@ -306,13 +306,13 @@ def test_sync_reducer_memory_plus_sent_is_compensated():
 
 
 def test_push_memory_plus_sent_is_compensated_and_the_server_decodes_sent():
-    from dpresearch.asynchrony.push import PushCodec
+    from dpresearch.compress import ChannelNeeds, open_channel
     from dpresearch.models.mlp import MLP
 
     model = MLP(10, (16,), hidden=[300])
     params = torch.zeros(2, sum(p.numel() for p in model.parameters()))
     node = {"_target_": "dpresearch.compress.topk.TopK", "ratio": 0.01}
-    codec = PushCodec(model, params, [3, 7], node, {"mode": "ef14"}, seed=SEED)
+    codec = open_channel(ChannelNeeds.push(), model, params, [3, 7], node, {"mode": "ef14"}, SEED)
     gen = torch.Generator().manual_seed(1)
     for count in range(4):
         for row in (1, 0):

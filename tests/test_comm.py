@@ -168,9 +168,9 @@ def test_allgather_latency_replaces_alpha_in_allgather_only():
 
 
 def test_network_config_reaches_the_model():
-    from conftest import compose_config
+    from helpers import compose_config
 
-    from dpresearch.launch.processes import network_model
+    from dpresearch.run.build import network_model
 
     cfg = compose_config(
         "network=custom",

@@ -10,9 +10,9 @@ import math
 
 import pytest
 import torch
-from conftest import SMALL, compose_config
-from omegaconf import DictConfig
-from test_equivalence import max_diff
+from helpers import SMALL, compose_config, max_diff
+from helpers import four_worker_config as config
+from helpers import trained_four_workers as trained
 from torch import nn
 
 from dpresearch.algorithms.compressed_adam import (
@@ -27,7 +27,6 @@ from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.config.validate import ConfigError, validate
 from dpresearch.replicas import Replicas
-from dpresearch.train import train
 
 K = 4
 NET = NetworkModel.preset("10gbe")
@@ -245,16 +244,6 @@ def test_state_dict_continues_bit_for_bit():
 # -- end to end: ≡ Adam, simulated ≡ gloo ----------------------------------------------------
 
 
-def config(*overrides: str) -> DictConfig:
-    return compose_config(*SMALL, "workers=4", "train.steps=20", "train.batch_size=16",
-                          "backend.threads=1", *overrides)  # fmt: skip
-
-
-def trained(tmp_path, name: str, *overrides: str) -> dict:
-    train(config(*overrides), tmp_path / name)
-    return torch.load(tmp_path / name / "model_final.pt")
-
-
 def test_warmup_as_long_as_the_run_is_adam(tmp_path):
     """Acceptance B: 20 steps of 1-bit Adam whose warm-up outlasts the run = sync + torch's
     Adam (≤ 1e-6); so is 0/1 Adam when every step updates the variance."""
@@ -283,9 +272,9 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def on_gloo(tmp_path_factory) -> dict[str, dict]:
-    """Every case trained on the same 4 gloo processes, one after another (`gloo_session`:
+    """Every case trained on the same 4 gloo processes, one after another (`helpers.train_on_gloo`:
     one process start for all); the final parameters by case."""
-    from gloo_session import train_on_gloo
+    from helpers import train_on_gloo
 
     folder = tmp_path_factory.mktemp("adam-gloo")
     jobs = [(config(*CASES[name], "comm.deterministic=true", "backend=gloo"), folder / name)

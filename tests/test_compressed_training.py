@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compose_config
+from helpers import TOL, compose_config, max_diff, run_ddp_many, run_ours
 from omegaconf import OmegaConf
-from reference import run_ddp_many
-from test_equivalence import TOL, max_diff, run_ours
 
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
@@ -63,20 +61,16 @@ DETERMINISTIC = ["fp16", "bf16", "powersgd", "topk_exact"]
 def test_every_compressor_simulated_equals_gloo_in_one_process_group(small_config, tmp_path):
     """The default suite's form of the two parametrized tests below (slow: one launch per
     compressor): every compressor, and the deterministic reduction, trained on the same 4 gloo
-    processes one configuration after another (`gloo_session`), each equal to its simulated
+    processes one configuration after another (`helpers.train_on_gloo`), each equal to its simulated
     run within its tolerance."""
-    from gloo_session import train_on_gloo
-    from reference import BATCH, LR, SEED, STEPS
+    from helpers import BATCH, LR, SEED, STEPS, train_on_gloo
 
     jobs = [(name, False) for name in CASES] + [(name, True) for name in DETERMINISTIC]
     common = (f"seed={SEED}", f"optimizer.lr={LR}", f"train.steps={STEPS}",
               f"train.batch_size={BATCH}", "backend=gloo")  # fmt: skip
     gloo = train_on_gloo(
         4,
-        [
-            (small_config(*common, *_args(n, d)), tmp_path / f"gloo-{n}-{d}")
-            for n, d in jobs
-        ],
+        [(small_config(*common, *_args(n, d)), tmp_path / f"gloo-{n}-{d}") for n, d in jobs],
     )
     initial = run_ours(small_config, tmp_path, "init", "workers=4", "train.steps=1")
     for (name, deterministic), theirs in zip(jobs, gloo, strict=True):

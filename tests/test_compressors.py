@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import layout_of
 
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
@@ -312,14 +313,6 @@ FORMULAS = {
     "terngrad": (lambda: TernGrad(), lambda d, s: math.ceil(d / 4) + 4),
     "powersgd": (lambda: PowerSGD(rank=2), lambda d, s: powersgd_bytes(d, s, 2)),
 }
-
-
-def layout_of(shapes):
-    layout, offset = [], 0
-    for shape in shapes:
-        layout.append((offset, shape))
-        offset += math.prod(shape)
-    return layout, offset
 
 
 @pytest.mark.parametrize("name", sorted(FORMULAS))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import CONF_DIR, compose_config, run_cli
+from helpers import CONF_DIR, compose_config, run_cli
 
 from dpresearch.config.validate import ConfigError, validate
 

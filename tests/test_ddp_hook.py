@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from gloo_session import spawn_sequence
+from helpers import free_port, spawn_sequence
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -108,12 +107,6 @@ def simulated(name: str) -> tuple[torch.Tensor, int]:
         with torch.no_grad():
             replicas.params.sub_(LR * replicas.grads)
     return replicas.params[0].clone(), comm.ledger.bytes_sent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_hook_rejects_model_granularity():

@@ -15,19 +15,21 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     SHARED,
     SMALL,
     cli_env,
     compose_config,
+    final_params,
     load_scaled,
+    max_diff,
+    metric_lines,
     run_cli,
     terminal_signals,
+    wait_for_step,
 )
 from torch import nn
 
@@ -38,7 +40,7 @@ from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.compress.layout import param_layout
 from dpresearch.launch.provenance import COMMAND_ENV
 from dpresearch.replicas import Replicas
-from dpresearch.run.checkpoint import latest_checkpoint
+from dpresearch.run.checkpoint_files import latest_checkpoint
 from dpresearch.train import train
 
 NET = NetworkModel.preset("10gbe")
@@ -310,24 +312,11 @@ RUN = [*SMALL, "optimizer=demo", "optimizer.lr=0.01", "workers=2", "train.batch_
        "backend.threads=1"]  # fmt: skip
 
 
-def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "model_final.pt")
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
-def metric_lines(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.distributed
 def test_simulated_equals_gloo(tmp_path, one_thread):
     """2 simulated workers and 2 gloo processes (no `comm.deterministic`: DeMo all-reduces
     nothing) end with the same parameters to 1e-6 after 20 steps, and the same bytes."""
-    from gloo_session import train_on_gloo
+    from helpers import train_on_gloo
 
     args = [*RUN, "train.steps=20"]
     summary = train(compose_config(*args), tmp_path / "sim")
@@ -338,18 +327,6 @@ def test_simulated_equals_gloo(tmp_path, one_thread):
     assert max_diff(simulated, gloo) <= 1e-6
     on_gloo = json.loads((tmp_path / "gloo" / "summary.json").read_text())
     assert on_gloo["comm/bytes"] == summary["comm/bytes"] == 20 * summary["demo"]["bytes_per_step"]
-
-
-def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: float) -> None:
-    deadline = time.monotonic() + load_scaled(timeout)
-    path = run_dir / "metrics.jsonl"
-    while True:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        lines = path.read_text().splitlines() if path.exists() else []
-        if lines and json.loads(lines[-1])["step"] >= step:
-            return
-        assert time.monotonic() < deadline, "the run logged too few steps in time"
-        time.sleep(0.02)
 
 
 def test_failed_and_resumed_equals_uninterrupted(tmp_path, one_thread):

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL, cli_env, compose_config, load_scaled, run_cli
+from helpers import SMALL, cli_env, compose_config, load_scaled, run_cli
 
-from dpresearch.run.checkpoint import checkpoint_files, latest_checkpoint
+from dpresearch.run.checkpoint_files import checkpoint_files, latest_checkpoint
 from dpresearch.run.io_errors import IO_EXIT
 from dpresearch.train import train
 

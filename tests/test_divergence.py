@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import SMALL, compose_config, run_cli
+from helpers import SMALL, compose_config, run_cli
 
 from dpresearch.train import DIVERGED_EXIT, train
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import load_scaled
+from helpers import load_scaled, write_md5sums
 
 from dpresearch.data import download
 from dpresearch.data.cifar import CIFAR10
@@ -49,14 +49,6 @@ def write_fake_cifar10(root: Path, per_batch: int = 3) -> Path:
         pickle.dump(meta, f, protocol=2)
     write_md5sums(folder)
     return folder
-
-
-def write_md5sums(folder: Path) -> None:
-    """Ship an MD5SUMS with a fake folder, as a subset or variant of a data set does (its files
-    are not the official release, so they verify against this list)."""
-    files = sorted(folder.iterdir())
-    lines = [f"{hashlib.md5(p.read_bytes()).hexdigest()}  {p.name}" for p in files]
-    (folder / "MD5SUMS").write_text("\n".join(lines) + "\n")
 
 
 def tar_gz(path: Path, add: dict[str, Path | bytes]) -> str:
@@ -289,7 +281,7 @@ def test_dripping_server_is_stopped_at_the_deadline(tmp_path: Path, served: Serv
 def test_sigterm_mid_download_leaves_nothing(tmp_path: Path, served: Server) -> None:
     """Acceptance F: SIGTERM to `python -m dpresearch.train` while it downloads: one line,
     exit 143, no data directory, no run directory."""
-    from conftest import cli_env
+    from helpers import cli_env
 
     root = tmp_path / "data"
     proc = subprocess.Popen(

@@ -7,37 +7,22 @@ single-process SGD on the global batch.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import free_port
-from reference import BATCH, LR, SEED, STEPS, run_ddp, run_ddp_many, run_single_process
+from helpers import (
+    STEPS,
+    TOL,
+    free_port,
+    max_diff,
+    run_ddp,
+    run_ddp_many,
+    run_ours,
+    run_single_process,
+)
 
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.run.trainer import Trainer
-from dpresearch.train import train
-
-TOL = 1e-6
-
-
-def run_ours(small_config, tmp_path: Path, name: str, *overrides: str) -> dict:
-    run_dir = tmp_path / name
-    cfg = small_config(
-        f"seed={SEED}",
-        f"optimizer.lr={LR}",
-        f"train.steps={STEPS}",
-        f"train.batch_size={BATCH}",
-        *overrides,
-    )
-    train(cfg, run_dir)
-    return torch.load(run_dir / "model_final.pt")
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
 @pytest.fixture(scope="module")

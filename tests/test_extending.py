@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SMALL, compose_config, run_cli
-from test_checkpoint import InjectedFailure, check_resumed
-from test_equivalence import TOL, max_diff
+from helpers import REPO, SMALL, TOL, check_resumed, compose_config, max_diff, run_cli
 
+from dpresearch.run.trainer import InjectedFailure
 from dpresearch.train import train
 
 DOC = REPO / "docs" / "extending.md"

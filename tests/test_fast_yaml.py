@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CONF_DIR, compose_config
+from helpers import CONF_DIR, compose_config
 from omegaconf import OmegaConf
 
 from dpresearch.analysis.fast_yaml import Unsupported, _parse, load_config

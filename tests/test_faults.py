@@ -1,6 +1,7 @@
 """Faults a real-process run survives or ends cleanly (issue 9, item 5, acceptance E's
 launcher-level parts): a frozen worker ends the job within `backend.heartbeat_s` + 10 s naming
-it; SIGHUP under `setsid nohup` does not stop a gloo run."""
+it in one line (torch's own log of it in `train.log`, issue 33); SIGHUP under `setsid nohup`
+does not stop a gloo run."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SMALL, cli_env, load_scaled, worker_processes
+from helpers import SMALL, cli_env, load_scaled, worker_processes
 
 QUICK = [*SMALL, "data.num_train=256", "data.num_test=64", "train.log_every=1"]
 
@@ -72,9 +73,36 @@ def test_a_stopped_worker_ends_the_job_within_the_heartbeat(tmp_path):
     print(f"worker 1 stopped; the job ended {took:.1f} s later (load {os.getloadavg()[0]:.1f})")
     assert proc.returncode == 1, err[-3000:]
     assert took <= heartbeat_s + load_scaled(10 + shared_machine_margin_s), f"took {took:.1f} s"
-    last = [ln for ln in err.splitlines() if ln.startswith("error: ")][-1]
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    # our one line, torch's own log (the agent's ~50 lines: the peer's traceback) in train.log
+    assert len(lines) == 1, err[-3000:]
+    last = lines[0]
     assert last.startswith(f"error: worker 1 (pid {frozen}) showed no sign of life"), last
     assert "backend.heartbeat_s=5" in last
+    assert "torch/distributed/elastic" in (run_dir / "train.log").read_text()
+
+
+def test_torch_logs_go_to_the_log_file_not_the_console(tmp_path, monkeypatch, capfd):
+    """torch's own handlers (stderr) are swapped for the job's log file during a
+    launch, and put back after it."""
+    import importlib
+    import logging
+
+    from dpresearch.launch.console import LOG_ENV, torch_logs_to_file
+
+    importlib.import_module("torch.distributed")  # installs torch's own log handlers
+    log = tmp_path / "train.log"
+    monkeypatch.setenv(LOG_ENV, str(log))
+    agent = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    spawn = logging.getLogger("torch.multiprocessing.spawn")
+    before = [list(logging.getLogger(n).handlers) for n in ("torch", "torch.distributed")]
+    with torch_logs_to_file():
+        agent.error("failed (exitcode: 1) local_rank: 0")
+        spawn.warning("Terminating process 1 via signal SIGTERM")
+    assert "failed (exitcode: 1)" not in capfd.readouterr().err
+    assert "failed (exitcode: 1) local_rank: 0" in log.read_text()
+    assert "Terminating process 1" in log.read_text()
+    assert [logging.getLogger(n).handlers for n in ("torch", "torch.distributed")] == before
 
 
 @pytest.mark.slow

@@ -12,26 +12,29 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import (
+from helpers import (
     REPO,
     SMALL,
+    TOL,
     compose_config,
     free_port,
+    gap,
     load_scaled,
+    max_diff,
     run_cli,
+    run_ours,
+    spawn_sequence,
     torchrun_two_nodes,
 )
-from gloo_session import spawn_sequence
-from test_equivalence import TOL, max_diff, run_ours
 
 from dpresearch.algorithms.gossip import DPSGD
 from dpresearch.comm.distributed import DistributedCommunicator
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.config.validate import ConfigError, validate
-from dpresearch.launch.processes import network_model
 from dpresearch.models.mlp import MLP
 from dpresearch.replicas import Replicas
+from dpresearch.run.build import network_model
 from dpresearch.run.trainer import Trainer
 from dpresearch.train import train
 
@@ -41,9 +44,6 @@ COMMON = [*SMALL, "seed=3", "optimizer.momentum=0.9", f"train.steps={STEPS}", "t
 
 
 # -- B: gossip alone ----------------------------------------------------------------------------
-def gap(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest absolute difference (0 for empty tensors, e.g. a model without buffers)."""
-    return (a - b).abs().max().item() if a.numel() else 0.0
 
 
 def spread(x: torch.Tensor) -> float:

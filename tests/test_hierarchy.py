@@ -8,9 +8,8 @@ import math
 
 import pytest
 import torch
-from test_compressed_adam import trained as run
-from test_compressed_reduce import layout_of
-from test_equivalence import max_diff
+from helpers import layout_of, max_diff
+from helpers import trained_four_workers as run
 
 from dpresearch.comm.hierarchy import Hierarchy
 from dpresearch.comm.network import NetworkModel

@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from conftest import SMALL, cli_env, load_scaled, run_cli, torchrun_two_nodes
+from helpers import SMALL, cli_env, load_scaled, run_cli, torchrun_two_nodes
 
 
 def run_dirs(root):

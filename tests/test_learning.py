@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import SHARED, run_cli
+from helpers import SHARED, run_cli
 
 SUBSET = SHARED / "data" / "cifar10-subset"
 

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config
+from helpers import compose_config
 
 from dpresearch.data.least_squares import make_least_squares
 from dpresearch.data.partition import SharedPartitioner

@@ -14,19 +14,29 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SHARED, cli_env, compose_config, load_scaled, run_cli, terminal_signals
+from helpers import (
+    SHARED,
+    compose_config,
+    final_params,
+    load_scaled,
+    max_diff,
+    metric_lines,
+    run_cli,
+    same,
+    start_cli,
+    untimed,
+    wait_for_step,
+)
 
 from dpresearch.config.preflight import preflight
 from dpresearch.config.validate import ConfigError
-from dpresearch.run.checkpoint import latest_checkpoint, read_header
+from dpresearch.run.checkpoint_files import latest_checkpoint, read_header
 from dpresearch.run.trainer import InjectedFailure
 from dpresearch.train import train
 
@@ -43,29 +53,6 @@ LM = [
 ]  # fmt: skip
 DILOCO = ["algorithm=local_sgd", "algorithm.period=4", "outer=nesterov"]
 CASES = {"adamw": [], "diloco": DILOCO, "muon": ["optimizer=muon"]}
-# Values that differ between two runs of the same computation: wall-clock timings.
-TIMED = ("time/", "tokens_per_s")
-
-
-def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "model_final.pt")
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def metric_lines(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def untimed(line: dict) -> dict:
-    return {k: v for k, v in line.items() if not k.startswith(TIMED)}
 
 
 # -- 1. simulated ≡ gloo ------------------------------------------------------------------------
@@ -74,9 +61,9 @@ EQUIV = [*LM, "train.steps=12", "train.log_every=4"]
 
 @pytest.fixture(scope="module")
 def on_gloo(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
-    """Every case trained on the same 2 gloo processes, one after another (`gloo_session`: one
-    process start for all); the final parameters by case."""
-    from gloo_session import train_on_gloo
+    """Every case trained on the same 2 gloo processes, one after another
+    (`helpers.train_on_gloo`: one process start for all); the final parameters by case."""
+    from helpers import train_on_gloo
 
     folder = tmp_path_factory.mktemp("lm-gloo")
     jobs = [(compose_config(*EQUIV, *args, "backend=gloo"), folder / name)
@@ -154,32 +141,16 @@ def test_killed_and_resumed_equals_uninterrupted_gloo(tmp_path):
     check_killed_and_resumed(tmp_path, [*QUICK, *DILOCO, "backend=gloo"], ChildFailedError)
 
 
-def start_cli(args: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "dpresearch.train", *args],
-        cwd=cwd, env=cli_env(WANDB_MODE="disabled"), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=terminal_signals,
-    )  # fmt: skip
-
-
-def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: float) -> None:
-    deadline = time.monotonic() + load_scaled(timeout)
-    path = run_dir / "metrics.jsonl"
-    while True:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        lines = path.read_text().splitlines() if path.exists() else []
-        if lines and json.loads(lines[-1])["step"] >= step:
-            return
-        assert time.monotonic() < deadline, "the run logged too few steps in time"
-        time.sleep(0.05)
-
-
-def test_kill_9_then_resume_equals_uninterrupted(tmp_path):
-    """A real SIGKILL of a command-line GPT run after its first checkpoint: the resumed run
-    (`train.resume=auto`) ends as an uninterrupted one, parameters bit for bit and metrics line
-    for line, its sample the same text."""
+@pytest.mark.parametrize(
+    "case", ["adamw", pytest.param("diloco", marks=pytest.mark.slow),
+             pytest.param("muon", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_kill_9_then_resume_equals_uninterrupted(case, tmp_path):
+    """A real SIGKILL of a command-line GPT run after its first checkpoint (AdamW; DiLoCo and
+    Muon in the slow suite): the resumed run (`train.resume=auto`) ends as an uninterrupted one,
+    parameters bit for bit and metrics line for line, its sample the same text."""
     run_dir = tmp_path / "run"
-    args = [*LM, "train.steps=200", "train.log_every=1", "train.eval_every=100",
+    args = [*LM, *CASES[case], "train.steps=200", "train.log_every=1", "train.eval_every=100",
             "train.checkpoint_every=10"]  # fmt: skip
     proc = start_cli([*args, f"hydra.run.dir={run_dir}"], tmp_path)
     try:
@@ -233,7 +204,7 @@ def rows_after(*overrides: str, mode: str) -> tuple[torch.Tensor, torch.Tensor, 
     """The parameter rows after a simulated float64 run of `overrides` with
     `train.batched_workers=mode`, the rows before it, and the compute object."""
     from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.launch.processes import network_model
+    from dpresearch.run.build import network_model
     from dpresearch.run.trainer import Trainer
 
     cfg = compose_config(*overrides, f"train.batched_workers={mode}", "train.save_model=false")
@@ -338,8 +309,7 @@ def test_ddp_hook_trains_the_gpt_as_the_simulated_reducer(tmp_path, one_thread):
     """torch DDP + the compressed hook (TopK + EF14) on 2 gloo ranks = `CompressedReducer` on 2
     simulated workers for the GPT, whose output head is tied to its token embedding (one
     parameter, one chunk, one error-feedback column range)."""
-    from conftest import free_port
-    from gloo_session import spawn_sequence
+    from helpers import free_port, spawn_sequence
 
     from dpresearch.comm.network import NetworkModel
     from dpresearch.comm.simulated import SimulatedCommunicator

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import free_port, load_scaled
-from gloo_session import spawn_sequence
+from helpers import free_port, load_scaled, spawn_sequence
 
 from dpresearch.comm.base import PeerTimeout
 from dpresearch.comm.distributed import DistributedCommunicator, pack, packed_size, unpack, views

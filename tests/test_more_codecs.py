@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from test_compressed_reduce import layout_of
+from helpers import layout_of
 
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator

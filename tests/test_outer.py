@@ -25,40 +25,31 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import SHARED, SMALL, compose_config, free_port, load_scaled, run_cli
+from helpers import SMALL_512 as QUICK
+from helpers import (
+    SUBSET,
+    SYNTHETIC_SMALL,
+    compose_config,
+    free_port,
+    gap,
+    load_scaled,
+    run_cli,
+)
+from helpers import finished_run as run
 from hydra.utils import instantiate
-from test_bad_input import SYNTHETIC_SMALL, run_main
 
 from dpresearch.algorithms.outer.fragments import Schedule, blocks_of, split
 from dpresearch.comm.distributed import DistributedCommunicator
 from dpresearch.comm.ledger import CommOp
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
-from dpresearch.launch.processes import network_model
-from dpresearch.run.checkpoint import latest_checkpoint
+from dpresearch.run.build import network_model
+from dpresearch.run.checkpoint_files import latest_checkpoint
 from dpresearch.run.trainer import InjectedFailure, Trainer
 from dpresearch.train import train
 
-SUBSET = SHARED / "data" / "cifar10-subset"
 TOL = 1e-6
-QUICK = [*SMALL, "data.num_train=512", "data.num_test=64", "train.batch_size=16"]
 LOCAL = ["algorithm=local_sgd", "optimizer.momentum=0.9"]
-
-
-def run(*overrides: str) -> Trainer:
-    """A finished simulated run of QUICK (the synthetic data set; not with an experiment) +
-    overrides, one thread, deterministic sums; the trainer after it."""
-    torch.set_num_threads(1)
-    own = any(o.startswith("experiment=") for o in overrides)
-    cfg = compose_config(*(["train.progress=false"] if own else QUICK), *overrides)
-    comm = SimulatedCommunicator(cfg.workers, network_model(cfg), deterministic=True)
-    trainer = Trainer(cfg, comm, torch.device("cpu"), None)
-    trainer.summary = trainer.run()
-    return trainer
-
-
-def gap(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
 def spread(rows: torch.Tensor) -> float:
@@ -512,7 +503,7 @@ def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_every_worker_matches_between_simulated_and_gloo(tmp_path):
-    from gloo_session import spawn_sequence
+    from helpers import spawn_sequence
 
     spawn_sequence(4, [(_gloo_worker, (4, free_port(), str(tmp_path)))])
     real = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
@@ -534,44 +525,6 @@ def test_every_worker_matches_between_simulated_and_gloo(tmp_path):
 
 
 # -- bad input: one line naming the fix, before any worker starts --------------------------------
-DRIFT = ["algorithm=local_sgd", "outer=nesterov"]
-BAD = [
-    (["outer=nesterov"], "SyncSGD is not one; use algorithm=local_sgd (period 1 is synchronous"),
-    (["algorithm=async_sgd", "outer=nesterov"], "AsyncSGD is not one"),
-    (["algorithm=sgp", "outer=slowmo"], "outer.period is required: SGP has no averaging period"),
-    ([*DRIFT, "outer.fragments=4"], "outer.fragments=4: the model has 3 blocks of layers"),
-    ([*DRIFT, "algorithm.period=8", "outer.overlap=8"], "use 0 <= overlap < period"),
-    ([*DRIFT, "algorithm.period=2", "outer.fragments=3"], "at most one fragment starts per step"),
-    ([*DRIFT, "outer.mix=1"], "outer.mix=1: the share of local progress kept at a merge"),
-    ([*DRIFT, "outer.inner_state=zero"], "outer.inner_state=zero; choose one of: keep, reset"),
-    ([*DRIFT, "outer.fragment_pattern=random"], "choose one of: sequential, strided"),
-    ([*DRIFT, "outer.optimizer.lr=-1"], "outer.optimizer.lr=-1: must be a number >= 0"),
-    ([*DRIFT, "outer.optimizer.momentum=0"], "outer: Nesterov momentum requires a momentum"),
-    ([*DRIFT, "outer.perod=4"], "outer.perod is not an option of"),
-    ([*DRIFT, "algorithm.sync_epochs=1"], "set algorithm.sync_epochs=0"),
-    ([*DRIFT, "algorithm.average_optimizer_state=true"], "outer.inner_state=average"),
-    (
-        [*DRIFT, "compressor@outer.compressor=topk", "outer.compressor.ratio=2"],
-        "outer.compressor.ratio=2: must be in (0, 1]",
-    ),
-    (
-        [*DRIFT, "compressor@outer.compressor=signum", "error_feedback@outer.error_feedback=ef14"],
-        "use error_feedback@outer.error_feedback=none",
-    ),
-]
-
-
-@pytest.mark.parametrize("args,fragment", BAD, ids=[" ".join(a) for a, _ in BAD])
-def test_bad_outer_input_is_one_line_before_any_worker(args, fragment, tmp_path, monkeypatch,
-                                                       capsys):  # fmt: skip
-    run_dir = tmp_path / "run"
-    args = [*SYNTHETIC_SMALL, *args, f"hydra.run.dir={run_dir}"]
-    code, out, err = run_main(args, tmp_path, monkeypatch, capsys)
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert fragment in lines[0], lines[0]
-    assert not run_dir.exists() and list(tmp_path.iterdir()) == []
 
 
 def test_bad_outer_input_on_the_command_line_with_gloo(tmp_path):
@@ -604,8 +557,7 @@ RESUME_CASES = {
 
 @pytest.mark.parametrize("case", list(RESUME_CASES))
 def test_killed_and_resumed_equals_uninterrupted(case, tmp_path, one_thread):
-    from test_checkpoint import QUICK as CHECKPOINTED
-    from test_checkpoint import check_resumed
+    from helpers import CHECKPOINTED, check_resumed
 
     args = [*CHECKPOINTED, "workers=4", *RESUME_CASES[case]]
     if case.startswith("streaming"):
@@ -627,8 +579,7 @@ def test_kill_9_resumes_exactly(case, tmp_path):
     """A real SIGKILL of DiLoCo, SlowMo over SGP, Streaming DiLoCo (every checkpoint it could
     resume from holds fragments in flight) and DiLoCo with top-k + EF14 (a non-zero memory in
     every checkpoint): the resumed run ends bit for bit as an uninterrupted one."""
-    from test_checkpoint import QUICK as CHECKPOINTED
-    from test_checkpoint import final_params, metric_lines, same, start_cli, wait_for_step
+    from helpers import CHECKPOINTED, final_params, metric_lines, same, start_cli, wait_for_step
 
     run_dir = tmp_path / "run"
     args = [*CHECKPOINTED, "workers=4", *RESUME_CASES[case], "train.steps=300",
@@ -670,8 +621,7 @@ def test_killed_and_resumed_gloo_with_background_fragments_in_flight(tmp_path):
     """Streaming DiLoCo on 2 gloo processes, fragments allreduced in the background (ring,
     not deterministic): the checkpoint waits for the ones in flight; a worker process dies at
     step 35, the resumed run ends bit for bit as the uninterrupted one."""
-    from test_checkpoint import QUICK as CHECKPOINTED
-    from test_checkpoint import check_resumed
+    from helpers import CHECKPOINTED, check_resumed
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = [*CHECKPOINTED, "workers=2", *RESUME_CASES["streaming"], "backend=gloo",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import SMALL, run_cli
+from helpers import SMALL, run_cli
 
 from dpresearch.config.sweep import NAME_MAX_BYTES, safe_folder_name
 from dpresearch.study import load_study, run_study

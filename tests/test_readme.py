@@ -34,8 +34,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from analysis_fixtures import ramp, write_run
-from conftest import REPO, SHARED, cli_env, load_scaled
+from helpers import REPO, SHARED, cli_env, load_scaled, ramp, write_run
 
 README = REPO / "README.md"
 SUBSET = SHARED / "data" / "cifar10-subset"
@@ -45,39 +44,46 @@ SKIPPED = {
     "bash scripts/run.sh": "installs into .venv, downloads CIFAR-10 (170 MB) and trains for "
     "hours; the job it starts (experiment=resnet20_cifar10) runs here with tiny step counts "
     "in the checkpoint examples",
-    "bash scripts/run.sh data.root=/path/to/parent-of-cifar-10-batches-py data.download=false":
-    "installs into .venv; a placeholder path; the same entry point runs here on the CIFAR "
-    "subset (DPRESEARCH_DATA)",
+    "bash scripts/run.sh data.root=/path/to/parent-of-cifar-10-batches-py data.download=false": (
+        "installs into .venv; a placeholder path; the same entry point runs here on the CIFAR "
+        "subset (DPRESEARCH_DATA)"
+    ),
     "bash scripts/test.sh": "the test suite itself",
     "bash scripts/test.sh --all": "the test suite itself",
+    "bash scripts/test.sh -m quick": "the test suite itself",
     "bash scripts/test.sh -m slow": "the test suite itself",
     "bash scripts/test.sh --durations=0 --cpu-durations=0": "the test suite itself",
     "eval $(dpresearch-train -sc install=bash)": "registers a completion in the reader's "
     "shell; the script it evaluates is checked in tests/test_wheel.py (installed console "
     "script) and the completions it offers in tests/test_cli.py",
     "python -m dpresearch.train -m hydra/launcher=slurm hydra.launcher.partition=gpu "
-    "backend=nccl workers=4 hydra.launcher.gpus_per_node=4 seed=0,1,2":
-    "needs a SLURM cluster with GPUs; the launcher's settings are checked with --cfg hydra "
-    "in tests/test_sweeps.py",
+    "backend=nccl workers=4 hydra.launcher.gpus_per_node=4 seed=0,1,2": (
+        "needs a SLURM cluster with GPUs; the launcher's settings are checked with --cfg hydra "
+        "in tests/test_sweeps.py"
+    ),
     "torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint "
     "$HOST0:29400 --rdzv-id myrun -m dpresearch.train backend=nccl workers=8 "
-    "experiment=resnet20_cifar10":
-    "needs two machines with GPUs (NCCL); torchrun across two 'nodes' on one machine is "
-    "tested on gloo in tests/test_launch.py and tests/test_gossip.py",
-    "python -m dpresearch.study run my_study.yaml --launcher hydra --hydra-launcher slurm":
-    "needs a SLURM cluster; the hydra launcher is tested with the basic launcher in "
-    "tests/test_study.py",
+    "experiment=resnet20_cifar10": (
+        "needs two machines with GPUs (NCCL); torchrun across two 'nodes' on one machine is "
+        "tested on gloo in tests/test_launch.py and tests/test_gossip.py"
+    ),
+    "python -m dpresearch.study run my_study.yaml --launcher hydra --hydra-launcher slurm": (
+        "needs a SLURM cluster; the hydra launcher is tested with the basic launcher in "
+        "tests/test_study.py"
+    ),
     "python experiments/bench/spine_step_time.py": "a benchmark (minutes); its cases are "
     "smoke-tested through experiments/bench's shared harness",
     "python -m dpresearch.study run experiments/compression_subset/study.yaml --jobs 2 "
     "--report": "the shipped study (about 6.5 h on this machine); its YAML composes and "
     "validates in tests/test_study.py",
-    "python -m dpresearch.study run experiments/gossip_subset/study.yaml --jobs 2 --report":
-    "the shipped gossip study (about 50 points of minutes each); its YAML composes and "
-    "validates in tests/test_study.py",
-    "python -m dpresearch.study run experiments/async/least_squares.yaml --jobs 2 --report":
-    "the shipped asynchronous study (about 40 points); its YAML composes and validates in "
-    "tests/test_study.py",
+    "python -m dpresearch.study run experiments/gossip_subset/study.yaml --jobs 2 --report": (
+        "the shipped gossip study (about 50 points of minutes each); its YAML composes and "
+        "validates in tests/test_study.py"
+    ),
+    "python -m dpresearch.study run experiments/async/least_squares.yaml --jobs 2 --report": (
+        "the shipped asynchronous study (about 40 points); its YAML composes and validates in "
+        "tests/test_study.py"
+    ),
     "python experiments/bench/async_overhead.py": "a benchmark (64 workers x 10,000 pushes)",
 }
 # Appended to each command of a kind in the slow run: tiny step counts.
@@ -389,7 +395,7 @@ def write_readme_study(folder: Path, tiny: bool) -> Path:
 def test_readme_yaml_blocks_parse_and_the_study_composes(tmp_path, cifar_subset):
     """The study example loads; each point composes and validates, and one passes the whole
     preflight (data, model, optimizer, schedule)."""
-    from conftest import compose_config
+    from helpers import compose_config
 
     from dpresearch.config.preflight import preflight
     from dpresearch.config.validate import validate

@@ -14,8 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
-from test_bad_input import run_main
+from helpers import run_cli, run_main
 
 import dpresearch.train as entry
 from dpresearch.run.resume import trajectory_differences
@@ -149,7 +148,7 @@ def test_resume_auto_of_a_finished_run_writes_nothing(finished, tmp_path, monkey
 
 
 def test_trajectory_differences_names_nodes_once_and_skips_bookkeeping():
-    from conftest import compose_config
+    from helpers import compose_config
     from omegaconf import OmegaConf
 
     base = compose_config(*RUN)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CONF_DIR, SMALL, cli_env, load_scaled, run_cli
+from helpers import CONF_DIR, SMALL, cli_env, load_scaled, run_cli
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 

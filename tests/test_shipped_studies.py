@@ -9,7 +9,7 @@ import re
 from collections import Counter
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from dpresearch.study import load_study
 from dpresearch.study.report import build, load_data, relative, write

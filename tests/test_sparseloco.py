@@ -21,9 +21,18 @@ import signal
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SHARED, compose_config, free_port, load_scaled, run_cli
-from test_bad_input import SYNTHETIC_SMALL, run_main
-from test_outer import QUICK, gap, run
+from helpers import (
+    SHARED,
+    SYNTHETIC_SMALL,
+    compose_config,
+    free_port,
+    gap,
+    load_scaled,
+    run_cli,
+    run_main,
+)
+from helpers import SMALL_512 as QUICK
+from helpers import finished_run as run
 from torch import nn
 
 from dpresearch.algorithms.local_sgd import LocalSGD
@@ -33,9 +42,9 @@ from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.compress import Chunk, CompressedReducer, ErrorFeedback, TopK
 from dpresearch.compress.quantized_topk import QuantizedTopK
-from dpresearch.launch.processes import network_model
 from dpresearch.replicas import Replicas
-from dpresearch.run.checkpoint import latest_checkpoint
+from dpresearch.run.build import network_model
+from dpresearch.run.checkpoint_files import latest_checkpoint
 from dpresearch.run.trainer import InjectedFailure, Trainer
 from dpresearch.train import train
 
@@ -293,7 +302,7 @@ def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
 def test_simulated_k2_equals_two_gloo_processes(tmp_path):
     """SparseLoCo over local SGD on 2 gloo processes (one worker each, an allgather of the
     quantized messages) ends with the simulated K = 2 run's parameters (≤ 1e-6), bytes, ops."""
-    from gloo_session import spawn_sequence
+    from helpers import spawn_sequence
 
     spawn_sequence(2, [(_gloo_worker, (2, free_port(), str(tmp_path)))])
     simulated = run(*GLOO_ARGS)
@@ -309,8 +318,7 @@ def test_simulated_k2_equals_two_gloo_processes(tmp_path):
 def test_killed_and_resumed_equals_uninterrupted(tmp_path, one_thread):
     """A run that dies at step 35 after a checkpoint at 30 (period 4: the accumulators there
     are non-zero), resumed, ends bit for bit as the uninterrupted run, metrics and bytes too."""
-    from test_checkpoint import QUICK as CHECKPOINTED
-    from test_checkpoint import check_resumed
+    from helpers import CHECKPOINTED, check_resumed
 
     check_resumed(tmp_path, [*CHECKPOINTED, "workers=4", *SPARSELOCO, *SMALL_BLOCKS],
                   InjectedFailure)  # fmt: skip
@@ -320,8 +328,7 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, one_thread):
 def test_kill_9_then_resume_auto_is_exact(tmp_path):
     """A real SIGKILL of a command-line SparseLoCo run (every checkpoint holds non-zero
     accumulators), then `train.resume=auto`: bit for bit the uninterrupted run."""
-    from test_checkpoint import QUICK as CHECKPOINTED
-    from test_checkpoint import final_params, metric_lines, same, start_cli, wait_for_step
+    from helpers import CHECKPOINTED, final_params, metric_lines, same, start_cli, wait_for_step
 
     run_dir = tmp_path / "run"
     args = [*CHECKPOINTED, "workers=4", *SPARSELOCO, *SMALL_BLOCKS, "train.steps=300",

@@ -20,16 +20,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SHARED, SMALL, compose_config, load_scaled, run_cli
-from test_bad_input import SYNTHETIC_SMALL, run_main
+from helpers import (
+    SHARED,
+    SMALL,
+    SYNTHETIC_SMALL,
+    compose_config,
+    gap,
+    load_scaled,
+    run_cli,
+    run_main,
+)
 
 from dpresearch.algorithms.sparta import SPARTA
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.compress.rng import stream_seed
-from dpresearch.launch.processes import network_model
 from dpresearch.replicas import Replicas
-from dpresearch.run.checkpoint import latest_checkpoint
+from dpresearch.run.build import network_model
+from dpresearch.run.checkpoint_files import latest_checkpoint
 from dpresearch.run.trainer import InjectedFailure, Trainer
 from dpresearch.train import train
 
@@ -48,10 +56,6 @@ def run(*overrides: str) -> Trainer:
     trainer = Trainer(cfg, comm, torch.device("cpu"), None)
     trainer.summary = trainer.run()
     return trainer
-
-
-def gap(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
 # -- A. the subsets and the update ----------------------------------------------------------------
@@ -294,7 +298,7 @@ def test_sparta_under_diloco_adds_the_outer_rounds():
 def test_simulated_equals_gloo(tmp_path):
     """2 simulated workers and 2 gloo processes give the same final model (≤ 1e-6) and bytes,
     for SPARTA (Bernoulli sets) and SPARTA + DiLoCo."""
-    from gloo_session import train_on_gloo
+    from helpers import train_on_gloo
 
     cases = {
         "sparta": [*SPARTA_ARGS, "algorithm.selection=bernoulli"],
@@ -330,8 +334,7 @@ RESUME_CASES = {
 def test_killed_and_resumed_equals_uninterrupted(case, tmp_path, one_thread):
     """Killed at step 35 after the checkpoint at 30, resumed with train.resume=auto: the same
     final parameters (torch.equal), metric lines and bytes as an uninterrupted run."""
-    from test_checkpoint import QUICK as CHECKPOINTED
-    from test_checkpoint import check_resumed
+    from helpers import CHECKPOINTED, check_resumed
 
     check_resumed(tmp_path, [*CHECKPOINTED, "workers=4", *RESUME_CASES[case]], InjectedFailure)
 
@@ -340,8 +343,7 @@ def test_kill_9_then_resume_auto_is_bit_identical(tmp_path):
     """A real SIGKILL of SPARTA + DiLoCo on the command line after a checkpoint; the resumed
     run (`train.resume=auto`) logs every step once and ends bit for bit as an uninterrupted
     run: the subsets come from (seed, step), nothing of them needs saving."""
-    from test_checkpoint import QUICK as CHECKPOINTED
-    from test_checkpoint import final_params, metric_lines, same, start_cli, wait_for_step
+    from helpers import CHECKPOINTED, final_params, metric_lines, same, start_cli, wait_for_step
 
     run_dir = tmp_path / "run"
     args = [*CHECKPOINTED, "workers=4", *RESUME_CASES["sparta_bernoulli_diloco"],

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import yaml
-from conftest import REPO, SMALL, compose_config
+from helpers import REPO, SMALL, compose_config
 
 from dpresearch.config.validate import validate
 from dpresearch.run.trainer import InjectedFailure
@@ -230,6 +230,7 @@ BAD_STUDIES = [
     ({"select": "val/acc:best"}, "select: mode 'best' in 'val/acc:best'"),
     ({"select": "val/acc:max"}, "needs a validation split, but case 'dense' has train.val_size=0"),
     ({"target": {"metric": "tset/acc", "value": 0.5}}, "target.metric: 'tset/acc' is not"),
+    ({"network": "carrier_pigeon"}, "network: 'carrier_pigeon' is not a network preset"),
 ]
 
 

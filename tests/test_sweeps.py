@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import SMALL, run_cli
+from helpers import SMALL, run_cli
 
 QUICK = [*SMALL, "data.num_train=256", "data.num_test=64", "train.steps=4", "train.log_every=2"]
 
@@ -53,9 +53,7 @@ def check_parallel_gloo_sweep(tmp_path: Path, seeds: list[int]) -> None:
     )  # fmt: skip
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     started = points(sweep)
-    assert sorted(name.split("seed=")[1].split(",")[0] for name in started) == list(
-        map(str, seeds)
-    )
+    assert sorted(name.split("seed=")[1].split(",")[0] for name in started) == list(map(str, seeds))
     for directory in started.values():
         assert json.loads((directory / "summary.json").read_text())["total_steps"] == 4
     for job in range(len(seeds)):

@@ -14,13 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SHARED, compose_config, run_cli
+from helpers import SHARED, compose_config, run_cli, run_main
 from hydra.utils import instantiate
 
-import dpresearch.train as entry
 from dpresearch.data.text import TEXT_PARTITIONS, TextDataset, WindowPartitioner
 from dpresearch.data.tokenize import Vocabulary, make_vocabulary
-from dpresearch.launch.provenance import COMMAND_ENV
 
 WORKS = SHARED / "data" / "shakespeare" / "works"
 SUBSET = SHARED / "data" / "cifar10-subset"
@@ -430,21 +428,6 @@ def test_a_negative_id_is_named_in_its_line(tmp_path):
 
 
 # -- bad input: one `error:` line, exit 2, before any worker starts -----------------------------
-def run_main(args: list[str], tmp_path: Path, monkeypatch, capsys) -> tuple[int, str, str]:
-    """`python -m dpresearch.train args` in this process, from `tmp_path`; Hydra never starts
-    (a case that passes every check fails the test)."""
-
-    def hydra_started() -> None:
-        raise AssertionError("the checks passed: this input was accepted")
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv(COMMAND_ENV, raising=False)
-    monkeypatch.setattr(entry, "_hydra_main", hydra_started)
-    monkeypatch.setattr(sys, "argv", ["dpresearch.train", *args])
-    with pytest.raises(SystemExit) as stopped:
-        entry.main()
-    out = capsys.readouterr()
-    return stopped.value.code, out.out, out.err
 
 
 def make_inputs(tmp: Path) -> None:

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import SMALL, compose_config
+from helpers import SMALL, compose_config
 
 from dpresearch.launch import threads
 from dpresearch.study import launcher

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, free_port
-from gloo_session import spawn_sequence
+from helpers import compose_config, free_port, spawn_sequence
 
 from dpresearch.comm.ledger import CommLedger
 from dpresearch.comm.network import NetworkModel
@@ -105,7 +104,7 @@ def _overlap_worker(rank: int, port: int, out: str, rounds: int = ROUNDS) -> Non
 
     from dpresearch.comm.distributed import DistributedCommunicator
     from dpresearch.config.validate import prepare_data
-    from dpresearch.launch.processes import network_model
+    from dpresearch.run.build import network_model
     from dpresearch.run.trainer import Trainer
 
     torch.set_num_threads(1)

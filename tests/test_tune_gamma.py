@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO, run_cli
+from helpers import REPO, run_cli
 
 from dpresearch.tune_gamma import compose_tuning_config, tune
 

@@ -16,10 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
-from test_bad_input import SYNTHETIC_SMALL, run_main
+from helpers import SYNTHETIC_SMALL, run_cli, run_main
 
-from dpresearch.run.checkpoint import FORMAT, CheckpointError, load_checkpoint, read_header
+from dpresearch.run.checkpoint_files import FORMAT, CheckpointError, load_checkpoint, read_header
 
 
 class Payload:

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 import yaml
-from conftest import SMALL, run_cli
+from helpers import SMALL, load_scaled, run_cli
 from omegaconf import OmegaConf
 
 from dpresearch.run.logger import RunLogger
@@ -37,6 +37,44 @@ def test_unreachable_server_falls_back_to_offline_and_the_run_completes(tmp_path
     assert f"logging offline to {run_dir / 'wandb'}" in lines[0]
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
     assert (run_dir / "summary.json").exists()
+
+
+def test_a_server_that_never_answers_falls_back_within_15_s(tmp_path, monkeypatch, capsys):
+    """No network (here: a local port that accepts connections and never answers, so nothing
+    leaves this machine): the start falls back to offline in one line within 15 s, with the
+    default `logger.init_timeout_s` (30 s; W&B itself took 40 s here, 90 s without a network)."""
+    import time
+
+    import wandb
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)  # the kernel completes connections; no one ever reads them
+    url = f"http://127.0.0.1:{hole.getsockname()[1]}"
+    monkeypatch.setenv("WANDB_BASE_URL", url)
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")
+    monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    wandb.teardown()
+    cfg = OmegaConf.create(
+        {"wandb": True, "mode": "online", "project": "p", "entity": None, "name": "n",
+         "group": "g", "job_type": None, "tags": [], "init_timeout_s": 30}
+    )  # fmt: skip
+    try:
+        started = time.monotonic()
+        logger = RunLogger(tmp_path / "run", {"seed": 0}, cfg)
+        took = time.monotonic() - started
+        logger.log({"step": 1, "train/loss": 1.0})
+        logger.finish({"train/loss": 1.0})
+    finally:
+        hole.close()
+        wandb.teardown()
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and f"W&B online start failed (no answer from {url} within" in err[0]
+    assert took <= load_scaled(15), f"{took:.1f} s"
+    assert len(list((tmp_path / "run" / "wandb").glob("offline-run-*"))) == 1
 
 
 def test_no_api_key_falls_back_to_offline(tmp_path, monkeypatch, capsys):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, load_scaled
+from helpers import REPO, load_scaled
 
 # What the wheel is built from (pyproject.toml's packages and readme).
 SOURCES = ("pyproject.toml", "README.md", "dpresearch", "hydra_plugins")

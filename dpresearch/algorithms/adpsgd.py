@@ -52,17 +52,11 @@ from dpresearch.algorithms.choco import check_gamma
 from dpresearch.algorithms.gossip import Gossip, build_topology
 from dpresearch.asynchrony.clock import EventClock, transfer_seconds
 from dpresearch.asynchrony.options import AsyncOptions, check_options
-from dpresearch.asynchrony.push import parameter_chunks
 from dpresearch.asynchrony.speed import DrawStream, SpeedModel
+from dpresearch.asynchrony.staleness import count_tau, mean_tau
 from dpresearch.comm.base import Communicator
 from dpresearch.comm.topology import Topology
-from dpresearch.compress import (
-    Codec,
-    Identity,
-    build_compressor,
-    check_algorithm_node,
-    check_pairing,
-)
+from dpresearch.compress import ChannelNeeds, Codec, open_channel
 from dpresearch.compress.rng import stream_seed
 from dpresearch.replicas import Replicas
 
@@ -132,6 +126,7 @@ class ADPSGD(Gossip):
 
     # one gradient per step; a dropped one would leave its worker without a next event
     traits = Traits(skippable=False, messages=True)
+    channel = ChannelNeeds.gossip("AD-PSGD")
 
     def __init__(
         self,
@@ -159,13 +154,13 @@ class ADPSGD(Gossip):
         self._has_buffers = mix_buffers and buffers.shape[1] > 0
         check_gamma(gamma)
         self.gamma = float(gamma)
-        method = build_compressor(compressor, seed)
-        check_pairing(method, None, "gossip")
-        self.codec: Codec | None = None
-        if type(method) is not Identity or gamma != 1.0:  # else the plain average
-            chunks = parameter_chunks(replicas.models[0], granularity, bucket_mb,
-                                      params.element_size())  # fmt: skip
-            self.codec = method.codec(chunks, params.dtype, params.device, comm.local_workers)
+        # identity and γ = 1: the plain average, no codec
+        link = open_channel(
+            self.channel, replicas.models[0], params, comm.local_workers, compressor, None,
+            seed, granularity, bucket_mb, shortcut=gamma == 1.0,
+        )  # fmt: skip
+        self.codec: Codec | None = link.codec
+        if self.codec is not None:
             # x̂ of every directed edge with an end here (simulated: all of them)
             peers = self.pairing.peers
             edges = [(a, b) for a in range(k) for b in peers[a]
@@ -174,10 +169,7 @@ class ADPSGD(Gossip):
             self.hat = params.new_zeros((len(edges), params.shape[1]))
             self.sent = params.new_empty((2, params.shape[1]))  # each side's decoded message
             self.delta = params.new_empty((1, params.shape[1]))
-        row_bytes = (
-            self.codec.wire_bytes if self.codec is not None
-            else params.shape[1] * params.element_size()
-        )  # fmt: skip
+        row_bytes = link.wire_bytes
         if self._has_buffers:
             row_bytes += buffers.shape[1] * buffers.element_size()
         self.clock = EventClock(self.speed, 0.0, transfer_seconds(comm.ledger.network, row_bytes))
@@ -208,7 +200,6 @@ class ADPSGD(Gossip):
         if opts.delay is not None:
             raise ValueError("algorithm=adpsgd has no fixed-delay mode; drop async.delay")
         check_gamma(alg.get("gamma", 1.0))
-        check_algorithm_node(alg, "gossip")
         if cfg.backend.name != "simulated" and opts.order != "seeded":
             raise ValueError(
                 f"algorithm=adpsgd on real processes (backend={cfg.backend.name}) replays the "
@@ -274,9 +265,7 @@ class ADPSGD(Gossip):
             self.optimizers[here].step()
             self.read[here].copy_(params[here])  # i starts its next gradient on this
         tau, self.changed[i] = self.changed[i], 0
-        if tau >= len(self.histogram):
-            self.histogram.extend([0] * (tau + 1 - len(self.histogram)))
-        self.histogram[tau] += 1
+        count_tau(self.histogram, tau)
         self._window.append(tau)
         self.clock.start(i)
 
@@ -346,10 +335,9 @@ class ADPSGD(Gossip):
         }
 
     def summary(self) -> dict[str, Any]:
-        total = sum(self.histogram)
-        mean = sum(t * n for t, n in enumerate(self.histogram)) / total if total else 0.0
         return {"adpsgd/tau_histogram": list(self.histogram),
-                "adpsgd/staleness_mean_run": mean, "adpsgd/pairs": self.pairs}  # fmt: skip
+                "adpsgd/staleness_mean_run": mean_tau(self.histogram),
+                "adpsgd/pairs": self.pairs}  # fmt: skip
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:

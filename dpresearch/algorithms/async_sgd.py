@@ -7,7 +7,8 @@ Every step of the server's loop is one push: the transport names the next pushin
 (the event clock's earliest arrival; on real ranks, whoever pushes next, or the clock's worker
 with `async.order=seeded`). Simulated, w's replica row still holds the parameters it pulled
 (version v) and the loop runs its forward/backward on its next batch. `after_backward` takes
-w's push (the gradient, compressed with w's own error feedback if configured), the server
+w's push (the gradient, compressed with w's own error feedback if configured, through the
+push channel `compress.open_channel(AsyncSGD.channel, ...)`), the server
 applies it by protocol and staleness policy (`asynchrony/server.py`, τ = version − v), and
 every worker the protocol releases pulls the server's parameters and starts its next gradient.
 So one step consumes one batch: an epoch is K × (batches per worker) steps, and `train.steps`
@@ -26,6 +27,9 @@ algorithm's part for worker ranks): a step receives the server's next message �
 (compute on it, push) or a control (checkpoint now, finish, stop) — so checkpoints, stop requests
 and the end of the run reach every process through the server (`agree`).
 
+The modes are `AsyncSGD.mode` objects behind one interface (`Streamed`, `FixedDelay`); where the
+workers run is the transport's business (`open_transport`), never the algorithm's.
+
 Fixed-delay mode (`async.delay=τ`, simulated): step t is computed by worker t mod K on
 x_{max(0, V−τ)} (V the server's version), read from a ring buffer of the last τ + 1 server
 states, and applied at once: x_{V+1} = x_V − η·g(x_{V−τ}).
@@ -39,6 +43,7 @@ message and float buffers; a pull is sent by the server and charged to nobody),
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -52,22 +57,26 @@ from dpresearch.algorithms.base import Algorithm, StepPlan, Traits, Verdict
 from dpresearch.asynchrony.clock import EventClock, transfer_seconds
 from dpresearch.asynchrony.options import AsyncOptions, check_options
 from dpresearch.asynchrony.protocol import ASGD, Protocol
-from dpresearch.asynchrony.push import PushCodec
 from dpresearch.asynchrony.server import ParameterServer
 from dpresearch.asynchrony.speed import SpeedModel
 from dpresearch.asynchrony.staleness import StalenessPolicy
 from dpresearch.asynchrony.transport import (
+    CHECKPOINT,
+    DIVERGED,
+    FINISH,
     HEADER,
+    IO_FAILED,
     PULL,
     SERVER_RANK,
+    STOP,
     EventTransport,
     ProcessTransport,
+    open_transport,
     pull_message,
     push_message,
-    verdict_of,
 )
 from dpresearch.comm.base import Communicator
-from dpresearch.compress import check_algorithm_node
+from dpresearch.compress import ChannelNeeds, open_channel
 from dpresearch.replicas import Replicas
 
 DEFAULT_PROTOCOL = {"_target_": "dpresearch.asynchrony.protocol.ASGD"}
@@ -78,10 +87,31 @@ def uses_channels_last(replicas: Replicas) -> bool:
     return any(p.dim() == 4 and not p.is_contiguous() for p in replicas.models[0].parameters())
 
 
-def push_codec(replicas: Replicas, workers: list[int], compressor, error_feedback, seed: int,
-               granularity: str, bucket_mb: float) -> PushCodec:  # fmt: skip
-    return PushCodec(replicas.models[0], replicas.params, workers, compressor, error_feedback,
-                     seed, granularity, bucket_mb)  # fmt: skip
+def control_message(verdict: Verdict) -> tuple[int | None, int]:
+    """The control message (kind, signal) a server's verdict sends every worker (kind None:
+    none)."""
+    if verdict.io_failed:
+        kind: int | None = IO_FAILED
+    elif verdict.nonfinite:
+        kind = DIVERGED
+    elif verdict.finished:
+        kind = FINISH
+    elif verdict.signum:
+        kind = STOP
+    else:
+        kind = CHECKPOINT if verdict.checkpoint else None
+    return kind, verdict.signum
+
+
+def verdict_of(kind: int, signum: int) -> Verdict:
+    """A worker's verdict from the server's control message."""
+    return Verdict(
+        signum=signum,
+        nonfinite=kind == DIVERGED,
+        checkpoint=kind == CHECKPOINT,
+        finished=kind == FINISH,
+        io_failed=kind == IO_FAILED,
+    )
 
 
 class AsyncSGD(Algorithm):
@@ -89,12 +119,18 @@ class AsyncSGD(Algorithm):
     `async` config node (`AsyncOptions`), `protocol` the `protocol` node.
 
     compressor / error_feedback: config nodes for compressed pushes (None: identity, none);
-    granularity / bucket_mb: the compression units (see `PushCodec`).
+    granularity / bucket_mb: the compression units (`compress.open_channel`).
+
+    One algorithm over one transport interface (`asynchrony.transport.open_transport`: the
+    event simulator, or the server's side on real ranks — its own business); what differs by
+    mode is its `mode`: `Streamed` (pushes as the transport delivers them) or `FixedDelay`
+    (`async.delay`).
     """
 
     # A dropped step (`train.on_nonfinite=skip_step`) would leave the pushing worker without a
     # next arrival, so it is refused. Real ranks: a server process besides the K workers.
     traits = Traits(skippable=False, extra_processes=1, lockstep=False, messages=True)
+    channel = ChannelNeeds.push()
 
     def __init__(
         self,
@@ -111,7 +147,6 @@ class AsyncSGD(Algorithm):
     ) -> None:
         super().__init__(replicas, comm, optimizers)
         k = comm.num_workers
-        simulated = comm.num_local == comm.world_size
         self.options = opts = AsyncOptions.from_node(options)
         check_options(opts, k)
         self.protocol: Protocol = instantiate(protocol or DEFAULT_PROTOCOL, workers=k)
@@ -120,36 +155,26 @@ class AsyncSGD(Algorithm):
             StalenessPolicy(opts.lr_policy, k, opts.tau_max), opts.delay_compensation,
             uses_channels_last(replicas),
         )  # fmt: skip
-        codec = push_codec(replicas, list(range(k)) if simulated else [0], compressor,
-                           error_feedback, seed, granularity, bucket_mb)  # fmt: skip
+        link = open_channel(self.channel, replicas.models[0], replicas.params,
+                            comm.local_workers, compressor, error_feedback, seed, granularity,
+                            bucket_mb)  # fmt: skip
         params, buffers = replicas.params, replicas.buffers
         buffer_bytes = buffers.shape[1] * buffers.element_size()
-        self.push_bytes = 8 * HEADER + codec.wire_bytes + buffer_bytes
+        self.push_bytes = 8 * HEADER + link.wire_bytes + buffer_bytes
         self.pull_bytes = 8 * 3 + params.shape[1] * params.element_size() + buffer_bytes
         self.speed = SpeedModel.from_options(opts, k, seed)
         network = comm.ledger.network
-        clock = EventClock(self.speed, transfer_seconds(network, self.pull_bytes),
-                           transfer_seconds(network, self.push_bytes))  # fmt: skip
-        if simulated:
-            self.transport: EventTransport | ProcessTransport = EventTransport(
-                comm, replicas, codec, clock
-            )
-        else:
-            seeded = clock if opts.order == "seeded" else None
-            self.transport = ProcessTransport(
-                comm, self.server, codec, seeded, opts.timeout_s, bool(opts.delay_compensation)
-            )
-        self.clock = clock
-        self._window = [0.0, 0.0, 0]  # pushed batches' loss, accuracy, count (real ranks)
+        self.clock = EventClock(self.speed, transfer_seconds(network, self.pull_bytes),
+                                transfer_seconds(network, self.push_bytes))  # fmt: skip
+        self.transport: EventTransport | ProcessTransport = open_transport(
+            comm, replicas, self.server, link, self.clock, opts
+        )
         self.steps = 0
-        self._worker = -1
-        self._started = False
+        self._worker = -1  # the worker whose push this step applies
         self._ending = Verdict()
-        self.history: Tensor | None = None
-        self._ahead: Any = None  # the run's batched WorkerCompute, when pushes compute ahead
-        if opts.delay is not None:
-            # x_v lives in slot v mod (τ+1) while v ≥ version − τ.
-            self.history = self.server.params.expand(opts.delay + 1, -1).clone()
+        self.mode: Streamed | FixedDelay = (
+            FixedDelay(self, opts.delay) if opts.delay is not None else Streamed(self)
+        )
 
     @classmethod
     def part(cls, comm: Communicator) -> type[Algorithm]:
@@ -161,8 +186,9 @@ class AsyncSGD(Algorithm):
     # -- configuration ---------------------------------------------------------------------------
     @classmethod
     def check_config(cls, cfg: DictConfig) -> None:
-        """Raise ValueError (one line naming the fix) for options, protocols, compressors or
-        error feedback that asynchronous training cannot run."""
+        """Raise ValueError (one line naming the fix) for options or protocols that
+        asynchronous training cannot run (compressors and error feedback: `channel`, checked by
+        the configuration's compression check)."""
         alg = cfg.algorithm
         opts = AsyncOptions.from_node(alg.get("options"))
         check_options(opts, cfg.workers)
@@ -179,14 +205,11 @@ class AsyncSGD(Algorithm):
                     "async.delay fixes τ and replaces the protocol; drop async.delay or set "
                     f"protocol=asgd (it is {protocol.name})"
                 )
-        check_algorithm_node(alg, "push")
 
     def describe(self) -> dict[str, Any]:
         opts = self.options
-        real = isinstance(self.transport, ProcessTransport)
-        mode = "fixed delay" if opts.delay is not None else "event simulator"
         facts: dict[str, Any] = {
-            "mode": "real processes" if real else mode,
+            "mode": "",
             **self.protocol.describe(),
             "workers": self.comm.num_workers,
             "lr_policy": opts.lr_policy,
@@ -195,17 +218,11 @@ class AsyncSGD(Algorithm):
             "push_s": self.clock.push_s,
             "pull_s": self.clock.pull_s,
             **self.speed.describe(),
+            **self.mode.facts(),
         }
-        if opts.delay is not None:
-            facts["delay"] = opts.delay
-        if not real and opts.delay is None:
-            facts["compute_ahead"] = self._ahead is not None
         if opts.slow_workers:
             facts["slow_workers"] = list(opts.slow_workers)
             facts["slowdown"] = opts.slowdown
-        if real:
-            facts["order"] = opts.order
-            facts["inject_delay"] = opts.inject_delay
         return {"async": facts}
 
     # -- the step --------------------------------------------------------------------------------
@@ -217,24 +234,10 @@ class AsyncSGD(Algorithm):
         self.server.set_lr(multiplier)
 
     def plan(self, step: int) -> StepPlan:
-        if self.history is not None:
-            w = step % self.comm.world_size
-            read = max(0, self.server.version - self.options.delay)
-            self._worker, self.transport.read_version[w] = w, read
-            return StepPlan((w,), {w: self.history[read % self.history.shape[0]]})
-        if not self._started:  # (not at construction: a resumed run has started already)
-            self._started = True
-            self.transport.release(self.protocol.begin(), self.server)
-        self._worker, plan = self.transport.next_push()
-        if self._ahead is not None and not self._ahead.holds(self._worker):
-            return StepPlan(plan.workers, ahead=self.clock.in_flight())
-        return plan
+        return self.mode.plan(step)
 
     def attach_compute(self, compute: Any) -> None:
-        """A batched compute in the event simulator computes the workers in flight ahead."""
-        simulated = isinstance(self.transport, EventTransport) and self.history is None
-        if simulated and compute.batched is not None:
-            self._ahead = compute
+        self.mode.attach_compute(compute)
 
     def losses_finite(self) -> bool:
         return self.transport.losses_finite()
@@ -249,27 +252,26 @@ class AsyncSGD(Algorithm):
         w = self._worker
         self.steps += 1
         push = self.transport.take(w)
-        self._window = [self._window[0] + push.loss, self._window[1] + push.acc,
-                        self._window[2] + 1]  # fmt: skip
         released = self.server.push(w, push.gradient, push.read_version,
                                     self.transport.x_read(w), push.buffers)  # fmt: skip
-        if self.history is not None:
-            version = self.server.version
-            self.history[version % self.history.shape[0]].copy_(self.server.params)
-            return
-        self.transport.release(released, self.server)
-        self.transport.end(self._ending, self.server)
+        self.mode.applied(released)
+
+    def tell_workers(self) -> None:
+        """Send the workers the verdict's control message, if it has one (the transport
+        receives the pushes in flight first)."""
+        self.transport.end(*control_message(self._ending), self.server)
 
     def drop_step(self, step: int) -> None:
         """A non-finite pushed loss or a refused write ends the run (the push is not applied):
         tell the workers."""
-        self.transport.end(self._ending, self.server)
+        self.tell_workers()
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Everything beyond the replicas' rows (what each simulated worker pulled) and the
         loop's own state: server, protocol, speed streams, transport (event queue, or the pushes
-        held at the checkpoint), push codec, fixed-delay history; live tensors."""
+        held at the checkpoint), push channel, the mode's (fixed-delay history); live
+        tensors."""
         return {
             "server": self.server.state_dict(),
             "protocol": self.protocol.state_dict(),
@@ -278,55 +280,134 @@ class AsyncSGD(Algorithm):
             "push": self.transport.codec.state_dict(),
             "steps": self.steps,
             "worker": self._worker,
-            "started": self._started,
-            "history": self.history,
+            **self.mode.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if (state["history"] is None) != (self.history is None):
-            raise ValueError("async state: saved with another async.delay mode")
+        self.mode.load_state_dict(state)
         self.server.load_state_dict(state["server"])
         self.protocol.load_state_dict(state["protocol"])
         self.speed.load_state_dict(state["speed"])
         self.transport.load_state_dict(state["transport"])
         self.transport.codec.load_state_dict(state["push"])
         self.steps, self._worker = int(state["steps"]), int(state["worker"])
-        self._started = bool(state["started"])
-        if self.history is not None:
-            self.history.copy_(state["history"])
 
     # -- results ---------------------------------------------------------------------------------
     @property
     def simulated_s(self) -> float:
-        if self.history is not None:
-            return self.steps * self.options.compute_s / self.comm.world_size
-        return self.transport.now
+        return self.mode.simulated_s
 
     def consensus(self) -> tuple[Tensor, Tensor]:
         return self.server.params.clone(), self.server.buffers.clone()
 
     def metrics(self) -> dict[str, float]:
         stats = self.server.stats
-        out = {**stats.window(), **stats.totals(), "async/updates": self.server.version}
-        if isinstance(self.transport, ProcessTransport):
-            out.update(self._pushed_losses())
-            if self.transport.clock is None:
-                return out
-        out["time/simulated_s"] = self.simulated_s
+        out = {**stats.window(), **stats.totals(), "async/updates": self.server.version,
+               **self.transport.metrics()}  # fmt: skip
+        simulated = self.simulated_s
+        if not math.isnan(simulated):  # (real ranks in arrival order: no clock)
+            out["time/simulated_s"] = simulated
         return out
-
-    def _pushed_losses(self) -> dict[str, float]:
-        """`train/loss` and `train/acc` of the batches pushed since the last call (the
-        workers compute elsewhere; their losses arrive in the pushes)."""
-        loss, acc, count = self._window
-        self._window = [0.0, 0.0, 0]
-        nan = float("nan")
-        return {"train/loss": loss / count if count else nan,
-                "train/acc": acc / count if count else nan}  # fmt: skip
 
     def summary(self) -> dict[str, Any]:
         return {**self.server.stats.summary(), "async/updates": self.server.version,
                 **self.protocol.summary()}  # fmt: skip
+
+
+class Streamed:
+    """`AsyncSGD`'s mode for pushes as the transport delivers them (the event simulator, or
+    real ranks): each step applies the next push, the protocol's released workers pull, and a
+    verdict's control message reaches the workers. With a batched compute on a transport
+    whose workers compute here, the workers in flight are computed ahead (`StepPlan.ahead`)."""
+
+    def __init__(self, alg: AsyncSGD) -> None:
+        self.alg = alg
+        self.started = False
+        self.ahead: Any = None  # the run's batched WorkerCompute, when pushes compute ahead
+        self._plans: dict[tuple[int, ...], StepPlan] = {}
+
+    def plan(self, step: int) -> StepPlan:
+        alg, transport = self.alg, self.alg.transport
+        if not self.started:  # (not at construction: a resumed run has started already)
+            self.started = True
+            transport.release(alg.protocol.begin(), alg.server)
+        alg._worker, rows = transport.next_push()
+        if self.ahead is not None and not self.ahead.holds(alg._worker):
+            return StepPlan(rows, ahead=alg.clock.in_flight())
+        plan = self._plans.get(rows)
+        if plan is None:
+            plan = self._plans[rows] = StepPlan(rows)
+        return plan
+
+    def attach_compute(self, compute: Any) -> None:
+        if self.alg.transport.computes_here and compute.batched is not None:
+            self.ahead = compute
+
+    def applied(self, released: list[int]) -> None:
+        self.alg.transport.release(released, self.alg.server)
+        self.alg.tell_workers()
+
+    @property
+    def simulated_s(self) -> float:
+        return self.alg.transport.now
+
+    def facts(self) -> dict[str, Any]:
+        transport = self.alg.transport
+        facts = transport.describe(self.alg.options)
+        if transport.computes_here:
+            facts["compute_ahead"] = self.ahead is not None
+        return facts
+
+    def state_dict(self) -> dict:
+        return {"started": self.started, "history": None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["history"] is not None:
+            raise ValueError("async state: saved with another async.delay mode")
+        self.started = bool(state["started"])
+
+
+class FixedDelay:
+    """`AsyncSGD`'s fixed-delay mode (`async.delay=τ`, simulated): step t is computed by worker
+    t mod K on x_(max(0, V−τ)), read from a ring buffer of the last τ + 1 server states, and
+    applied at once; nothing is computed ahead."""
+
+    def __init__(self, alg: AsyncSGD, delay: int) -> None:
+        if not alg.transport.computes_here:
+            raise ValueError("async.delay is a simulated mode; use backend=simulated")
+        self.alg, self.delay = alg, delay
+        # x_v lives in slot v mod (τ+1) while v ≥ version − τ.
+        self.history = alg.server.params.expand(delay + 1, -1).clone()
+
+    def plan(self, step: int) -> StepPlan:
+        alg = self.alg
+        w = step % alg.comm.world_size
+        read = max(0, alg.server.version - self.delay)
+        alg._worker, alg.transport.read_version[w] = w, read
+        return StepPlan((w,), {w: self.history[read % self.history.shape[0]]})
+
+    def attach_compute(self, compute: Any) -> None:
+        """Every step reads its own snapshot: nothing to compute ahead."""
+
+    def applied(self, released: list[int]) -> None:
+        server = self.alg.server
+        self.history[server.version % self.history.shape[0]].copy_(server.params)
+
+    @property
+    def simulated_s(self) -> float:
+        alg = self.alg
+        return alg.steps * alg.options.compute_s / alg.comm.world_size
+
+    def facts(self) -> dict[str, Any]:
+        return {"mode": "fixed delay", "delay": self.delay}
+
+    def state_dict(self) -> dict:
+        return {"started": False, "history": self.history}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["history"] is None:
+            raise ValueError("async state: saved with another async.delay mode")
+        self.history.copy_(state["history"])
 
 
 class AsyncWorker(Algorithm):
@@ -350,8 +431,9 @@ class AsyncWorker(Algorithm):
         self.options = opts = AsyncOptions.from_node(node.get("options"))
         self.worker = comm.worker_of(comm.local_workers[0])
         seed = node.get("seed", 0)
-        self.codec = push_codec(
-            replicas, [self.worker], node.get("compressor"), node.get("error_feedback"), seed,
+        self.codec = open_channel(
+            AsyncSGD.channel, replicas.models[0], replicas.params, [self.worker],
+            node.get("compressor"), node.get("error_feedback"), seed,
             node.get("granularity", "tensor"), node.get("bucket_mb", 25.0),
         )  # fmt: skip
         self.speed = SpeedModel.from_options(opts, comm.num_workers, seed)  # (injected delays)
@@ -424,7 +506,7 @@ class AsyncWorker(Algorithm):
         return self.replicas.params[0].clone(), self.replicas.buffers[0].clone()
 
     def state_dict(self) -> dict:
-        """The worker's push codec (error-feedback memory), gradient count and speed streams;
+        """The worker's push channel (error-feedback memory), gradient count and speed streams;
         at a checkpoint it waits for the server's next message, so nothing is in flight."""
         return {"push": self.codec.state_dict(), "count": self.count,
                 "read_version": self.read_version, "speed": self.speed.state_dict()}  # fmt: skip

@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from dpresearch.comm.base import Communicator
+from dpresearch.compress.pairing import ChannelNeeds
 from dpresearch.optim import FlatRows, set_lr, step_together
 from dpresearch.replicas import Replicas
 
@@ -115,12 +116,16 @@ class Verdict:
 class Algorithm(ABC):
     """Base class; subclasses implement `after_backward` and may override the rest.
 
-    `traits` (class level): see `Traits`. `evaluates_local_models` (instance level, may be a
-    config option): the workers' models differ (gossip, local SGD between averages), so
-    evaluation also reports each worker's own model (`test/acc_local_mean`, `_min`).
+    `traits` (class level): see `Traits`. `channel` (class level): what its compressed
+    messages need (`compress.ChannelNeeds`: sync aggregation, gossip or pushes), read by the
+    configuration checks (`compressor` / `error_feedback` pairing) and by `compress.open_channel`;
+    None: it takes no compressor. `evaluates_local_models` (instance level, may be a config
+    option): the workers' models differ (gossip, local SGD between averages), so evaluation
+    also reports each worker's own model (`test/acc_local_mean`, `_min`).
     """
 
     traits: ClassVar[Traits] = Traits()
+    channel: ClassVar[ChannelNeeds | None] = None
     evaluates_local_models: bool = False
 
     @classmethod
@@ -189,8 +194,14 @@ class Algorithm(ABC):
             return proposal
         signum = proposal.signum
         flags = torch.tensor(
-            [[signum == signal.SIGINT, signum not in (0, signal.SIGINT), proposal.nonfinite,
-              proposal.io_failed]],  # fmt: skip
+            [
+                [
+                    signum == signal.SIGINT,
+                    signum not in (0, signal.SIGINT),
+                    proposal.nonfinite,
+                    proposal.io_failed,
+                ]
+            ],  # fmt: skip
             dtype=torch.float32,
             device=self.replicas.params.device,
         )

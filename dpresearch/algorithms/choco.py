@@ -30,15 +30,7 @@ from omegaconf import DictConfig
 from dpresearch.algorithms.gossip import Gossip
 from dpresearch.comm.base import Communicator
 from dpresearch.comm.topology import Topology
-from dpresearch.compress import (
-    build_compressor,
-    build_memory,
-    check_algorithm_node,
-    check_pairing,
-    param_layout,
-    plan_buckets,
-)
-from dpresearch.compress.base import Chunk, SingleRoundCompressor
+from dpresearch.compress import ChannelNeeds, open_channel
 from dpresearch.replicas import Replicas
 
 
@@ -53,6 +45,8 @@ class ChocoSGD(Gossip):
     1.6e-6 away from D-PSGD after 10 steps of a small MLP, against 3.6e-7 in float64);
     "float32" halves their memory for large models.
     """
+
+    channel = ChannelNeeds.gossip("CHOCO-SGD")
 
     def __init__(
         self,
@@ -73,18 +67,12 @@ class ChocoSGD(Gossip):
         super().__init__(replicas, comm, optimizers, topology, mix_buffers, eval_local_models)
         check_gamma(gamma)
         self.gamma = gamma
-        method = build_compressor(compressor, seed)
-        check_pairing(method, build_memory(error_feedback), "gossip")
-        assert isinstance(method, SingleRoundCompressor)
         params = replicas.params
-        chunks = [
-            Chunk(ch.key, bucket.start + ch.offset, ch.numel, ch.shape)
-            for bucket in plan_buckets(
-                param_layout(replicas.models[0]), granularity, bucket_mb, params.element_size()
-            )
-            for ch in bucket.chunks
-        ]
-        self.codec = method.codec(chunks, params.dtype, params.device, comm.local_workers)
+        # (the identity too runs the codec: x̂ and s are written against decoded messages)
+        self.codec = open_channel(
+            self.channel, replicas.models[0], params, comm.local_workers, compressor,
+            error_feedback, seed, granularity, bucket_mb, shortcut=False,
+        ).codec  # fmt: skip
         check_state_dtype(state_dtype)
         dtype = STATE_DTYPES[state_dtype]
         self.x_hat = torch.zeros_like(params, dtype=dtype)
@@ -96,7 +84,6 @@ class ChocoSGD(Gossip):
         alg = cfg.algorithm
         check_gamma(alg.get("gamma", 0.5))
         check_state_dtype(alg.get("state_dtype", "float64"))
-        check_algorithm_node(alg, "gossip")
 
     @classmethod
     def check_topology(cls, topology: Topology) -> None:

@@ -25,7 +25,7 @@ broadcast before every forward).
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -56,7 +56,7 @@ class OwnedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"betas={list(betas)}: must be two numbers in [0, 1)")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
-    def step(self, closure: Any = None) -> None:  # noqa: ARG002 - torch's signature
+    def step(self, closure: Any = None) -> None:
         raise RuntimeError(
             f"{type(self).__name__} is stepped by its algorithm ({self.algorithm}); select it "
             f"with {self.option} and leave algorithm unset"
@@ -130,8 +130,9 @@ class ZeroOneAdam(OwnedOptimizer):
         self.bias_correction = bool(bias_correction)
         self.var_freeze_step = int(var_freeze_step)
         self.var_update_scaler = int(var_update_scaler)
-        self.local_step_scaler, self.local_step_clipper = int(local_step_scaler), int(
-            local_step_clipper
+        self.local_step_scaler, self.local_step_clipper = (
+            int(local_step_scaler),
+            int(local_step_clipper),
         )
 
 
@@ -173,7 +174,7 @@ class CompressedAdam(Algorithm):
         replicas: Replicas,
         comm: Communicator,
         optimizers: list[torch.optim.Optimizer],
-        buffers: str = "broadcast",
+        buffers: Literal["broadcast", "local"] = "broadcast",  # (checked by config.validate)
     ) -> None:
         super().__init__(replicas, comm, optimizers)
         wanted = self.optimizer_class
@@ -214,7 +215,7 @@ class CompressedAdam(Algorithm):
         wanted = cls.optimizer_class
         try:
             given = get_object(cfg.optimizer._target_)
-        except Exception:  # noqa: BLE001 - a bad target is reported by check_target
+        except Exception:
             given = None
         if given is not wanted:
             raise ValueError(

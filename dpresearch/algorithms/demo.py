@@ -277,7 +277,7 @@ class DeMoAlgorithm(Algorithm):
 
         try:
             given = get_object(cfg.optimizer._target_)
-        except Exception:  # noqa: BLE001 - a bad target is reported by check_target
+        except Exception:
             given = None
         if given is not DeMo:
             raise ValueError(

@@ -34,6 +34,7 @@ from dpresearch.algorithms.base import Algorithm, Traits
 from dpresearch.comm.base import Communicator, PendingOp
 from dpresearch.comm.ledger import BUFFERS, METRICS
 from dpresearch.comm.topology import Topology
+from dpresearch.compress.workspace import Workspace
 from dpresearch.replicas import Replicas
 
 ORDERS = ("combine_then_adapt", "adapt_then_combine")
@@ -44,6 +45,20 @@ DISTANCE_BLOCK_ELEMENTS = 1 << 17
 def build_topology(topology: Mapping[str, Any], num_workers: int) -> Topology:
     """The topology of the config node `topology` for `num_workers` workers."""
     return instantiate(topology, num_workers=num_workers)
+
+
+def consensus_distance(comm: Communicator, x: Tensor) -> float:
+    """Ξ² = (1/K) Σ_i ‖x_i − x̄‖² of the workers' rows `x` `[W, D]` in float64 ("metrics"
+    traffic: the sum of the rows, then the K squared distances; see `Gossip.metrics`)."""
+    mean = comm.sum_over_workers(x, torch.float64, record=METRICS)[0]
+    mean.div_(comm.world_size)
+    sq = torch.zeros(x.shape[0], 1, dtype=torch.float64, device=x.device)
+    block = max(4096, DISTANCE_BLOCK_ELEMENTS // max(1, x.shape[0]))
+    for lo in range(0, x.shape[1], block):
+        diff = x[:, lo : lo + block] - mean[lo : lo + block]  # float64 (type promotion)
+        sq[:, 0] += diff.square_().sum(1)
+    comm.all_reduce(sq, op="sum", record=METRICS)
+    return sq[0, 0].item() / comm.world_size
 
 
 class Gossip(Algorithm):
@@ -73,7 +88,7 @@ class Gossip(Algorithm):
         self.mix_buffers = mix_buffers
         self.evaluates_local_models = eval_local_models
         self._weights: dict[int, tuple[Tensor, Tensor]] = {}
-        self._workspace: dict[str, Tensor] = {}
+        self._workspace = Workspace()
 
     # -- configuration checks (before any worker starts) --------------------------------------
     @classmethod
@@ -128,12 +143,10 @@ class Gossip(Algorithm):
         return result
 
     def workspace(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
-        """A buffer kept across steps (a fresh multi-megabyte tensor every step costs page
-        faults); its contents are whatever the last user left."""
-        buf = self._workspace.get(name)
-        if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != like.dtype:
-            buf = self._workspace[name] = like.new_empty(shape)
-        return buf
+        """A buffer of `like`'s dtype and device kept across steps (`compress.Workspace`: a
+        fresh multi-megabyte tensor every step costs page faults); its contents are whatever
+        the last user left."""
+        return self._workspace.get(name, shape, like.dtype, like.device)
 
     def start_exchange(
         self, x: Tensor, step: int, name: str = "params", record: bool | str = True
@@ -188,16 +201,7 @@ class Gossip(Algorithm):
         x̄ is summed straight into float64 (no float64 copy of the rows, no mean written into
         every row), and the distances are taken over column blocks small enough that their
         float64 differences stay in cache."""
-        x = self.models()
-        mean = self.comm.sum_over_workers(x, torch.float64, record=METRICS)[0]
-        mean.div_(self.comm.world_size)
-        sq = torch.zeros(x.shape[0], 1, dtype=torch.float64, device=x.device)
-        block = max(4096, DISTANCE_BLOCK_ELEMENTS // max(1, x.shape[0]))
-        for lo in range(0, x.shape[1], block):
-            diff = x[:, lo : lo + block] - mean[lo : lo + block]  # float64 (type promotion)
-            sq[:, 0] += diff.square_().sum(1)
-        self.comm.all_reduce(sq, op="sum", record=METRICS)
-        return {"gossip/consensus_distance": sq[0, 0].item() / self.comm.world_size}
+        return {"gossip/consensus_distance": consensus_distance(self.comm, self.models())}
 
 
 class DPSGD(Gossip):

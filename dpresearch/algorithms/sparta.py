@@ -70,16 +70,14 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from dpresearch.algorithms.base import Algorithm, Traits
+from dpresearch.algorithms.gossip import consensus_distance
 from dpresearch.comm.base import Communicator
-from dpresearch.comm.ledger import METRICS
 from dpresearch.compress.rng import generator, stream_seed
 from dpresearch.replicas import Replicas
 
 SELECTIONS = ("fixed", "bernoulli")
 # Where 3k > D a permutation of D is cheaper than rejecting repeated draws.
 DENSE = 3
-# float64 elements of the differences one block of the consensus distance holds (~1 MB).
-DISTANCE_BLOCK_ELEMENTS = 1 << 17
 
 
 class SPARTA(Algorithm):
@@ -144,17 +142,8 @@ class SPARTA(Algorithm):
     def metrics(self) -> dict[str, float]:
         """`sparta/consensus_distance` Ξ² = (1/K) Σ_i ‖x_i − x̄‖² (float64; "metrics" traffic:
         the sum of the rows, then the K squared distances) and `sparta/entries`."""
-        x = self.replicas.params
-        mean = self.comm.sum_over_workers(x, torch.float64, record=METRICS)[0]
-        mean.div_(self.comm.world_size)
-        sq = torch.zeros(x.shape[0], 1, dtype=torch.float64, device=x.device)
-        block = max(4096, DISTANCE_BLOCK_ELEMENTS // max(1, x.shape[0]))
-        for lo in range(0, x.shape[1], block):
-            diff = x[:, lo : lo + block] - mean[lo : lo + block]  # float64 (type promotion)
-            sq[:, 0] += diff.square_().sum(1)
-        self.comm.all_reduce(sq, op="sum", record=METRICS)
         return {
-            "sparta/consensus_distance": sq[0, 0].item() / self.comm.world_size,
+            "sparta/consensus_distance": consensus_distance(self.comm, self.replicas.params),
             "sparta/entries": float(self.last_entries),
         }
 

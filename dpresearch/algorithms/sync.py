@@ -25,7 +25,7 @@ from dpresearch.algorithms.base import Algorithm
 from dpresearch.algorithms.overlap import OverlappedGradientAverage
 from dpresearch.comm.base import Communicator
 from dpresearch.comm.hierarchy import INTER, INTRA
-from dpresearch.compress import build_reducer, param_layout
+from dpresearch.compress import ChannelNeeds, build_reducer, param_layout
 from dpresearch.replicas import Replicas
 
 BUFFER_MODES = ("broadcast", "local")
@@ -53,6 +53,8 @@ class SyncSGD(Algorithm):
     uncompressed gradients during backward where a process holds one worker (see
     `overlap.py`); the result is the same as after backward.
     """
+
+    channel = ChannelNeeds()  # every worker's gradients aggregated by a collective
 
     def __init__(
         self,

@@ -64,8 +64,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--wandb", metavar="PROJECT", help="also log the table as a wandb.Table")
     p.add_argument("--wandb-group")
     p.add_argument(
-        "--keys", action="store_true", help="list every key (column) --by, --tune and "
-        "--metrics can name, then stop"
+        "--keys",
+        action="store_true",
+        help="list every key (column) --by, --tune and --metrics can name, then stop",
     )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p

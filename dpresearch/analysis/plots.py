@@ -1,9 +1,13 @@
 """Curves of a logged metric against epochs, bytes or time, one line per group of runs.
 
-A group's line is the mean over its runs at each logged step, with a band of ± one standard
-deviation where the group holds more than one run (seeds); its points are drawn in the order
-of x, so no line runs backwards. Axes carry units (`axis_label`): accuracies in %, bytes in MB,
-times in seconds; an axis whose positive values span more than two decades is logarithmic.
+A group's line is the mean over its runs at each logged step, with a band of ± one sample
+standard deviation where the group holds more than one run (seeds); its points are drawn in the
+order of x, so no line runs backwards. Every figure carries a caption saying what its lines,
+bands or bars are (`Figure.dpresearch_caption`, written under the figure in results.md). The
+legend sits below the axes, inside the figure, its long labels wrapped; the figure grows to
+hold it, so nothing is clipped and matplotlib has nothing to warn about. Axes carry units
+(`axis_label`): accuracies in %, bytes in MB, times in seconds; an axis whose positive values
+span more than two decades is logarithmic.
 Up to 20 groups get 20 distinct colours, each with its own marker. Figures are drawn without
 pyplot (no global state, no display needed), saved in the format each path's suffix names
 (`.png`, `.pdf`, `.svg`) without a time stamp (the same data gives the same file), and
@@ -12,6 +16,7 @@ returned so callers and tests can read them.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -27,6 +32,9 @@ COLORS = (
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*")
 STYLES = ("-", "--", ":", "-.")
 DECADES = 2.0  # a positive axis spanning more than this many decades is drawn on a log scale
+WIDTH, HEIGHT = 9.0, 4.8  # inches: the axes' figure before the legend below is added
+LEGEND_WRAP = 70  # characters per legend line (two columns: half)
+LEGEND_LINE = 0.16  # inches per legend text line at font size 7
 
 # metric → (axis label with its unit, factor applied to the values)
 LABELS: dict[str, tuple[str, float]] = {
@@ -118,17 +126,26 @@ def plot_groups(
     logy: bool | None = None,
     vlines: Sequence[float] = (),
     labels: Mapping[str, str] | None = None,
+    over: str = "runs (seeds)",
 ):
     """Draw `y` against `x` for every group (see the module docstring) into each of `outs`;
     returns the figure. `logx`/`logy` None: logarithmic where the values span decades.
-    `vlines`: x positions marked with a dotted line (e.g. the horizons a study reports)."""
+    `vlines`: x positions marked with a dotted line (e.g. the horizons a study reports).
+    `over`: what a group's runs are, for the caption."""
     from matplotlib.figure import Figure
 
     curves = group_curves(metrics, groups, x, y)
     x_label, x_scale = axis_label(x, labels)
     y_label, y_scale = axis_label(y, labels)
-    fig = Figure(figsize=(9, 4.8))
+    fig = Figure(figsize=(WIDTH, HEIGHT))
     ax = fig.subplots()
+    most = int(curves["n"].max()) if len(curves) else 0
+    fig.dpresearch_caption = (
+        f"Lines: the mean over each case's {over} at each logged step (n in the legend); band: "
+        "± one sample standard deviation over them (none where n = 1)."
+        if most > 1
+        else "Lines: one run each; no band (one run per case)."
+    )
     for i, label in enumerate(groups):
         c = curves[curves["group"] == label]
         if c.empty:
@@ -161,15 +178,21 @@ def plot_points(
     out: str | Path,
     title: str | None = None,
     labels: Mapping[str, str] | None = None,
+    over: str = "runs (seeds)",
 ):
     """One marker per (label, x, y, y spread) — e.g. each case's final accuracy against its
-    bytes per epoch — with its spread as an error bar; returns the figure."""
+    bytes per epoch — with its spread as an error bar; returns the figure. `over`: what a
+    marker averages, for the caption."""
     from matplotlib.figure import Figure
 
     x_label, x_scale = axis_label(x, labels)
     y_label, y_scale = axis_label(y, labels)
-    fig = Figure(figsize=(9, 4.8))
+    fig = Figure(figsize=(WIDTH, HEIGHT))
     ax = fig.subplots()
+    fig.dpresearch_caption = (
+        f"Markers: the mean over each case's {over}; bars: ± one sample standard deviation over "
+        "them (none where one run)."
+    )
     for i, (label, xv, yv, spread) in enumerate(points):
         look = style(i)
         yerr = spread * y_scale if spread == spread else None
@@ -192,41 +215,66 @@ def plot_histograms(
     ylabel: str,
     out: str | Path,
     title: str | None = None,
+    what: str = "counts",
 ):
-    """One step line per labelled histogram (counts of 0, 1, 2, ...). Identical histograms
-    stay visible: each later series is drawn thinner and in another dash over the earlier
-    ones. Log-scaled counts; a symmetric-log x axis when the values reach past 100."""
+    """Small multiples: one panel per labelled histogram (counts of 0, 1, 2, ...), the label as
+    the panel's title, x and y shared so panels compare at a glance; two columns from three
+    series on. Log-scaled counts; a symmetric-log x axis when the values reach past 100.
+    `what`: what a bar's height is, for the caption."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(9, 4.8))
-    ax = fig.subplots()
-    longest = 0
-    for i, (label, counts) in enumerate(series.items()):
-        look = style(i)
-        look["linestyle"] = STYLES[i % len(STYLES)]
-        width = max(0.8, 3.0 - 0.5 * i)
-        ax.step(range(len(counts)), counts, where="mid", linewidth=width, label=label,
-                color=look["color"], linestyle=look["linestyle"])  # fmt: skip
-        longest = max(longest, len(counts))
-    if longest > 100:
-        ax.set_xscale("symlog", linthresh=10)
-    ax.set_yscale("log")
-    finish(fig, ax, xlabel, ylabel, title, bool(series))
+    n = max(1, len(series))
+    cols = 1 if n < 3 else 2
+    rows = -(-n // cols)
+    fig = Figure(figsize=(WIDTH, 1.2 + 2.2 * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False).ravel()
+    fig.dpresearch_caption = (
+        f"One panel per case; bars: {what} (no spread: nothing is averaged); the panels share "
+        "their axes."
+    )
+    longest = max((len(c) for c in series.values()), default=0)
+    for i, (ax, (label, counts)) in enumerate(zip(axes, series.items(), strict=False)):
+        edges = [k - 0.5 for k in range(len(counts) + 1)]  # a lone bin (τ = 0) shows too
+        ax.stairs(counts, edges, linewidth=1.3, color=style(i)["color"])
+        ax.set_title("\n".join(textwrap.wrap(label, 60)), fontsize=8)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        if longest > 100:
+            ax.set_xscale("symlog", linthresh=10)
+        ax.set_yscale("log")
+        # the shared axes' labels drawn once, on the outer panels (each panel still holds them)
+        ax.xaxis.label.set_visible(i + cols >= n)
+        ax.tick_params(labelbottom=i + cols >= n)
+        ax.yaxis.label.set_visible(i % cols == 0)
+    for ax in axes[len(series) :]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title, fontsize=9)
     save(fig, out)
     return fig
 
 
 def finish(fig, ax, xlabel: str, ylabel: str, title: str | None, legend: bool) -> None:
     """The look every figure shares: axis labels, a small title, a light grid, the legend
-    outside the axes on the right (`legend`: there are labelled series), a tight layout."""
+    below the axes inside the figure (`legend`: there are labelled series; labels wrapped, one
+    or two columns, the figure made taller to hold it), a constrained layout."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if title:
-        ax.set_title(title, fontsize=9)
+        ax.set_title("\n".join(textwrap.wrap(title, 110)), fontsize=9)
     ax.grid(alpha=0.3)
-    if legend:
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
+    fig.set_layout_engine("constrained")
+    handles, labels = ax.get_legend_handles_labels()
+    if legend and handles:
+        cols = 2 if len(labels) > 4 and max(map(len, labels)) <= LEGEND_WRAP else 1
+        wrapped = ["\n".join(textwrap.wrap(t, LEGEND_WRAP // cols) or [""]) for t in labels]
+        heights = [t.count("\n") + 1 for t in wrapped]
+        lines = sum(sorted(heights, reverse=True)[: -(-len(heights) // cols)])
+        fig.set_size_inches(WIDTH, HEIGHT + 0.3 + LEGEND_LINE * 1.25 * lines)
+        fig.legend(handles, wrapped, loc="outside lower center", ncols=cols, fontsize=7,
+                   frameon=False)  # fmt: skip
 
 
 def save(fig, out: str | Path) -> None:

@@ -25,7 +25,7 @@ from dpresearch.analysis.aggregate import (
     select_best,
 )
 from dpresearch.analysis.errors import AnalysisError, require_columns
-from dpresearch.analysis.labels import case_labels, default_title, varying_keys
+from dpresearch.analysis.labels import default_title, label_parts, varying_keys
 from dpresearch.analysis.published import Published, join_published
 from dpresearch.analysis.quality import mark_untrained
 from dpresearch.analysis.runs import FINISHED, STATUSES, find_runs, load_metrics_many
@@ -163,8 +163,7 @@ def build_report(runs, metrics, spec: ReportSpec) -> Report:
     else:  # a study's cases, else what differs between the runs but their seed
         by = ["case"]
         if "case" not in runs:
-            keys = varying_keys(runs, spec.seed_key)
-            runs["case"] = case_labels(runs, keys)
+            runs["case"], keys = label_parts(runs, varying_keys(runs, spec.seed_key))
             shown = ", ".join(k.removeprefix("cfg.") for k in keys)
             notes.append(
                 f"cases: runs grouped by what differs between them ({shown})"
@@ -395,8 +394,11 @@ def failed_table(report: Report) -> str:
     return markdown_table(f, cols, {"step": ".0f"}, headers(cols))
 
 
-def plot_files(report: Report, out: Path, kinds: Sequence[str] = ("png",)) -> list[Path]:
-    """Accuracy and loss against epochs, bytes and modeled time; returns the first-kind paths."""
+def plot_files(
+    report: Report, out: Path, kinds: Sequence[str] = ("png",)
+) -> tuple[list[Path], list[str]]:
+    """Accuracy and loss against epochs, bytes and modeled time; returns the first-kind paths
+    and each figure's caption."""
     from dpresearch.analysis.plots import plot_groups
 
     ys = [
@@ -407,16 +409,17 @@ def plot_files(report: Report, out: Path, kinds: Sequence[str] = ("png",)) -> li
         if y in report.metrics
     ]
     modeled = modeled_column(report.spec.network)
-    written = []
+    written, captions = [], []
     for y in ys:
         for x in ("epoch", "tokens", "comm/bytes", modeled):
             if x not in report.metrics or not report.metrics[x].notna().any():
                 continue
             stem = f"{y}_vs_{x}".replace("/", "_").replace("@", "_")
             paths = [out / f"{stem}.{kind}" for kind in kinds]
-            plot_groups(report.metrics, report.groups, x, y, paths, title=report.spec.title)
+            fig = plot_groups(report.metrics, report.groups, x, y, paths, title=report.spec.title)
             written.append(paths[0])
-    return written
+            captions.append(fig.dpresearch_caption)
+    return written, captions
 
 
 def describe(report: Report) -> list[str]:
@@ -460,7 +463,9 @@ def describe(report: Report) -> list[str]:
     return lines
 
 
-def render_markdown(report: Report, plots: Sequence[Path] = (), header: str = "") -> str:
+def render_markdown(
+    report: Report, plots: Sequence[Path] = (), header: str = "", captions: Sequence[str] = ()
+) -> str:
     from dpresearch.analysis.tables import markdown_table
 
     lines = [f"# {report.spec.title}", ""]
@@ -488,8 +493,17 @@ def render_markdown(report: Report, plots: Sequence[Path] = (), header: str = ""
         lines += ["## Runs that did not finish", "", failed_table(report), ""]
     lines += ["## Notes", "", *(f"- {n}" for n in report.notes), ""]
     if plots:
-        lines += ["## Plots", "", *(f"![{p.stem}]({p.name})" for p in plots), ""]
+        lines += ["## Plots", "", *figure_lines(plots, captions), ""]
     return "\n".join(lines)
+
+
+def figure_lines(plots: Sequence[Path], captions: Sequence[str] = ()) -> list[str]:
+    """Each plot as a markdown image, its caption (what its line, band or bar is) under it."""
+    lines = []
+    for i, p in enumerate(plots):
+        caption = captions[i] if i < len(captions) else ""
+        lines += [f"![{p.stem}]({p.name})", *([f"*{caption}*"] if caption else []), ""]
+    return lines[:-1]
 
 
 def check_out_dir(out: str | Path, flag: str = "--out", create: bool = False) -> Path:
@@ -539,7 +553,7 @@ def write_report(
     runs = report.runs[run_cols].copy()
     runs["run"] = runs["run"].map(relative_path)
     runs.to_csv(out / "runs.csv", index=False)
-    plots = plot_files(report, out, plot_kinds) if plot_kinds else []
+    plots, captions = plot_files(report, out, plot_kinds) if plot_kinds else ([], [])
     path = out / "results.md"
-    path.write_text(render_markdown(report, plots, header))
+    path.write_text(render_markdown(report, plots, header, captions))
     return path

@@ -7,14 +7,15 @@ Pieces, one job each:
   fixed slowdowns, transient stragglers);
 - `protocol.py`: when the server applies gradients and which workers may start computing
   (asgd, ssp, softsync, sync: classes chosen by `_target_`, the `protocol` config group);
-- `staleness.py`: staleness-aware learning rates and the τ statistics;
+- `staleness.py`: staleness-aware learning rates, the τ statistics and histograms;
 - `server.py`: the server's model and optimizer, applying pushes by protocol and policy;
-- `push.py`: what a worker sends (its gradient, or a compressed one with its own
-  error-feedback memory);
 - `clock.py`: the simulated clock, an event queue of push arrivals;
 - `transport.py`: how pushes reach the server and pulls the workers — the event simulator in one
-  process, or real ranks through the communicator's messages.
+  process, or real ranks through the communicator's messages (`open_transport` picks one);
+  what a worker pushes (its gradient, or a compressed one with its own error-feedback memory)
+  goes through a `compress.Channel`.
 
-The algorithm itself is `dpresearch.algorithms.async_sgd.AsyncSGD` (the server's side, over
-either transport) with `AsyncWorker` (a worker's side on real ranks).
+The algorithms using these pieces are `dpresearch.algorithms.async_sgd.AsyncSGD` (the server's
+side, over either transport) with `AsyncWorker` (a worker's side on real ranks), and
+`dpresearch.algorithms.adpsgd.ADPSGD`; this package imports nothing of `algorithms`.
 """

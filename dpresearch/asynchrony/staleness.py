@@ -37,6 +37,19 @@ class StalenessPolicy:
         return 1.0
 
 
+def count_tau(histogram: list[int], tau: int) -> None:
+    """Add one τ to `histogram` (index τ → count), growing it as needed."""
+    if tau >= len(histogram):
+        histogram.extend([0] * (tau + 1 - len(histogram)))
+    histogram[tau] += 1
+
+
+def mean_tau(histogram: list[int]) -> float:
+    """The mean τ a histogram holds (0 when empty)."""
+    total = sum(histogram)
+    return sum(t * n for t, n in enumerate(histogram)) / total if total else 0.0
+
+
 class StalenessStats:
     """τ of every applied gradient: a histogram over the run, per-worker counts, and the mean
     and maximum since the last `window()` call."""
@@ -48,9 +61,7 @@ class StalenessStats:
         self._sum = self._count = self._max = 0
 
     def applied(self, worker: int, tau: int) -> None:
-        if tau >= len(self.histogram):
-            self.histogram.extend([0] * (tau + 1 - len(self.histogram)))
-        self.histogram[tau] += 1
+        count_tau(self.histogram, tau)
         self.applied_by_worker[worker] += 1
         self._sum += tau
         self._count += 1
@@ -72,8 +83,7 @@ class StalenessStats:
     @property
     def mean(self) -> float:
         """Mean τ over the whole run."""
-        total = sum(self.histogram)
-        return sum(t * n for t, n in enumerate(self.histogram)) / total if total else 0.0
+        return mean_tau(self.histogram)
 
     def window(self) -> dict[str, float]:
         """`async/staleness_mean` and `_max` over the gradients applied since the last call

@@ -4,10 +4,11 @@ push at its send, per worker, with the worker's own clock).
 
 A push is one message `[header, wire, buffers]`: the header (float64) holds the version the
 worker read, its gradient count (the codec's step), and its batch's training loss and accuracy;
-the wire row is the gradient as `PushCodec` encodes it; the buffers are the worker's float
-buffers. A pull (server → worker) is `[header, parameters, buffers]` with the header holding
-the server's version and what the message means (`PULL`, or a control: checkpoint now, finish,
-stop on a signal, diverged); pulls are charged to nobody (the server holds no worker).
+the wire row is the gradient as the push channel (`compress.Channel`) encodes it; the buffers
+are the worker's float buffers. A pull (server → worker) is `[header, parameters, buffers]`
+with the header holding the server's version and what the message means (`PULL`, or a
+control: checkpoint now, finish, stop on a signal, diverged); pulls are charged to nobody
+(the server holds no worker).
 
 - `EventTransport` (the event simulator, every worker in this process): the event clock
   (`clock.py`, seeded compute times plus network-priced transfers) decides who pushes next;
@@ -21,6 +22,9 @@ stop on a signal, diverged); pulls are charged to nobody (the server holds no wo
   push in flight and keeps them (`held`, part of the checkpoint), then tells every worker; so a
   checkpoint holds every message of the run. A worker silent for `async.timeout_s` seconds of
   the server's listening time is named (`WorkerLost`).
+
+`open_transport` picks the one the communicator's layout needs, so the algorithm over it never
+asks where its workers run: it reads the transport's `computes_here`, `describe` and `metrics`.
 """
 
 from __future__ import annotations
@@ -29,15 +33,16 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from dpresearch.algorithms.base import StepPlan, Verdict
 from dpresearch.asynchrony.clock import EventClock
-from dpresearch.asynchrony.push import PushCodec
+from dpresearch.asynchrony.options import AsyncOptions
 from dpresearch.asynchrony.server import ParameterServer
 from dpresearch.comm.base import Communicator, Packed, PeerTimeout, PendingOp
+from dpresearch.compress.channel import Channel
 from dpresearch.replicas import Replicas
 
 SERVER = -1  # the server's endpoint in a simulating process (it holds no worker)
@@ -71,40 +76,18 @@ def pull_message(comm: Communicator, params: Tensor, buffers: Tensor) -> Packed:
     return comm.packed([torch.empty(PULL_HEADER, dtype=torch.float64), params, buffers])
 
 
-def push_message(comm: Communicator, codec: PushCodec, buffers: Tensor) -> Packed:
+def push_message(comm: Communicator, codec: Channel, buffers: Tensor) -> Packed:
     """A push laid out for `comm`: [header (float64, `HEADER`), wire row, buffers]."""
     wire = torch.empty(codec.wire_size, dtype=codec.wire_dtype, device=buffers.device)
     return comm.packed([torch.empty(HEADER, dtype=torch.float64), wire, buffers])
 
 
-def control_kind(verdict: Verdict) -> int | None:
-    """The control message a server's verdict sends every worker (None: none)."""
-    if verdict.io_failed:
-        return IO_FAILED
-    if verdict.nonfinite:
-        return DIVERGED
-    if verdict.finished:
-        return FINISH
-    if verdict.signum:
-        return STOP
-    return CHECKPOINT if verdict.checkpoint else None
-
-
-def verdict_of(kind: int, signum: int) -> Verdict:
-    """A worker's verdict from the server's control message."""
-    return Verdict(
-        signum=signum,
-        nonfinite=kind == DIVERGED,
-        checkpoint=kind == CHECKPOINT,
-        finished=kind == FINISH,
-        io_failed=kind == IO_FAILED,
-    )
-
-
 class EventTransport:
     """Every worker in this process (rows of `replicas`), ordered by the event `clock`."""
 
-    def __init__(self, comm: Communicator, replicas: Replicas, codec: PushCodec,
+    computes_here = True  # the pushing worker's gradient is computed in this process
+
+    def __init__(self, comm: Communicator, replicas: Replicas, codec: Channel,
                  clock: EventClock) -> None:  # fmt: skip
         self.comm, self.codec, self.clock = comm, codec, clock
         k = comm.world_size
@@ -112,7 +95,7 @@ class EventTransport:
         self.params, self.grads = list(replicas.params.unbind(0)), list(replicas.grads.unbind(0))
         self.buffers = list(replicas.buffers.unbind(0))
         self._has_buffers = replicas.buffers.shape[1] > 0
-        self._plans = [StepPlan((w,)) for w in range(k)]
+        self._rows = [(w,) for w in range(k)]
         self._headers = torch.zeros(k, HEADER, dtype=torch.float64)
         self._header_values = self._headers.numpy()  # written without dispatching torch ops
         self.read_version = [0] * k
@@ -122,10 +105,11 @@ class EventTransport:
     def now(self) -> float:
         return self.clock.now
 
-    def next_push(self) -> tuple[int, StepPlan]:
-        """The next worker to push (the earliest arrival); it computes here."""
+    def next_push(self) -> tuple[int, tuple[int, ...]]:
+        """The next worker to push (the earliest arrival) and the local rows that compute its
+        gradient: its own (it computes here)."""
         w = self.clock.next_arrival()
-        return w, self._plans[w]
+        return w, self._rows[w]
 
     def take(self, w: int) -> Push:
         """Worker `w`'s push of the gradient in its row, sent to the server and received."""
@@ -155,8 +139,15 @@ class EventTransport:
             self.read_version[w] = server.version
             self.clock.start(w)
 
-    def end(self, verdict: Verdict, server: ParameterServer) -> None:
+    def end(self, kind: int | None, signum: int, server: ParameterServer) -> None:
         """Nothing to tell: every worker lives in this process."""
+
+    def describe(self, options: AsyncOptions) -> dict[str, Any]:
+        return {"mode": "event simulator"}
+
+    def metrics(self) -> dict[str, float]:
+        """The workers compute here: the loop logs their losses itself."""
+        return {}
 
     def state_dict(self) -> dict:
         return {"clock": self.clock.state_dict(), "read_version": list(self.read_version),
@@ -172,11 +163,13 @@ class ProcessTransport:
     """The server's side on real ranks (see the module docstring). `clock`: the event clock
     whose order the server follows (`async.order=seeded`), or None (arrival order)."""
 
+    computes_here = False  # the workers compute on their own ranks
+
     def __init__(
         self,
         comm: Communicator,
         server: ParameterServer,
-        codec: PushCodec,
+        codec: Channel,
         clock: EventClock | None,
         timeout_s: float,
         keep_read_params: bool = False,
@@ -204,26 +197,42 @@ class ProcessTransport:
         self.listened = 0.0  # seconds spent waiting for pushes
         self.released_at = [0.0] * k  # `listened` when each worker was last released
         self._push: Push | None = None
-        self._plan = StepPlan(())
+        self._window = [0.0, 0.0, 0]  # received pushes' loss, accuracy, count
 
     @property
     def now(self) -> float:
         return self.clock.now if self.clock is not None else float("nan")
 
     # -- pushes ------------------------------------------------------------------------------
-    def next_push(self) -> tuple[int, StepPlan]:
+    def next_push(self) -> tuple[int, tuple[int, ...]]:
         """Receive the next push (a held one first); nothing computes on the server."""
         want = self.clock.next_arrival() if self.clock is not None else None
         push = self._held(want)
         if push is None:
             push = self._receive(want)
         self._push = push
-        return push.worker, self._plan
+        return push.worker, ()
 
     def take(self, w: int) -> Push:
         """The push `next_push` received."""
-        assert self._push is not None and self._push.worker == w
-        return self._push
+        push = self._push
+        assert push is not None and push.worker == w
+        window = self._window
+        window[0], window[1], window[2] = window[0] + push.loss, window[1] + push.acc, window[2] + 1
+        return push
+
+    def describe(self, options: AsyncOptions) -> dict[str, Any]:
+        return {"mode": "real processes", "order": options.order,
+                "inject_delay": options.inject_delay}  # fmt: skip
+
+    def metrics(self) -> dict[str, float]:
+        """`train/loss` and `train/acc` of the batches pushed since the last call (the
+        workers compute elsewhere; their losses arrive in the pushes)."""
+        loss, acc, count = self._window
+        self._window = [0.0, 0.0, 0]
+        nan = float("nan")
+        return {"train/loss": loss / count if count else nan,
+                "train/acc": acc / count if count else nan}  # fmt: skip
 
     def x_read(self, w: int) -> Tensor | None:
         """The parameters worker `w` computed its push on (kept for delay compensation)."""
@@ -307,12 +316,11 @@ class ProcessTransport:
             out[2].copy_(server.buffers)
         self._sent[w] = self.comm.isend(out, w + self.comm.first_worker, record=False)
 
-    def end(self, verdict: Verdict, server: ParameterServer) -> None:
+    def end(self, kind: int | None, signum: int, server: ParameterServer) -> None:
         """Before a checkpoint or a stop: receive every push in flight and keep it (`held`,
         in arrival order; the checkpoint holds it); at the end of the run (finished,
         diverged) receive and drop them, uncounted (the simulator never computes them). Then
-        tell every worker (`control_kind(verdict)`)."""
-        kind = control_kind(verdict)
+        tell every worker the control message `kind` (None: none)."""
         if kind is None:
             return
         keep = kind in (CHECKPOINT, STOP)
@@ -323,7 +331,7 @@ class ProcessTransport:
                 self.held.append(replace(push, gradient=push.gradient.clone(),
                                          buffers=push.buffers.clone()))  # fmt: skip
         for w in range(self.workers):
-            self._send(w, server, kind, verdict.signum)
+            self._send(w, server, kind, signum)
         # Delivered before this process goes on: every worker is waiting for it, and a send
         # still in flight when the run ends (its work and buffer freed) may never arrive,
         # leaving its worker waiting forever (seen under load).
@@ -336,8 +344,10 @@ class ProcessTransport:
         """Everything a resumed server needs: pushes held (the run's messages in flight at the
         checkpoint), what each worker read, the push counts, the seeded clock."""
         return {
-            "held": [(p.worker, p.read_version, p.count, p.loss, p.acc, p.gradient, p.buffers)
-                     for p in self.held],  # fmt: skip
+            "held": [
+                (p.worker, p.read_version, p.count, p.loss, p.acc, p.gradient, p.buffers)
+                for p in self.held
+            ],  # fmt: skip
             "read_version": list(self.read_version),
             "read_params": self.read_params,
             "pushes": list(self.pushes),
@@ -359,3 +369,21 @@ class ProcessTransport:
                 dst.copy_(src)
         if self.clock is not None:
             self.clock.load_state_dict(state["clock"])
+
+
+def open_transport(
+    comm: Communicator,
+    replicas: Replicas,
+    server: ParameterServer,
+    codec: Channel,
+    clock: EventClock,
+    options: AsyncOptions,
+) -> EventTransport | ProcessTransport:
+    """The transport this process's communicator needs: every worker here (a simulating
+    process) — the event simulator; otherwise the server's side on real ranks, following the
+    clock's order with `async.order=seeded`."""
+    if comm.num_local == comm.world_size:
+        return EventTransport(comm, replicas, codec, clock)
+    seeded = clock if options.order == "seeded" else None
+    return ProcessTransport(comm, server, codec, seeded, options.timeout_s,
+                            bool(options.delay_compensation))  # fmt: skip

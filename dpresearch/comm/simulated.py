@@ -79,8 +79,10 @@ class SimulatedCommunicator(Communicator):
         purpose: str | None,
     ) -> tuple[int, Message]:
         box = self._mailbox.get(dst)
-        index = 0 if src is None or not box else next(
-            (i for i, (s, _) in enumerate(box) if s == src), None
+        index = (
+            0
+            if src is None or not box
+            else next((i for i, (s, _) in enumerate(box) if s == src), None)
         )
         if not box or index is None:
             who = "any endpoint" if src is None else f"endpoint {src}"

@@ -71,8 +71,9 @@ class _Phase:
 class Topology(ABC):
     """A communication graph over `num_workers` workers, possibly time-varying.
 
-    Subclasses set `name` and `directed`, call `super().__init__` first, set their own state
-    (and `self.period` if time-varying), then call `self._check_graph()`.
+    Subclasses set `name` and `directed` and define `_edges`; one with state of its own sets it
+    in `_setup` (and `self.period`, if time-varying), which `__init__` calls before it checks
+    the graph (a constructor taking more arguments keeps them, then calls `super().__init__`).
     """
 
     name: ClassVar[str]
@@ -87,6 +88,12 @@ class Topology(ABC):
         self.weights = weights
         self.period = 1
         self._phases: dict[int, _Phase] = {}
+        self._setup()
+        self._check_graph()
+
+    def _setup(self) -> None:
+        """Set the graph's own state (and `period`) from `num_workers` and the constructor's
+        arguments; the graph is checked after."""
 
     @abstractmethod
     def _edges(self, phase: int) -> Edges:
@@ -305,10 +312,6 @@ class Ring(Topology):
     name = "ring"
     directed = False
 
-    def __init__(self, num_workers: int, weights: str = "metropolis") -> None:
-        super().__init__(num_workers, weights)
-        self._check_graph()
-
     def _edges(self, phase: int) -> Edges:
         k = self.num_workers
         return _both_ways([(i, (i + 1) % k) for i in range(k)])
@@ -331,9 +334,11 @@ class Torus(Topology):
         rows: int | None = None,
         cols: int | None = None,
     ) -> None:
+        self._asked = rows, cols
         super().__init__(num_workers, weights)
-        self.rows, self.cols = _torus_shape(num_workers, rows, cols)
-        self._check_graph()
+
+    def _setup(self) -> None:
+        self.rows, self.cols = _torus_shape(self.num_workers, *self._asked)
 
     def _edges(self, phase: int) -> Edges:
         r, c = self.rows, self.cols
@@ -393,10 +398,6 @@ class Exponential(Topology):
     name = "exponential"
     directed = True
 
-    def __init__(self, num_workers: int, weights: str = "metropolis") -> None:
-        super().__init__(num_workers, weights)
-        self._check_graph()
-
     def _edges(self, phase: int) -> Edges:
         k = self.num_workers
         hops = {2**e for e in range(_log2_floor(k - 1) + 1)}
@@ -413,10 +414,8 @@ class OnePeerExponential(Topology):
     name = "one_peer_exponential"
     directed = True
 
-    def __init__(self, num_workers: int, weights: str = "metropolis") -> None:
-        super().__init__(num_workers, weights)
-        self.period = _log2_floor(num_workers - 1) + 1
-        self._check_graph()
+    def _setup(self) -> None:
+        self.period = _log2_floor(self.num_workers - 1) + 1
 
     def _edges(self, phase: int) -> Edges:
         k = self.num_workers
@@ -429,10 +428,6 @@ class Complete(Topology):
     name = "complete"
     directed = False
 
-    def __init__(self, num_workers: int, weights: str = "metropolis") -> None:
-        super().__init__(num_workers, weights)
-        self._check_graph()
-
     def _edges(self, phase: int) -> Edges:
         k = self.num_workers
         return {(i, j) for i in range(k) for j in range(k) if i != j}
@@ -444,10 +439,6 @@ class Star(Topology):
     name = "star"
     directed = False
 
-    def __init__(self, num_workers: int, weights: str = "metropolis") -> None:
-        super().__init__(num_workers, weights)
-        self._check_graph()
-
     def _edges(self, phase: int) -> Edges:
         return _both_ways([(0, i) for i in range(1, self.num_workers)])
 
@@ -457,10 +448,6 @@ class Chain(Topology):
 
     name = "chain"
     directed = False
-
-    def __init__(self, num_workers: int, weights: str = "metropolis") -> None:
-        super().__init__(num_workers, weights)
-        self._check_graph()
 
     def _edges(self, phase: int) -> Edges:
         return _both_ways([(i, i + 1) for i in range(self.num_workers - 1)])
@@ -479,12 +466,13 @@ class ErdosRenyi(Topology):
     def __init__(
         self, num_workers: int, weights: str = "metropolis", p: float = 0.3, seed: int = 0
     ) -> None:
-        super().__init__(num_workers, weights)
-        if not 0.0 < p <= 1.0:
-            raise ValueError(f"topology.p={p} must be in (0, 1]; e.g. topology.p=0.3")
         self.p, self.seed = p, seed
-        self._drawn = _draw_connected(num_workers, p, seed)
-        self._check_graph()
+        super().__init__(num_workers, weights)
+
+    def _setup(self) -> None:
+        if not 0.0 < self.p <= 1.0:
+            raise ValueError(f"topology.p={self.p} must be in (0, 1]; e.g. topology.p=0.3")
+        self._drawn = _draw_connected(self.num_workers, self.p, self.seed)
 
     def _edges(self, phase: int) -> Edges:
         return set(self._drawn)

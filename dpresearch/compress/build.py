@@ -4,35 +4,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
 
 from dpresearch.comm.base import Communicator
-from dpresearch.compress.base import Compressor
-from dpresearch.compress.error_feedback import ErrorFeedback
+from dpresearch.compress.channel import build_compressor, build_memory
 from dpresearch.compress.layout import GRANULARITIES, ParamLayout
-from dpresearch.compress.pairing import check_pairing
+from dpresearch.compress.pairing import SYNC, ChannelNeeds, check_pairing
 from dpresearch.compress.reducer import CompressedReducer, HierarchicalReducer
-
-IDENTITY = MappingProxyType({"_target_": "dpresearch.compress.casts.Identity"})
-
-
-def build_compressor(compressor_cfg: Mapping[str, Any] | None, seed: int) -> Compressor:
-    """The compressor a `compressor` node describes (None: identity), seeded by the run."""
-    return instantiate(compressor_cfg or dict(IDENTITY), seed=seed)
-
-
-def build_memory(error_feedback_cfg: Mapping[str, Any] | None) -> ErrorFeedback:
-    """The error feedback an `error_feedback` node describes (None: none). A node without
-    `_target_` holds `ErrorFeedback` keyword arguments."""
-    if error_feedback_cfg is None:
-        return ErrorFeedback(mode="none")
-    if "_target_" in error_feedback_cfg:
-        return instantiate(error_feedback_cfg)
-    return ErrorFeedback(**error_feedback_cfg)
 
 
 def build_reducer(
@@ -71,19 +51,19 @@ def check_compatibility(
     collective: str = "auto",
     optimizer_momentum: float = 0.0,
     where: str = "algorithm",
-    use: str = "sync",
+    use: ChannelNeeds | str = SYNC,
 ) -> None:
     """Raise ValueError (one line, naming the key to change) for a configuration that cannot
-    run or would run wrongly: the nodes' own arguments, then `pairing.check_pairing` for `use`
-    ("sync", "gossip", "push"). `where` is the config node holding granularity, bucket_mb
-    and collective."""
+    run or would run wrongly: the nodes' own arguments, then `pairing.check_pairing` for the
+    consumer's declared needs `use` (`Algorithm.channel`). `where` is the config node holding
+    granularity, bucket_mb and collective."""
     try:
         compressor = build_compressor(compressor_cfg, 0)
-    except Exception as exc:  # noqa: BLE001 - constructor errors are the user's to fix
+    except Exception as exc:
         raise ValueError(f"compressor.{_cause(exc)}") from None
     try:
         memory = build_memory(error_feedback_cfg)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise ValueError(f"error_feedback.{_cause(exc)}") from None
     if granularity != "auto" and granularity not in GRANULARITIES:
         raise ValueError(
@@ -95,13 +75,17 @@ def check_compatibility(
 
 
 def check_algorithm_node(
-    algorithm: Mapping[str, Any], use: str, optimizer_momentum: float = 0.0
+    algorithm: Mapping[str, Any],
+    use: ChannelNeeds | str,
+    optimizer_momentum: float = 0.0,
+    error_feedback: Mapping[str, Any] | None = None,
 ) -> None:
-    """`check_compatibility` for an `algorithm` config node holding `compressor`,
-    `error_feedback` and, optionally, `granularity`, `bucket_mb` and `collective`."""
+    """`check_compatibility` for an `algorithm` config node holding `compressor` and,
+    optionally, `error_feedback` (else `error_feedback`, the run's node), `granularity`,
+    `bucket_mb` and `collective`, consumed as the algorithm declares (`use`)."""
     check_compatibility(
         algorithm.get("compressor"),
-        algorithm.get("error_feedback"),
+        algorithm.get("error_feedback", error_feedback),
         algorithm.get("granularity", "auto"),
         algorithm.get("bucket_mb", 25.0),
         algorithm.get("collective", "auto"),

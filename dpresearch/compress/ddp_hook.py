@@ -35,7 +35,7 @@ from dpresearch.compress.base import Aggregation, Chunk, Compressor
 from dpresearch.compress.build import build_memory
 from dpresearch.compress.error_feedback import ErrorFeedback
 from dpresearch.compress.layout import tensor_key
-from dpresearch.compress.pairing import check_pairing
+from dpresearch.compress.pairing import SYNC, check_pairing
 
 HOOK_GRANULARITIES = ("tensor", "bucket")
 
@@ -92,7 +92,7 @@ def make_comm_hook(
         if isinstance(error_feedback, ErrorFeedback)
         else build_memory(error_feedback)
     )
-    check_pairing(compressor, memory, "sync", collective)
+    check_pairing(compressor, memory, SYNC, collective)
     comm = DistributedCommunicator(network or NetworkModel.preset("10gbe"), group=process_group)
     params, offset = {}, 0
     trainable = [p for p in model.parameters() if p.requires_grad]

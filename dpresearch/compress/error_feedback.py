@@ -4,8 +4,8 @@
     wire = codec.encode(p, step); sent = codec.decode(wire, ...)   # as the receivers decode it
     memory.update(p, sent)                # what was not sent is remembered
 
-Synchronous SGD (`reducer.py`), the DDP hook and asynchronous pushes (`asynchrony/push.py`) call
-it; an algorithm that compresses something else (e.g. an outer optimizer's pseudo-gradients)
+Synchronous SGD (`reducer.py`), the DDP hook and asynchronous pushes (`channel.Channel.encode`)
+call it; an algorithm that compresses something else (e.g. an outer optimizer's pseudo-gradients)
 does the same. `sent` must be decoded from the wire bytes, never taken from the encoder's
 tensors: the memory then holds exactly what the receivers have not seen.
 

@@ -7,10 +7,10 @@ from torch import Tensor
 
 from dpresearch.comm.base import Communicator
 from dpresearch.compress.base import Compressor
-from dpresearch.compress.casts import Identity
+from dpresearch.compress.channel import uncompressed
 from dpresearch.compress.error_feedback import ErrorFeedback
 from dpresearch.compress.layout import ParamLayout, plan_buckets
-from dpresearch.compress.pairing import check_pairing
+from dpresearch.compress.pairing import SYNC, check_pairing
 from dpresearch.compress.workspace import Workspace
 
 
@@ -44,7 +44,7 @@ class CompressedReducer:
         device: torch.device | str = "cpu",
     ) -> None:
         memory = memory or ErrorFeedback(mode="none")
-        check_pairing(compressor, memory, "sync", collective)
+        check_pairing(compressor, memory, SYNC, collective)
         self.compressor, self.memory, self.comm = compressor, memory, comm
         self.collective = collective
         auto = compressor.default_granularity
@@ -61,9 +61,7 @@ class CompressedReducer:
         self.ws = Workspace()
         # Uncompressed, stateless aggregation is one allreduce of the whole row: no buckets,
         # no copies (the same bytes, the same sums).
-        self.passthrough = (
-            type(compressor) is Identity and not memory.active and collective != "allgather"
-        )
+        self.passthrough = uncompressed(compressor, memory) and collective != "allgather"
 
     def reduce(self, grads: Tensor, step: int) -> None:
         """In place: every row of `grads` [W, D] becomes the aggregated gradient."""
@@ -128,7 +126,7 @@ class HierarchicalReducer:
         if tiers is None:
             raise ValueError("HierarchicalReducer needs a communicator with tiers")
         memory = memory or ErrorFeedback(mode="none")
-        check_pairing(compressor, memory, "sync", kwargs.get("collective", "auto"))
+        check_pairing(compressor, memory, SYNC, kwargs.get("collective", "auto"))
         self.tiers, self.compressor, self.memory = tiers, compressor, memory
         self.nodes_size = tiers.hierarchy.workers_per_node
         self.inner = (

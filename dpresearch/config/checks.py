@@ -1,9 +1,10 @@
 """The checks of each typed config node (`schema.py`), one function per node, and the table
-`NODE_CHECKS` that `validate.validate` runs in order. Plug-in nodes own their checks where they
-are defined: data (`data.base.check_data_node`), optimizer (`optim.check_optimizer_node`),
-schedule (`schedules.check_schedule_node`), compression (`compress.build.check_compatibility`),
-the algorithm (`Algorithm.check_config`, with `Algorithm.traits` for what the run-control
-layers need to know) and the `async` node (`asynchrony.options.check_options`).
+`NODE_CHECKS` that `validate.validate` runs in order; then the plug-in nodes' checks,
+`PLUGIN_CHECKS`: the data, optimizer and schedule nodes' values here (`check_data`,
+`check_optimizer`, `check_schedule`: what every data set, torch optimizer or schedule would
+reject mid-start), compression through `compress.build.check_compatibility`, the algorithm
+through its own `Algorithm.check_config` (with `Algorithm.traits` for what the run-control
+layers need to know) and the `async` node through `asynchrony.options.check_options`.
 
 Every check raises `ConfigError` (a typed node's) or ValueError (a plug-in's; the first line
 becomes the `ConfigError`), one line naming the fix.
@@ -20,10 +21,10 @@ from typing import Any
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from dpresearch.algorithms.base import Algorithm
-from dpresearch.config.environment import check_distributed_environment
-from dpresearch.config.errors import ConfigError
 from dpresearch.data.base import Dataset
+from dpresearch.errors import ConfigError
+from dpresearch.launch.environment import check_distributed_environment
+from dpresearch.run.build import algorithm_class, process_count
 
 BACKENDS = ("simulated", "gloo", "nccl")
 START_METHODS = ("forkserver", "spawn")  # backend.start_method (dpresearch.launch.forkserver)
@@ -46,35 +47,13 @@ def _as_config_error(check: Callable[[], object]) -> None:
     `ConfigError` with its first line."""
     try:
         check()
-    except Exception as exc:  # noqa: BLE001 - Hydra wraps constructor errors
+    except Exception as exc:
         cause = exc
         while not isinstance(cause, ValueError) and cause.__cause__ is not None:
             cause = cause.__cause__
         if not isinstance(cause, ValueError):
             raise
         raise ConfigError(str(cause).strip().splitlines()[0]) from None
-
-
-def algorithm_class(cfg: DictConfig) -> type[Algorithm] | None:
-    """The class `algorithm._target_` names, or None where it cannot be imported (reported by
-    the target check). Raises `ConfigError` for a target that is not an `Algorithm`."""
-    try:
-        cls = get_object(cfg.algorithm._target_)
-    except Exception:  # noqa: BLE001 - a bad target is reported by check_target
-        return None
-    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
-        raise ConfigError(
-            f"algorithm._target_={cfg.algorithm._target_} is not an Algorithm subclass "
-            "(dpresearch.algorithms.base.Algorithm); pick one with algorithm=<option>"
-        )
-    return cls
-
-
-def process_count(cfg: DictConfig) -> int:
-    """Processes a gloo/nccl run of `cfg` starts: one per worker, plus the algorithm's
-    `traits.extra_processes` (e.g. a parameter server)."""
-    cls = algorithm_class(cfg)
-    return cls.traits.processes(cfg.workers) if cls is not None else int(cfg.workers)
 
 
 def check_workers(cfg: DictConfig) -> None:
@@ -192,7 +171,7 @@ def check_train(cfg: DictConfig) -> None:
 def check_run_control(cfg: DictConfig) -> None:
     """`train.checkpoint_every`, `checkpoint_keep`, `resume` and `on_nonfinite`, and what the
     algorithm's traits allow of them."""
-    from dpresearch.run.checkpoint import CheckpointError, checkpoint_interval, find_resume
+    from dpresearch.run.checkpoint_files import CheckpointError, checkpoint_interval, find_resume
 
     tc = cfg.train
     if str(tc.checkpoint_every).strip().startswith("-"):
@@ -276,8 +255,7 @@ def check_network(cfg: DictConfig) -> None:
         name = net.get(key)
         if name is not None and name not in PRESETS:
             raise ConfigError(
-                f"network.{key}={name} is not a network preset; choose one of: "
-                f"{', '.join(PRESETS)}"
+                f"network.{key}={name} is not a network preset; choose one of: {', '.join(PRESETS)}"
             )
     if net.bandwidth_gbit <= 0 or net.latency_us < 0:
         raise ConfigError("network.bandwidth_gbit must be > 0 and network.latency_us >= 0")
@@ -317,7 +295,7 @@ def partitions_of(node: DictConfig) -> tuple[str, ...]:
     class where the target is a class or one of its class methods, the default set otherwise."""
     try:
         target = get_object(node._target_)
-    except Exception:  # noqa: BLE001 - an unimportable target: check_target says so
+    except Exception:
         return PARTITIONS
     owner = target.__self__ if inspect.ismethod(target) else target
     if isinstance(owner, type) and issubclass(owner, Dataset):
@@ -386,7 +364,7 @@ def _owned_optimizer(cfg: DictConfig) -> type | None:
 
     try:
         optimizer = get_object(cfg.optimizer._target_)
-    except Exception:  # noqa: BLE001 - a bad target is reported by check_target
+    except Exception:
         return None
     owned = isinstance(optimizer, type) and issubclass(optimizer, OwnedOptimizer)
     return optimizer if owned else None
@@ -428,51 +406,52 @@ def _is_default(node: Any, target: str, **defaults: Any) -> bool:
 
 
 def check_compression(cfg: DictConfig) -> None:
-    """Compressor and error feedback pair with each other and with the algorithm."""
-    from dpresearch.compress.build import check_compatibility
+    """Compressor and error feedback pair with each other and with what the algorithm's
+    messages need, as its class declares (`Algorithm.channel`: sync aggregation, gossip or
+    pushes; None: no compressor)."""
+    from dpresearch.compress.build import check_algorithm_node
 
     alg = cfg.algorithm
-    if "compressor" not in alg:
-        idle = _is_default(cfg.compressor, "dpresearch.compress.casts.Identity") and _is_default(
-            cfg.error_feedback,
-            "dpresearch.compress.error_feedback.ErrorFeedback",
-            mode="none",
-            momentum=0.0,
-        )
-        cls = algorithm_class(cfg)
-        note = cls.traits.compression_note if cls is not None else ""
-        if not idle and note:
+    cls = algorithm_class(cfg)
+    if cls is None:
+        return  # (the target check names it)
+    name = alg._target_.rsplit(".", 1)[-1]
+    no_memory = _is_default(
+        cfg.error_feedback, "dpresearch.compress.error_feedback.ErrorFeedback", mode="none",
+        momentum=0.0,
+    )  # fmt: skip
+    if cls.channel is None or "compressor" not in alg:
+        if no_memory and _is_default(cfg.compressor, "dpresearch.compress.casts.Identity"):
+            return
+        note = cls.traits.compression_note
+        if note:
             raise ConfigError(
                 f"{_selected_by(cfg)} {note}; drop compressor=/error_feedback= (leave "
                 "compressor=identity error_feedback=none)"
             )
-        if not idle:
+        if cls.channel is not None:
             raise ConfigError(
-                f"{alg._target_.rsplit('.', 1)[-1]} does not use compressor/error_feedback; "
-                "use algorithm=sync (compressed gradients) or algorithm=choco (compressed "
-                "gossip), or leave compressor=identity error_feedback=none"
+                f"{name} declares compressed messages (channel) but its algorithm node passes "
+                "no compressor; add `compressor: ${compressor}` to its YAML, or leave "
+                "compressor=identity error_feedback=none"
             )
-        return
-    if "error_feedback" not in alg and not _is_default(
-        cfg.error_feedback, "dpresearch.compress.error_feedback.ErrorFeedback", mode="none",
-        momentum=0.0,
-    ):  # fmt: skip
         raise ConfigError(
-            f"{alg._target_.rsplit('.', 1)[-1]} takes no error_feedback (its messages keep "
-            "their own copies); leave error_feedback=none"
+            f"{name} does not use compressor/error_feedback; use algorithm=sync (compressed "
+            "gradients) or algorithm=choco (compressed gossip), or leave compressor=identity "
+            "error_feedback=none"
         )
     try:
-        check_compatibility(
-            alg.compressor,
-            alg.get("error_feedback"),
-            granularity=alg.get("granularity", "auto"),
-            bucket_mb=alg.get("bucket_mb", 25.0),
-            collective=alg.get("collective", "auto"),
-            optimizer_momentum=float(cfg.optimizer.get("momentum", 0.0) or 0.0),
-            where="algorithm",
-        )
+        check_algorithm_node(
+            alg, cls.channel, float(cfg.optimizer.get("momentum", 0.0) or 0.0),
+            error_feedback=cfg.error_feedback,
+        )  # fmt: skip
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if "error_feedback" not in alg and not no_memory:
+        raise ConfigError(
+            f"{name} takes no error_feedback (its messages keep their own copies); leave "
+            "error_feedback=none"
+        )
 
 
 def check_outer(cfg: DictConfig) -> None:

@@ -108,7 +108,7 @@ def _group_options(conf_dir: Path, config_name: str, searchpath: list[str]):
                     found = loader.get_group_options(
                         group, config_name=config_name, overrides=searchpath
                     )
-                except Exception:  # noqa: BLE001 - a bad search path: composing will say why
+                except Exception:
                     found = []
             cache[group] = sorted(found)
         return cache[group]
@@ -154,7 +154,7 @@ def compose_command_line(cmd: CommandLine, conf_dir: Path) -> DictConfig:
             first_values.append(ov.input_line)
     try:
         return _compose(conf_dir, cmd.config_name, first_values)
-    except Exception as exc:  # noqa: BLE001 - every composition failure is reported alike
+    except Exception as exc:
         raise ConfigError(
             _composition_message(exc, conf_dir, cmd.config_name, first_values)
         ) from None
@@ -202,7 +202,7 @@ def _unknown_key_hint(key: str, conf_dir: Path, config_name: str, overrides: lis
     rest = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key]
     try:
         cfg = _compose(conf_dir, config_name, rest)
-    except Exception:  # noqa: BLE001 - no suggestions then
+    except Exception:
         return unknown_key_message(key, [])
     parent = OmegaConf.select(cfg, parent_path) if parent_path else cfg
     if not isinstance(parent, DictConfig):
@@ -213,7 +213,7 @@ def _unknown_key_hint(key: str, conf_dir: Path, config_name: str, overrides: lis
 
         try:
             params = set(inspect.signature(get_object(parent._target_)).parameters)
-        except Exception:  # noqa: BLE001 - no signature: nothing to suggest from
+        except Exception:
             return unknown_key_message(key, keys)
         if leaf in params and leaf not in RUNTIME_ARGS[parent_path]:
             return (

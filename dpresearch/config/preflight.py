@@ -36,7 +36,7 @@ def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> Dataset:
             sort_keys=True,
             default=str,
         )
-    except Exception:  # noqa: BLE001 - unresolvable: validate() will say why
+    except Exception:
         key = None
     if key is not None and key in _PASSED:
         return prepare_data(cfg)
@@ -87,7 +87,7 @@ def build_model(cfg: DictConfig, dataset: Dataset) -> torch.nn.Module:
 
     try:
         model = instantiate(cfg.model, num_classes=dataset.num_classes, input_shape=shape)
-    except Exception as exc:  # noqa: BLE001 - the model's own message, or a shape mismatch
+    except Exception as exc:
         cause = _root_cause(exc)
         if _first_line(cause).startswith("model."):
             raise ConfigError(_first_line(cause)) from None
@@ -97,7 +97,7 @@ def build_model(cfg: DictConfig, dataset: Dataset) -> torch.nn.Module:
     try:
         with torch.no_grad():
             out = model(x.cpu())
-    except Exception as exc:  # noqa: BLE001 - any failure means the same: wrong model for data
+    except Exception as exc:
         raise wrong_model(exc) from None
     if tuple(out.shape[1:]) != dataset.output_shape:
         raise ConfigError(

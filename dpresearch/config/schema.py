@@ -33,8 +33,9 @@ class TrainConfig:
     0: none), the same examples in every seed, never trained on, evaluated as `val/loss` and
     `val/acc` beside the test metrics — what a study selects its learning rate on.
 
-    Checkpoints (`dpresearch/run/checkpoint.py`): `checkpoint_every` is a number of steps (`500`),
-    of epochs (`1ep`, `0.5ep`) or 0/null (off, the default); `checkpoint_keep` keeps the last N.
+    Checkpoints (`dpresearch/run/checkpoint_files.py`): `checkpoint_every` is a number of steps
+    (`500`), of epochs (`1ep`, `0.5ep`) or 0/null (off, the default); `checkpoint_keep` keeps
+    the last N.
     SIGTERM/SIGINT always write a final checkpoint (as Lightning does), whatever
     `checkpoint_every` says. `resume`: null (start fresh), `auto` (continue from the run
     directory's latest complete checkpoint if there is one, else start fresh) or a path (a

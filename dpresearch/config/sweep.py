@@ -96,7 +96,7 @@ def check_point(
             overrides += (f"hydra.sweep.subdir={quote_value(safe_folder_name(subdir))}",)
             sweep_config = config_loader.load_sweep_config(master, list(overrides))
             directory = point_dir(sweep_config, num)
-    except Exception as exc:  # noqa: BLE001 - any composition failure is this point's
+    except Exception as exc:
         return Checked(overrides, reason=(str(exc).strip().splitlines() or [type(exc).__name__])[0])
     sweep_dir = Path(str(sweep_config.hydra.sweep.dir))
     if not inside(directory, sweep_dir) or directory.resolve() == sweep_dir.resolve():

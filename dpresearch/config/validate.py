@@ -4,19 +4,21 @@
 check (`checks.NODE_CHECKS`), the run length against the command line (`check_run_length`),
 every plug-in's `_target_` and keys (`check_target`), and every plug-in node's own check
 (`checks.PLUGIN_CHECKS`, the algorithm's among them), and that no node is set for an
-algorithm that ignores it (`check_unused_nodes`). `prepare_data` loads the data set once.
+algorithm that ignores it (`check_unused_nodes`). `prepare_data` (`run.build`'s) loads the data
+set once.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
-import json
+import types
+import typing
 from collections.abc import Sequence
 from typing import Any
 
 from hydra.utils import get_object
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dpresearch.config.checks import (
     NODE_CHECKS,
@@ -24,7 +26,8 @@ from dpresearch.config.checks import (
     check_unused_nodes,
     process_count,
 )
-from dpresearch.config.errors import ConfigError
+from dpresearch.errors import ConfigError
+from dpresearch.run.build import forget_data, prepare_data
 
 __all__ = ["ConfigError", "process_count", "validate", "prepare_data", "forget_data"]
 
@@ -51,7 +54,7 @@ def check_target(group: str, node: Any) -> None:
     target = node._target_
     try:
         obj = get_object(target)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the same user error
+    except Exception as exc:
         raise ConfigError(f"{group}._target_={target} cannot be imported ({exc})") from None
     keys = [k for k in node if not str(k).startswith("_") and k not in OWN_KEYS.get(group, ())]
     try:
@@ -64,6 +67,77 @@ def check_target(group: str, node: Any) -> None:
     unknown = [k for k in keys if k not in params]
     if unknown:
         raise ConfigError(not_an_option_message(f"{group}.{unknown[0]}", target, params))
+    check_types(group, node, obj, [params[k] for k in keys])
+
+
+def check_types(group: str, node: DictConfig, obj: Any, params: list[inspect.Parameter]) -> None:
+    """Each scalar key's value has the type its `_target_`'s parameter is annotated with, where
+    that is `bool`, `int` or a `Literal` (each optionally `| None`): a plug-in node is untyped, so
+    `outer.period=2.5` would reach the code as a float (and `range` or `%` make it 2 silently),
+    `algorithm.mix_buffers=maybe` as a non-empty string, which `if` takes for true."""
+    for param in params:
+        kind = _simple_annotation(obj, param)
+        if kind is None:
+            continue
+        try:
+            value = node[param.name]
+        except Exception:  # (an unresolvable value is reported elsewhere)
+            continue
+        if isinstance(value, (DictConfig, ListConfig)):
+            continue
+        problem = _type_problem(value, *kind)
+        if problem:
+            raise ConfigError(f"{group}.{param.name}={_shown(value)}{problem}")
+
+
+def _simple_annotation(obj: Any, param: inspect.Parameter) -> tuple[Any, bool] | None:
+    """(bool, int or the Literal's values as a tuple; whether None is allowed) for `param`'s
+    annotation, or None for any other (or unresolvable) annotation."""
+    annotation = param.annotation
+    if isinstance(annotation, str):  # `from __future__ import annotations`
+        function = obj.__init__ if inspect.isclass(obj) else obj
+        namespace = getattr(inspect.unwrap(function), "__globals__", {})
+        try:
+            annotation = eval(annotation, dict(namespace))  # (the package's own annotations)
+        except Exception:  # (a name only imported for type checkers)
+            return None
+    options = [annotation]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        options = list(typing.get_args(annotation))
+    nullable = type(None) in options
+    options = [o for o in options if o is not type(None)]
+    if len(options) != 1:
+        return None
+    (kind,) = options
+    if typing.get_origin(kind) is typing.Literal:
+        return tuple(typing.get_args(kind)), nullable
+    return (kind, nullable) if kind in (bool, int) else None
+
+
+def _type_problem(value: Any, kind: Any, nullable: bool) -> str:
+    """What is wrong with `value` for `kind` (see `_simple_annotation`): the rest of the line,
+    or "" when nothing is."""
+    if value is None and nullable:
+        return ""
+    null = " (or null)" if nullable else ""
+    if isinstance(kind, tuple):
+        if value in kind:
+            return ""
+        return f"; choose one of: {', '.join(_shown(k) for k in kind)}{null}"
+    if kind is bool:
+        return "" if isinstance(value, bool) else f": must be true or false{null}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return ""
+    if isinstance(value, float) and value.is_integer():
+        return f": must be an integer{null}; write {int(value)}"
+    return f": must be an integer{null}"
+
+
+def _shown(value: Any) -> str:
+    """A value as it is written on the command line."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "null" if value is None else str(value)
 
 
 def not_an_option_message(key: str, target: str, params: Any) -> str:
@@ -151,7 +225,7 @@ def _given(overrides: Sequence[str]) -> dict[str, Any]:
     for text in overrides:
         try:
             (override,) = parser.parse_overrides([text])
-        except Exception:  # noqa: BLE001 - composition has already judged the syntax
+        except Exception:
             continue
         if not override.is_sweep_override() and not override.is_delete():
             given[override.key_or_group] = override.value()
@@ -174,36 +248,3 @@ def check_run_length(cfg: DictConfig, overrides: Sequence[str]) -> None:
         f"train.epochs={epochs} would be ignored: train.steps={cfg.train.steps} is set by the "
         "config; add train.steps=null to train by epochs"
     )
-
-
-# The data set `prepare_data` loaded last, keyed by its resolved node: checking a run and then
-# running it in this process (simulated runs, sequential sweeps) reads the files once.
-_LOADED: dict[str, Any] = {}
-
-
-def prepare_data(cfg: DictConfig):
-    """Load (and, with `data.download=true`, fetch) the data set once, before any worker starts,
-    so a missing or corrupt data set is one line here rather than K tracebacks later. Returns
-    the data set on the CPU; the same node again returns the same object (call
-    `forget_data()` to drop it)."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-
-    key = json.dumps(OmegaConf.to_container(cfg.data, resolve=True), sort_keys=True)
-    if key in _LOADED:
-        return _LOADED[key]
-    try:
-        dataset = instantiate(cfg.data, device="cpu")
-    except InstantiationException as exc:
-        cause = exc.__cause__ or exc
-        if isinstance(cause, (OSError, ValueError, ConnectionError, ImportError)):
-            raise ConfigError(str(cause).strip().splitlines()[0]) from None
-        raise
-    _LOADED.clear()
-    _LOADED[key] = dataset
-    return dataset
-
-
-def forget_data() -> None:
-    """Drop the data set `prepare_data` keeps (e.g. before worker processes load their own)."""
-    _LOADED.clear()

@@ -126,7 +126,7 @@ def _gpt2_encoding():
     tiktoken.load.read_file = offline  # a cache miss must fail here, not reach the network
     try:
         return tiktoken.get_encoding("gpt2")
-    except Exception:  # noqa: BLE001 - any failure means the same: not available offline
+    except Exception:
         raise ValueError(
             "data.tokenizer=gpt2: tiktoken's gpt2 encoding is not cached on this machine "
             "(set TIKTOKEN_CACHE_DIR to a folder holding it); or use data.tokenizer=char or byte"

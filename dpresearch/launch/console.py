@@ -5,12 +5,17 @@ goes to `log_path` (Hydra's `train.log` in the run directory, next to the record
 logging writes there), and on the terminal each line starts with `label` (e.g. `[3] `, so the
 interleaved output of parallel sweep jobs can be told apart). Worker processes started inside
 it do the same (`worker_output`): the settings travel in the environment they inherit.
+
+`torch_logs_to_file()` (around a launch of local worker processes) sends torch's own log
+records — the elastic agent's, which print a failed worker's whole traceback, ~50 lines,
+before our one line says what happened — to that log file instead of the console.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -90,6 +95,40 @@ def job_output(log_path: Path | None, label: str = "") -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+# The loggers torch gives console handlers of their own (stderr; they do not propagate to Hydra's).
+TORCH_LOGGERS = ("torch", "torch.distributed")
+
+
+@contextlib.contextmanager
+def torch_logs_to_file() -> Iterator[None]:
+    """For the duration: torch's console log handlers (`TORCH_LOGGERS`) replaced by ones writing
+    to the job's log file (`LOG_ENV`, set by `job_output`), in the same format. Without a log
+    file nothing changes."""
+    log = os.environ.get(LOG_ENV)
+    swapped: list[tuple[logging.Logger, logging.Handler, logging.Handler]] = []
+    try:
+        for name in TORCH_LOGGERS if log else ():
+            logger = logging.getLogger(name)
+            for handler in list(logger.handlers):
+                if type(handler) is not logging.StreamHandler:
+                    continue
+                try:
+                    to_file = logging.FileHandler(log, encoding="utf-8")
+                except OSError:  # (the log file cannot be written: the console keeps them)
+                    continue
+                to_file.setFormatter(handler.formatter)
+                to_file.setLevel(handler.level)
+                logger.removeHandler(handler)
+                logger.addHandler(to_file)
+                swapped.append((logger, handler, to_file))
+        yield
+    finally:
+        for logger, handler, to_file in reversed(swapped):
+            logger.removeHandler(to_file)
+            to_file.close()
+            logger.addHandler(handler)
 
 
 def worker_output() -> contextlib.AbstractContextManager[None]:

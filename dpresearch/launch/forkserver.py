@@ -13,11 +13,11 @@ environment and directory travel to the worker in a `LaunchContext`, which the w
 whose streams are no longer the server's (output redirected since) spawns instead, as does
 `backend.start_method=spawn`.
 
-A worker dies with its launcher (`dpresearch.launch.lifeline`): a forked worker's parent is the
-server, so it is bound to the server, and the server exits when the launcher is gone (the
-launcher holds the only write end of the server's "alive" pipe: multiprocessing hands a copy
-to every forked child, which `adopt` closes — or a worker would keep the server, and itself,
-alive after the launcher's death).
+A worker dies with its launcher (`dpresearch.run.lifeline`), bound to the launcher itself,
+not to the server (its parent); the server dies with the launcher too: it imports
+`forkserver_binding` first, which binds it to the launcher that started it. (The launcher also
+holds the only write end of the server's "alive" pipe: multiprocessing hands a copy to every
+forked child, which `adopt` closes — or a worker would keep the server alive.)
 """
 
 from __future__ import annotations
@@ -27,10 +27,16 @@ import contextlib
 import dataclasses
 import multiprocessing
 import os
+import signal
 from multiprocessing import forkserver
 
 # What a worker imports, imported once by the server (each a module path).
-PRELOAD = ["dpresearch.launch.processes", "dpresearch.run.trainer", "dpresearch.comm.distributed"]
+PRELOAD = [
+    "dpresearch.launch.forkserver_binding",  # first: the server dies with its launcher
+    "dpresearch.launch.processes",
+    "dpresearch.run.trainer",
+    "dpresearch.comm.distributed",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,21 +92,16 @@ def _running_server() -> dict[str, str] | None:
 
 
 def _stop() -> None:
-    """At exit: stop the server and wait for it, so that it does not outlive this process
-    (holding its output pipes open) and its CPU time counts as this process's children's."""
+    """At exit: end the server and wait for it, so that it does not outlive this process
+    (holding its output pipes open) and its CPU time counts as this process's children's.
+    SIGKILL, not its own exit on the closed "alive" pipe: it holds nothing to save, and a clean
+    exit finalizes an interpreter with torch loaded, which kept a stopped job waiting ~1.4 s at
+    a load of 7 (more under load) before this process could end."""
+    server = forkserver._forkserver
     with contextlib.suppress(Exception):  # (a private method of the server: best effort)
-        forkserver._forkserver._stop()
-
-
-def parent_to_die_with(context: LaunchContext | None) -> int | None:
-    """In a worker: the process it must not outlive (`dpresearch.launch.lifeline`). A forked
-    worker's parent is the fork server, which exits as soon as the launcher that started it is
-    gone (see the module docstring), so the worker is bound to the server (by the pid the
-    launcher saw: a server already gone is no longer this process's parent); None for a
-    spawned worker, whose parent is the launcher itself (lifeline's default)."""
-    if context is None or context.server_env is None:
-        return None
-    return context.server_pid
+        if server._forkserver_pid is not None:
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+        server._stop()
 
 
 def adopt(context: LaunchContext | None) -> None:

@@ -13,7 +13,7 @@
   second one stops them at once (the agent's own shutdown).
 - under torchrun (its environment variables present): this process *is* one worker.
 
-Every worker process dies with its launcher, whatever killed it (`dpresearch.launch.lifeline`).
+Every worker process dies with its launcher, whatever killed it (`dpresearch.run.lifeline`).
 """
 
 from __future__ import annotations
@@ -35,15 +35,20 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from dpresearch.comm.hierarchy import Hierarchy
-from dpresearch.comm.network import NetworkModel
-from dpresearch.config.environment import (
+from dpresearch.errors import ConfigError
+from dpresearch.launch import forkserver, threads
+from dpresearch.launch.console import torch_logs_to_file, worker_output
+from dpresearch.launch.environment import (
     TORCHRUN_VARS,
     describe_init_failure,
     environment_names,
     from_agent,
 )
-from dpresearch.launch import forkserver
+from dpresearch.launch.heartbeat import Heartbeat, Watchdog
+from dpresearch.run import stop
+from dpresearch.run.build import prepare_data, process_count, run_device
+from dpresearch.run.lifeline import bind_to_launcher, launcher_environment
+from dpresearch.run.trainer import train
 
 HEARTBEAT_ENV = "DPRESEARCH_HEARTBEAT_DIR"
 LAUNCHED_AT_ENV = "DPRESEARCH_LAUNCHED_AT"
@@ -62,73 +67,16 @@ def global_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def network_model(cfg: DictConfig) -> NetworkModel:
-    net = cfg.network
-    return NetworkModel.from_units(
-        net.latency_us,
-        net.bandwidth_gbit,
-        net.get("message_overhead_us", 0.0),
-        net.get("allgather_factor", 1.0),
-        net.get("allgather_latency_us", None),
-        net.get("compute_step_s", 0.0),
-    )
-
-
-def hierarchy_of(cfg: DictConfig) -> Hierarchy | None:
-    """The two-level cluster `comm.hierarchy` describes (None: flat): nodes of
-    `workers_per_node`, links priced on `network.intra` inside and `network.inter` (null: the
-    run's network) between."""
-    per_node = cfg.comm.get("hierarchy", {}).get("workers_per_node")
-    if per_node is None:
-        return None
-    net = cfg.network
-    inter = net.get("inter")
-    return Hierarchy(
-        int(per_node),
-        NetworkModel.preset(net.get("intra") or "nvlink"),
-        NetworkModel.preset(inter) if inter else network_model(cfg),
-    )
-
-
-def threads_per_process(cfg: DictConfig, local_processes: int) -> int:
-    """Intra-op threads of one of `local_processes` processes of a gloo/nccl run
-    (`dpresearch.launch.threads`)."""
-    from dpresearch.launch.threads import choose
-
-    return choose(cfg, "cpu", None, local_processes)[0]
-
-
 def run_simulated(cfg: DictConfig, run_dir: Path | None, dataset: Any = None) -> dict[str, Any]:
     """Run all K workers in this process (on `dataset` if already loaded), with the intra-op
     threads `dpresearch.launch.threads` chooses (printed)."""
-    from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.config.validate import prepare_data
-    from dpresearch.launch.threads import describe, for_simulated
-    from dpresearch.run.trainer import Trainer
-
-    device_name = cfg.train.device
-    if device_name == "auto":
-        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = run_device(cfg)
     dataset = dataset if dataset is not None else prepare_data(cfg)
-    threads, why = for_simulated(cfg, dataset, torch.device(device_name).type)
-    torch.set_num_threads(threads)
+    count, why = threads.for_simulated(cfg, dataset, device.type)
+    torch.set_num_threads(count)
     if cfg.train.progress:
-        print(describe(threads, why), flush=True)
-    comm = SimulatedCommunicator(
-        cfg.workers,
-        network_model(cfg),
-        cfg.comm.reduction,
-        cfg.comm.deterministic,
-        hierarchy=hierarchy_of(cfg),
-    )
-    return Trainer(cfg, comm, torch.device(device_name), run_dir, dataset).run()
-
-
-def process_device(cfg: DictConfig) -> torch.device:
-    """The device this launched process computes on (its own GPU for NCCL, else the CPU)."""
-    from dpresearch.comm.distributed import default_device_for
-
-    return default_device_for(cfg.backend.name, int(os.environ["LOCAL_RANK"]))
+        print(threads.describe(count, why), flush=True)
+    return train(cfg, device, run_dir, dataset)
 
 
 def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
@@ -138,8 +86,8 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
 
     backend = cfg.backend.name
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    torch.set_num_threads(threads_per_process(cfg, local_world))
-    device = process_device(cfg)
+    torch.set_num_threads(threads.choose(cfg, "cpu", None, local_world)[0])
+    device = run_device(cfg)
     if backend == "nccl":
         torch.cuda.set_device(device)
     if not from_agent() and global_rank() == 0:
@@ -151,8 +99,6 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     try:
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.backend.timeout_s))
     except (dist.DistError, TimeoutError) as exc:
-        from dpresearch.config.validate import ConfigError
-
         raise ConfigError(describe_init_failure(exc, cfg.backend.timeout_s)) from None
     if dist.get_rank() == 0 and cfg.train.progress and LAUNCHED_AT_ENV in os.environ:
         took = time.time() - float(os.environ[LAUNCHED_AT_ENV])
@@ -162,7 +108,7 @@ def run_as_worker(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
             flush=True,
         )
     try:
-        summary = _train(cfg, run_dir, device)
+        summary = train(cfg, device, run_dir)
     except BaseException:
         dist.destroy_process_group()
         raise
@@ -193,47 +139,18 @@ def leave_together() -> None:
         del work
 
 
-def _train(cfg: DictConfig, run_dir: Path | None, device: torch.device) -> dict[str, Any]:
-    """This process as rank `rank` of the training loop (rank 0 writes `run_dir`): a worker,
-    or one of the algorithm's extra processes (`Traits.extra_processes`, the first ranks)."""
-    from dpresearch.comm.distributed import DistributedCommunicator
-    from dpresearch.config.checks import algorithm_class
-    from dpresearch.run.trainer import Trainer
-
-    traits = algorithm_class(cfg).traits
-    comm = DistributedCommunicator(
-        network_model(cfg),
-        cfg.comm.reduction,
-        deterministic=cfg.comm.deterministic,
-        p2p_schedule=cfg.comm.p2p_schedule,
-        hierarchy=hierarchy_of(cfg),
-        messages=traits.messages,
-        first_worker=traits.extra_processes,
-    )
-    writer_dir = run_dir if comm.is_main_process else None
-    return Trainer(cfg, comm, device, writer_dir).run()
-
-
 @record
-def _worker_entry(
-    cfg_container: dict, run_dir: str | None, context: Any = None
-) -> dict[str, Any]:
+def _worker_entry(cfg_container: dict, run_dir: str | None, context: Any = None) -> dict[str, Any]:
     """Entry point of a process started by `launch_local` (must be importable: spawn); a
     forked one first takes over its launcher's environment (`forkserver.adopt`)."""
     forkserver.adopt(context)
-    from dpresearch.launch.console import worker_output
-    from dpresearch.launch.heartbeat import Heartbeat
-    from dpresearch.launch.lifeline import bind_to_launcher
-    from dpresearch.run import stop
-    from dpresearch.run.stop import STOP_FILE_ENV
-
-    # First: from here on, this process dies with the launcher (a forked one with the fork
-    # server, its parent, which exits when the launcher does).
-    bind_to_launcher(forkserver.parent_to_die_with(context))
+    # First: from here on, this process dies with the launcher (named in its environment;
+    # a forked one's parent, the fork server, dies with it too).
+    bind_to_launcher()
     cfg = OmegaConf.create(cfg_container)
     beats = os.environ.get(HEARTBEAT_ENV)
     # Stop requests are recorded from the start (the loop honours them at its next step).
-    stoppable = STOP_FILE_ENV in os.environ
+    stoppable = stop.STOP_FILE_ENV in os.environ
     stop.exit_on_the_agents_sigterm()
     with worker_output(), stop.handling() if stoppable else contextlib.nullcontext():
         if not beats:
@@ -243,7 +160,7 @@ def _worker_entry(
 
 
 def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
-    """Start the run's processes (`config.checks.process_count`) on this machine; return rank
+    """Start the run's processes (`run.build.process_count`) on this machine; return rank
     0's summary.
 
     Raises torch's `ChildFailedError` (which carries the failed worker's traceback) if any
@@ -252,10 +169,6 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from dpresearch.config.checks import process_count
-    from dpresearch.launch.heartbeat import Watchdog
-    from dpresearch.launch.lifeline import launcher_environment
 
     processes = process_count(cfg)
     config = LaunchConfig(
@@ -280,6 +193,7 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
     heartbeat_s = cfg.backend.get("heartbeat_s")
     with contextlib.ExitStack() as stack:
         stack.enter_context(_spawnable_start_method())
+        stack.enter_context(torch_logs_to_file())  # a worker's fault: our one line, not torch's
         stack.enter_context(
             _environment({LAUNCHED_AT_ENV: str(time.time()), **launcher_environment()})
         )
@@ -291,12 +205,10 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
             stack.callback(watchdog.stop)
         from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
 
-        from dpresearch.run.stop import STOP_FILE_ENV, forwarding
-
         folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="dpresearch-stop-"))
         stop_file = Path(folder) / "stop"
-        stack.enter_context(_environment({STOP_FILE_ENV: str(stop_file)}))
-        stack.enter_context(forwarding(stop_file, _terminate_process_handler))
+        stack.enter_context(_environment({stop.STOP_FILE_ENV: str(stop_file)}))
+        stack.enter_context(stop.forwarding(stop_file, _terminate_process_handler))
         method, context = forkserver.choose(cfg.backend.start_method)
         config = dataclasses.replace(config, start_method=method)
         try:

@@ -19,7 +19,7 @@ import socket
 import threading
 from pathlib import Path
 
-from dpresearch.config.validate import ConfigError
+from dpresearch.errors import ConfigError
 
 LOCK_NAME = ".lock"
 # A run directory holding any of these belongs to a run that has started.

@@ -57,7 +57,7 @@ def concurrent_jobs() -> int:
         if hc.mode != RunMode.MULTIRUN:
             return 1
         jobs = hc.launcher.get("n_jobs")
-    except Exception:  # noqa: BLE001 - no Hydra context: a single job
+    except Exception:
         return 1
     if jobs is None:
         return 1

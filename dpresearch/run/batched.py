@@ -256,7 +256,7 @@ def probe(
                 loss = loss_fn(loop.models[w](x[w]), y[w])
             loss.backward()
         BatchedWorkers(batched, loss_fn).run([0, 1], x, y, context())
-    except Exception as exc:  # noqa: BLE001 - any failure is a reason to fall back
+    except Exception as exc:
         return _reason(exc, autocast)
     rtol = PROBE_RTOL if dtype is None else PROBE_RTOL_16BIT
     for what in ("grads", "buffers", "int_buffers"):
@@ -337,7 +337,7 @@ def decide(cfg: Any, data: Any, num_local: int, device: torch.device) -> tuple[b
     """Whether this process's `num_local` workers compute batched, and the one line saying
     which and why ("" with a single worker: nothing to batch). `true` for a model that cannot
     be batched raises `ConfigError` (the checks before the run say so first)."""
-    from dpresearch.config.errors import ConfigError
+    from dpresearch.errors import ConfigError
     from dpresearch.models.workload import describe_macs, forward_macs
 
     if num_local < 2:

@@ -1,5 +1,11 @@
 """The run, built once from its configuration: every part the loop drives, by name.
 
+Everything a run is made of is built here from the configuration, and only here: the
+communicator of this process (`build_communicator`: the network model, the two-level hierarchy,
+all K workers simulated, or this rank of the process group the launcher joined), the device it
+computes on (`run_device`), the data set loaded once (`prepare_data`), the algorithm's class and
+the processes it needs (`algorithm_class`, `process_count`), and the rest in `build_run`.
+
 `build_run` makes, for the workers this process holds, in this order (each from the config's
 own factories, seeded as before so a run is reproducible): the data set (validation split held
 out) and its partitioner, the replicas (worker 0's initial state broadcast to every process),
@@ -15,26 +21,147 @@ position (step, best accuracy, last metrics, clock) is the loop's (`run.loop.Loo
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
 import random
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from dpresearch.algorithms import outer
 from dpresearch.algorithms.base import Algorithm
 from dpresearch.comm.base import Communicator
+from dpresearch.comm.distributed import DistributedCommunicator, default_device_for
+from dpresearch.comm.hierarchy import Hierarchy
+from dpresearch.comm.network import NetworkModel
+from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.data.base import Dataset
 from dpresearch.data.partition import Partitioner
+from dpresearch.errors import ConfigError
 from dpresearch.optim import make_optimizer
 from dpresearch.replicas import Replicas
-from dpresearch.run.checkpoint import checkpoint_interval
+from dpresearch.run.checkpoint_files import checkpoint_interval
 from dpresearch.run.compute import WorkerCompute
+
+
+def algorithm_class(cfg: DictConfig) -> type[Algorithm] | None:
+    """The class `algorithm._target_` names, or None where it cannot be imported (reported by
+    the target check). Raises `ConfigError` for a target that is not an `Algorithm`."""
+    try:
+        cls = get_object(cfg.algorithm._target_)
+    except Exception:
+        return None
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise ConfigError(
+            f"algorithm._target_={cfg.algorithm._target_} is not an Algorithm subclass "
+            "(dpresearch.algorithms.base.Algorithm); pick one with algorithm=<option>"
+        )
+    return cls
+
+
+def process_count(cfg: DictConfig) -> int:
+    """Processes a gloo/nccl run of `cfg` starts: one per worker, plus the algorithm's
+    `traits.extra_processes` (e.g. a parameter server)."""
+    cls = algorithm_class(cfg)
+    return cls.traits.processes(cfg.workers) if cls is not None else int(cfg.workers)
+
+
+def network_model(cfg: DictConfig) -> NetworkModel:
+    """The α-β cost model of the `network` node."""
+    net = cfg.network
+    return NetworkModel.from_units(
+        net.latency_us,
+        net.bandwidth_gbit,
+        net.get("message_overhead_us", 0.0),
+        net.get("allgather_factor", 1.0),
+        net.get("allgather_latency_us", None),
+        net.get("compute_step_s", 0.0),
+    )
+
+
+def hierarchy_of(cfg: DictConfig) -> Hierarchy | None:
+    """The two-level cluster `comm.hierarchy` describes (None: flat): nodes of
+    `workers_per_node`, links priced on `network.intra` inside and `network.inter` (null: the
+    run's network) between."""
+    per_node = cfg.comm.get("hierarchy", {}).get("workers_per_node")
+    if per_node is None:
+        return None
+    net = cfg.network
+    inter = net.get("inter")
+    return Hierarchy(
+        int(per_node),
+        NetworkModel.preset(net.get("intra") or "nvlink"),
+        NetworkModel.preset(inter) if inter else network_model(cfg),
+    )
+
+
+def run_device(cfg: DictConfig) -> torch.device:
+    """The device this process computes on: `train.device` for a simulated run (auto: a GPU
+    where there is one), a launched process's own GPU for NCCL, else the CPU."""
+    if cfg.backend.name != "simulated":
+        return default_device_for(cfg.backend.name, int(os.environ["LOCAL_RANK"]))
+    name = cfg.train.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def build_communicator(cfg: DictConfig) -> Communicator:
+    """This process's communicator: all K workers here (`backend=simulated`), or this rank of
+    the process group the launcher initialised, with the processes the algorithm adds
+    (`Traits.extra_processes`) first."""
+    network, hierarchy, cc = network_model(cfg), hierarchy_of(cfg), cfg.comm
+    if cfg.backend.name == "simulated":
+        return SimulatedCommunicator(
+            cfg.workers, network, cc.reduction, cc.deterministic, hierarchy=hierarchy
+        )
+    traits = algorithm_class(cfg).traits
+    return DistributedCommunicator(
+        network,
+        cc.reduction,
+        deterministic=cc.deterministic,
+        p2p_schedule=cc.p2p_schedule,
+        hierarchy=hierarchy,
+        messages=traits.messages,
+        first_worker=traits.extra_processes,
+    )
+
+
+# The data set `prepare_data` loaded last, keyed by its resolved node: checking a run and then
+# running it in this process (simulated runs, sequential sweeps) reads the files once.
+_LOADED: dict[str, Any] = {}
+
+
+def prepare_data(cfg: DictConfig) -> Dataset:
+    """Load (and, with `data.download=true`, fetch) the data set once, before any worker starts,
+    so a missing or corrupt data set is one line here rather than K tracebacks later. Returns
+    the data set on the CPU; the same node again returns the same object (call
+    `forget_data()` to drop it)."""
+    key = json.dumps(OmegaConf.to_container(cfg.data, resolve=True), sort_keys=True)
+    if key in _LOADED:
+        return _LOADED[key]
+    try:
+        dataset = instantiate(cfg.data, device="cpu")
+    except InstantiationException as exc:
+        cause = exc.__cause__ or exc
+        if isinstance(cause, (OSError, ValueError, ConnectionError, ImportError)):
+            raise ConfigError(str(cause).strip().splitlines()[0]) from None
+        raise
+    _LOADED.clear()
+    _LOADED[key] = dataset
+    return dataset
+
+
+def forget_data() -> None:
+    """Drop the data set `prepare_data` keeps (e.g. before worker processes load their own)."""
+    _LOADED.clear()
 
 
 class GlobalRandom:

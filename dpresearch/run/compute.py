@@ -155,9 +155,14 @@ class WorkerCompute:
     def next_batch(self, row: int) -> tuple[Tensor, Tensor]:
         """Inputs and targets of local row `row`'s next batch; advances its cursor."""
         x, y = self.data.train_batch(self.next_indices(row), self.generators[row])
+        return self.laid_out(x), y
+
+    def laid_out(self, x: Tensor) -> Tensor:
+        """A batch `x` in the memory layout the models take: images channels-last where
+        `train.channels_last` asks for it (evaluation batches too)."""
         if self.channels_last and x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
-        return x, y
+            return x.contiguous(memory_format=torch.channels_last)
+        return x
 
     def next_batches(self, rows: Sequence[int]) -> tuple[Tensor, Tensor]:
         """Inputs `[S, B, ...]` and targets `[S, B]` of each row's next batch (the batches

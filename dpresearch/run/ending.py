@@ -2,10 +2,11 @@
 
 Every run ends with one line saying how it ended, how far it got, how long it took and where
 its results are (`final_line`). An interrupted run's line carries the exact command that
-continues it (`resume_command`): the way the user started it (`python -m dpresearch.train`,
-`dpresearch train`, `dpresearch-train`), their flags and this run's overrides, with the run
-directory pinned and `train.resume=auto` — typing `train.resume=auto` alone would start a fresh
-run in a new directory. The entry point records how it was invoked (`remember_invocation`);
+continues it (`resume_command`): the way the user started it (`<python> -m dpresearch.train`
+naming the interpreter that ran, e.g. `.venv/bin/python`; `dpresearch train`;
+`dpresearch-train`), their flags and this run's overrides, with the run directory pinned and
+`train.resume=auto` — typing `train.resume=auto` alone would start a fresh run in a new
+directory. The entry point records how it was invoked (`remember_invocation`);
 the record travels in the environment, so sweep jobs in a process pool see it too.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +34,23 @@ def program(argv0: str) -> list[str]:
     words = argv0.split()
     if words and Path(words[0]).name.startswith("dpresearch") and not argv0.endswith(".py"):
         return [Path(words[0]).name, *words[1:]]
-    return [Path(sys.executable).name, "-m", "dpresearch.train"]
+    return [interpreter(), "-m", "dpresearch.train"]
+
+
+def interpreter(executable: str | None = None) -> str:
+    """The Python that runs this process (`sys.executable`) as the user can type it again: its
+    bare name when the shell finds that very file on PATH (`python3`), else its path relative
+    to the working directory when it lies below it (`.venv/bin/python` from the checkout),
+    else its absolute path. Never a `python` that would be another environment's."""
+    executable = executable or sys.executable or "python3"
+    path = os.path.abspath(executable)  # (not resolved: a venv's python is a symlink)
+    found = shutil.which(Path(path).name)
+    if found and os.path.abspath(found) == path:
+        return Path(path).name
+    cwd = os.path.abspath(os.getcwd())
+    if path.startswith(cwd + os.sep):
+        return os.path.relpath(path, cwd)
+    return path
 
 
 def remember_invocation(argv0: str, args: Sequence[str]) -> None:

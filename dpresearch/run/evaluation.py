@@ -62,10 +62,8 @@ class Evaluator:
         model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=run.device)
         for x, y in run.data.test_batches(tc.eval_batch_size, part, parts, split):
-            if tc.channels_last and x.dim() == 4:
-                x = x.contiguous(memory_format=torch.channels_last)
             with run.compute.autocast():
-                out = model(x).float()
+                out = model(run.compute.laid_out(x)).float()
             sums[0] += run.data.loss(out, y, reduction="sum").double()
             if run.data.classification:
                 sums[1] += run.data.hits(out, y).sum().double()

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +20,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from dpresearch.launch.lifeline import check_launcher
-from dpresearch.run.checkpoint import atomic_write_text
+from dpresearch.run.checkpoint_files import atomic_write_text
 from dpresearch.run.io_errors import writing
+from dpresearch.run.lifeline import check_launcher, guard_run_dir
 
 WANDB_MODES = ("online", "offline", "disabled")
 WANDB_ID_FILE = "wandb_id"  # the run's W&B id, so a resumed run continues the same W&B run
@@ -92,6 +93,44 @@ def _quiet_wandb() -> Iterator[None]:
             os.environ["WANDB_SILENT"] = saved
 
 
+PROBE_S = 4.0  # how long an online start waits for the W&B server's first answer
+
+
+def _unanswered(within_s: float) -> str | None:
+    """Why W&B's server cannot be used now (no answer to an HTTP request within `within_s`,
+    name resolution included: no network, a firewall dropping packets, a server that never
+    answers), or None when it answers (any HTTP status) or no API key is configured (W&B then
+    refuses at once, without the network). W&B's own `init_timeout` does not bound its start:
+    without a network it took 40-90 s to give up."""
+    import urllib.error
+    import urllib.request
+
+    from wandb.sdk import wandb_setup
+
+    if not (os.environ.get("WANDB_API_KEY") or _netrc().is_file()):
+        return None
+    url = os.environ.get("WANDB_BASE_URL") or str(wandb_setup.singleton().settings.base_url)
+    answer: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            urllib.request.urlopen(url, timeout=within_s).close()
+            answer.append(None)
+        except urllib.error.HTTPError:
+            answer.append(None)  # it answered
+        except Exception as exc:  # (any failure to get an answer is the same)
+            answer.append(f"{url}: {getattr(exc, 'reason', None) or exc}")
+
+    thread = threading.Thread(target=probe, name="dpresearch-wandb-probe", daemon=True)
+    thread.start()
+    thread.join(within_s)
+    return answer[0] if answer else f"no answer from {url} within {within_s:g} s"
+
+
+def _netrc() -> Path:
+    return Path(os.environ.get("NETRC") or Path.home() / ".netrc")
+
+
 class RunLogger(NullLogger):
     """Writes `config.yaml`, `metrics.jsonl` and `summary.json` into `run_dir`; mirrors
     metrics to W&B when `logger_cfg.wandb` is true. An online W&B start that fails (no network,
@@ -110,6 +149,7 @@ class RunLogger(NullLogger):
         up to that step, so no step appears twice, and W&B continues the run whose id is stored
         in the run directory (`wandb_id`)."""
         self.run_dir = Path(run_dir)
+        guard_run_dir(self.run_dir)  # a worker writes only while its launcher holds the lock
         config = self.run_dir / "config.yaml"
         with writing(config):
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -151,29 +191,37 @@ class RunLogger(NullLogger):
         if mode != "online":
             return wandb.init(mode=mode, **fields)
         timeout = float(logger_cfg.get("init_timeout_s", 30.0))
+        silent = _unanswered(min(timeout, PROBE_S))
+        if silent is not None:  # no network, or a server that never answers: offline at once
+            return self._offline(wandb, silent, fields, id_file, started=False)
         try:
             with _quiet_wandb():
                 run = wandb.init(
                     mode="online", settings=wandb.Settings(init_timeout=timeout), **fields
                 )
-        except Exception as exc:  # noqa: BLE001 - whatever W&B's reason, the run goes on
+        except Exception as exc:
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            print(
-                f"warning: W&B online start failed ({reason}); logging offline to "
-                f"{self.run_dir / 'wandb'} (upload later with `wandb sync`)",
-                file=sys.stderr,
-                flush=True,
-            )
-            with _quiet_wandb():
-                with contextlib.suppress(Exception):
-                    wandb.teardown()
-                # The failed online start may still hold its run id in W&B's service ("run ID
-                # is in use"): the offline run gets its own id, kept for a later resume.
-                fields["id"] = uuid.uuid4().hex[:12]
-                id_file.write_text(f"{fields['id']}\n")
-                return wandb.init(mode="offline", settings=wandb.Settings(silent=True), **fields)
+            return self._offline(wandb, reason, fields, id_file, started=True)
         print(f"W&B: {run.url}", flush=True)
         return run
+
+    def _offline(self, wandb: Any, reason: str, fields: dict, id_file: Path, started: bool):
+        """The offline W&B run an online start falls back to, said in one warning line."""
+        print(
+            f"warning: W&B online start failed ({reason}); logging offline to "
+            f"{self.run_dir / 'wandb'} (upload later with `wandb sync`)",
+            file=sys.stderr,
+            flush=True,
+        )
+        with _quiet_wandb():
+            if started:
+                with contextlib.suppress(Exception):
+                    wandb.teardown()
+            # The failed online start may still hold its run id in W&B's service ("run ID
+            # is in use"): the offline run gets its own id, kept for a later resume.
+            fields["id"] = uuid.uuid4().hex[:12]
+            id_file.write_text(f"{fields['id']}\n")
+            return wandb.init(mode="offline", settings=wandb.Settings(silent=True), **fields)
 
     def log(self, metrics: dict[str, Any]) -> None:
         check_launcher()  # a worker whose launcher (holding the run's lock) died writes nothing

@@ -35,9 +35,7 @@ def bytes_per_worker(run: Run) -> dict[str, float]:
         ).T.contiguous()
         every = comm.all_gather(mine, record=METRICS)  # [K, purposes]
     else:
-        purposes = [ALGORITHM] + sorted(
-            {*ledger.bytes_by_purpose, *ledger.heard} - {ALGORITHM}
-        )
+        purposes = [ALGORITHM] + sorted({*ledger.bytes_by_purpose, *ledger.heard} - {ALGORITHM})
         every = torch.tensor(
             [[_known_bytes(run, w, p) for p in purposes] for w in range(comm.num_workers)],
             dtype=torch.float64,
@@ -106,8 +104,11 @@ class MetricsLog(Hook):
             "epoch": done / run.steps_per_epoch,
             "samples": done * run.gradients_per_step * run.cfg.train.batch_size,
             "train/loss": loss_sum / count if count else math.nan,
-            **({"train/acc": acc_sum / count if count else math.nan}
-               if run.data.classification else {}),  # fmt: skip
+            **(
+                {"train/acc": acc_sum / count if count else math.nan}
+                if run.data.classification
+                else {}
+            ),  # fmt: skip
             "lr": run.base_lr * run.schedule(done - 1),
             **bytes_per_worker(run),
             "comm/modeled_s": run.ledger.modeled_s,

@@ -26,7 +26,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dpresearch.config.validate import ConfigError
+from dpresearch.errors import ConfigError
+from dpresearch.run.build import prepare_data
 
 # Keys that never change what a run computes (its parameters and its metrics' values): how
 # often it logs, evaluates or checkpoints, where its data lives, how it reports, how long it
@@ -157,7 +158,7 @@ def nothing_to_resume(cfg: DictConfig, run_dir: Path | None) -> str | None:
     """`train.resume=auto` with no checkpoint in `run_dir` yet: the line saying the run starts
     from step 0 (a forgotten `hydra.run.dir` looks exactly like this); else None. Call after
     `check_resume`, which refuses a resume that names a missing checkpoint."""
-    from dpresearch.run.checkpoint import find_resume
+    from dpresearch.run.checkpoint_files import find_resume
 
     if cfg.train.resume is None or run_dir is None or find_resume(cfg.train.resume, run_dir):
         return None
@@ -169,8 +170,6 @@ def nothing_to_resume(cfg: DictConfig, run_dir: Path | None) -> str | None:
 
 def data_vocabulary(cfg: DictConfig) -> str | None:
     """The fingerprint of the vocabulary of the run's data (text), None for other data."""
-    from dpresearch.config.validate import prepare_data
-
     return prepare_data(cfg).facts().get("data/vocab_fingerprint")
 
 
@@ -179,7 +178,12 @@ def check_resume(cfg: DictConfig, run_dir: Path | None, processes: int) -> None:
     `processes` processes; raises `ConfigError` (one line) otherwise. Nothing to resume (no
     resume, or auto with no checkpoint yet) passes."""
     from dpresearch.algorithms.outer import algorithm_name
-    from dpresearch.run.checkpoint import CheckpointError, find_resume, incompatibility, read_header
+    from dpresearch.run.checkpoint_files import (
+        CheckpointError,
+        find_resume,
+        incompatibility,
+        read_header,
+    )
 
     if cfg.train.resume is None:
         return

@@ -55,6 +55,23 @@ def requested() -> int | None:
     return None
 
 
+def exit_now(code: int) -> None:
+    """End this process with `code` once its exit handlers have run (the run directory's lock
+    released, the fork server stopped, logs flushed), skipping the interpreter's teardown:
+    with torch loaded that took most of a stopped gloo job's time to end on a busy machine
+    (1.5-4 s of a 4.6 s stop at a load of 8)."""
+    import atexit
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 def reset() -> None:
     """Forget a recorded request (a new run in the same process)."""
     global _requested

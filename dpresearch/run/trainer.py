@@ -1,5 +1,6 @@
-"""A run in this process, end to end: build it (`build.build_run`), resume it if asked
-(`checkpointing.Checkpoints`), open its writer (`logger.RunLogger`, main process only), run the
+"""A run in this process, end to end (`train`: its communicator and the rest built from the
+configuration by `build`): build it (`build.build_run`), resume it if asked
+(`checkpoint_state.Checkpoints`), open its writer (`logger.RunLogger`, main process only), run the
 loop (`loop.run_loop`) with its hooks — fault injection, metrics and evaluation
 (`metrics.MetricsLog`), periodic checkpoints — and write the summary of how it ended:
 
@@ -27,14 +28,25 @@ from omegaconf import DictConfig, OmegaConf
 from dpresearch.comm.base import Communicator
 from dpresearch.data.base import Dataset
 from dpresearch.run import stop
-from dpresearch.run.build import Run, build_run
-from dpresearch.run.checkpoint import atomic_save, atomic_write_text, latest_checkpoint
-from dpresearch.run.checkpointing import Checkpoints
+from dpresearch.run.build import Run, build_communicator, build_run
+from dpresearch.run.checkpoint_files import atomic_save, atomic_write_text, latest_checkpoint
+from dpresearch.run.checkpoint_state import Checkpoints
 from dpresearch.run.io_errors import RunIOError, writing
 from dpresearch.run.logger import NullLogger, RunLogger
 from dpresearch.run.loop import Hook, LoopState, Outcome, run_loop
 from dpresearch.run.metrics import MetricsLog, bytes_per_worker
 from dpresearch.run.progress import format_setup
+
+
+def train(
+    cfg: DictConfig, device: torch.device, run_dir: Path | None, dataset: Dataset | None = None
+) -> dict[str, Any]:
+    """Build this process's part of the run of `cfg` from the configuration alone
+    (`build.build_communicator`, then `Trainer`) and run it on `device`; the main process writes
+    `run_dir`. `dataset`: the data set if already loaded."""
+    comm = build_communicator(cfg)
+    writer_dir = run_dir if comm.is_main_process else None
+    return Trainer(cfg, comm, device, writer_dir, dataset).run()
 
 
 class InjectedFailure(RuntimeError):

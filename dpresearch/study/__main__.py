@@ -17,9 +17,14 @@ from dpresearch.study.spec import StudyError, load_study, slug
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m dpresearch.study", description=__doc__.splitlines()[0]
+        prog="python -m dpresearch.study", description=" ".join(__doc__.split())
     )
-    p.add_argument("action", choices=("run", "status", "report"))
+    p.add_argument(
+        "action",
+        choices=("run", "status", "report"),
+        help="run: start the points not yet done; status: show where the study stands; "
+        "report: write results.md, tables and plots",
+    )
     p.add_argument("study", type=Path, help="the study YAML")
     p.add_argument(
         "--out", type=Path, help="runs folder (default: runs/<study name> in the current directory)"
@@ -41,7 +46,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--only", nargs="+", help="these cases only")
     p.add_argument("--dry-run", action="store_true", help="show what would run")
     p.add_argument("--report", action="store_true", help="run: write the report at the end")
-    p.add_argument("--include-failed", action="store_true")
+    p.add_argument(
+        "--include-failed",
+        action="store_true",
+        help="report: average diverged and unfinished runs too",
+    )
     return p
 
 

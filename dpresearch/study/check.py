@@ -6,6 +6,7 @@
   first seed: a typo in `common`, a bad override inside a case and a misspelt `lr_key` are
   all caught here, not by a failed point (the rest of a case's grid only changes the lr and
   the seed, whose keys this composition has checked).
+- Every `network:` the report re-prices on is a preset (`comm.network.PRESETS`).
 - The selection metric (`select: NAME[:min|max]`) and the target's metric are ones a run
   reports; a validation metric needs a validation split (`train.val_size`) in every case, unless
   the data set brings its own (`Dataset.own_validation`).
@@ -29,6 +30,7 @@ def check_study(study: Study) -> None:
     """Raise `StudyError` (one line) for the first problem of `study` (see module doc)."""
     metric = _selection(study.select)
     _known(study.target_metric, "target.metric")
+    _networks(study.networks)
     _compose(study, (), "common")
     for case in study.cases:
         grid = case.lrs or study.case(case.lr_from).lrs  # an lr_from case runs at another's lr
@@ -63,6 +65,22 @@ def _selection(select: str | None) -> str | None:
         raise StudyError(f"select: mode {mode!r} in {select!r}; use {name}:min or {name}:max")
     _known(name, "select")
     return name
+
+
+def _networks(names: tuple[str, ...]) -> None:
+    """Each network the report re-prices on is a preset (the report would fail on it)."""
+    import difflib
+
+    from dpresearch.comm.network import PRESETS
+
+    for name in names:
+        if name not in PRESETS:
+            close = difflib.get_close_matches(name, list(PRESETS), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise StudyError(
+                f"network: {name!r} is not a network preset; {hint}choose one of: "
+                f"{', '.join(PRESETS)}"
+            )
 
 
 def _known(metric: str, what: str) -> None:

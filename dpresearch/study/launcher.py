@@ -469,7 +469,7 @@ def _run_points(
         log(f"== {point.id}: running")
         try:
             rc = runner(point, run_dir, _point_overrides(study, point))
-        except Exception as exc:  # noqa: BLE001 - a failing point is recorded, the rest go on
+        except Exception as exc:
             book.update(point, error=f"{type(exc).__name__}: {exc}")
             rc = 1
         finish(point, rc, began)

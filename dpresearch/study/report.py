@@ -54,6 +54,7 @@ from dpresearch.study.select import (
 from dpresearch.study.spec import Study, StudyError, slug
 
 MB = 1e6
+FINAL_RUNS = "final seeds at its selected lr"  # what a plotted case averages
 Z = 2.0  # a claim holds where the difference exceeds Z standard errors
 
 
@@ -601,7 +602,8 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
             path = out / f"{stem}.png"
             suffix = "" if len(report.horizons) == 1 else f", at {horizon.label}"
             written.append((path, plot_points(points, "MB_per_epoch", main, path,
-                                               study.title + suffix, study.labels)))  # fmt: skip
+                                               study.title + suffix, study.labels,
+                                               over=FINAL_RUNS)))  # fmt: skip
     for name in study.histograms:
         series = {}
         for label, runs in groups.items():
@@ -620,7 +622,8 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
             path = out / f"{name.replace('/', '_')}.png"
             xlabel, _ = axis_label(name, study.labels)
             fig = plot_histograms(series, xlabel, "gradients (count, summed over the runs)",
-                                  path, study.title)  # fmt: skip
+                                  path, study.title, what="gradients applied at each staleness, "
+                                  "summed over the case's final-seed runs")  # fmt: skip
             written.append((path, fig))
     ys = [m for m in dict.fromkeys([*result_metrics(report), *study.curves]) if m in metrics]
     xs = ["epoch", "comm/bytes", *(modeled_column(n) for n in study.networks or [None])]
@@ -637,12 +640,12 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
             path = out / f"{stem}.png"
             fig = plot_groups(metrics, groups, x, y, [path], title=study.title,
                               vlines=vlines if x == horizon_key else (),
-                              labels=study.labels)  # fmt: skip
+                              labels=study.labels, over=FINAL_RUNS)  # fmt: skip
             written.append((path, fig))
     return written
 
 
-def render(report: StudyReport, plots: Sequence[Path], command: str) -> str:
+def render(report: StudyReport, plots: Sequence[tuple[Path, Any]], command: str) -> str:
     study = report.study
     lines = [f"# {study.title}", ""]
     if study.description:
@@ -684,7 +687,10 @@ def render(report: StudyReport, plots: Sequence[Path], command: str) -> str:
                                  {c: c.removeprefix("cfg.") for c in cols}), ""]  # fmt: skip
     lines += ["## Notes", "", *(f"- {n}" for n in report.notes), ""]
     if plots:
-        lines += ["## Plots", "", *(f"![{p.stem}]({p.name})" for p in plots), ""]
+        from dpresearch.analysis.report import figure_lines
+
+        captions = [fig.dpresearch_caption for _, fig in plots]
+        lines += ["## Plots", "", *figure_lines([p for p, _ in plots], captions), ""]
     return "\n".join(lines)
 
 
@@ -719,7 +725,7 @@ def write(report: StudyReport, results: Path, command: str) -> tuple[Path, list]
     report.runs[list(dict.fromkeys(run_cols))].to_csv(results / "runs.csv", index=False)
     plots = plot_files(report, results)
     path = results / "results.md"
-    path.write_text(render(report, [p for p, _ in plots], command))
+    path.write_text(render(report, plots, command))
     return path, plots
 
 

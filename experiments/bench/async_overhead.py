@@ -86,7 +86,7 @@ def simulated(args) -> dict[str, float]:
     """CPU seconds of `Trainer.run()` (the loop, not the set-up) and of its forward,
     backward, server-optimizer and batch-gather parts."""
     from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.launch.processes import network_model
+    from dpresearch.run.build import network_model
     from dpresearch.run.trainer import Trainer
 
     # one push computed at a time: the breakdown wraps each replica's forward (computing ahead

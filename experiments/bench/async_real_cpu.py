@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from async_real_pushes import REPO, load, run_args  # noqa: E402
+from async_real_pushes import REPO, load, run_args
 
 
 def descendants(pid: int) -> list[int]:

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from async_overhead import compose  # noqa: E402 - the same run as the overhead benchmark
+from async_overhead import compose
 
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
 
@@ -55,7 +55,7 @@ CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
 def ours(args, batched: str) -> float:
     """Seconds of `Trainer.run()` (the loop, not the set-up) with `train.batched_workers`."""
     from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.launch.processes import network_model
+    from dpresearch.run.build import network_model
     from dpresearch.run.trainer import Trainer
 
     cfg = compose(args, f"train.batched_workers={batched}", "backend.threads=1")

@@ -76,7 +76,7 @@ def compose(model: str, workers: int, steps: int, block: int, mode: str, batch: 
 def ours(model: str, workers: int, mode: str, args) -> tuple[list[float], str]:
     """Median-free block times of our trainer (after warm-up) and the mode it took."""
     from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.launch.processes import network_model
+    from dpresearch.run.build import network_model
     from dpresearch.run.trainer import Trainer
 
     steps = bt.logged_steps(args.warmup, args.block, args.blocks)

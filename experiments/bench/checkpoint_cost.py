@@ -45,7 +45,7 @@ def build(args: argparse.Namespace, run_dir: Path):
     from conftest import compose_config
 
     from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.launch.processes import network_model
+    from dpresearch.run.build import network_model
     from dpresearch.run.trainer import Trainer
 
     cfg = compose_config(

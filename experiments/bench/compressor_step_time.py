@@ -43,8 +43,8 @@ import torch
 from dpresearch import CONF_DIR
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
-from bench_cases import COMPRESSORS, DEFAULT_COMPRESSORS, MODELS, SUBSET  # noqa: E402
-from bench_timing import Results, default_json, logged_block_times  # noqa: E402
+from bench_cases import COMPRESSORS, DEFAULT_COMPRESSORS, MODELS, SUBSET
+from bench_timing import Results, default_json, logged_block_times
 
 LOG_EVERY = 5
 
@@ -83,7 +83,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
 
     from dpresearch.comm.distributed import DistributedCommunicator
     from dpresearch.config.validate import prepare_data, validate
-    from dpresearch.launch.processes import network_model
+    from dpresearch.run.build import network_model
     from dpresearch.run.trainer import Trainer
 
     torch.set_num_threads(1)

@@ -67,7 +67,7 @@ def old_metric(algorithm) -> float:
 
 def one_round(args, metric_first: bool) -> dict[str, float]:
     from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.launch.processes import network_model
+    from dpresearch.run.build import network_model
     from dpresearch.run.trainer import Trainer
 
     clock = bt.CLOCKS[args.clock]

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from emulated_network import Unavailable, _run, _why, parse_rate, skip_reason  # noqa: E402
+from emulated_network import Unavailable, _run, _why, parse_rate, skip_reason
 
 REPO = Path(__file__).resolve().parents[2]
 PORT = 29500

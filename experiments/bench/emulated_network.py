@@ -127,9 +127,9 @@ from typing import Any
 from dpresearch import CONF_DIR
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
-from bench_cases import COMPRESSORS, DEFAULT_COMPRESSORS, MODELS, SUBSET  # noqa: E402
-from bench_timing import Results, default_json  # noqa: E402
-from network_fit import (  # noqa: E402
+from bench_cases import COMPRESSORS, DEFAULT_COMPRESSORS, MODELS, SUBSET
+from bench_timing import Results, default_json
+from network_fit import (
     Case,
     fit_gloo_terms,
     fit_message_overhead,
@@ -397,7 +397,7 @@ def worker(spec: dict) -> None:
 
     from dpresearch.comm.ledger import OFF_STEP_PURPOSES
     from dpresearch.config.validate import prepare_data, validate
-    from dpresearch.launch.processes import network_model
+    from dpresearch.run.build import network_model
     from dpresearch.run.trainer import Trainer
 
     rank, out = spec["rank"], Path(spec["out"])

@@ -53,8 +53,8 @@ def dataset(args):
         return CIFAR10.load(SUBSET), "CIFAR-10 subset"
     g = torch.Generator().manual_seed(0)
     n = max(args.workers * args.batch * 4, 4096)
-    images = lambda k: torch.randint(0, 256, (k, 3, 32, 32), generator=g, dtype=torch.uint8)  # noqa: E731
-    labels = lambda k: torch.randint(0, 10, (k,), generator=g)  # noqa: E731
+    images = lambda k: torch.randint(0, 256, (k, 3, 32, 32), generator=g, dtype=torch.uint8)
+    labels = lambda k: torch.randint(0, 10, (k,), generator=g)
     data = CIFAR10(train_inputs=images(n), train_targets=labels(n), test_inputs=images(256),
                    test_targets=labels(256), num_classes=10, mean=CIFAR10_LAYOUT.mean,
                    std=CIFAR10_LAYOUT.std)  # fmt: skip
@@ -78,7 +78,7 @@ def compose(args, mode: str):
 def ours(args, data, mode: str) -> tuple[float, str]:
     """Median step time of the training loop with `train.batched_workers=mode`."""
     from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.launch.processes import network_model
+    from dpresearch.run.build import network_model
     from dpresearch.run.trainer import Trainer
 
     cfg = compose(args, mode)
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round {r}: " + ", ".join(f"{s} {images / steps[s][-1]:.0f} images/s"
                                          for s in args.sides), flush=True)  # fmt: skip
         results.add(round=r, step_s={s: steps[s][-1] for s in args.sides})
-    per_round = lambda a, b: [x / y for x, y in zip(steps[a], steps[b], strict=True)]  # noqa: E731
+    per_round = lambda a, b: [x / y for x, y in zip(steps[a], steps[b], strict=True)]
     print()
     print("| side | images/s (median) | ratio | target |\n|---|---|---|---|")
     for side in args.sides:

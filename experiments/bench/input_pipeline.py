@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
-from bench_timing import REPO, Results, default_json, fmt_range, pin_threads  # noqa: E402
+from bench_timing import REPO, Results, default_json, fmt_range, pin_threads
 
-from dpresearch.data.cifar import CIFAR10  # noqa: E402
-from dpresearch.models.resnet18 import ResNet18  # noqa: E402
-from dpresearch.models.resnet_cifar import ResNetCifar  # noqa: E402
+from dpresearch.data.cifar import CIFAR10
+from dpresearch.models.resnet18 import ResNet18
+from dpresearch.models.resnet_cifar import ResNetCifar
 
 MODELS = {
     "resnet20": lambda: ResNetCifar(num_classes=10, input_shape=(3, 32, 32), depth=20),

@@ -64,7 +64,7 @@ def compose(args, workers: int):
 def ours(args, data, workers: int) -> tuple[float, str]:
     """Median step time of the training loop with `workers` simulated workers."""
     from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.launch.processes import network_model
+    from dpresearch.run.build import network_model
     from dpresearch.run.trainer import Trainer
 
     cfg = compose(args, workers)

@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from dpresearch import CONF_DIR
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
-from bench_cases import MODELS, SUBSET  # noqa: E402
-from bench_timing import (  # noqa: E402
+from bench_cases import MODELS, SUBSET
+from bench_timing import (
     Results,
     default_json,
     fmt_range,
@@ -82,8 +82,8 @@ class Sides:
         from hydra.utils import instantiate
 
         from dpresearch.config.validate import prepare_data, validate
-        from dpresearch.launch.processes import network_model
         from dpresearch.optim import make_optimizer
+        from dpresearch.run.build import network_model
         from dpresearch.run.trainer import Trainer
 
         backend, workers = ("gloo", 2) if name == "gloo2" else ("simulated", 4)

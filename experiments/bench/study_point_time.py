@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                       {**vars(args), "study": str(args.study), "json": None,
                        "old_repo": str(args.old_repo) if args.old_repo else None,
                        "overrides": overrides})  # fmt: skip
-    load = lambda: " ".join(f"{v:.2f}" for v in os.getloadavg())  # noqa: E731
+    load = lambda: " ".join(f"{v:.2f}" for v in os.getloadavg())
     print(f"{args.case} | lr {args.lr:g} | seed {args.seed} on {args.device}; load {load()}")
     ratios, walls = [], {s: [] for s in args.sides}
     with tempfile.TemporaryDirectory(prefix="bench-point-", dir=REPO / "runs") as tmp:

@@ -102,8 +102,8 @@ def child(case: str, threads: int, run_dir: Path, args) -> None:
 
     from dpresearch.comm.simulated import SimulatedCommunicator
     from dpresearch.config.preflight import preflight
-    from dpresearch.launch.processes import network_model
     from dpresearch.launch.threads import describe, for_simulated
+    from dpresearch.run.build import network_model
     from dpresearch.run.trainer import Trainer
 
     steps = bt.logged_steps(args.warmup, args.block, args.blocks)

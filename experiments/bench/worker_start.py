@@ -26,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_timing import load  # noqa: E402
+from bench_timing import load
 
-from dpresearch import CONF_DIR  # noqa: E402
+from dpresearch import CONF_DIR
 
 METHODS = ("forkserver", "spawn")
 

@@ -87,9 +87,7 @@ def blocks_of(model: nn.Module) -> list[Block]:
     tensor = offset = buffer_offset = 0
     seen: set[int] = set()  # a tied parameter (GPT's head is its embedding) belongs to the first
     for name, module in model.named_modules():
-        own = [
-            p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in seen
-        ]
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
         seen.update(id(p) for p in own)
         if own:
             block = block_of(model, name)

@@ -72,7 +72,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from omegaconf import DictConfig
@@ -226,6 +226,21 @@ class OuterOptimizer(Algorithm):
             check_compatibility(node.get("compressor"), node.get("error_feedback"), where="outer")
         except ValueError as exc:  # the keys named for the outer node's groups
             raise ValueError(re.sub(GROUP_CHOICE, r"\1@outer.\1=", f"outer.{exc}")) from None
+
+    # Every member of `Algorithm` is either defined here (handed to the base as it is, below, or
+    # the base's with the outer step around it; `traits` and `evaluates_local_models` are the
+    # base's, taken in `__init__`) or left as `Algorithm` has it on purpose, for the reason
+    # given. tests/test_architecture.py checks that none is missing, so a hook added to
+    # `Algorithm` is a decision here, not a silent default.
+    NOT_FORWARDED: ClassVar[dict[str, str]] = {
+        "part": "one class on every process (the outer step is lockstep)",
+        "channel": "the outer node's own compressor is checked by check_config",
+        "step_optimizers": "the base steps its inner optimizers in its own after_backward",
+        "outer_handover": "asked of the base class by check_config; outer steps do not nest",
+        "hand_over_averaging": "asked of the base in __init__; outer steps do not nest",
+        "model_rows": "read from the base by the outer step itself",
+        "restarted": "called on the base by the outer step itself",
+    }
 
     # -- delegated to the base algorithm -----------------------------------------------------------
     @property

@@ -1,6 +1,6 @@
 """What a checkpoint holds and how a run is put back from one.
 
-A checkpoint is one file (`dpresearch/run/checkpoint.py` moves the files): a header naming the
+A checkpoint is one file (`dpresearch/run/checkpoint_files.py` moves the files): a header naming the
 run it belongs to (workers, processes, algorithm, parameter count, step), the loop's own
 position (`LoopState`) and every process's part of the run (`Run.state_dict`: replicas,
 optimizers, algorithm, data cursors and augmentation generators, ledger, random streams),
@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from dpresearch.algorithms.base import Verdict
 from dpresearch.algorithms.outer import algorithm_name
 from dpresearch.run.build import Run
-from dpresearch.run.checkpoint import (
+from dpresearch.run.checkpoint_files import (
     FORMAT,
     CheckpointError,
     find_resume,

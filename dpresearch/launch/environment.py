@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import socket
 
-from dpresearch.config.errors import ConfigError
+from dpresearch.errors import ConfigError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 AGENT_VAR = "TORCHELASTIC_RUN_ID"  # set by torchrun's agent for its workers, never by hand

@@ -10,10 +10,10 @@ A checkpoint is written to a temporary file in the same directory, flushed and f
 renamed into place (`os.replace`, atomic on POSIX); only then is `latest` rewritten the same
 way, so `latest` never names a partial file and a crash at any moment leaves the previous
 checkpoint intact. Under real processes rank 0 gathers every rank's state (a collective) and is
-the only writer, so a file that exists holds every rank (see `checkpointing.Checkpoints`). Older
+the only writer, so a file that exists holds every rank (see `checkpoint_state.Checkpoints`). Older
 checkpoints beyond `keep` are deleted after the pointer moved.
 
-What a checkpoint holds is the run's business (`checkpointing.Checkpoints`); this module
+What a checkpoint holds is the run's business (`checkpoint_state.Checkpoints`); this module
 only moves files.
 """
 
@@ -114,7 +114,7 @@ def atomic_write_text(path: Path, text: str) -> None:
 def write_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     """Write `state` as checkpoint `step` of `run_dir`, point `latest` at it, delete all but
     the newest `keep` (at least 1); returns the file's path."""
-    from dpresearch.launch.lifeline import check_launcher
+    from dpresearch.run.lifeline import check_launcher
 
     check_launcher()  # a worker whose launcher (holding the run's lock) died writes nothing
     folder = checkpoint_dir(run_dir)
@@ -219,7 +219,7 @@ def _safe_load(path: Path, mmap: bool = False) -> Any:
             f"{path} is not a dpresearch checkpoint (format {FORMAT}): it asks to import "
             f"{names}; refused without loading it (only tensors and plain data are read)"
         ) from None
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
+    except Exception as exc:
         raise CheckpointError(
             f"checkpoint {path} cannot be read ({type(exc).__name__}: {_first_line(exc)}); "
             "pass another checkpoint, or train.resume=auto to start fresh where there is none"
@@ -230,7 +230,7 @@ def _foreign_globals(path: Path) -> str:
     """The callables a refused file names (read by scanning its opcodes, nothing loaded)."""
     try:
         names = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
-    except Exception:  # noqa: BLE001 - a file too broken to scan: say so
+    except Exception:
         return "something other than tensors"
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 

@@ -1,0 +1,762 @@
+"""Every helper the tests share: the one module a test module imports for what it shares
+(no test module imports another: tests/test_suite_layout.py checks it). `conftest.py` holds
+pytest's fixtures and hooks only.
+
+Sections: configurations and paths; the command line and processes; gloo sessions (many
+real-process checks for the price of one process start); reference trainers written against
+torch; equivalence comparisons; checkpoints, resume and stop; batched runs; bad input;
+hand-written run directories for the analysis tests; small pieces shared by two modules.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import math
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
+
+import dpresearch.train as train_entry  # also registers the structured config schema
+from dpresearch import CONF_DIR
+from dpresearch.comm.simulated import SimulatedCommunicator
+from dpresearch.data.synthetic import make_synthetic
+from dpresearch.launch.processes import leave_together
+from dpresearch.launch.provenance import COMMAND_ENV
+from dpresearch.models.mlp import MLP
+from dpresearch.run.build import network_model
+from dpresearch.run.checkpoint_files import checkpoint_files, latest_checkpoint
+from dpresearch.run.trainer import Trainer
+from dpresearch.train import train
+
+__all__ = ["CONF_DIR"]  # re-exported: the config directory the tests compose from
+
+
+# -- the quick core (`-m quick`; conftest.py marks these) --------------------------------------
+# The core in about 2 minutes on a busy 2-core machine: the sync equivalences (simulated ≡ gloo ≡
+# DDP ≡ single process: one gloo run), one independent reference for each family (gossip,
+# AD-PSGD, asynchronous SGD, the outer optimizers, compression), every bad input of the tables,
+# one exact resume, and the suite's own layout. Each entry is a test's node id, with or without
+# its parameters ([...]); tests/test_suite_layout.py checks that every entry still selects a
+# test of the default suite (a slow test named here stays out of it: conftest.py).
+QUICK_CORE = (
+    "tests/test_equivalence.py::test_sync_simulated_gloo_ddp_and_single_process_agree",
+    "tests/test_equivalence.py::test_sync_with_four_workers_equals_single_process_sgd",
+    "tests/test_equivalence.py::test_sync_with_batchnorm_matches_ddp_buffer_broadcast",
+    "tests/test_equivalence.py::test_local_sgd_period_one_equals_sync",
+    "tests/test_equivalence.py::test_same_seed_same_metrics_bit_for_bit",
+    "tests/test_gossip.py::test_choco_identity_gamma_one_equals_dpsgd_adapt_then_combine",
+    "tests/test_gossip.py::test_dpsgd_on_the_complete_graph_is_exact_averaging",
+    "tests/test_adpsgd.py::test_complete_graph_equal_speeds_equals_the_reference",
+    "tests/test_async.py::test_fixed_delay_equals_delayed_sgd_reference",
+    "tests/test_async.py::test_sync_protocol_is_synchronous_sgd",
+    "tests/test_outer.py::test_diloco_equals_algorithm_1_of_the_paper_mlp",
+    "tests/test_outer.py::test_outer_sgd_lr_1_is_local_sgd",
+    "tests/test_compressed_training.py::test_identity_compression_is_the_plain_allreduce",
+    "tests/test_compressed_reduce.py::test_identity_equals_plain_allreduce_mean",
+    # (the main bad-input table, ~200 rows, runs in the default suite; the quick core keeps
+    # the async and outer tables and the check that every constrained key has a row)
+    "tests/test_bad_input.py::test_every_constrained_key_has_a_row",
+    "tests/test_bad_input.py::test_bad_async_input_is_one_line",
+    "tests/test_bad_input.py::test_bad_outer_input_is_one_line_before_any_worker",
+    "tests/test_checkpoint.py::test_killed_and_resumed_equals_uninterrupted_simulated[sync_qsgd_ef14]",
+    "tests/test_suite_layout.py::test_no_test_module_imports_another_test_module_or_conftest",
+    "tests/test_suite_layout.py::test_tests_holds_test_modules_and_the_helper_modules_only",
+)
+
+
+def in_quick_core(nodeid: str) -> bool:
+    """Whether `nodeid` is one of QUICK_CORE's tests (an entry ending in `::` names a module)."""
+    return any(
+        nodeid.startswith(entry)
+        if entry.endswith("::")
+        else nodeid.split("[")[0] == entry or nodeid == entry
+        for entry in QUICK_CORE
+    )
+
+
+# -- configurations and paths ------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+# A small, fast experiment: 1024 synthetic examples, a 16-32-10 MLP.
+SMALL = [
+    "data.num_train=1024",
+    "data.num_test=256",
+    "data.num_features=16",
+    "model.hidden=[32]",
+    "train.progress=false",
+    "train.log_every=5",
+]
+
+
+def compose_config(*overrides: str) -> DictConfig:
+    """The composed config for `overrides`, exactly as `python -m dpresearch.train` builds it."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+SUBSET = SHARED / "data" / "cifar10-subset"  # the CIFAR-10 subset, where present
+needs_subset = pytest.mark.skipif(not SUBSET.is_dir(), reason=f"no CIFAR subset at {SUBSET}")
+# SMALL with 512 examples and batches of 16 (the outer-optimizer and SparseLoCo tests).
+SMALL_512 = [*SMALL, "data.num_train=512", "data.num_test=64", "train.batch_size=16"]
+
+
+# -- the command line and processes -----------------------------------------------------------
+def slowdown() -> float:
+    """How much slower than when quiet this machine runs now: the 1-minute load average per
+    core, at least 1 (CI and development machines share their few cores with other jobs)."""
+    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
+def load_scaled(seconds: float) -> float:
+    """`seconds` stretched by the current `slowdown()`: for hang guards and wall-clock bounds,
+    which judge the code under test, not the other jobs sharing the cores. On a quiet machine
+    it is `seconds` itself."""
+    return seconds * slowdown()
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def worker_processes(launcher: int) -> list[int]:
+    """The worker processes a launching process started (`launch_local`): its children started
+    with multiprocessing's spawn, or the processes its fork server forked (forkserver)."""
+    parent_of = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent_of[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    kids = [p for p, parent in parent_of.items() if parent == launcher]
+    workers = [p for p in kids if "--multiprocessing-fork" in cmdline(p)]
+    servers = {p for p in kids if "multiprocessing.forkserver" in cmdline(p)}
+    workers += [p for p, parent in parent_of.items() if parent in servers]
+    return sorted(workers)
+
+
+def free_port() -> int:
+    """A port free now (see `free_ports`)."""
+    return free_ports(1)[0]
+
+
+def terminal_signals() -> None:
+    """`preexec_fn` of a run a test stops with SIGINT: SIGINT and SIGQUIT at their defaults, as
+    in a job a terminal starts. A suite started with them ignored (a script's background job:
+    `cmd &` without job control) would pass that on, and a run keeps ignoring an ignored SIGINT
+    on purpose (`dpresearch/run/stop.py`) — the test would then wait for a stop that never
+    comes."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """This environment for a CLI subprocess, importing this checkout's package whatever its
+    working directory (an editable install elsewhere would otherwise win)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path, **extra)
+
+
+def run_cli(
+    args: list[str],
+    cwd: Path,
+    timeout: float = 120,
+    module: str = "dpresearch.train",
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run `python -m <module> args` in `cwd` (`env`: variables added to this environment);
+    returns the completed process (text output). `timeout` is a hang guard, stretched by the
+    machine's load (`load_scaled`)."""
+    env = cli_env(WANDB_MODE="disabled", HYDRA_FULL_ERROR="0", **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=load_scaled(timeout),
+    )
+
+
+def torchrun_two_nodes(
+    cwd: Path, args: list[str], timeout: float = 240
+) -> tuple[list[int], list[str]]:
+    """Run `torchrun -m dpresearch.train args` as 2 "nodes" × 2 processes with a c10d rendezvous
+    on 127.0.0.1; returns each node's exit code and output."""
+    port = free_port()
+    env = cli_env(WANDB_MODE="disabled")
+    nodes = []
+    for node_rank in range(2):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node_rank),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", "dpresearch-test", "--max-restarts", "0",
+            "-m", "dpresearch.train", *args,
+        ]  # fmt: skip
+        nodes.append(
+            subprocess.Popen(
+                cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    outputs = [p.communicate(timeout=load_scaled(timeout))[0] for p in nodes]
+    return [p.returncode for p in nodes], outputs
+
+
+# -- gloo sessions ----------------------------------------------------------------------------
+#
+# Starting gloo worker processes (each joins a rendezvous; spawned, each imports torch) costs
+# seconds per process on a small machine, far more than the tiny trainings the equivalence tests
+# run in them. `spawn_sequence` starts `world` processes once and runs a list of calls in them, one
+# after another; each call sets up and tears down its own process group, exactly as a launched
+# worker does, so the checks stay independent. `train_on_gloo` trains several configurations that
+# way through `dpresearch.launch.run_as_worker`, the code a launched worker runs (the launcher
+# itself, torch's elastic agent, is exercised by the tests that start runs through `train()` or
+# the command line).
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free now (all held open until every one is chosen)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _run_calls(rank: int, calls: Sequence[tuple[Callable[..., Any], tuple]], context) -> None:
+    from dpresearch.launch.forkserver import adopt
+
+    adopt(context)
+    for fn, args in calls:
+        fn(rank, *args)
+
+
+def spawn_sequence(world: int, calls: Sequence[tuple[Callable[..., Any], tuple]]) -> None:
+    """Start `world` processes once; each runs `fn(rank, *args)` for every call in order
+    (functions importable by the children: module-level in a test module). They start as the
+    launcher starts workers: forked from its fork server where it can (the same server, so it
+    is started once per test session), else spawned (`dpresearch.launch.forkserver`)."""
+    from dpresearch.launch.forkserver import choose
+
+    method, context = choose("forkserver")
+    torch.multiprocessing.start_processes(
+        _run_calls, args=(list(calls), context), nprocs=world, join=True, start_method=method
+    )
+
+
+def train_rank(rank: int, world: int, cfg: dict, run_dir: str, port: int) -> None:
+    """This process as rank `rank` of a `world`-process run of `cfg` (rank 0 writes
+    `run_dir`): the environment torch's launcher would give it, then `run_as_worker`."""
+    from dpresearch.launch.processes import run_as_worker
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    run_as_worker(OmegaConf.create(cfg), Path(run_dir) if rank == 0 else None)
+
+
+def train_on_gloo(world: int, jobs: Sequence[tuple[DictConfig, Path]]) -> list[dict]:
+    """Train every (config, run directory) on the same `world` gloo processes, one after
+    another; returns each run's final model (`model_final.pt`)."""
+    ports = free_ports(len(jobs))
+    calls = [
+        (train_rank, (world, OmegaConf.to_container(cfg, resolve=True), str(run_dir), port))
+        for (cfg, run_dir), port in zip(jobs, ports, strict=True)
+    ]
+    for _, run_dir in jobs:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    spawn_sequence(world, calls)
+    return [torch.load(Path(run_dir) / "model_final.pt") for _, run_dir in jobs]
+
+
+# -- reference trainers written against torch, independent of dpresearch's loop: torch DDP with
+# DistributedSampler, and single-process SGD on the concatenated global batch ----------------
+# Must match SMALL and the overrides the tests pass.
+DATA = dict(num_train=1024, num_test=256, num_features=16, num_classes=10, noise=1.0, seed=0)
+SEED, LR, STEPS, BATCH = 0, 0.1, 20, 16
+
+
+def reference_model(batch_norm: bool) -> torch.nn.Module:
+    torch.manual_seed(SEED)
+    return MLP(10, (16,), hidden=[32], batch_norm=batch_norm)
+
+
+def shard_batches(world: int, rank: int, n: int):
+    """DistributedSampler(shuffle, seed, drop_last) batches of BATCH, epoch after epoch."""
+    sampler = DistributedSampler(
+        range(n), num_replicas=world, rank=rank, shuffle=True, seed=SEED, drop_last=True
+    )
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        idx = torch.tensor(list(sampler))
+        for b in range(len(idx) // BATCH):
+            yield idx[b * BATCH : (b + 1) * BATCH]
+        epoch += 1
+
+
+def ddp_worker(
+    rank: int, world: int, port: int, out_path: str, batch_norm: bool, hook: dict | None = None
+) -> None:
+    """One rank of a torch DDP run; rank 0 saves the final state dict to `out_path`.
+
+    hook: {"compressor": node, "error_feedback": node} registers dpresearch's compressed comm
+    hook (the compressor seeded like our run: SEED; rank r draws worker r's streams)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    data = make_synthetic(**DATA)
+    model = reference_model(batch_norm)
+    ddp = DistributedDataParallel(model)
+    if hook is not None:
+        from dpresearch.compress import build_compressor, make_comm_hook
+
+        state, fn = make_comm_hook(
+            build_compressor(hook["compressor"], SEED), ddp, error_feedback=hook["error_feedback"]
+        )
+        ddp.register_comm_hook(state, fn)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    batches = shard_batches(world, rank, DATA["num_train"])
+    for _ in range(STEPS):
+        x, y = data.train_batch(next(batches))
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    if rank == 0:
+        torch.save(model.state_dict(), out_path)
+    # The reducer's reference to the group goes first, while the group is alive, so that the
+    # group's destructor runs inside `leave_together` with gloo's threads idle (see there).
+    del ddp, opt
+    if hook is not None:
+        del state, fn
+    gc.collect()
+    leave_together()
+
+
+def run_ddp(
+    world: int, out_path: str, port: int, batch_norm: bool = False, hook: dict | None = None
+) -> dict:
+    spawn_sequence(world, [(ddp_worker, (world, port, out_path, batch_norm, hook))])
+    return torch.load(out_path)
+
+
+def run_single_process(world: int) -> dict:
+    """Plain SGD on the concatenation of the `world` workers' shards of each global batch."""
+    data = make_synthetic(**DATA)
+    model = reference_model(batch_norm=False)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    streams = [shard_batches(world, r, DATA["num_train"]) for r in range(world)]
+    for _ in range(STEPS):
+        x, y = data.train_batch(torch.cat([next(s) for s in streams]))
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def run_ddp_many(world: int, variants: dict[str, dict], folder: str) -> dict[str, dict]:
+    """Several DDP runs (`variants`: name -> ddp_worker's keyword arguments `batch_norm`,
+    `hook`) on the same `world` processes, started once (`spawn_sequence`); name -> final
+    state dict."""
+    ports = free_ports(len(variants))
+    paths = {name: os.path.join(folder, f"ddp-{name}.pt") for name in variants}
+    spawn_sequence(
+        world,
+        [
+            (ddp_worker, (world, port, paths[name], v.get("batch_norm", False), v.get("hook")))
+            for (name, v), port in zip(variants.items(), ports, strict=True)
+        ],
+    )
+    return {name: torch.load(path) for name, path in paths.items()}
+
+
+# -- equivalence comparisons -------------------------------------------------------------------
+TOL = 1e-6
+
+
+def run_ours(small_config, tmp_path: Path, name: str, *overrides: str) -> dict:
+    run_dir = tmp_path / name
+    cfg = small_config(
+        f"seed={SEED}",
+        f"optimizer.lr={LR}",
+        f"train.steps={STEPS}",
+        f"train.batch_size={BATCH}",
+        *overrides,
+    )
+    train(cfg, run_dir)
+    return torch.load(run_dir / "model_final.pt")
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+# -- checkpoints, resume and stop --------------------------------------------------------------
+RESUME_STEPS, KILL_AT, EVERY = 60, 35, 10
+CHECKPOINTED = [
+    *SMALL,
+    "data.num_train=512",
+    "data.num_test=64",
+    "train.batch_size=16",
+    "train.log_every=1",
+    "train.eval_every=20",
+    f"train.steps={RESUME_STEPS}",
+]
+# Lines that differ between two runs of the same computation: wall-clock timings.
+TIMED = ("time/", "tokens_per_s")  # wall-clock figures: differ between runs of the same computation
+
+CHECKPOINT_CASES = {
+    "sync_qsgd_ef14": ["compressor=qsgd", "error_feedback=ef14"],
+    "topk_ef21": ["compressor=topk", "compressor.ratio=0.1", "error_feedback=ef21"],
+    "powersgd_ef": [
+        "compressor=powersgd",
+        "error_feedback=ef14",
+        "compressor.min_compression_rate=1.0",
+        "model.hidden=[32,32]",
+    ],
+    "local_sgd": ["algorithm=local_sgd", "algorithm.period=4", "optimizer.momentum=0.9"],
+    "choco": ["algorithm=choco", "compressor=topk", "compressor.ratio=0.25"],
+    "dpsgd": ["algorithm=dpsgd", "optimizer.momentum=0.9"],
+    "sgp": ["algorithm=sgp", "topology=one_peer_exponential"],
+    # issue 20: aggregator state in sketch space, node leaders' memories, compressed Adam
+    # (checkpoints at 30 after the freeze; 0/1 Adam checkpointed with local steps pending)
+    "sketch": ["compressor=sketch", "compressor.ratio=0.05"],
+    "two_level_onebit": [
+        "comm.hierarchy.workers_per_node=2", "compressor=onebit", "error_feedback=ef14",
+    ],
+    "onebit_adam": ["optimizer=onebit_adam", "optimizer.lr=0.01", "optimizer.freeze_step=20"],
+    "zero_one_adam": [
+        "optimizer=zero_one_adam", "optimizer.lr=0.01", "optimizer.var_freeze_step=20",
+        "optimizer.var_update_scaler=4", "optimizer.local_step_scaler=3",
+        "optimizer.local_step_clipper=4",
+    ],
+    # AD-PSGD: reads, event queue, speed and pairing streams, staleness counts
+    "adpsgd": ["algorithm=adpsgd", "async.speed=exponential", "optimizer.momentum=0.9"],
+    "adpsgd_topk": ["algorithm=adpsgd", "compressor=topk", "compressor.ratio=0.25",
+                    "algorithm.gamma=0.5", "async.speed=exponential"],  # + the edges' copies
+}  # fmt: skip
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "model_final.pt")
+
+
+def metric_lines(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def untimed(line: dict) -> dict:
+    return {k: v for k, v in line.items() if not k.startswith(TIMED)}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def kill_and_resume(tmp_path: Path, args: list[str], failure: type[BaseException]) -> Path:
+    """Run with a checkpoint every `EVERY` steps until the injected failure at step
+    `KILL_AT`, then resume; returns the run directory."""
+    run_dir = tmp_path / "resumed"
+    every = [f"train.checkpoint_every={EVERY}"]
+    cfg = compose_config(*args, *every, "debug.fail_worker=1", f"debug.fail_at_step={KILL_AT}")
+    with pytest.raises(failure):
+        train(cfg, run_dir)
+    assert latest_checkpoint(run_dir).name == f"step_{KILL_AT // EVERY * EVERY}.pt"
+    assert not (run_dir / "summary.json").exists()
+    before = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(before[-1])["step"] == KILL_AT  # logged past the checkpoint
+    summary = train(compose_config(*args, *every, "train.resume=auto"), run_dir)
+    assert summary["status"] == "finished"
+    # The lines up to the checkpoint are the first attempt's own (timings included): the run
+    # continued from the checkpoint rather than starting over.
+    kept = [ln for ln in before if json.loads(ln)["step"] <= KILL_AT // EVERY * EVERY]
+    after = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert after[: len(kept)] == kept
+    return run_dir
+
+
+def check_resumed(tmp_path: Path, args: list[str], failure: type[BaseException]) -> None:
+    reference = tmp_path / "reference"
+    train(compose_config(*args), reference)
+    resumed = kill_and_resume(tmp_path, args, failure)
+    assert same(final_params(resumed), final_params(reference))
+    lines, ref_lines = metric_lines(resumed), metric_lines(reference)
+    assert [m["step"] for m in lines] == list(range(1, RESUME_STEPS + 1))  # each step exactly once
+    assert [untimed(m) for m in lines] == [untimed(m) for m in ref_lines]
+    summary = json.loads((resumed / "summary.json").read_text())
+    ref_summary = json.loads((reference / "summary.json").read_text())
+    assert summary["comm/bytes"] == ref_summary["comm/bytes"]
+    assert summary["comm/ops"] == ref_summary["comm/ops"]
+    assert summary["status"] == "finished"
+    assert len(checkpoint_files(resumed / "checkpoints")) == 2  # train.checkpoint_keep=2
+
+
+def start_cli(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dpresearch.train", *args],
+        cwd=cwd,
+        env=cli_env(WANDB_MODE="disabled"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=terminal_signals,
+    )
+
+
+def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: float) -> None:
+    deadline = time.monotonic() + load_scaled(timeout)
+    path = run_dir / "metrics.jsonl"
+    while True:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        lines = path.read_text().splitlines() if path.exists() else []
+        if lines and json.loads(lines[-1])["step"] >= step:
+            return
+        assert time.monotonic() < deadline, "the run logged too few steps in time"
+        time.sleep(0.1)
+
+
+def stop_and_resume(
+    tmp_path: Path, args: list[str], signum: int, bound_s: float
+) -> tuple[Path, str]:
+    """Start `args` on the command line, send `signum` once it has logged a few steps, check
+    the clean stop (exit 128 + signum within `bound_s` on a quiet machine, longer in
+    proportion to the load; one line, checkpoint, status), then
+    resume with train.resume=auto to the end; returns the run directory and the stop's
+    stderr."""
+    run_dir = tmp_path / "run"
+    proc = start_cli([*args, f"hydra.run.dir={run_dir}"], tmp_path)
+    try:
+        wait_for_step(run_dir, proc, 3, timeout=240)
+        os.kill(proc.pid, signum)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=load_scaled(120))
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    print(f"stopped {took:.1f} s after {signal.Signals(signum).name}")
+    assert proc.returncode == 128 + signum, err[-3000:]
+    assert took <= load_scaled(bound_s), f"the run took {took:.1f} s to stop"
+    assert "Traceback" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("interrupted at step "), err[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    step = summary["interrupted_at_step"]
+    assert latest_checkpoint(run_dir).name == f"step_{step}.pt"
+    # The line names the checkpoint and the exact command that continues this run (its run
+    # directory pinned: train.resume=auto alone would start afresh in a new directory).
+    head, _, command = lines[0].partition("; resume with: ")
+    assert head.startswith(f"interrupted at step {step}/{summary['total_steps']} after "), head
+    assert head.endswith(f": checkpoint {latest_checkpoint(run_dir)}"), head
+    words = shlex.split(command)
+    # the interpreter that ran (its bare name only where PATH finds that very file)
+    assert words[0] in (sys.executable, Path(sys.executable).name), command
+    assert words[1:3] == ["-m", "dpresearch.train"], command
+    assert words[3:] == [*args, f"hydra.run.dir={run_dir.resolve()}", "train.resume=auto"]
+    assert not (run_dir / "model_final.pt").exists()
+    out = subprocess.run(
+        [sys.executable, *words[1:]],  # the printed command, run as printed
+        cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"), capture_output=True, text=True,
+        timeout=load_scaled(300),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
+    return run_dir, err
+
+
+# -- batched runs -------------------------------------------------------------------------------
+MLP_RUN = [*SMALL, "workers=4", "train.batch_size=8", "train.steps=20",
+           "model.batch_norm=true", "backend.threads=1"]  # fmt: skip
+RESNET_RUN = [
+    "data=cifar10", f"data.root={SUBSET}", "data.subset=512",
+    "model=resnet20", "model.width=4", "workers=3", "train.batch_size=4", "train.steps=20",
+    "train.log_every=5", "train.progress=false", "train.eval_batch_size=64",
+    "backend.threads=1", "optimizer.lr=0.05", "optimizer.momentum=0.9",
+]  # fmt: skip
+
+
+def trainer_for(*overrides: str, mode: str, dtype: torch.dtype = torch.float32) -> Trainer:
+    """The simulated run of `rows_after`, built, not yet run."""
+    cfg = compose_config(*overrides, f"train.batched_workers={mode}", "train.save_model=false")
+    torch.set_num_threads(1)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        device = torch.device("cuda" if cfg.train.device.startswith("cuda") else "cpu")
+        trainer = Trainer(cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)),
+                          device, None)  # fmt: skip
+    finally:
+        torch.set_default_dtype(default)
+    trainer.metrics.evaluate = lambda: {"test/loss": 0.0, "test/acc": 0.0}  # type: ignore[method-assign]
+    if dtype != torch.float32:
+        data, one, many = trainer.data, trainer.data.transform_train, trainer.data.transform_batches
+        data.transform_train = lambda x, g: one(x, g).to(dtype)  # type: ignore[method-assign]
+        data.transform_batches = lambda x, gs: many(x, gs).to(dtype)  # type: ignore[method-assign]
+    return trainer
+
+
+# -- bad input -----------------------------------------------------------------------------------
+SYNTHETIC_SMALL = ["data.num_train=256", "data.num_test=64"]
+
+
+def run_main(args: list[str], tmp_path: Path, monkeypatch, capsys) -> tuple[int, str, str]:
+    """`python -m dpresearch.train args` in this process, from `tmp_path`; Hydra never starts
+    (a case that passes every check would be a failure of this test)."""
+
+    def hydra_started() -> None:
+        raise AssertionError("the checks passed: this input was accepted")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(COMMAND_ENV, raising=False)  # main() records its command line there
+    monkeypatch.setattr(train_entry, "_hydra_main", hydra_started)
+    monkeypatch.setattr(sys, "argv", ["dpresearch.train", *args])
+    with pytest.raises(SystemExit) as stopped:
+        train_entry.main()
+    out = capsys.readouterr()
+    return stopped.value.code, out.out, out.err
+
+
+# -- hand-written run directories with answers known in advance (the analysis tests) ------------
+STEPS_PER_EPOCH = 5
+OPS = [["allreduce", 1000, 4, 0, 10]]  # 10 steps × one allreduce of 1000 bytes, K = 4
+
+
+def _dumps(row: dict[str, Any]) -> str:
+    # As the trainer's logger writes them: non-finite floats as strings.
+    return json.dumps(
+        {
+            k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in row.items()
+        }
+    )
+
+
+def write_run(
+    path: Path,
+    *,
+    lr: float,
+    seed: int,
+    accs: list[float],
+    final_loss: float,
+    case: str | None = None,
+    finished: bool = True,
+    status: str | None = None,
+    network: tuple[float, float] = (20.0, 10.0),
+) -> Path:
+    """A run of len(accs) logged steps (one per step): epoch = step/5, comm/bytes = 1000·step,
+    comm/modeled_s = 0.01·step, time/wall_s = 2·step, test/acc = accs[step-1]; the final
+    training loss `final_loss` (NaN: diverged). `finished=False` writes no summary."""
+    path.mkdir(parents=True)
+    config = {
+        "workers": 4,
+        "seed": seed,
+        "optimizer": {"_target_": "torch.optim.SGD", "lr": lr},
+        "network": {"name": "10gbe", "latency_us": network[0], "bandwidth_gbit": network[1]},
+        "model": {"hidden": [32]},
+    }
+    (path / "config.yaml").write_text(yaml.safe_dump(config))
+    if case is not None:
+        (path / "study_point.json").write_text(json.dumps({"study": "fixture", "case": case}))
+    rows = []
+    for step, acc in enumerate(accs, 1):
+        rows.append(
+            {
+                "step": step,
+                "epoch": step / STEPS_PER_EPOCH,
+                "train/loss": 2.0 / step,
+                "comm/bytes": 1000.0 * step,
+                "comm/modeled_s": 0.01 * step,
+                "time/wall_s": 2.0 * step,
+                "test/acc": acc,
+            }
+        )
+    rows[-1]["train/loss"] = final_loss
+    (path / "metrics.jsonl").write_text("".join(_dumps(r) + "\n" for r in rows))
+    if finished:
+        summary = {
+            **rows[-1],
+            "best/test_acc": max(accs),
+            "comm/ops": OPS,
+            "comm/bytes_per_epoch": 1000.0 * STEPS_PER_EPOCH,
+            **({"status": status} if status else {}),
+        }
+        (path / "summary.json").write_text(_dumps(summary))
+    return path
+
+
+def ramp(final: float, n: int = 10) -> list[float]:
+    """n accuracies rising linearly from final/n to final."""
+    return [final * (i + 1) / n for i in range(n)]
+
+
+# -- small pieces shared by two modules --------------------------------------------------------
+def finished_run(*overrides: str) -> Trainer:
+    """A finished simulated run of SMALL_512 (the synthetic data set; not with an experiment) +
+    overrides, one thread, deterministic sums; the trainer after it."""
+    torch.set_num_threads(1)
+    own = any(o.startswith("experiment=") for o in overrides)
+    cfg = compose_config(*(["train.progress=false"] if own else SMALL_512), *overrides)
+    comm = SimulatedCommunicator(cfg.workers, network_model(cfg), deterministic=True)
+    trainer = Trainer(cfg, comm, torch.device("cpu"), None)
+    trainer.summary = trainer.run()
+    return trainer
+
+
+def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def write_md5sums(folder: Path) -> None:
+    """Ship an MD5SUMS with a fake folder, as a subset or variant of a data set does (its files
+    are not the official release, so they verify against this list)."""
+    files = sorted(folder.iterdir())
+    lines = [f"{hashlib.md5(p.read_bytes()).hexdigest()}  {p.name}" for p in files]
+    (folder / "MD5SUMS").write_text("\n".join(lines) + "\n")
+
+
+def layout_of(shapes):
+    layout, offset = [], 0
+    for shape in shapes:
+        layout.append((offset, shape))
+        offset += math.prod(shape)
+    return layout, offset
+
+
+def four_worker_config(*overrides: str) -> DictConfig:
+    return compose_config(*SMALL, "workers=4", "train.steps=20", "train.batch_size=16",
+                          "backend.threads=1", *overrides)  # fmt: skip
+
+
+def trained_four_workers(tmp_path, name: str, *overrides: str) -> dict:
+    train(four_worker_config(*overrides), tmp_path / name)
+    return torch.load(tmp_path / name / "model_final.pt")
