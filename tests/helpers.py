@@ -21,7 +21,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ from dpresearch.data.synthetic import make_synthetic
 from dpresearch.launch.processes import leave_together
 from dpresearch.launch.provenance import COMMAND_ENV
 from dpresearch.models.mlp import MLP
-from dpresearch.run.build import network_model
+from dpresearch.run.build import build_communicator, network_model
 from dpresearch.run.checkpoint_files import checkpoint_files, latest_checkpoint
 from dpresearch.run.trainer import Trainer
 from dpresearch.train import train
@@ -323,17 +324,25 @@ def shard_batches(world: int, rank: int, n: int):
 
 
 def ddp_worker(
-    rank: int, world: int, port: int, out_path: str, batch_norm: bool, hook: dict | None = None
+    rank: int,
+    world: int,
+    port: int,
+    out_path: str,
+    batch_norm: bool,
+    hook: dict | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """One rank of a torch DDP run; rank 0 saves the final state dict to `out_path`.
 
     hook: {"compressor": node, "error_feedback": node} registers dpresearch's compressed comm
-    hook (the compressor seeded like our run: SEED; rank r draws worker r's streams)."""
+    hook (the compressor seeded like our run: SEED; rank r draws worker r's streams).
+    dtype: data and model made under torch's default dtype `dtype`, as `build_trainer`."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    data = make_synthetic(**DATA)
-    model = reference_model(batch_norm)
+    with default_dtype(dtype):
+        data = make_synthetic(**DATA)
+        model = reference_model(batch_norm)
     ddp = DistributedDataParallel(model)
     if hook is not None:
         from dpresearch.compress import build_compressor, make_comm_hook
@@ -346,6 +355,7 @@ def ddp_worker(
     batches = shard_batches(world, rank, DATA["num_train"])
     for _ in range(STEPS):
         x, y = data.train_batch(next(batches))
+        x = x.to(dtype)
         opt.zero_grad()
         F.cross_entropy(ddp(x), y).backward()
         opt.step()
@@ -361,20 +371,28 @@ def ddp_worker(
 
 
 def run_ddp(
-    world: int, out_path: str, port: int, batch_norm: bool = False, hook: dict | None = None
+    world: int,
+    out_path: str,
+    port: int,
+    batch_norm: bool = False,
+    hook: dict | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
-    spawn_sequence(world, [(ddp_worker, (world, port, out_path, batch_norm, hook))])
+    spawn_sequence(world, [(ddp_worker, (world, port, out_path, batch_norm, hook, dtype))])
     return torch.load(out_path)
 
 
-def run_single_process(world: int) -> dict:
-    """Plain SGD on the concatenation of the `world` workers' shards of each global batch."""
-    data = make_synthetic(**DATA)
-    model = reference_model(batch_norm=False)
+def run_single_process(world: int, dtype: torch.dtype = torch.float32) -> dict:
+    """Plain SGD on the concatenation of the `world` workers' shards of each global batch; data
+    and model made under torch's default dtype `dtype`, as `build_trainer`."""
+    with default_dtype(dtype):
+        data = make_synthetic(**DATA)
+        model = reference_model(batch_norm=False)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     streams = [shard_batches(world, r, DATA["num_train"]) for r in range(world)]
     for _ in range(STEPS):
         x, y = data.train_batch(torch.cat([next(s) for s in streams]))
+        x = x.to(dtype)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -383,17 +401,15 @@ def run_single_process(world: int) -> dict:
 
 def run_ddp_many(world: int, variants: dict[str, dict], folder: str) -> dict[str, dict]:
     """Several DDP runs (`variants`: name -> ddp_worker's keyword arguments `batch_norm`,
-    `hook`) on the same `world` processes, started once (`spawn_sequence`); name -> final
-    state dict."""
+    `hook`, `dtype`) on the same `world` processes, started once (`spawn_sequence`); name ->
+    final state dict."""
     ports = free_ports(len(variants))
     paths = {name: os.path.join(folder, f"ddp-{name}.pt") for name in variants}
-    spawn_sequence(
-        world,
-        [
-            (ddp_worker, (world, port, paths[name], v.get("batch_norm", False), v.get("hook")))
-            for (name, v), port in zip(variants.items(), ports, strict=True)
-        ],
-    )
+    calls = []
+    for (name, v), port in zip(variants.items(), ports, strict=True):
+        options = (v.get("batch_norm", False), v.get("hook"), v.get("dtype", torch.float32))
+        calls.append((ddp_worker, (world, port, paths[name], *options)))
+    spawn_sequence(world, calls)
     return {name: torch.load(path) for name, path in paths.items()}
 
 
@@ -412,6 +428,30 @@ def run_ours(small_config, tmp_path: Path, name: str, *overrides: str) -> dict:
     )
     train(cfg, run_dir)
     return torch.load(run_dir / "model_final.pt")
+
+
+def run_ours64(small_config, *overrides: str) -> tuple[dict, dict]:
+    """`run_ours` in float64 (`build_trainer`), in this process: the consensus model's state
+    dict, as `model_final.pt` would hold it, and the run's summary."""
+    cfg = small_config(
+        f"seed={SEED}",
+        f"optimizer.lr={LR}",
+        f"train.steps={STEPS}",
+        f"train.batch_size={BATCH}",
+        *overrides,
+    )
+    return final_state64(cfg)
+
+
+def final_state64(cfg: DictConfig) -> tuple[dict, dict]:
+    """`cfg` trained on simulated workers in float64 (`build_trainer`), in this process, with
+    the communicator the CLI builds: the consensus model's state dict, as `model_final.pt`
+    would hold it, and the run's summary."""
+    assert cfg.backend.name == "simulated"
+    torch.set_num_threads(1)
+    trainer = build_trainer(cfg, build_communicator(cfg), torch.float64)
+    summary = trainer.run()
+    return {k: v.clone() for k, v in trainer.eval_model.state_dict().items()}, summary
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -605,23 +645,56 @@ RESNET_RUN = [
 ]  # fmt: skip
 
 
+# Float64 runs. An equivalence between two *different* computations of the same math (batched
+# against the loop, an algorithm against a reference written apart, one composition against
+# another) differs by rounding in float32: sums in another order, a fused kernel or a vector
+# tail, each CPU's own choice. Over a run that is a few ulps per step, amplified by training, so
+# a fixed float32 tolerance passes on one CPU and fails on another (issue 33: 2.4e-6 seen
+# against 1e-6). In float64 the same reordering is ~1e-16 per step: such comparisons run in
+# float64 at TOL64, nine orders of magnitude below what a wrong row, step or order moves
+# (> 1e-3), and far above float64 rounding (~1e-13 after a test's runs).
+TOL64 = 1e-9
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype `dtype` inside (models built, tensors created), restored after."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(default)
+
+
+def build_trainer(
+    cfg: DictConfig,
+    comm: Any,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+) -> Trainer:
+    """`Trainer(cfg, comm, device, None)` with its model (hence its rows, optimizer state and
+    compressor memories) built in `dtype` (torch's default dtype while it is built: the same
+    initialisation draws) and its training and test inputs cast to `dtype`."""
+    with default_dtype(dtype):
+        trainer = Trainer(cfg, comm, device or torch.device("cpu"), None)
+    if dtype != torch.float32:
+        data = trainer.data
+        one, many, test = data.transform_train, data.transform_batches, data.transform_test
+        data.transform_train = lambda x, g: one(x, g).to(dtype)  # type: ignore[method-assign]
+        data.transform_batches = lambda x, gs: many(x, gs).to(dtype)  # type: ignore[method-assign]
+        data.transform_test = lambda x: test(x).to(dtype)  # type: ignore[method-assign]
+    return trainer
+
+
 def trainer_for(*overrides: str, mode: str, dtype: torch.dtype = torch.float32) -> Trainer:
     """The simulated run of `rows_after`, built, not yet run."""
     cfg = compose_config(*overrides, f"train.batched_workers={mode}", "train.save_model=false")
     torch.set_num_threads(1)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        device = torch.device("cuda" if cfg.train.device.startswith("cuda") else "cpu")
-        trainer = Trainer(cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)),
-                          device, None)  # fmt: skip
-    finally:
-        torch.set_default_dtype(default)
+    device = torch.device("cuda" if cfg.train.device.startswith("cuda") else "cpu")
+    comm = SimulatedCommunicator(cfg.workers, network_model(cfg))
+    trainer = build_trainer(cfg, comm, dtype, device)
     trainer.metrics.evaluate = lambda: {"test/loss": 0.0, "test/acc": 0.0}  # type: ignore[method-assign]
-    if dtype != torch.float32:
-        data, one, many = trainer.data, trainer.data.transform_train, trainer.data.transform_batches
-        data.transform_train = lambda x, g: one(x, g).to(dtype)  # type: ignore[method-assign]
-        data.transform_batches = lambda x, gs: many(x, gs).to(dtype)  # type: ignore[method-assign]
     return trainer
 
 
@@ -720,14 +793,15 @@ def ramp(final: float, n: int = 10) -> list[float]:
 
 
 # -- small pieces shared by two modules --------------------------------------------------------
-def finished_run(*overrides: str) -> Trainer:
+def finished_run(*overrides: str, dtype: torch.dtype = torch.float32) -> Trainer:
     """A finished simulated run of SMALL_512 (the synthetic data set; not with an experiment) +
-    overrides, one thread, deterministic sums; the trainer after it."""
+    overrides, one thread, deterministic sums, in `dtype` (`build_trainer`); the trainer after
+    it."""
     torch.set_num_threads(1)
     own = any(o.startswith("experiment=") for o in overrides)
     cfg = compose_config(*(["train.progress=false"] if own else SMALL_512), *overrides)
     comm = SimulatedCommunicator(cfg.workers, network_model(cfg), deterministic=True)
-    trainer = Trainer(cfg, comm, torch.device("cpu"), None)
+    trainer = build_trainer(cfg, comm, dtype)
     trainer.summary = trainer.run()
     return trainer
 
@@ -760,3 +834,27 @@ def four_worker_config(*overrides: str) -> DictConfig:
 def trained_four_workers(tmp_path, name: str, *overrides: str) -> dict:
     train(four_worker_config(*overrides), tmp_path / name)
     return torch.load(tmp_path / name / "model_final.pt")
+
+
+def four_workers_rows64(*overrides: str) -> torch.Tensor:
+    """Every worker's parameters after `four_worker_config(*overrides)` on simulated workers in
+    float64 (`build_trainer`), in this process, with the communicator the CLI builds (a
+    two-level cluster too)."""
+    torch.set_num_threads(1)
+    cfg = four_worker_config(*overrides)
+    assert cfg.backend.name == "simulated"
+    trainer = build_trainer(cfg, build_communicator(cfg), torch.float64)
+    trainer.run()
+    return trainer.replicas.params
+
+
+def float32_mean_bound(rows: torch.Tensor) -> torch.Tensor:
+    """Entry by entry, how far a float32 computation of `rows.mean(0)` (K rows) can be from the
+    exact mean, whatever its order or tree: K − 1 additions and at most 4 divisions or
+    multiplications by a rounded 1/size, each rounding by at most u = 2^-24 of a partial result
+    whose share of the final mean is ≤ Σ|x_i|/K (to first order; Higham, Accuracy and Stability
+    of Numerical Algorithms, §4.2). A bound derived from the values, not a fixed tolerance: two
+    such computations in different orders (issue 33, class b) each stay within it."""
+    k = rows.shape[0]
+    u = torch.finfo(torch.float32).eps / 2
+    return (k + 3) * u * rows.double().abs().sum(0) / k

@@ -226,28 +226,31 @@ def test_pairing_is_read_from_the_class_traits():
 
 
 def test_powersgd_owns_one_q_per_process_and_equals_the_per_worker_reference():
-    """Two rounds over stacked rows = the protocol written per worker and per tensor."""
+    """Two rounds over stacked rows = the protocol written per worker and per tensor. In
+    float64 (issue 33, class b: batched matmuls and Gram–Schmidt against per-worker matmuls
+    and QR), to 1e-9: Q is drawn in float32 and cast, in ours as here."""
+    f64 = torch.float64
     chunks = [ch for ch in CHUNKS if ch.shape is not None and len(ch.shape) > 1]
     compressor = dc.PowerSGD(rank=2, min_compression_rate=1.0, seed=SEED)
     comm = SimulatedCommunicator(K, NET)
     n = max(ch.offset + ch.numel for ch in chunks)
-    aggregation = compressor.aggregation(chunks, range(K), torch.float32, "cpu")
+    aggregation = compressor.aggregation(chunks, range(K), f64, "cpu")
     q_ref: dict[str, torch.Tensor] = {}
     for step in range(3):
-        x = inputs(step)[:, :n].contiguous()
-        out, sent = torch.empty(n), torch.empty(K, n)
+        x = inputs(step)[:, :n].to(f64).contiguous()
+        out, sent = torch.empty(n, dtype=f64), torch.empty(K, n, dtype=f64)
         aggregation.run(x, comm, step, out, sent)
         for ch in chunks:
             m, c = compressor.matrix_shape(ch.numel, ch.shape)
             if ch.key not in q_ref:
                 gen = torch.Generator().manual_seed(rng.stream_seed("powersgd", SEED, ch.key))
-                q_ref[ch.key] = torch.randn(c, 2, generator=gen)
+                q_ref[ch.key] = torch.randn(c, 2, generator=gen).to(f64)
             mats = [x[w, ch.slice].view(m, c) for w in range(K)]
             p = sum(mat @ q_ref[ch.key] for mat in mats) / K
             p, _ = torch.linalg.qr(p)  # Gram–Schmidt up to column signs
             q_ref[ch.key] = sum(mat.T @ p for mat in mats) / K
             approx = (p @ q_ref[ch.key].T).reshape(-1)
-            assert torch.allclose(out[ch.slice], approx, atol=1e-5), ch.key
+            assert torch.allclose(out[ch.slice], approx, atol=1e-9, rtol=0), ch.key
             assert torch.equal(sent[:, ch.slice], out[ch.slice].expand(K, -1))
             # Q is the compressor's, once per process (not one copy per worker)
             assert compressor.q[ch.key].shape == (c, 2)

@@ -10,8 +10,9 @@ import math
 
 import pytest
 import torch
-from helpers import SMALL, compose_config, max_diff
+from helpers import SMALL, TOL64, compose_config, default_dtype, gap, max_diff
 from helpers import four_worker_config as config
+from helpers import four_workers_rows64 as rows64
 from helpers import trained_four_workers as trained
 from torch import nn
 
@@ -31,6 +32,11 @@ from dpresearch.replicas import Replicas
 K = 4
 NET = NetworkModel.preset("10gbe")
 BETAS, EPS = (0.9, 0.999), 1e-8
+# Ours (flat rows, fused updates, the collectives' sums) and the papers' algorithms written
+# here are different computations of the same math: in float32 their rounding differs by CPU
+# (issue 33), so both run in float64 and agree to 1e-9 (`helpers.TOL64`); the 1-bit scales
+# are float32 on the wire in both (`one_bit`).
+F64 = torch.float64
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,8 +45,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def one_bit(x: torch.Tensor) -> torch.Tensor:
-    """C(x) = (‖x‖₂/√n)·sign(x), sign(0) = +1 (1-bit Adam's compressor, DeepSpeed's)."""
-    scale = x.norm() / math.sqrt(x.numel()) if x.numel() else 0.0
+    """C(x) = (‖x‖₂/√n)·sign(x), sign(0) = +1 (1-bit Adam's compressor, DeepSpeed's); the
+    scale as the message carries it: ‖x‖₂ of x in float32 (DeepSpeed's, and our wire's)."""
+    if not x.numel():
+        return torch.zeros_like(x)
+    norm = torch.linalg.vector_norm(x, 2, dtype=torch.float32)
+    scale = (norm / math.sqrt(x.numel())).to(x.dtype)
     return torch.where(x < 0, -scale, scale)
 
 
@@ -72,6 +82,11 @@ def reference_onebit_adam(grads, x0, lr, freeze, bias_correction=True):
     """1-bit Adam (Tang et al. 2021, Algorithm 1): Adam on the averaged gradient for `freeze`
     steps (torch's formulas); then v frozen, m_i = β₁m + (1−β₁)g_i, m = error-compensated 1-bit
     average, x ← x − lr·m̂/(√v̂ + ε)."""
+    with default_dtype(x0.dtype):
+        return _reference_onebit_adam(grads, x0, lr, freeze, bias_correction)
+
+
+def _reference_onebit_adam(grads, x0, lr, freeze, bias_correction=True):
     b1, b2 = BETAS
     d = x0.numel()
     x, m, v = x0.clone(), torch.zeros(d), torch.zeros(d)
@@ -97,6 +112,11 @@ def reference_zero_one_adam(grads, x0, lr, tv, tu):
     default: t ∈ T_v: exact average gradient updates v and m, every model steps the same;
     else local m_i, x_i and u_i = Σγm_i; t ∈ T_u: ū = error-compensated 1-bit average of u_i,
     m_i = ū/Σγ, x_i = x' − ū/(√v̂ + ε)."""
+    with default_dtype(x0.dtype):
+        return _reference_zero_one_adam(grads, x0, lr, tv, tu)
+
+
+def _reference_zero_one_adam(grads, x0, lr, tv, tu):
     b1, b2 = BETAS
     d = x0.numel()
     xs = [x0.clone() for _ in range(K)]
@@ -138,9 +158,9 @@ def reference_zero_one_adam(grads, x0, lr, tv, tu):
 
 def harness(optimizer_class, algorithm_class, **options):
     """K simulated workers of a tiny model (D = 13·5 + 5 + 5·3 + 3 = 88: chunks of 24, the last
-    server's chunk holding 16 real entries), each with its own optimizer node."""
+    server's chunk holding 16 real entries), each with its own optimizer node; float64 (F64)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(13, 5), nn.Tanh(), nn.Linear(5, 3))
+    model = nn.Sequential(nn.Linear(13, 5), nn.Tanh(), nn.Linear(5, 3)).to(F64)
     replicas = Replicas(model, K, torch.device("cpu"))
     comm = SimulatedCommunicator(K, NET)
     optimizers = [optimizer_class(m.parameters(), **options) for m in replicas.models]
@@ -149,7 +169,7 @@ def harness(optimizer_class, algorithm_class, **options):
 
 def gradients(steps: int, d: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
-    return [torch.randn(K, d, generator=gen) * (1 + t % 3) for t in range(steps)]
+    return [torch.randn(K, d, generator=gen, dtype=F64) * (1 + t % 3) for t in range(steps)]
 
 
 def run(replicas, algorithm, grads) -> None:
@@ -166,11 +186,12 @@ def test_onebit_adam_after_the_freeze_equals_algorithm_1():
     run(replicas, algorithm, grads)
     expected = reference_onebit_adam(grads, x0, lr, freeze)
     for w in range(K):
-        assert torch.allclose(replicas.params[w], expected, atol=1e-6, rtol=0), w
+        assert gap(replicas.params[w], expected) <= TOL64, w
     assert (replicas.params[0] - x0).abs().max() > 1e-2  # it moved
-    # bytes: 4·D per warm-up allreduce; (K + 1)·(4 + c/8) per 1-bit step, c = 24
-    d, message = x0.numel(), 4 + 24 // 8
-    per_worker = freeze * 4 * d + (steps - freeze) * (K + 1) * message
+    # bytes: 4·D per warm-up allreduce in float32 (8·D here); (K + 1)·(4 + c/8) per 1-bit step
+    # (a float32 scale and c = 24 sign bits)
+    d, message, size = x0.numel(), 4 + 24 // 8, x0.element_size()
+    per_worker = freeze * size * d + (steps - freeze) * (K + 1) * message
     assert comm.ledger.bytes_by_worker == [per_worker] * K
     assert algorithm.onebit.bytes_per_call == (K + 1) * message
 
@@ -184,7 +205,7 @@ def test_onebit_adam_without_bias_correction_is_deepspeeds_update():
     grads = gradients(8, x0.numel())
     run(replicas, algorithm, grads)
     expected = reference_onebit_adam(grads, x0, lr, freeze, bias_correction=False)
-    assert torch.allclose(replicas.params[1], expected, atol=1e-6, rtol=0)
+    assert gap(replicas.params[1], expected) <= TOL64
 
 
 def test_zero_one_adam_schedules_are_deepspeeds():
@@ -209,11 +230,11 @@ def test_zero_one_adam_equals_algorithm_1_with_its_schedule():
     run(replicas, algorithm, grads)
     expected = reference_zero_one_adam(grads, x0, lr, tv, tu)
     for w in range(K):
-        assert torch.allclose(replicas.params[w], expected[w], atol=1e-6, rtol=0), w
+        assert gap(replicas.params[w], expected[w]) <= TOL64, w
     # the run ended on a sync (t = 15): every worker holds the same model
     assert all(torch.equal(replicas.params[w], replicas.params[0]) for w in range(K))
-    d, message = x0.numel(), 4 + 24 // 8
-    per_worker = len(tv) * 4 * d + len(tu) * (K + 1) * message
+    d, message, size = x0.numel(), 4 + 24 // 8, x0.element_size()
+    per_worker = len(tv) * size * d + len(tu) * (K + 1) * message
     assert comm.ledger.bytes_by_worker == [per_worker] * K
     assert comm.ledger.op_counts == {"allreduce": len(tv), "alltoall": len(tu),
                                      "allgather": len(tu)}  # fmt: skip
@@ -244,20 +265,18 @@ def test_state_dict_continues_bit_for_bit():
 # -- end to end: ≡ Adam, simulated ≡ gloo ----------------------------------------------------
 
 
-def test_warmup_as_long_as_the_run_is_adam(tmp_path):
+def test_warmup_as_long_as_the_run_is_adam():
     """Acceptance B: 20 steps of 1-bit Adam whose warm-up outlasts the run = sync + torch's
-    Adam (≤ 1e-6); so is 0/1 Adam when every step updates the variance."""
-    adam = trained(tmp_path, "adam", "optimizer=adam", "optimizer.lr=0.01")
-    initial = trained(tmp_path, "init", "optimizer=adam", "optimizer.lr=0.01", "train.steps=1")
-    assert max_diff(adam, initial) > 1e-2
-    onebit = trained(tmp_path, "onebit", "optimizer=onebit_adam", "optimizer.lr=0.01",
-                     "optimizer.freeze_step=20")  # fmt: skip
-    assert max_diff(onebit, adam) <= 1e-6
-    zero_one = trained(
-        tmp_path, "zero_one", "optimizer=zero_one_adam", "optimizer.lr=0.01",
-        "optimizer.var_freeze_step=20", "optimizer.var_update_scaler=20",
-    )  # fmt: skip
-    assert max_diff(zero_one, adam) <= 1e-6
+    Adam; so is 0/1 Adam when every step updates the variance. Their Adam and torch's are
+    different computations of the same update: float64, to 1e-9 (F64)."""
+    adam = rows64("optimizer=adam", "optimizer.lr=0.01")
+    initial = rows64("optimizer=adam", "optimizer.lr=0.01", "train.steps=1")
+    assert adam.dtype == F64 and gap(adam, initial) > 1e-2
+    onebit = rows64("optimizer=onebit_adam", "optimizer.lr=0.01", "optimizer.freeze_step=20")
+    assert gap(onebit, adam) <= TOL64
+    zero_one = rows64("optimizer=zero_one_adam", "optimizer.lr=0.01",
+                      "optimizer.var_freeze_step=20", "optimizer.var_update_scaler=20")  # fmt: skip
+    assert gap(zero_one, adam) <= TOL64
 
 
 CASES = {
@@ -294,6 +313,9 @@ def test_simulated_equals_gloo(tmp_path, name, on_gloo):
     gloo = on_gloo[name]
     initial = trained(tmp_path, "init", *args, "train.steps=1")
     assert max_diff(simulated, initial) > 1e-3
+    # float32 (the gloo side is the CLI, which has no float64 switch): with
+    # comm.deterministic the same computation in the same order (issue 33, class a), so
+    # exact on any CPU that runs both; 1e-6 is a margin, not a rounding budget
     assert max_diff(simulated, gloo) <= 1e-6
 
 

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, SMALL, TOL, check_resumed, compose_config, max_diff, run_cli
+from helpers import (
+    REPO,
+    SMALL,
+    TOL64,
+    check_resumed,
+    compose_config,
+    final_state64,
+    max_diff,
+    run_cli,
+)
 
 from dpresearch.run.trainer import InjectedFailure
 from dpresearch.train import train
@@ -71,11 +80,13 @@ def test_first_k_protocol_checkpoints_and_resumes_exactly(own_code, tmp_path, on
 
 def test_randomized_gossip_on_two_workers_is_dpsgd(own_code, tmp_path, one_thread):
     """Two workers on a complete graph are always matched: x ← (x_0 + x_1)/2 − η·g, D-PSGD's
-    update with weights 1/2."""
-    ours = run(tmp_path, "rg", "workers=2", "algorithm=randomized_gossip", "topology=complete",
-               own_code)  # fmt: skip
-    dpsgd = run(tmp_path, "d", "workers=2", "algorithm=dpsgd", "topology=complete")
-    assert max_diff(ours, dpsgd) <= TOL
+    update with weights 1/2. Two implementations of the same update (issue 33, class b):
+    float64, to 1e-9 (`helpers.final_state64`)."""
+    common = [*SMALL, "train.steps=40", "workers=2", "topology=complete"]
+    ours, _ = final_state64(compose_config(*common, "algorithm=randomized_gossip", own_code))
+    dpsgd, _ = final_state64(compose_config(*common, "algorithm=dpsgd"))
+    assert next(iter(ours.values())).dtype == torch.float64
+    assert max_diff(ours, dpsgd) <= TOL64
 
 
 def test_randomized_gossip_trains_and_resumes_exactly(own_code, tmp_path, one_thread):

@@ -26,10 +26,12 @@ def test_problem_matches_its_definition():
     b = a @ rng.normal(size=10) + 0.01 * rng.normal(size=300)
     assert torch.allclose(data.train_inputs, torch.from_numpy(a).float())
     assert torch.equal(data.test_targets, data.train_targets)  # f on all rows is the test loss
-    x = torch.randn(10, 1)
-    out = data.train_inputs @ x
-    expected = 0.5 * ((out.squeeze(1) - data.train_targets) ** 2).mean()
-    assert data.loss(out, data.train_targets) == pytest.approx(float(expected), rel=1e-6)
+    # the loss against its formula in float64 (issue 33: a float32 mean of 300 terms is off by
+    # up to 300·u in a CPU-dependent summation order; in float64 1e-12 is far above it)
+    x = torch.randn(10, 1, dtype=torch.float64)
+    out, targets = data.train_inputs.double() @ x, data.train_targets.double()
+    expected = 0.5 * ((out.squeeze(1) - targets) ** 2).mean()
+    assert data.loss(out, targets) == pytest.approx(float(expected), rel=1e-12)
     x_opt = np.linalg.lstsq(a, b, rcond=None)[0]
     assert data.optimum == pytest.approx(0.5 * np.mean((a @ x_opt - b) ** 2), rel=1e-9)
     assert not data.classification

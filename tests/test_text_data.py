@@ -410,7 +410,7 @@ def test_a_bin_of_the_wrong_size_or_with_ids_beyond_the_vocabulary_is_one_line(t
     with pytest.raises(ValueError) as info:
         load_bins(big)
     message = str(info.value)
-    assert "\n" not in message and f"token id {len(CHARS)}, beyond the vocabulary" in message
+    assert "\n" not in message and f"token id {len(CHARS)}, outside the vocabulary" in message
     assert "data.dtype" in message
 
 
@@ -470,7 +470,7 @@ BAD = {
     "gpt on vectors": (["model=gpt", "data.num_train=256", "data.num_test=64"],
                        "model.GPT takes integer token ids"),
     "gpt on images": (["model=gpt", "data=cifar10", f"data.root={SUBSET}"],
-                      "GPT takes windows of token ids (input_shape (T,)), not images"),
+                      "GPT takes windows of token ids, not inputs of shape [3, 32, 32]"),
     "partition foo": ([*SHAKESPEARE, "data.partition=foo"],
                       "data.partition=foo; choose one of: iid, contiguous, shared, by_work, "
                       "by_role, dirichlet"),

@@ -191,7 +191,7 @@ class ADPSGD(Gossip):
     @classmethod
     def check_config(cls, cfg: DictConfig) -> None:
         alg = cfg.algorithm
-        node = alg.get("topology") or {"_target_": "dpresearch.comm.topology.Ring"}
+        node = alg.get("topology") or cls.default_topology
         topology = build_topology(node, cfg.workers)
         cls.check_topology(topology)
         Pairing(alg.get("pairing", "random"), topology, 0)

@@ -23,7 +23,7 @@ Conventions shared by every gossip algorithm:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from hydra.utils import instantiate
@@ -71,6 +71,8 @@ class Gossip(Algorithm):
 
     evaluates_local_models = True
     traits = Traits(drifts=True)
+    # the graph when the `topology` node names none
+    default_topology: ClassVar[Mapping[str, Any]] = {"_target_": "dpresearch.comm.topology.Ring"}
 
     def __init__(
         self,
@@ -82,13 +84,17 @@ class Gossip(Algorithm):
         eval_local_models: bool = True,
     ) -> None:
         super().__init__(replicas, comm, optimizers)
-        node = topology or {"_target_": "dpresearch.comm.topology.Ring"}
-        self.topology = build_topology(node, comm.world_size)
+        self.topology = build_topology(topology or self.default_topology, comm.world_size)
         self.check_topology(self.topology)
         self.mix_buffers = mix_buffers
         self.evaluates_local_models = eval_local_models
         self._weights: dict[int, tuple[Tensor, Tensor]] = {}
         self._workspace = Workspace()
+        self.setup_state()
+
+    def setup_state(self) -> None:
+        """State of a subclass's own beyond the topology and workspace (built last in
+        `__init__`; default: none), e.g. SGP's push-sum weights."""
 
     # -- configuration checks (before any worker starts) --------------------------------------
     @classmethod
@@ -98,8 +104,9 @@ class Gossip(Algorithm):
         use."""
         if cfg.workers < 2:
             raise ValueError(f"workers={cfg.workers}: gossip needs at least 2 workers")
-        node = cfg.algorithm.get("topology") or {"_target_": "dpresearch.comm.topology.Ring"}
-        topology = build_topology(node, cfg.workers)
+        topology = build_topology(
+            cfg.algorithm.get("topology") or cls.default_topology, cfg.workers
+        )
         cls.check_topology(topology)
 
     @classmethod

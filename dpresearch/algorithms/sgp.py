@@ -21,16 +21,11 @@ buffers travel as a second push-sum row when `mix_buffers=true`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from dpresearch.algorithms.gossip import Gossip
-from dpresearch.comm.base import Communicator
 from dpresearch.comm.topology import Topology
-from dpresearch.replicas import Replicas
 
 DEFAULT_TOPOLOGY = {"_target_": "dpresearch.comm.topology.OnePeerExponential"}
 
@@ -38,20 +33,13 @@ DEFAULT_TOPOLOGY = {"_target_": "dpresearch.comm.topology.OnePeerExponential"}
 class SGP(Gossip):
     """Push-sum SGD; the consensus model is Σ_i x_i / Σ_i w_i."""
 
-    def __init__(
-        self,
-        replicas: Replicas,
-        comm: Communicator,
-        optimizers: list[torch.optim.Optimizer],
-        topology: Mapping[str, Any] | None = None,
-        mix_buffers: bool = True,
-        eval_local_models: bool = True,
-    ) -> None:
-        super().__init__(
-            replicas, comm, optimizers, topology or DEFAULT_TOPOLOGY, mix_buffers, eval_local_models
+    default_topology = DEFAULT_TOPOLOGY
+
+    def setup_state(self) -> None:
+        params = self.replicas.params
+        self.ps_weight = torch.ones(
+            self.comm.num_local, 1, dtype=params.dtype, device=params.device
         )
-        params = replicas.params
-        self.ps_weight = torch.ones(comm.num_local, 1, dtype=params.dtype, device=params.device)
 
     @classmethod
     def check_topology(cls, topology: Topology) -> None:
