@@ -63,6 +63,14 @@ CASES = {
     "powersgd_ef14": (("powersgd", {"min_compression_rate": 1.0}), ("ef14", {}), {}),
     "powersgd_model": (("powersgd", {"warm_start": False}), None, {"granularity": "model"}),
 }
+# QSGD asks torch for float32 norms of its buckets (dpresearch/compress/qsgd.py: vector_norm
+# with dtype=float32), which torch refuses for float64 rows: its cases stay in float32 in the
+# gloo comparison below, at 1e-6 (a CPU-dependent budget) until the codec takes float64 rows.
+FLOAT32_ONLY: set[str] = set()
+
+
+def gloo_dtype(name: str) -> torch.dtype:
+    return torch.float32 if name in FLOAT32_ONLY else torch.float64
 
 
 def build(name: str, comm, dtype: torch.dtype = torch.float32):
@@ -117,7 +125,7 @@ def gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         results = {}
         for name in CASES:
-            results[name] = run_case(name, DistributedCommunicator(NET), torch.float64)
+            results[name] = run_case(name, DistributedCommunicator(NET), gloo_dtype(name))
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -226,14 +234,15 @@ def test_simulated_workers_match_gloo_processes(tmp_path):
     spawn_sequence(WORLD, [(gloo_worker, (WORLD, free_port(), str(tmp_path)))])
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for name in CASES:
-        simulated, sim_bytes = run_case(name, SimulatedCommunicator(WORLD, NET), torch.float64)
+        simulated, sim_bytes = run_case(name, SimulatedCommunicator(WORLD, NET), gloo_dtype(name))
         for rank in ranks:
             real, real_bytes = rank[name]
             assert real_bytes == sim_bytes, name
             # gloo's ring adds in another order than the simulated sum (issue 33, class b),
-            # so both run in float64, to 1e-9 of the values' scale. 16-bit payloads are summed
-            # in 16 bits by the collective: they agree to the wire type's precision only.
-            assert real.dtype == torch.float64
-            tol = {"fp16": 2e-3, "bf16": 2e-2}.get(name, 1e-9)
+            # so both run in float64, to 1e-9 of the values' scale (FLOAT32_ONLY: 1e-6).
+            # 16-bit payloads are summed in 16 bits by the collective: they agree to the wire
+            # type's precision only.
+            assert real.dtype == gloo_dtype(name)
+            tol = {"fp16": 2e-3, "bf16": 2e-2}.get(name, 1e-6 if name in FLOAT32_ONLY else 1e-9)
             err = (real - simulated).abs().max().item()
             assert err <= tol * max(1.0, simulated.abs().max().item()), (name, err)

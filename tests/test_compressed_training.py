@@ -147,6 +147,10 @@ def test_recorded_bytes_match_the_reducer_formula(small_config, name):
 
 
 HOOKED = [("topk", "ef14"), ("qsgd", "none"), ("powersgd", "ef14"), ("randomk", "ef14")]
+# QSGD asks torch for float32 norms of its buckets (dpresearch/compress/qsgd.py: vector_norm
+# with dtype=float32), which torch refuses for float64 rows: it stays in float32 at TOL (class
+# b, a CPU-dependent rounding budget) until the codec takes float64 rows.
+FLOAT32_ONLY: set[str] = set()
 
 
 def _hook_overrides(compressor: str, ef: str) -> list[str]:
@@ -168,7 +172,8 @@ def hooked_ddp(tmp_path_factory) -> dict[str, dict]:
             "compressor": OmegaConf.to_container(cfg.compressor),
             "error_feedback": OmegaConf.to_container(cfg.error_feedback),
         }
-        variants[f"{compressor}-{ef}"] = {"hook": hook, "dtype": torch.float64}
+        dtype = torch.float32 if compressor in FLOAT32_ONLY else torch.float64
+        variants[f"{compressor}-{ef}"] = {"hook": hook, "dtype": dtype}
     return run_ddp_many(2, variants, str(tmp_path_factory.mktemp("hooked")))
 
 
@@ -179,7 +184,11 @@ def test_ddp_comm_hook_matches_our_sync(small_config, tmp_path, compressor, ef, 
     DDP's bucketed allreduce and our sum are different computations of the same mean (class
     b of issue 33): both in float64, to 1e-9."""
     overrides = _hook_overrides(compressor, ef)
-    ours, _ = run_ours64(small_config, "workers=2", *overrides, ONE_THREAD)
     theirs = hooked_ddp[f"{compressor}-{ef}"]
+    if compressor in FLOAT32_ONLY:
+        ours = run_ours(small_config, tmp_path, "ours", "workers=2", *overrides, ONE_THREAD)
+        assert max_diff(ours, theirs) <= TOL
+        return
+    ours, _ = run_ours64(small_config, "workers=2", *overrides, ONE_THREAD)
     assert next(iter(theirs.values())).dtype == torch.float64
     assert max_diff(ours, theirs) <= TOL64

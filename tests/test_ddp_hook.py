@@ -35,8 +35,14 @@ NET = NetworkModel.preset("10gbe")
 WORLD, STEPS, LR, SEED = 2, 5, 0.1, 3
 # DDP (per-tensor SGD, its buckets) and the reducer on flat rows are different computations of
 # the same training (issue 33, class b): in float32 their rounding differs by CPU, so both run
-# in float64 and agree to 1e-9 (`helpers.TOL64`).
-DTYPE = torch.float64
+# in float64 and agree to 1e-9 (`helpers.TOL64`). QSGD asks torch for float32 norms of its
+# buckets (dpresearch/compress/qsgd.py: vector_norm with dtype=float32), which torch refuses
+# for float64 rows: its case stays in float32 at 1e-6, a CPU-dependent budget, until then.
+FLOAT32_ONLY = {"qsgd_ef14": 1e-6}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return torch.float32 if name in FLOAT32_ONLY else torch.float64
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,14 +61,14 @@ CASES = {
 }
 
 
-def make_model() -> nn.Module:
+def make_model(dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(SEED)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(DTYPE)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(dtype)
 
 
-def batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(worker: int, step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(100 * step + worker)
-    return torch.randn(16, 8, generator=gen, dtype=DTYPE), torch.randint(0, 4, (16,), generator=gen)
+    return torch.randn(16, 8, generator=gen, dtype=dtype), torch.randint(0, 4, (16,), generator=gen)
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
@@ -77,12 +83,12 @@ def ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         results = {}
         for name, (factory, ef) in CASES.items():
-            ddp = DistributedDataParallel(make_model())
+            ddp = DistributedDataParallel(make_model(dtype_of(name)))
             state, hook = make_comm_hook(factory(), ddp, error_feedback=ef)
             ddp.register_comm_hook(state, hook)
             opt = torch.optim.SGD(ddp.parameters(), lr=LR)
             for step in range(STEPS):
-                x, y = batch(rank, step)
+                x, y = batch(rank, step, dtype_of(name))
                 opt.zero_grad()
                 F.cross_entropy(ddp(x), y).backward()
                 opt.step()
@@ -97,16 +103,16 @@ def ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def simulated(name: str) -> tuple[torch.Tensor, int]:
     """The same training on 2 simulated workers with `CompressedReducer` (per-tensor chunks)."""
     factory, ef = CASES[name]
-    model = make_model()
+    model = make_model(dtype_of(name))
     replicas = Replicas(model, WORLD, torch.device("cpu"))
     comm = SimulatedCommunicator(WORLD, NET)
     memory = None if ef is None else ErrorFeedback(**ef)
     reducer = CompressedReducer(factory(), comm, param_layout(model), memory, granularity="tensor",
-                                dtype=DTYPE)  # fmt: skip
+                                dtype=dtype_of(name))  # fmt: skip
     for step in range(STEPS):
         replicas.zero_grad()
         for w, replica in enumerate(replicas.models):
-            x, y = batch(w, step)
+            x, y = batch(w, step, dtype_of(name))
             F.cross_entropy(replica(x), y).backward()
         reducer.reduce(replicas.grads, step)
         with torch.no_grad():
@@ -123,13 +129,13 @@ def test_hook_rejects_model_granularity():
 def test_ddp_hook_matches_simulated_reducer(tmp_path):
     spawn_sequence(WORLD, [(ddp_worker, (WORLD, free_port(), str(tmp_path)))])
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    start = flat_params(make_model())
     for name in CASES:
+        start = flat_params(make_model(dtype_of(name)))
         params, nbytes = simulated(name)
         assert not torch.equal(params, start), name  # training moved the parameters
         for rank in ranks:
             ddp_params, ddp_bytes, steps = rank[name]
             assert steps == STEPS
             assert ddp_bytes == nbytes, name
-            assert ddp_params.dtype == DTYPE
-            assert (ddp_params - params).abs().max() <= TOL64, name
+            assert ddp_params.dtype == dtype_of(name)
+            assert (ddp_params - params).abs().max() <= FLOAT32_ONLY.get(name, TOL64), name

@@ -37,6 +37,22 @@ from dpresearch.compress.onebit_allreduce import OneBitAllreduce
 from dpresearch.replicas import Replicas
 
 
+def require_owned_optimizer(cfg: Any, wanted: type[OwnedOptimizer]) -> None:
+    """ValueError (one line naming the option) unless the run's optimizer node builds `wanted`,
+    the optimizer whose step the configured algorithm owns."""
+    from hydra.utils import get_object
+
+    try:
+        given = get_object(cfg.optimizer._target_)
+    except Exception:  # a bad target is reported by check_target
+        given = None
+    if given is not wanted:
+        raise ValueError(
+            f"algorithm={cfg.algorithm._target_.rsplit('.', 1)[-1]} runs "
+            f"{wanted.__name__}: select it with {wanted.option}"
+        )
+
+
 class OwnedOptimizer(torch.optim.Optimizer):
     """An optimizer whose step an algorithm owns: its hyper-parameters, held as a torch optimizer
     so the schedule, parameter groups and checkpoints treat it as any other. `algorithm`: the
@@ -210,18 +226,8 @@ class CompressedAdam(Algorithm):
     def check_config(cls, cfg: Any) -> None:
         """Refuse an optimizer other than this method's (a compressor or error feedback is
         refused by `config.checks.check_compression` with `traits.compression_note`)."""
-        from hydra.utils import get_object
 
-        wanted = cls.optimizer_class
-        try:
-            given = get_object(cfg.optimizer._target_)
-        except Exception:
-            given = None
-        if given is not wanted:
-            raise ValueError(
-                f"algorithm={cfg.algorithm._target_.rsplit('.', 1)[-1]} runs "
-                f"{wanted.__name__}: select it with {wanted.option}"
-            )
+        require_owned_optimizer(cfg, cls.optimizer_class)
 
     # -- the step ---------------------------------------------------------------------------------
     def _hyper(self) -> tuple[float, float, float, float]:

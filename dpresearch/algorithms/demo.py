@@ -74,7 +74,7 @@ import torch
 from torch import Tensor
 
 from dpresearch.algorithms.base import Algorithm, Traits
-from dpresearch.algorithms.compressed_adam import OwnedOptimizer
+from dpresearch.algorithms.compressed_adam import OwnedOptimizer, require_owned_optimizer
 from dpresearch.algorithms.sync import BUFFER_MODES
 from dpresearch.comm.base import Communicator
 from dpresearch.compress.layout import ParamLayout, param_layout
@@ -273,17 +273,7 @@ class DeMoAlgorithm(Algorithm):
     def check_config(cls, cfg: Any) -> None:
         """The optimizer (`optimizer=demo` only) and the node's values (a compressor or error
         feedback is refused by `config.checks.check_compression` with the traits' note)."""
-        from hydra.utils import get_object
-
-        try:
-            given = get_object(cfg.optimizer._target_)
-        except Exception:
-            given = None
-        if given is not DeMo:
-            raise ValueError(
-                "algorithm=demo steps θ with its decoded momentum itself (lr and weight decay in "
-                f"optimizer=demo): select it with {DeMo.option}"
-            )
+        require_owned_optimizer(cfg, DeMo)
         alg = cfg.algorithm
         check_options(
             alg.get("beta", 0.999), alg.get("topk", 32), alg.get("chunk", 64),

@@ -116,6 +116,7 @@ class OneBitAllreduce:
 
 
 def _rms(row: Tensor) -> Tensor:
-    """‖row‖₂/√len(row), in fp32: the scale that makes (scale·sign) as long as `row`."""
-    norm = torch.linalg.vector_norm(row, 2, dtype=torch.float32)
-    return (norm / math.sqrt(row.numel())).to(row.dtype)
+    """‖row‖₂/√len(row), accumulated in fp32 (fp64 for fp64 rows) and rounded to the fp32 the
+    wire carries: the scale that makes (scale·sign) as long as `row`."""
+    norm = torch.linalg.vector_norm(row, 2, dtype=torch.promote_types(row.dtype, torch.float32))
+    return (norm / math.sqrt(row.numel())).float().to(row.dtype)

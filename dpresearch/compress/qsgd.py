@@ -40,6 +40,7 @@ class QSGD(SingleRoundCompressor):
         return [(torch.float32, buckets), (torch.uint8, packed_size(chunk.numel, self.bits))]
 
     def norms(self, buckets: Tensor) -> Tensor:
-        """The fp32 norm of each bucket: `[..., B]` → `[...]` (the scale each level is a
-        fraction of)."""
-        return torch.linalg.vector_norm(buckets, 2, dim=-1, dtype=torch.float32)
+        """The norm of each bucket as the wire carries it, fp32: `[..., B]` → `[...]` (the scale
+        each level is a fraction of); accumulated in fp32, or fp64 for fp64 rows."""
+        accumulate = torch.promote_types(buckets.dtype, torch.float32)
+        return torch.linalg.vector_norm(buckets, 2, dim=-1, dtype=accumulate).float()
