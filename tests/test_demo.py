@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -21,15 +18,11 @@ import torch
 from helpers import (
     SHARED,
     SMALL,
-    cli_env,
     compose_config,
     final_params,
-    load_scaled,
+    kill_9_and_resume,
     max_diff,
     metric_lines,
-    run_cli,
-    terminal_signals,
-    wait_for_step,
 )
 from torch import nn
 
@@ -355,26 +348,9 @@ def test_kill_9_then_resume_equals_uninterrupted(tmp_path):
     """A command-line DeMo run killed with SIGKILL after its checkpoints at steps 10, 20, 30:
     `train.resume=auto` ends with the uninterrupted run's parameters bit for bit (the momenta
     came back from the checkpoint) and its metrics line for line."""
-    run_dir = tmp_path / "run"
     args = [*RUN, "train.steps=600", "train.log_every=1", "train.eval_every=300",
             "train.checkpoint_every=10"]  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dpresearch.train", *args, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=terminal_signals,
-    )  # fmt: skip
-    try:
-        wait_for_step(run_dir, proc, 35, timeout=240)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=load_scaled(60))
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert latest_checkpoint(run_dir) is not None and not (run_dir / "summary.json").exists()
-    out = run_cli([*args, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    reference = tmp_path / "reference"
-    train(compose_config(*args), reference)
+    run_dir, reference = kill_9_and_resume(args, tmp_path, kill_after=35)
     resumed, uninterrupted = final_params(run_dir), final_params(reference)
     assert resumed.keys() == uninterrupted.keys()
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)

@@ -13,7 +13,6 @@ import gc
 import json
 import math
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -24,14 +23,12 @@ from helpers import (
     SHARED,
     compose_config,
     final_params,
-    load_scaled,
+    kill_9_and_resume,
     max_diff,
     metric_lines,
     run_cli,
     same,
-    start_cli,
     untimed,
-    wait_for_step,
 )
 
 from dpresearch.config.preflight import preflight
@@ -152,22 +149,9 @@ def test_kill_9_then_resume_equals_uninterrupted(case, tmp_path):
     """A real SIGKILL of a command-line GPT run after its first checkpoint (AdamW; DiLoCo and
     Muon in the slow suite): the resumed run (`train.resume=auto`) ends as an uninterrupted one,
     parameters bit for bit and metrics line for line, its sample the same text."""
-    run_dir = tmp_path / "run"
     args = [*LM, *CASES[case], "train.steps=200", "train.log_every=1", "train.eval_every=100",
             "train.checkpoint_every=10"]  # fmt: skip
-    proc = start_cli([*args, f"hydra.run.dir={run_dir}"], tmp_path)
-    try:
-        wait_for_step(run_dir, proc, 25, timeout=240)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=load_scaled(60))
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert latest_checkpoint(run_dir) is not None and not (run_dir / "summary.json").exists()
-    out = run_cli([*args, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    reference = tmp_path / "reference"
-    train(compose_config(*args), reference)
+    run_dir, reference = kill_9_and_resume(args, tmp_path, kill_after=25)
     assert same(final_params(run_dir), final_params(reference))
     lines = metric_lines(run_dir)
     assert [m["step"] for m in lines] == list(range(1, 201))

@@ -14,8 +14,6 @@ Bad input: one `error:` line before any worker starts.
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,6 @@ from helpers import (
     SYNTHETIC_SMALL,
     compose_config,
     gap,
-    load_scaled,
     run_cli,
     run_main,
 )
@@ -37,7 +34,6 @@ from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.compress.rng import stream_seed
 from dpresearch.replicas import Replicas
 from dpresearch.run.build import network_model
-from dpresearch.run.checkpoint_files import latest_checkpoint
 from dpresearch.run.trainer import InjectedFailure, Trainer
 from dpresearch.train import train
 
@@ -346,25 +342,12 @@ def test_kill_9_then_resume_auto_is_bit_identical(tmp_path):
     """A real SIGKILL of SPARTA + DiLoCo on the command line after a checkpoint; the resumed
     run (`train.resume=auto`) logs every step once and ends bit for bit as an uninterrupted
     run: the subsets come from (seed, step), nothing of them needs saving."""
-    from helpers import CHECKPOINTED, final_params, metric_lines, same, start_cli, wait_for_step
+    from helpers import CHECKPOINTED, final_params, kill_9_and_resume, metric_lines, same
 
-    run_dir = tmp_path / "run"
     args = [*CHECKPOINTED, "workers=4", *RESUME_CASES["sparta_bernoulli_diloco"],
             "train.steps=300", "train.eval_every=150", "train.checkpoint_every=10"]  # fmt: skip
-    proc = start_cli([*args, f"hydra.run.dir={run_dir}"], tmp_path)
-    try:
-        wait_for_step(run_dir, proc, 25, timeout=240)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=load_scaled(60))
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert latest_checkpoint(run_dir) is not None and not (run_dir / "summary.json").exists()
-    out = run_cli([*args, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir, reference = kill_9_and_resume(args, tmp_path, kill_after=25)
     assert [m["step"] for m in metric_lines(run_dir)] == list(range(1, 301))
-    reference = tmp_path / "reference"
-    train(compose_config(*args), reference)
     assert same(final_params(run_dir), final_params(reference))
 
 
