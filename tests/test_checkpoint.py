@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -315,7 +316,10 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     train(compose_config(*args, "train.resume=auto"), run_dir)
     assert (run_dir / "wandb_id").read_text().strip() == run_id
     runs = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(name.endswith(run_id) for name in runs), runs
+    # W&B names a folder offline-run-<second>-<id>, adding "-1" when both attempts start
+    # within the same second.
+    pattern = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
+    assert len(runs) == 2 and all(pattern.fullmatch(name) for name in runs), runs
 
 
 def test_resume_auto_of_a_finished_run_leaves_it_as_it_is(tmp_path):
