@@ -283,6 +283,7 @@ def _check_before_hydra(argv: list[str]) -> list[str]:
 
 def main() -> None:
     """Console entry: check everything that can be checked before Hydra, then hand over."""
+    from dpresearch.config.selects import with_selected_choices
     from dpresearch.launch.provenance import remember_command
     from dpresearch.run.ending import program, remember_invocation
 
@@ -300,7 +301,7 @@ def main() -> None:
     remember_invocation(sys.argv[0], sys.argv[1:])
     remember_command([*program(sys.argv[0]), *sys.argv[1:]])
     try:
-        args = _check_before_hydra(sys.argv[1:])
+        args = _check_before_hydra(with_selected_choices(sys.argv[1:]))
     except ConfigError as exc:
         # Under torchrun every process checks; one line per machine is enough.
         if _local_rank() == 0:

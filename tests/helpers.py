@@ -39,6 +39,7 @@ from torch.utils.data import DistributedSampler
 import dpresearch.train as train_entry  # also registers the structured config schema
 from dpresearch import CONF_DIR
 from dpresearch.comm.simulated import SimulatedCommunicator
+from dpresearch.config.selects import with_selected_choices
 from dpresearch.data.synthetic import make_synthetic
 from dpresearch.launch.processes import leave_together
 from dpresearch.launch.provenance import COMMAND_ENV
@@ -112,7 +113,7 @@ SMALL = [
 def compose_config(*overrides: str) -> DictConfig:
     """The composed config for `overrides`, exactly as `python -m dpresearch.train` builds it."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+        return compose(config_name="config", overrides=with_selected_choices(overrides))
 
 
 SUBSET = SHARED / "data" / "cifar10-subset"  # the CIFAR-10 subset, where present

@@ -383,3 +383,27 @@ def test_gpu_lm_script_runs_on_the_cpu(tmp_path):
         for f in ("metrics.jsonl", "summary.json", "sample.txt")
     }  # fmt: skip
     assert re.search(r"^diloco: val/bpc \d", done.stdout, re.M), done.stdout[-1000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SHAKESPEARE.is_dir(), reason=f"no Shakespeare corpus at {SHAKESPEARE}")
+def test_lm_study_gpu_script_runs_on_the_cpu(tmp_path):
+    """The LM study's GPU script in its CPU smoke mode (budget 0: gpt_tiny, 4 steps): the
+    benchmark's JSON, the YAML as it ran (train.steps set) and the six runs (3 cases × 2 seeds,
+    each with its summary) packed in runs.tgz land in OUT."""
+    import tarfile
+
+    out = tmp_path / "out"
+    done = subprocess.run(
+        ["bash", str(REPO / "experiments" / "lm_shakespeare" / "gpu.sh"), str(out), "0", "cpu",
+         sys.executable],
+        cwd=REPO, env=cli_env(DPRESEARCH_SHAKESPEARE=str(SHAKESPEARE)), capture_output=True,
+        text=True, timeout=load_scaled(900),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert {p.name for p in out.iterdir()} == {
+        "lm_throughput.json", "gpu.yaml", "study.log", "runs.tgz"}  # fmt: skip
+    assert "  - train.steps=4\n" in (out / "gpu.yaml").read_text()
+    with tarfile.open(out / "runs.tgz") as tar:
+        summaries = [n for n in tar.getnames() if n.endswith("summary.json")]
+    assert len(summaries) == 6, summaries

@@ -24,6 +24,7 @@ from helpers import (
     max_diff,
     metric_lines,
 )
+from omegaconf import OmegaConf
 from torch import nn
 
 import dpresearch.train as entry
@@ -365,12 +366,12 @@ def test_kill_9_then_resume_equals_uninterrupted(tmp_path):
 
 @pytest.mark.skipif(not WORKS.is_dir(), reason=f"no Shakespeare corpus at {WORKS}")
 def test_gpt_learns_shakespeare(tmp_path, one_thread):
-    """`optimizer=demo` (algorithm=demo) trains the tiny GPT on 16-character windows: 60 steps
-    at lr 1e-3 (the language-model schedule: warm-up, cosine), 2 workers, the training loss
-    finite and down by more than 0.3 nats; about 1/68 of the dense bytes per step."""
+    """`algorithm=demo` (which selects optimizer=demo) trains the tiny GPT on 16-character
+    windows: 60 steps at lr 1e-3 (the language-model schedule: warm-up, cosine), 2 workers, the
+    training loss finite and down by more than 0.3 nats; about 1/68 of the dense bytes per step."""
     summary = train(compose_config(
         "data=shakespeare", f"data.root={WORKS}", "model=gpt_tiny", "model.block_size=16",
-        "data.eval_tokens=256", "data.sample_tokens=0", "train.steps=60", "optimizer=demo",
+        "data.eval_tokens=256", "data.sample_tokens=0", "train.steps=60", "algorithm=demo",
         "optimizer.lr=1e-3", "workers=2", "train.batch_size=8", "train.log_every=10",
         "train.progress=false", "backend.threads=1",
     ), tmp_path / "run")  # fmt: skip
@@ -390,7 +391,7 @@ BAD = [
     (["optimizer=demo", "algorithm.beta=-0.1"], "algorithm.beta=-0.1: the momentum decay must"),
     (["optimizer=demo", "algorithm.sign=maybe"], "algorithm.sign=maybe: must be true or false"),
     (["optimizer=demo", "algorithm.average=median"], "algorithm.average=median; choose one of"),
-    (["algorithm=demo"], "select it with optimizer=demo"),
+    (["algorithm=demo", "optimizer=sgd"], "select it with optimizer=demo"),
     (["optimizer=demo", "algorithm=sync"], "optimizer=demo runs its own algorithm"),
     (["optimizer=demo", "compressor=topk"], "optimizer=demo compresses its momentum itself"),
 ]
@@ -419,3 +420,33 @@ def test_bad_values_are_one_error_line_before_any_worker(args, fragment, tmp_pat
     assert stopped.value.code == 2, err
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], lines
     assert not run_dir.exists()
+
+
+def test_algorithm_demo_selects_its_optimizer_on_every_path():
+    """`algorithm=demo` alone composes DeMo's optimizer (Hydra cannot let the algorithm group
+    select the later optimizer group, so `config/selects.py` adds the override); a choice the
+    user made stands, and a sweep over the algorithm is left to each point's check."""
+    from dpresearch.config.selects import with_selected_choices
+
+    assert with_selected_choices(["algorithm=demo"]) == ["algorithm=demo", "optimizer=demo"]
+    assert with_selected_choices(["algorithm=demo", "optimizer=sgd"]) == [
+        "algorithm=demo", "optimizer=sgd"]  # fmt: skip
+    assert with_selected_choices(["algorithm=demo,sync"]) == ["algorithm=demo,sync"]
+    cfg = compose_config(*SMALL, "algorithm=demo")
+    assert cfg.optimizer._target_ == "dpresearch.algorithms.demo.DeMo"
+    assert cfg.algorithm._target_ == "dpresearch.algorithms.demo.DeMoAlgorithm"
+
+
+def test_algorithm_demo_sweeps_from_the_command_line(tmp_path):
+    """`python -m dpresearch.train -m algorithm=demo seed=0,1`: each point runs DeMo (the
+    sweeper adds the selected optimizer to every point, as the single-run command line does)."""
+    from helpers import run_cli
+
+    done = run_cli(["-m", *SMALL, "algorithm=demo", "seed=0,1", "train.steps=2",
+                    "workers=2", f"hydra.sweep.dir={tmp_path}"], tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    configs = sorted(tmp_path.glob("*/.hydra/config.yaml"))
+    assert len(configs) == 2
+    for path in configs:
+        cfg = OmegaConf.load(path)
+        assert cfg.optimizer._target_ == "dpresearch.algorithms.demo.DeMo", path

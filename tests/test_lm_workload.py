@@ -49,7 +49,15 @@ LM = [
     "train.batch_size=8", "train.progress=false", "backend.threads=1",
 ]  # fmt: skip
 DILOCO = ["algorithm=local_sgd", "algorithm.period=4", "outer=nesterov"]
-CASES = {"adamw": [], "diloco": DILOCO, "muon": ["optimizer=muon"]}
+# The methods of issue 30 too: SparseLoCo (DiLoCo's round, the error-feedback accumulator and
+# 2-bit chunk-wise top-k), DeMo (algorithm=demo: its own optimizer) and SPARTA (5 % of the
+# entries averaged every step, so that 12 steps of gpt_tiny reach many of them).
+CASES = {
+    "adamw": [], "diloco": DILOCO, "muon": ["optimizer=muon"],
+    "sparseloco": ["algorithm=local_sgd", "algorithm.period=4", "outer=sparseloco"],
+    "demo": ["algorithm=demo", "optimizer.lr=1e-3"],
+    "sparta": ["algorithm=sparta", "algorithm.p=0.05"],
+}  # fmt: skip
 
 
 # -- 1. simulated ≡ gloo ------------------------------------------------------------------------
@@ -72,9 +80,9 @@ def on_gloo(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_simulated_equals_gloo(case, tmp_path, on_gloo, one_thread):
     """2 simulated workers and 2 gloo processes end with the same GPT parameters (float64 of
-    the saved tensors to 1e-6) for AdamW, DiLoCo (local AdamW + outer Nesterov every 4 steps)
-    and Muon: the text partition, the windows drawn, the tied head and the optimizers are the
-    same functions of the seed in one process and in two."""
+    the saved tensors to 1e-6) for AdamW, DiLoCo (local AdamW + outer Nesterov every 4 steps),
+    Muon, SparseLoCo, DeMo and SPARTA: the text partition, the windows drawn, the tied head and
+    the optimizers are the same functions of the seed in one process and in two."""
     simulated = tmp_path / "sim"
     train(compose_config(*EQUIV, *CASES[case]), simulated)
     initial = tmp_path / "init"
@@ -142,13 +150,13 @@ def test_killed_and_resumed_equals_uninterrupted_gloo(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", ["adamw", pytest.param("diloco", marks=pytest.mark.slow),
-             pytest.param("muon", marks=pytest.mark.slow)],
+    "case", ["adamw", *(pytest.param(c, marks=pytest.mark.slow) for c in CASES if c != "adamw")],
 )  # fmt: skip
 def test_kill_9_then_resume_equals_uninterrupted(case, tmp_path):
-    """A real SIGKILL of a command-line GPT run after its first checkpoint (AdamW; DiLoCo and
-    Muon in the slow suite): the resumed run (`train.resume=auto`) ends as an uninterrupted one,
-    parameters bit for bit and metrics line for line, its sample the same text."""
+    """A real SIGKILL of a command-line GPT run after its first checkpoint (AdamW; DiLoCo, Muon,
+    SparseLoCo, DeMo and SPARTA in the slow suite): the resumed run (`train.resume=auto`) ends
+    as an uninterrupted one, parameters bit for bit and metrics line for line, its sample the
+    same text."""
     args = [*LM, *CASES[case], "train.steps=200", "train.log_every=1", "train.eval_every=100",
             "train.checkpoint_every=10"]  # fmt: skip
     run_dir, reference = kill_9_and_resume(args, tmp_path, kill_after=25)

@@ -83,11 +83,12 @@ def check_point(
     (`safe_folder_name`) by a `hydra.sweep.subdir` override added to the point."""
     from dpresearch.config.cli_check import quote_value, task_config
     from dpresearch.config.preflight import preflight
+    from dpresearch.config.selects import with_selected_choices
     from dpresearch.config.validate import ConfigError, process_count
     from dpresearch.launch.run_dir import holds_run
     from dpresearch.run.resume import check_resume, finished_run
 
-    overrides = tuple(overrides)
+    overrides = tuple(with_selected_choices(overrides))
     try:
         sweep_config = config_loader.load_sweep_config(master, list(overrides))
         directory = point_dir(sweep_config, num)

@@ -176,11 +176,13 @@ def run_inprocess(point: Point, run_dir: Path, overrides: list[str]) -> int:
     """Compose the point's config and train it in this process."""
     from hydra import compose, initialize_config_dir
 
+    from dpresearch.config.selects import with_selected_choices
     from dpresearch.train import CONF_DIR, train
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(
-            config_name="config", overrides=[o for o in overrides if not o.startswith("hydra")]
+            config_name="config",
+            overrides=with_selected_choices([o for o in overrides if not o.startswith("hydra")]),
         )
     train(cfg, run_dir)
     return 0

@@ -324,7 +324,7 @@ def grid_frame(report: StudyReport, horizon: Horizon):
 
     study, metric = report.study, report.selection.metric
     lr_col, runs = lr_column(study), horizon.runs
-    main = study.claim.metric if study.claim else "test/acc"
+    main = study.claim.metric if study.claim else study.target_metric
     rows = []
     for case in study.cases:
         frame = runs[runs["case"] == case.name]
@@ -590,7 +590,7 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
             groups[f"{case.name}, lr {pick.lr:g}"] = list(rows["run"])
     written = []
     _, raw = results_frame(report, horizon)
-    main = study.claim.metric if study.claim else "test/acc"
+    main = study.claim.metric if study.claim else study.target_metric
     if "MB_per_epoch" in raw and main in raw:
         points = [
             (f"{r['case']}, lr {r['lr']:g}", r["MB_per_epoch"], r[main], r[f"{main} std"])
@@ -625,16 +625,21 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
                                   path, study.title, what="gradients applied at each staleness, "
                                   "summed over the case's final-seed runs")  # fmt: skip
             written.append((path, fig))
-    ys = [m for m in dict.fromkeys([*result_metrics(report), *study.curves]) if m in metrics]
-    xs = ["epoch", "comm/bytes", *(modeled_column(n) for n in study.networks or [None])]
+    # tokens: the x axis of a language model (logged by text data), beside epochs
+    xs = ["epoch", "tokens", "comm/bytes", *(modeled_column(n) for n in study.networks or [None])]
     xs.append("time/simulated_s")
+    ys = [m for m in dict.fromkeys([*result_metrics(report), *study.curves])
+          if m in metrics and m not in xs]  # fmt: skip
+    # curves only against epochs, but the selection metric (validation) against every x
+    selection = report.selection.metric
     vlines = list(study.claim.horizons) if study.claim and study.claim.horizons else []
     horizon_key = study.claim.horizon_key if study.claim else "epoch"
     for y in ys:
         for x in xs:
             if x not in metrics or metrics[x].isna().all() or not metrics[y].notna().any():
                 continue
-            if y in study.curves and y not in result_metrics(report) and x != "epoch":
+            curve_only = y in study.curves and y not in result_metrics(report) and y != selection
+            if curve_only and x != "epoch":
                 continue
             stem = f"{y}_vs_{x}".replace("/", "_").replace("@", "_")
             path = out / f"{stem}.png"

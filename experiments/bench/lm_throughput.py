@@ -29,6 +29,7 @@ line and exits 0.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -44,7 +45,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_timing as bt  # noqa: E402
 from bench_cases import compose as compose_run  # noqa: E402
 
-CORPUS = REPO.parent / "shared" / "data" / "shakespeare" / "works"
+# The corpus: DPRESEARCH_SHAKESPEARE where set (as conf/data/shakespeare.yaml reads it).
+CORPUS = Path(
+    os.environ.get(
+        "DPRESEARCH_SHAKESPEARE", REPO.parent / "shared" / "data" / "shakespeare" / "works"
+    )
+)
 SIDES = ("simulated", "ours", "minimal", "minimal_global")
 
 
