@@ -250,3 +250,35 @@ def test_compressed_adpsgd_trains_with_compressed_bytes(small_config, one_thread
     assert wire < trainer.replicas.num_params * 4 / 2
     assert summary["comm/bytes"] == 2 * summary["adpsgd/pairs"] * wire / 8
     assert summary["test/acc"] > 0.5 and summary["gossip/consensus_distance"] < 0.1
+
+
+def test_paper_delay_beside_our_staleness_on_a_schedule_by_hand(small_config, one_thread):
+    """Issue 32: the paper's delay T_k (x̂_k = x_{k−T_k}: global iterations between a worker's
+    read and its update) reported beside our τ. Constant times, 1 s per gradient, worker 2
+    2.5× slower (the exchange, ~1e-4 s, only breaks no tie): workers 0 and 1 finish at
+    1, 2, 3, … s (0 first), worker 2 at 2.5, 5, 7.5 s, so the 17 events are
+    0 1 0 1 2 0 1 0 1 2 0 1 0 1 0 1 2. An event k of worker i whose previous event was r (−1:
+    none, it read the initial model) has T = k − r − 1:
+    0 1 1 1 4 2 2 1 1 4 2 2 1 1 1 1 6."""
+    cfg = small_config(ADPSGD, "workers=3", "topology=complete", "async.speed=constant",
+                       "async.compute_s=1.0", "async.slow_workers=[2]", "async.slowdown=2.5",
+                       "train.steps=17")  # fmt: skip
+    trainer = Trainer(cfg, SimulatedCommunicator(3, NetworkModel.preset("1gbe")), CPU, None)
+    clock, order = trainer.algorithm.clock, []
+    arrival = clock.next_arrival
+
+    def spy() -> int:
+        order.append(arrival())
+        return order[-1]
+
+    clock.next_arrival = spy
+    summary = trainer.run()
+    assert order == [0, 1, 0, 1, 2, 0, 1, 0, 1, 2, 0, 1, 0, 1, 0, 1, 2]
+    delays = [0, 1, 1, 1, 4, 2, 2, 1, 1, 4, 2, 2, 1, 1, 1, 1, 6]
+    assert summary["adpsgd/delay_histogram"] == [delays.count(t) for t in range(7)]
+    assert summary["adpsgd/delay_mean_run"] == pytest.approx(sum(delays) / 17)
+    # ours: τ counts only the averagings that changed x_i, so τ ≤ T (here with 3 workers on a
+    # complete graph, each event changes one of the two others)
+    tau = summary["adpsgd/tau_histogram"]
+    assert sum(tau) == 17 and summary["adpsgd/staleness_mean_run"] < sum(delays) / 17
+    assert trainer.algorithm.events == 17 and trainer.algorithm.read_at == [14, 15, 16]

@@ -289,6 +289,17 @@ CASES = {
         "optimizer.var_update_scaler=2", "optimizer.local_step_scaler=3",
         "optimizer.local_step_clipper=4",
     ],
+    # issue 32: DeepSpeed's conventions as options (tests/test_compressed_adam_conventions.py)
+    "onebit_adam_per_parameter": [
+        "optimizer=onebit_adam", "optimizer.lr=0.01", "optimizer.freeze_step=5",
+        "optimizer.compress_per_parameter=true",
+    ],
+    "zero_one_adam_deepspeed": [
+        "optimizer=zero_one_adam", "optimizer.lr=0.01", "optimizer.var_freeze_step=8",
+        "optimizer.var_update_scaler=2", "optimizer.local_step_scaler=3",
+        "optimizer.local_step_clipper=4", "optimizer.convention=deepspeed",
+        "optimizer.compress_per_parameter=true", "optimizer.bias_correction=false",
+    ],
 }  # fmt: skip
 
 

@@ -28,8 +28,13 @@ then x_i += γ/2·(x̂_{j→i} − x̂_{i→j}) and x_j += γ/2·(x̂_{i→j} �
 and with the identity codec and γ = 1 it is the plain average. Float buffers travel
 uncompressed beside the wire row.
 Metrics: `gossip/consensus_distance` Ξ² = (1/K) Σ‖x_i − x̄‖², `adpsgd/staleness_mean` and
-`_max` (τ: how many averagings by other workers changed x_i while i computed its gradient),
-`time/simulated_s`; the summary holds τ's histogram and the pairs averaged.
+`_max` (τ, ours: how many averagings by other workers changed x_i while i computed its
+gradient), `adpsgd/delay_mean` and `_max` (T, the paper's delay: x̂_k = x_{k−T_k} in Lian et
+al.'s update x_{k+1} = x_k W_k − γ∂g(x̂_k), i.e. how many global iterations — events of any
+worker — came between i's read and i's update; an event whose read was at the start counts
+every event before it), `time/simulated_s`; the summary holds the histograms of τ and T and
+the pairs averaged. For the same events T ≥ τ (every averaging that changed x_i is an event),
+typically several times τ (every other worker's event counts, not only those touching i).
 
 Modes: simulated (all K workers here), or real ranks (`backend=gloo|nccl`, one worker per
 process) where every rank replays the same seeded event order (`async.order=seeded`, the only
@@ -184,6 +189,11 @@ class ADPSGD(Gossip):
         self.histogram: list[int] = []
         self.pairs = 0
         self._window: list[int] = []
+        # the paper's delay T: events so far, and the event after which each worker read
+        self.events = 0
+        self.read_at = [-1] * k
+        self.delay_histogram: list[int] = []
+        self._delay_window: list[int] = []
         self._event: tuple[int, int | None] = (-1, None)
         self._started = False
         self._idle = StepPlan(())
@@ -267,6 +277,10 @@ class ADPSGD(Gossip):
         tau, self.changed[i] = self.changed[i], 0
         count_tau(self.histogram, tau)
         self._window.append(tau)
+        delay, self.read_at[i] = self.events - self.read_at[i] - 1, self.events
+        self.events += 1
+        count_tau(self.delay_histogram, delay)
+        self._delay_window.append(delay)
         self.clock.start(i)
 
     def _average(self, i: int, j: int) -> None:
@@ -326,10 +340,13 @@ class ADPSGD(Gossip):
 
     def metrics(self) -> dict[str, float]:
         window, self._window = self._window, []
+        delays, self._delay_window = self._delay_window, []
         return {
             **super().metrics(),
             "adpsgd/staleness_mean": sum(window) / len(window) if window else float("nan"),
             "adpsgd/staleness_max": float(max(window)) if window else float("nan"),
+            "adpsgd/delay_mean": sum(delays) / len(delays) if delays else float("nan"),
+            "adpsgd/delay_max": float(max(delays)) if delays else float("nan"),
             "adpsgd/pairs": self.pairs,
             "time/simulated_s": self.clock.now,
         }
@@ -337,18 +354,23 @@ class ADPSGD(Gossip):
     def summary(self) -> dict[str, Any]:
         return {"adpsgd/tau_histogram": list(self.histogram),
                 "adpsgd/staleness_mean_run": mean_tau(self.histogram),
+                "adpsgd/delay_histogram": list(self.delay_histogram),
+                "adpsgd/delay_mean_run": mean_tau(self.delay_histogram),
                 "adpsgd/pairs": self.pairs}  # fmt: skip
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The reads x̂ of the local workers, the event queue, speed and pairing streams, the
-        staleness counts (the live models are the replicas' rows)."""
+        staleness and delay counts (the live models are the replicas' rows)."""
         return {
             "read": self.read, "clock": self.clock.state_dict(), "speed": self.speed.state_dict(),
             "pairing": self.pairing.state_dict(), "changed": list(self.changed),
             "histogram": list(self.histogram), "pairs": self.pairs, "window": list(self._window),
             "started": self._started,
             "hat": self.hat if self.codec is not None else None,
+            "events": self.events, "read_at": list(self.read_at),
+            "delay_histogram": list(self.delay_histogram),
+            "delay_window": list(self._delay_window),
         }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
@@ -360,6 +382,12 @@ class ADPSGD(Gossip):
         self.histogram = [int(n) for n in state["histogram"]]
         self.pairs, self._window = int(state["pairs"]), [int(t) for t in state["window"]]
         self._started = bool(state["started"])
+        # the paper's delay counts (absent from checkpoints written before they were kept: they
+        # restart there, every worker's read taken as the resumed step)
+        self.events = int(state.get("events", 0))
+        self.read_at = [int(r) for r in state.get("read_at", [-1] * len(self.read_at))]
+        self.delay_histogram = [int(n) for n in state.get("delay_histogram", [])]
+        self._delay_window = [int(t) for t in state.get("delay_window", [])]
         if (state["hat"] is None) != (self.codec is None):
             raise ValueError("adpsgd state: saved with another compressor setting")
         if self.codec is not None:

@@ -20,6 +20,12 @@ optimizer, a compressor or error feedback, is refused before any worker starts.
 Weight decay is L2 added to the gradient (torch's Adam), per parameter group (so
 `exclude_bn_bias_from_weight_decay` works). BatchNorm buffers follow sync's DDP rule (worker 0's
 broadcast before every forward).
+
+Conventions (issue 32): ours are the defaults; DeepSpeed's are named options, each tested
+against a re-statement of DeepSpeed's rule — `compress_per_parameter=true` (both optimizers:
+one 1-bit allreduce per parameter tensor, DeepSpeed's padding) and 0/1 Adam's
+`convention=deepspeed` (DeepSpeed's `ZeroOneAdam.step`); `bias_correction=false` is DeepSpeed's
+update. docs/CONVENTIONS.md lists them.
 """
 
 from __future__ import annotations
@@ -53,6 +59,16 @@ def require_owned_optimizer(cfg: Any, wanted: type[OwnedOptimizer]) -> None:
         )
 
 
+CONVENTIONS = ("paper", "deepspeed")  # 0/1 Adam's `convention` choices
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """`value` when it is a boolean; else ValueError (one line naming the option)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}: must be true or false")
+    return value
+
+
 class OwnedOptimizer(torch.optim.Optimizer):
     """An optimizer whose step an algorithm owns: its hyper-parameters, held as a torch optimizer
     so the schedule, parameter groups and checkpoints treat it as any other. `algorithm`: the
@@ -84,7 +100,10 @@ class OnebitAdam(OwnedOptimizer):
     betas, eps and weight decay; `freeze_step` T_w, the number of full-precision Adam steps before
     the variance is frozen and the momentum compressed; `bias_correction`: Adam's bias
     corrections (true: torch's Adam in the warm-up, and after it m/(1−β₁ᵗ) over the frozen
-    √(v/(1−β₂^T_w)); false: DeepSpeed's update m/(√v + ε))."""
+    √(v/(1−β₂^T_w)); false: DeepSpeed's update m/(√v + ε)); `compress_per_parameter` (false:
+    ours, the whole momentum row compressed as one vector with one scale per message; true:
+    DeepSpeed's `compressed_allreduce` per parameter tensor, each with its own scales, see
+    `PerParameterOneBitAllreduce`)."""
 
     algorithm = "dpresearch.algorithms.compressed_adam.OnebitAdamAlgorithm"
     option = "optimizer=onebit_adam"
@@ -98,11 +117,13 @@ class OnebitAdam(OwnedOptimizer):
         weight_decay: float = 0.0,
         freeze_step: int = 100,
         bias_correction: bool = True,
+        compress_per_parameter: bool = False,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay)
         if freeze_step < 0:
             raise ValueError(f"freeze_step={freeze_step}: must be >= 0 (full-precision steps)")
         self.freeze_step, self.bias_correction = int(freeze_step), bool(bias_correction)
+        self.compress_per_parameter = check_flag("compress_per_parameter", compress_per_parameter)
 
 
 class ZeroOneAdam(OwnedOptimizer):
@@ -115,7 +136,12 @@ class ZeroOneAdam(OwnedOptimizer):
     `var_update_scaler` κ: the variance is updated every step for κ updates,
     then every 2 steps for κ more, every 4, … (T_v); `local_step_scaler` and
     `local_step_clipper` H: after the freeze the workers synchronise every step for
-    `local_step_scaler` steps, then every 2, every 4, … at most every H steps (T_u)."""
+    `local_step_scaler` steps, then every 2, every 4, … at most every H steps (T_u);
+    `compress_per_parameter` as `OnebitAdam`'s; `convention` (CONVENTIONS): "paper" (ours, the
+    default: Algorithm 1 as `ZeroOneAdamAlgorithm` states it) or "deepspeed" (DeepSpeed's
+    `ZeroOneAdam.step` step for step: its first call only initialises, the steps before the
+    freeze that update no variance 1-bit-average the gradient, the error memories are zeroed at
+    the freeze, and the freeze comes one step later; see `ZeroOneAdamAlgorithm`)."""
 
     algorithm = "dpresearch.algorithms.compressed_adam.ZeroOneAdamAlgorithm"
     option = "optimizer=zero_one_adam"
@@ -132,6 +158,8 @@ class ZeroOneAdam(OwnedOptimizer):
         var_update_scaler: int = 16,
         local_step_scaler: int = 100,
         local_step_clipper: int = 16,
+        compress_per_parameter: bool = False,
+        convention: str = "paper",
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay)
         if var_freeze_step < 1:
@@ -150,14 +178,19 @@ class ZeroOneAdam(OwnedOptimizer):
             int(local_step_scaler),
             int(local_step_clipper),
         )
+        self.compress_per_parameter = check_flag("compress_per_parameter", compress_per_parameter)
+        if convention not in CONVENTIONS:
+            raise ValueError(f"convention={convention!r}; choose one of: {', '.join(CONVENTIONS)}")
+        self.convention = str(convention)
 
 
-def variance_steps(var_freeze_step: int, scaler: int) -> frozenset[int]:
-    """0/1 Adam's T_v (0-based steps), DeepSpeed's rule: the variance is updated at step s (1-based)
-    when s is a multiple of the current interval, which starts at 1 and doubles after every
-    `scaler` updates; only before `var_freeze_step`."""
+def variance_steps(var_freeze_step: int, scaler: int, first: int = 1) -> frozenset[int]:
+    """0/1 Adam's T_v (0-based steps t, s = t + 1), DeepSpeed's rule: the variance is updated at
+    step s when s is a multiple of the current interval, which starts at 1 and doubles after
+    every `scaler` updates; for the `var_freeze_step` steps s = first, first + 1, … (first = 2:
+    DeepSpeed's counting, whose first call, s = 1, only initialises)."""
     steps, interval, count = set(), 1, 0
-    for s in range(1, var_freeze_step + 1):
+    for s in range(first, var_freeze_step + first):
         if s % interval == 0:
             steps.add(s - 1)
             count += 1
@@ -173,6 +206,60 @@ def syncs_at(step: int, var_freeze_step: int, scaler: int, clipper: int) -> bool
         return True
     interval = min(clipper, 2 ** ((step - var_freeze_step) // scaler))
     return (step + 1) % interval == 0
+
+
+class PerParameterOneBitAllreduce:
+    """DeepSpeed's convention for the 1-bit allreduce (`compress_per_parameter=true`): every
+    parameter tensor of the flat row (`sizes`, in the row's order) is its own
+    `OneBitAllreduce`, with its own worker and server scales and errors, as DeepSpeed's
+    `OnebitAdam` / `ZeroOneAdam` call `compressed_allreduce` once per parameter. A tensor of n
+    entries is padded with zeros to P = the next multiple of K·lcm(K, 8) (DeepSpeed's
+    `corrected_tensor_size`); the padding is part of the compressed vector: it enters the
+    scales (‖b‖₂/√P, and ‖a‖₂/√(P/K) on the server) and keeps its error, which stays in the
+    worker and server memories and comes back at the next call. Bytes per worker and call:
+    Σ over tensors of (K + 1)·(4 + P/(8K)) — every tensor's messages counted as
+    `OneBitAllreduce` counts them (a float32 scale with each of its K all-to-all messages and
+    its allgather message)."""
+
+    def __init__(
+        self, comm: Communicator, sizes: list[int], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        k = comm.world_size
+        unit = k * math.lcm(k, 8)
+        self.sizes = list(sizes)
+        self.padded = [unit * math.ceil(n / unit) for n in self.sizes]
+        self.parts = [OneBitAllreduce(comm, n, dtype, device) for n in self.padded]
+        self.buffer = torch.zeros(comm.num_local, max(self.padded, default=0), dtype=dtype,
+                                  device=device)  # fmt: skip
+
+    @property
+    def bytes_per_call(self) -> int:
+        return sum(part.bytes_per_call for part in self.parts)
+
+    def __call__(self, x: Tensor, out: Tensor) -> None:
+        """`out[w]` = every tensor's compressed average (as `OneBitAllreduce.__call__`)."""
+        offset = 0
+        for n, size, part in zip(self.sizes, self.padded, self.parts, strict=True):
+            buffer = self.buffer[:, :size]
+            buffer.zero_()
+            buffer[:, :n] = x[:, offset : offset + n]
+            part(buffer, buffer)
+            out[:, offset : offset + n] = buffer[:, :n]
+            offset += n
+
+    def reset(self) -> None:
+        """Zero every worker and server error."""
+        for part in self.parts:
+            part.worker_error.zero_()
+            part.server_error.zero_()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {f"{n}.{key}": value for n, part in enumerate(self.parts)
+                for key, value in part.state_dict().items()}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        for n, part in enumerate(self.parts):
+            part.load_state_dict({key: state[f"{n}.{key}"] for key in part.state_dict()})
 
 
 class CompressedAdam(Algorithm):
@@ -207,7 +294,20 @@ class CompressedAdam(Algorithm):
         self.decay = self._column_decay(replicas, self.hyper, params)
         self.m = torch.zeros(w, d, dtype=params.dtype, device=params.device)
         self.v = torch.zeros(d, dtype=params.dtype, device=params.device)
-        self.onebit = OneBitAllreduce(comm, d, params.dtype, params.device)
+        self.onebit: OneBitAllreduce | PerParameterOneBitAllreduce
+        if getattr(self.hyper, "compress_per_parameter", False):
+            sizes = [p.numel() for p in replicas.models[0].parameters() if p.requires_grad]
+            self.onebit = PerParameterOneBitAllreduce(comm, sizes, params.dtype, params.device)
+        else:
+            self.onebit = OneBitAllreduce(comm, d, params.dtype, params.device)
+
+    def _reset_errors(self) -> None:
+        """Zero the 1-bit allreduce's worker and server errors."""
+        if isinstance(self.onebit, PerParameterOneBitAllreduce):
+            self.onebit.reset()
+        else:
+            self.onebit.worker_error.zero_()
+            self.onebit.server_error.zero_()
 
     @staticmethod
     def _column_decay(replicas: Replicas, hyper: OwnedOptimizer, params: Tensor) -> Tensor | float:
@@ -275,6 +375,10 @@ class OnebitAdamAlgorithm(CompressedAdam):
     with m̂ = m/(1 − β₁ᵗ) and v̂ = v/(1 − β₂^T_w) (bias_correction; else m̂ = m, v̂ = v). Every
     worker holds the same m and x after each step. Bytes per compressed step: (K + 1)·(4 + c/8),
     c = ⌈D/K⌉ rounded up to a multiple of 8.
+
+    `compress_per_parameter=true` (DeepSpeed's convention; default false, ours): the 1-bit
+    allreduce runs per parameter tensor with DeepSpeed's padding (`PerParameterOneBitAllreduce`,
+    whose docstring gives the bytes); the rest of the step is unchanged.
     """
 
     optimizer_class = OnebitAdam
@@ -332,6 +436,24 @@ class ZeroOneAdamAlgorithm(CompressedAdam):
     synchronise at T_u only. With every step in T_v this is Adam (torch's, with bias
     correction). Bytes: 4·D per variance step, (K + 1)·(4 + c/8) per 1-bit synchronisation,
     nothing on a local step.
+
+    `convention="deepspeed"` (default "paper", the above): DeepSpeed's `ZeroOneAdam.step`
+    (deepspeed/runtime/fp16/onebit/zoadam.py), whose step counter s = t + 1 counts its first
+    call, which only initialises. So, with F = `var_freeze_step`:
+
+        t = 0:          nothing moves and nothing is sent (the gradient is dropped; DeepSpeed's
+                        engine still allreduces it and its first call sends a 1-bit message
+                        of zeros, neither charged here);
+        1 ≤ t ≤ F:      every worker the same: t ∈ T_v (`variance_steps(F, κ, first=2)`) as
+                        above; else ĝ = OneBitAllreduce(g_i) (the 1-bit average of the
+                        gradients, error-compensated), m ← β₁m + (1−β₁)ĝ, x ← x − γ_t·m/(√v̂+ε);
+                        after t = F the worker and server errors are zeroed;
+        t ≥ F + 1:      the local steps and T_u above, the freeze one step later
+                        (`syncs_at(t, F + 1, …)`).
+
+    Bytes: 4·D per variance step, one 1-bit allreduce per other step before the freeze and per
+    synchronisation after it. `compress_per_parameter=true`: DeepSpeed's per-tensor 1-bit
+    allreduce (as `OnebitAdamAlgorithm`'s); DeepSpeed's update is `bias_correction=false`.
     """
 
     optimizer_class = ZeroOneAdam
@@ -339,7 +461,12 @@ class ZeroOneAdamAlgorithm(CompressedAdam):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         hyper: ZeroOneAdam = self.hyper  # type: ignore[assignment]
-        self.variance = variance_steps(hyper.var_freeze_step, hyper.var_update_scaler)
+        self.deepspeed = hyper.convention == "deepspeed"
+        # the first step after the freeze (DeepSpeed: one later, its first call only initialises)
+        self.freeze = hyper.var_freeze_step + (1 if self.deepspeed else 0)
+        self.variance = variance_steps(
+            hyper.var_freeze_step, hyper.var_update_scaler, first=2 if self.deepspeed else 1
+        )
         params = self.replicas.params
         self.u = torch.zeros_like(params)
         self.anchor = params.clone()  # x' of each worker: the model at the last sync
@@ -353,21 +480,33 @@ class ZeroOneAdamAlgorithm(CompressedAdam):
         lr, beta1, beta2, eps = self._hyper()
         hyper: ZeroOneAdam = self.hyper  # type: ignore[assignment]
         grads, params, m, v = self._gradients(), self.replicas.params, self.m, self.v
+        if self.deepspeed and step == 0:
+            return  # DeepSpeed's first call: it only initialises its state
         if hyper.bias_correction:
             lr = lr / (1 - beta1 ** (step + 1))
+        if self.deepspeed and step < self.freeze and step not in self.variance:
+            self.onebit(grads, grads)  # the 1-bit average of the gradients, on every row
+            m.lerp_(grads, 1 - beta1)
+            params.addcdiv_(m, self._denominator(step, beta2, eps), value=-lr)
+            self.anchor.copy_(params)
+            if step == self.freeze - 1:
+                self._reset_errors()
+            return
         if step in self.variance:
             mean = self._exact_mean(grads)
             v.mul_(beta2).addcmul_(mean, mean, value=1 - beta2)
             m.lerp_(grads, 1 - beta1)
             params.addcdiv_(m, self._denominator(step, beta2, eps), value=-lr)
             self.anchor.copy_(params)
+            if self.deepspeed and step == self.freeze - 1:
+                self._reset_errors()
             return
         denom = self._denominator(step, beta2, eps)
         m.lerp_(grads, 1 - beta1)
         params.addcdiv_(m, denom, value=-lr)
         self.u.add_(m, alpha=lr)
         self.lr_sum += lr
-        if syncs_at(step, hyper.var_freeze_step, hyper.local_step_scaler,
+        if syncs_at(step, self.freeze, hyper.local_step_scaler,
                     hyper.local_step_clipper):  # fmt: skip
             u = self.u
             self.onebit(u, u)

@@ -208,9 +208,12 @@ class Communicator(ABC):
         self.all_reduce(padded, op="sum", record=record)
         return padded[:1]
 
-    def all_gather(self, x: Tensor, record: bool | str = True) -> Tensor:
-        """Every worker's row, `[K, ...]` in worker order (the same for all local workers)."""
-        with self._timed(record, "allgather", x):
+    def all_gather(self, x: Tensor, record: bool | str = True, charge: int | None = None) -> Tensor:
+        """Every worker's row, `[K, ...]` in worker order (the same for all local workers).
+        charge: the bytes per row to record instead of the row's own (a codec whose byte
+        ledger follows another convention than its wire, e.g. natural compression at 8 bits
+        per value, GRACE's count); None: the row's bytes."""
+        with self._timed(record, "allgather", x, charge=charge):
             return self._all_gather(x)
 
     def broadcast(self, x: Tensor, src: int = 0, record: bool | str = True) -> None:
@@ -465,10 +468,11 @@ class Communicator(ABC):
         x: Tensor,
         src: int | None = None,
         charge_src: bool = True,
+        charge: int | None = None,
     ):
         """Wrap a synchronous collective on `x`: in flight and blocked for the call's
-        duration; every local worker charged its row, or only `src` (a broadcast), or all but
-        `src` (`charge_src=False`: a reduce to `src`)."""
+        duration; every local worker charged its row (or `charge` bytes for it), or only `src`
+        (a broadcast), or all but `src` (`charge_src=False`: a reduce to `src`)."""
         self._check_rows(x)
         purpose = purpose_of(record)
         start = time.perf_counter()
@@ -476,7 +480,7 @@ class Communicator(ABC):
         if purpose is not None:
             end = time.perf_counter()
             self.ledger.add_time((start, end), (start, end))
-            row_bytes = x[0].numel() * x.element_size()
+            row_bytes = x[0].numel() * x.element_size() if charge is None else int(charge)
             sent = (
                 None
                 if src is None

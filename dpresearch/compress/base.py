@@ -147,6 +147,7 @@ class CollectiveAggregation(Aggregation):
         c = self.compressor
         linear = c.linear if self.collective == "auto" else self.collective == "allreduce"
         self.codec = c.codec(self.chunks, self.dtype, self.device, self.workers, linear)
+        self.charge = c.charged_bytes(self.chunks)  # None: the ledger counts the wire row
 
     def run(
         self, x: Tensor, comm: Communicator, step: int, out: Tensor, sent: Tensor | None = None
@@ -160,7 +161,7 @@ class CollectiveAggregation(Aggregation):
             comm.all_reduce(wire, op="sum")
             codec.decode(wire[:1], step, out.unsqueeze(0))
         else:
-            gathered = comm.all_gather(wire)
+            gathered = comm.all_gather(wire, charge=self.charge)
             out.zero_()
             codec.accumulate(gathered.unsqueeze(0), step, out.unsqueeze(0))
         self.compressor.finalize(out, comm.world_size)
@@ -203,6 +204,12 @@ class SingleRoundCompressor(Compressor):
         """This compressor's codec for `chunks` (built once per layout; see `codec.py`)."""
         linear = self.linear if linear is None else linear
         return self.codec_class(self, chunks, dtype, device, workers, linear)
+
+    def charged_bytes(self, chunks: Sequence[Chunk]) -> int | None:
+        """The bytes per worker the ledger records for an allgathered row of `chunks`, where a
+        byte-accounting option counts other than the wire row (natural compression's
+        `bits_per_value=8`); None (default): the wire row's own bytes."""
+        return None
 
     def finalize(self, total: Tensor, count: int) -> None:
         """Turn the sum of `count` decoded messages into the aggregate, in place (mean)."""

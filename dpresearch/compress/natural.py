@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -12,6 +14,7 @@ from dpresearch.compress.wire import Spec, packed_size
 
 MANTISSA_BITS = 23
 MAX_FINITE_EXPONENT = 254  # fp32 exponent field of the largest finite power of two, 2^127
+BITS_PER_VALUE = (9, 8)
 
 
 class NaturalCodec(SignCodec):
@@ -69,9 +72,42 @@ class Natural(SingleRoundCompressor):
     trains without error feedback; any mode is accepted.
 
     Wire bytes per chunk of d entries: d + ⌈d/8⌉ (the exponents, then the sign bits).
+
+    bits_per_value: the byte ledger's count. 9 (default; the paper's sign + 8-bit exponent):
+    the wire row as sent, d + ⌈d/8⌉. 8 (GRACE's `natural`, one int8 per value with the sign
+    folded in and the exponent clamped to [2⁻¹¹⁰, 2¹⁷]): d bytes per chunk recorded for the
+    same wire row — only the ledger (and the time modeled from it) changes, not the values
+    (GRACE's clamp is not applied). The codes are still decoded from our 9-bit row, so with 8
+    the codec serves the synchronous allgather only (gossip and pushes, which price the wire
+    row itself, are refused).
     """
 
     codec_class = NaturalCodec
 
+    def __init__(self, seed: int = 0, bits_per_value: int = 9) -> None:
+        super().__init__(seed)
+        if isinstance(bits_per_value, bool) or bits_per_value not in BITS_PER_VALUE:
+            raise ValueError(
+                f"bits_per_value={bits_per_value}; choose one of: 9 (sign + exponent, the "
+                "paper's), 8 (GRACE's byte per value)"
+            )
+        self.bits_per_value = int(bits_per_value)
+        if self.bits_per_value == 8:  # an instance trait: the check reads the instance
+            self.gossip = False
+            self.gossip_note = (
+                "with bits_per_value=8 counts bytes other than its wire row, which gossip and "
+                "pushes price; set compressor.bits_per_value=9"
+            )
+
     def payload_spec(self, chunk: Chunk, dtype: torch.dtype) -> Spec:
         return [(torch.int8, chunk.numel), (torch.uint8, packed_size(chunk.numel, 1))]
+
+    def payload_bytes(
+        self, numel: int, shape: tuple[int, ...] | None = None, dtype: torch.dtype = torch.float32
+    ) -> int:
+        if self.bits_per_value == 8:
+            return numel
+        return super().payload_bytes(numel, shape, dtype)
+
+    def charged_bytes(self, chunks: Sequence[Chunk]) -> int | None:
+        return sum(ch.numel for ch in chunks) if self.bits_per_value == 8 else None

@@ -11,6 +11,7 @@ from dpresearch.compress.sign import SignCodec
 from dpresearch.compress.wire import Spec, packed_size
 
 PER = ("tensor", "column")
+SIGN_RULES = ("signbit", "less_than")
 
 
 def segments(chunk: Chunk, per: str) -> tuple[int, int]:
@@ -47,6 +48,8 @@ class OneBitCodec(SignCodec):
         self.sizes = (torch.cat(sizes) if sizes else empty.float()).to(self.device)  # [S]
 
     def encode_rows(self, x: Tensor, step: int, workers: tuple[int, ...], wire: Tensor) -> None:
+        if self.compressor.sign_rule == "less_than":  # x < 0: −0.0 (and NaN) with the others
+            x = torch.where(x < 0, x, x.abs())
         self._pack_signs(x, wire)
         negative = self.ws.get("signbit", tuple(x.shape), torch.bool, self.device)
         torch.signbit(x, out=negative)
@@ -77,14 +80,21 @@ class OneBitCodec(SignCodec):
 
 class OneBit(SingleRoundCompressor):
     """1-bit SGD (Seide et al. 2014; GRACE's `onebit`): each entry sends whether it is negative
-    (its sign bit; −0.0 counts as negative, 0 as positive), and each segment sends two fp32
-    reconstruction values, the mean of its negative entries and the mean of its other entries.
+    (its sign bit; −0.0 counts as negative, 0 as positive: `sign_rule`), and each segment sends
+    two fp32 reconstruction values, the mean of its negative entries and the mean of its other
+    entries.
     For the sign pattern sent these are the values that minimize the squared reconstruction
     error (a group's best constant in least squares is its mean); a group with no entry sends 0.
 
     per: "tensor" — one segment per chunk (GRACE); "column" — a chunk that is one ≥ 2-D parameter
     is viewed as `[shape[0], rest]` and each of its `rest` columns is a segment (the paper's
     column-wise quantization of a weight matrix), other chunks one segment.
+
+    sign_rule: which entries are "negative". "signbit" (default): the sign bit is set, so −0.0
+    is negative. "less_than": x < 0, so −0.0 (and a NaN) goes with the others — the rule of
+    GRACE's `onebit` (`mask0 = tensor < 0`) and of CNTK's 1-bit SGD by Seide et al. (its
+    zero-threshold quantizer sends `u >= 0` as the upper bit). They differ only where an entry
+    is −0.0 (or NaN): which group's mean it is decoded to, and which group's count it adds to.
 
     Non-linear (per-worker values): gathered, decoded, averaged. Pair it with error feedback
     (error_feedback=ef14): the paper carries each worker's quantization error into its next
@@ -95,11 +105,13 @@ class OneBit(SingleRoundCompressor):
 
     codec_class = OneBitCodec
 
-    def __init__(self, per: str = "tensor", seed: int = 0) -> None:
+    def __init__(self, per: str = "tensor", seed: int = 0, sign_rule: str = "signbit") -> None:
         super().__init__(seed)
         if per not in PER:
             raise ValueError(f"per={per}; choose one of: {', '.join(PER)}")
-        self.per = per
+        if sign_rule not in SIGN_RULES:
+            raise ValueError(f"sign_rule={sign_rule}; choose one of: {', '.join(SIGN_RULES)}")
+        self.per, self.sign_rule = per, sign_rule
 
     def payload_spec(self, chunk: Chunk, dtype: torch.dtype) -> Spec:
         count, _ = segments(chunk, self.per)

@@ -15,6 +15,8 @@ from dpresearch.compress import rng
 from dpresearch.compress.base import Aggregation, Compressor
 from dpresearch.compress.topk import kept
 
+SKETCH_UPDATES = ("subtract", "zero")
+
 
 class CountSketch:
     """A count sketch of `rows` × `columns` for vectors of `numel` entries: row j adds
@@ -73,6 +75,7 @@ class SketchAggregation(Aggregation):
     the same on every worker, standing for the paper's aggregator — per chunk:
         S = (1/K) Σ_w S_w;  S_u ← ρ·S_u + S;  S_e ← S_e + S_u;
         Δ = top-k of the estimates of S_e;  S_e ← S_e − S(Δ);  out = Δ.
+    (`sketch_update="zero"`: S_e and S_u ← 0 in every cell where S(Δ) ≠ 0, instead.)
     S_u and S_e are the compressor's state (one pair per chunk key, per process)."""
 
     compressor: Sketch
@@ -116,7 +119,14 @@ class SketchAggregation(Aggregation):
             estimates = table.estimate(error)
             index = torch.topk(estimates.abs(), k, sorted=False).indices
             values = estimates[index]
-            table.sketch_sparse(index, -values, error)
+            if self.compressor.sketch_update == "subtract":
+                table.sketch_sparse(index, -values, error)
+            else:  # the authors' code: zero the cells S(Δ) touches, in S_e and S_u
+                touched = torch.zeros_like(error)
+                table.sketch_sparse(index, values, touched)
+                hit = touched != 0
+                error.masked_fill_(hit, 0.0)
+                momentum.masked_fill_(hit, 0.0)
             target = out[ch.slice]
             target.zero_()
             target[index] = values.to(out.dtype)
@@ -137,6 +147,12 @@ class Sketch(Compressor):
     steps is applied at the current lr, as this library's error feedback does. The paper's
     optional second round that fetches exact values of the recovered entries is not made: Δ
     holds the sketch's estimates (Algorithm 1 as written).
+
+    sketch_update: how the recovered Δ leaves the sketches. "subtract" (default; the paper's
+    Algorithm 1): S_e ← S_e − S(Δ), S_u untouched. "zero" (the authors' code, CommEfficient
+    `fed_aggregator._server_helper_sketched`, whose comment says the subtraction "should work
+    but doesn't (model diverges)"): every cell where S(Δ) is non-zero is set to 0 in S_e, and
+    in S_u (their momentum masking, an approximation of zeroing Δ's coordinates).
 
     columns = ⌈width·k⌉ per row (width ≥ 1: fewer columns than heavy hitters cannot separate
     them). granularity=auto sketches the whole model as one vector (the paper's setting).
@@ -166,8 +182,13 @@ class Sketch(Compressor):
         width: float = 10.0,
         momentum: float = 0.9,
         seed: int = 0,
+        sketch_update: str = "subtract",
     ) -> None:
         super().__init__(seed)
+        if sketch_update not in SKETCH_UPDATES:
+            raise ValueError(
+                f"sketch_update={sketch_update}; choose one of: {', '.join(SKETCH_UPDATES)}"
+            )
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"ratio={ratio}: must be in (0, 1]")
         if rows < 1:
@@ -180,6 +201,7 @@ class Sketch(Compressor):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum={momentum}: must be in [0, 1)")
         self.ratio, self.rows, self.width, self.momentum = ratio, int(rows), width, momentum
+        self.sketch_update = sketch_update
         self._state: dict[str, tuple[Tensor, Tensor]] = {}
 
     def columns(self, numel: int) -> int:

@@ -35,6 +35,9 @@ class ThresholdAggregation(Aggregation):
         rows, cols = keep.nonzero(as_tuple=True)  # row-major: each row's columns ascending
         starts = torch.cumsum(counts, 0) - counts
         slot = torch.arange(rows.numel(), device=x.device) - starts[rows].long()
+        if self.compressor.index_bytes == 8:
+            self._run_int64(x, comm, out, rows, cols, slot, width)
+            return
         # one row per worker: [values as int32 bit patterns | int32 columns], 8·width bytes
         wire = torch.zeros(x.shape[0], 2 * width, dtype=torch.int32, device=x.device)
         wire[rows, slot] = x[rows, cols].to(torch.float32).view(torch.int32)
@@ -43,6 +46,26 @@ class ThresholdAggregation(Aggregation):
         values = gathered[:, :width].reshape(-1).view(torch.float32).to(out.dtype)
         out.index_add_(0, gathered[:, width:].reshape(-1).long(), values)
         out.div_(comm.world_size)
+
+    def _run_int64(
+        self, x: Tensor, comm: Communicator, out: Tensor, rows: Tensor, cols: Tensor,
+        slot: Tensor, width: int,
+    ) -> None:  # fmt: skip
+        """The second round with int64 indices (GRACE's `torch.where` indices): each row is
+        [fp32 values | int64 columns] as bytes, 12·width bytes, padding pairs (0, 0)."""
+        values = torch.zeros(x.shape[0], width, dtype=torch.float32, device=x.device)
+        index = torch.zeros(x.shape[0], width, dtype=torch.int64, device=x.device)
+        values[rows, slot] = x[rows, cols].to(torch.float32)
+        index[rows, slot] = cols
+        wire = torch.cat([values.view(torch.uint8), index.view(torch.uint8)], dim=1)
+        gathered = comm.all_gather(wire)  # [K, 12·width]
+        got = gathered[:, : 4 * width].contiguous().view(torch.float32).reshape(-1)
+        at = gathered[:, 4 * width :].contiguous().view(torch.int64).reshape(-1)
+        out.index_add_(0, at, got.to(out.dtype))
+        out.div_(comm.world_size)
+
+
+INDEX_BYTES = (4, 8)
 
 
 class Threshold(Compressor):
@@ -54,9 +77,13 @@ class Threshold(Compressor):
     Pair it with error feedback (error_feedback=ef14): Strom keeps the residual below the
     threshold and adds it to the next gradient.
 
-    Bytes per worker per bucket and step: 4 + 8·max_w n_w, n_w the entries worker w keeps in the
-    bucket (max over all workers: the padded row everyone sends). `payload_bytes` gives the
-    upper bound 8·d + 4 (everything kept).
+    index_bytes: 4 (default: int32 indices, enough for any bucket under 2³¹ entries) or 8
+    (GRACE's: `torch.where` gives int64 indices, so its pairs are 12 bytes). The same entries
+    and values either way; only the bytes on the wire, and so in the ledger, differ.
+
+    Bytes per worker per bucket and step: 4 + (4 + index_bytes)·max_w n_w, n_w the entries
+    worker w keeps in the bucket (max over all workers: the padded row everyone sends).
+    `payload_bytes` gives the upper bound (4 + index_bytes)·d + 4 (everything kept).
     """
 
     variable_size = True
@@ -68,8 +95,13 @@ class Threshold(Compressor):
     )
     aggregation_class: ClassVar[type[Aggregation]] = ThresholdAggregation
 
-    def __init__(self, threshold: float = 0.01, seed: int = 0) -> None:
+    def __init__(self, threshold: float = 0.01, seed: int = 0, index_bytes: int = 4) -> None:
         super().__init__(seed)
+        if isinstance(index_bytes, bool) or index_bytes not in INDEX_BYTES:
+            raise ValueError(
+                f"index_bytes={index_bytes}; choose one of: 4 (int32), 8 (int64, GRACE's)"
+            )
+        self.index_bytes = int(index_bytes)
         if not threshold > 0:
             raise ValueError(
                 f"threshold={threshold}: must be > 0 (the magnitude an entry needs to be sent)"
@@ -79,4 +111,4 @@ class Threshold(Compressor):
     def payload_bytes(
         self, numel: int, shape: tuple[int, ...] | None = None, dtype: torch.dtype = torch.float32
     ) -> int:
-        return 8 * numel + 4
+        return (4 + self.index_bytes) * numel + 4
