@@ -290,8 +290,9 @@ def check_command_line(args: list[str]) -> None:
     from dpresearch import CONF_DIR
     from dpresearch.config.cli_check import compose_command_line, parse_command_line, task_config
     from dpresearch.config.preflight import preflight
+    from dpresearch.config.selects import with_selected_choices
 
-    cmd = parse_command_line(args)
+    cmd = parse_command_line(with_selected_choices(args))  # as the CLI's main does
     composed = compose_command_line(cmd, CONF_DIR)
     if cmd.runs:
         preflight(task_config(composed), cmd.overrides)
