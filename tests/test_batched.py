@@ -1,14 +1,17 @@
-"""Batched worker compute (issue 16, items 2 and 7): the local workers' forward and backward as
-one vmapped computation over their stacked parameter rows give the parameters, BatchNorm
-statistics and `num_batches_tracked` of the loop (worker after worker) to 1e-9 after 20 steps
-in float64, for every algorithm and every compressor with error feedback (the algorithm runs
-unchanged, only the compute differs), on the MLP and on ResNet-20 with BatchNorm; mixed precision,
-channels-last, the divergence check and skipped steps, and checkpoints behave as in the loop;
-any subset of rows computes as the loop; a model that cannot be batched is refused (`true`)
-or falls back (`auto`) with one line saying why."""
+"""Batched worker compute (issue 16, items 2 and 7; issue 31, item 1): the local workers' forward
+and backward as one computation over their stacked parameter rows — stacked layers writing
+their gradients into the rows (`run/stacked.py`) or a vmapped ensemble (`run/batched.py`) —
+give the parameters, BatchNorm statistics and `num_batches_tracked` of the loop (worker after
+worker) to 1e-9 after 20 steps in float64, for every algorithm and every compressor with error
+feedback (the algorithm runs unchanged, only the compute differs), on the MLP and on ResNet-20
+with BatchNorm; mixed precision, channels-last, the divergence check and skipped steps, and
+checkpoints behave as in the loop; any subset of rows computes as the loop; a model that cannot
+be batched is refused (`true`, `stacked`, `vmap`) or falls back (`auto`) with one line saying
+why. The stacked layers of every shipped model family: `tests/test_stacked.py`."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -34,10 +37,13 @@ from dpresearch.models.mlp import MLP
 from dpresearch.models.resnet_cifar import ResNetCifar
 from dpresearch.replicas import Replicas
 from dpresearch.run.batched import BatchedWorkers, decide, probe, probe_config
+from dpresearch.run.stacked import StackedWorkers
 from dpresearch.run.trainer import InjectedFailure, Trainer
 from dpresearch.train import train
 
 STEPS = 20
+WAYS = ("stacked", "vmap")
+CLASSES = {"stacked": StackedWorkers, "vmap": BatchedWorkers}
 # ResNet-20 at batch 4 amplifies a perturbation ~1e6-fold over 20 steps (below): float64's
 # ~1e-16 reordering of the batched kernels grows to ~1e-10, so 1e-6 leaves 4 orders of room
 # and still catches a wrong row (> 1e-3).
@@ -90,13 +96,14 @@ def rows_after(
 
 
 def assert_same_rows(
-    *overrides: str, tol: float = TOL64, dtype: torch.dtype = torch.float64
+    *overrides: str, tol: float = TOL64, dtype: torch.dtype = torch.float64, way: str = "stacked"
 ) -> None:
-    """Batched ≡ loop: parameters and float buffers to `tol`, integer buffers exactly. Float64
-    by default (see COMPRESSORS); a float32 or bf16 run passes its own tolerance."""
+    """Batched `way` ≡ loop: parameters and float buffers to `tol`, integer buffers exactly.
+    Float64 by default (see COMPRESSORS); a float32 or bf16 run passes its own tolerance."""
     loop_run, loop = rows_after(*overrides, mode="false", dtype=dtype)
-    batched_run, batched = rows_after(*overrides, mode="true", dtype=dtype)
-    assert loop_run.compute.batched is None and batched_run.compute.batched is not None
+    batched_run, batched = rows_after(*overrides, mode=way, dtype=dtype)
+    assert loop_run.compute.batched is None
+    assert isinstance(batched_run.compute.batched, CLASSES[way])
     assert loop["moved"] > 1e-3  # the runs really trained
     for what in ("params", "buffers"):
         if loop[what].numel():
@@ -107,9 +114,10 @@ def assert_same_rows(
         assert loop["int_buffers"].min() > 0  # num_batches_tracked counted per worker
 
 
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("name", list(ALGORITHMS))
-def test_mlp_batched_equals_loop_for_every_algorithm(name):
-    assert_same_rows(*MLP_RUN, *ALGORITHMS[name])
+def test_mlp_batched_equals_loop_for_every_algorithm(name, way):
+    assert_same_rows(*MLP_RUN, *ALGORITHMS[name], way=way)
 
 
 # QSGD asks torch for float32 norms of its buckets (dpresearch/compress/qsgd.py: vector_norm
@@ -118,31 +126,35 @@ def test_mlp_batched_equals_loop_for_every_algorithm(name):
 FLOAT32_ONLY: dict[str, float] = {}
 
 
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("name", list(COMPRESSORS))
-def test_mlp_batched_equals_loop_for_every_compressor(name):
+def test_mlp_batched_equals_loop_for_every_compressor(name, way):
     if name in FLOAT32_ONLY:
         assert_same_rows(*MLP_RUN, *COMPRESSORS[name], tol=FLOAT32_ONLY[name],
-                         dtype=torch.float32)  # fmt: skip
+                         dtype=torch.float32, way=way)  # fmt: skip
     else:
-        assert_same_rows(*MLP_RUN, *COMPRESSORS[name])
+        assert_same_rows(*MLP_RUN, *COMPRESSORS[name], way=way)
 
 
-def test_signum_votes_the_same_signs_batched_as_in_the_loop():
+@pytest.mark.parametrize("way", WAYS)
+def test_signum_votes_the_same_signs_batched_as_in_the_loop(way):
     """A majority vote of signs is discontinuous: a gradient entry within ~1e-8 of zero would
     flip its vote and send the two runs apart. Without BatchNorm (whose preceding biases have
     gradients of pure rounding noise, whose signs are a coin toss) over the first 10 steps no
     such entry comes up: the same to 1e-9 in float64 (the batched sums are in another order)."""
-    assert_same_rows(*MLP_RUN, "compressor=signum", "model.batch_norm=false", "train.steps=10")
+    assert_same_rows(*MLP_RUN, "compressor=signum", "model.batch_norm=false", "train.steps=10",
+                     way=way)  # fmt: skip
 
 
-def test_asynchronous_sgd_computes_each_push_as_the_loop():
+@pytest.mark.parametrize("way", WAYS)
+def test_asynchronous_sgd_computes_each_push_as_the_loop(way):
     """One push per step computed alone (fixed-delay mode: its read is chosen at its step): a
     single row is computed as the loop computes it (bit for bit). The event simulator computes
     the gradients of workers in flight ahead, together: `test_async_ahead.py`."""
     fixed = ("algorithm=async_sgd", "async.delay=2")
     loop_run, loop = rows_after(*MLP_RUN, *fixed, mode="false")
-    batched_run, batched = rows_after(*MLP_RUN, *fixed, mode="true")
-    assert batched_run.compute.batched is not None
+    batched_run, batched = rows_after(*MLP_RUN, *fixed, mode=way)
+    assert isinstance(batched_run.compute.batched, CLASSES[way])
     assert loop["moved"] > 1e-3
     assert all(torch.equal(loop[k], batched[k]) for k in ("params", "buffers", "int_buffers"))
     server = loop_run.algorithm.server.params
@@ -156,23 +168,27 @@ def test_asynchronous_sgd_computes_each_push_as_the_loop():
     "name", ["sync", *(pytest.param(n, marks=pytest.mark.slow) for n in ("local_sgd",)),
              "dpsgd", *(pytest.param(n, marks=pytest.mark.slow) for n in ("choco", "sgp"))],
 )  # fmt: skip
-def test_resnet20_with_batchnorm_batched_equals_loop(name):
+@pytest.mark.parametrize("way", WAYS)
+def test_resnet20_with_batchnorm_batched_equals_loop(name, way):
     """In float64. ResNet-20 with BatchNorm at batch 4 is chaotic: in float32 the loop against
     itself with its parameters perturbed by 1e-7 (relative) is 3e-4 apart after 5 steps and
     0.15 after 20, whatever computes it; in float64 the rounding of batched kernels stays far
     below 1e-6 over 20 steps (the chaos amplifies ~1e-16 by ~1e6: RESNET_TOL64), so the
     comparison tests the computation, not the chaos."""
-    assert_same_rows(*RESNET_RUN, *ALGORITHMS[name], tol=RESNET_TOL64)
+    assert_same_rows(*RESNET_RUN, *ALGORITHMS[name], tol=RESNET_TOL64, way=way)
 
 
 @needs_subset
-def test_resnet20_channels_last_batched_equals_loop():
-    assert_same_rows(*RESNET_RUN, "train.channels_last=true", "train.steps=8", tol=RESNET_TOL64)
+@pytest.mark.parametrize("way", WAYS)
+def test_resnet20_channels_last_batched_equals_loop(way):
+    assert_same_rows(*RESNET_RUN, "train.channels_last=true", "train.steps=8", tol=RESNET_TOL64,
+                     way=way)  # fmt: skip
 
 
 @needs_subset
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_resnet20_float32_step_batched_equals_loop(channels_last):
+def test_resnet20_float32_step_batched_equals_loop(channels_last, way):
     """One float32 step of ResNet-20 (BatchNorm, CIFAR augmentation): gradients, BatchNorm
     statistics and counters agree to float32 rounding. Float32 on purpose: the float32 kernels
     batched (the float64 tests above check the arithmetic). Batched and loop sum the same
@@ -183,32 +199,35 @@ def test_resnet20_float32_step_batched_equals_loop(channels_last):
     only (no training to amplify it). The BatchNorm statistics are means of O(1) values
     (running_var ~ 1): 1e-5 absolute, the same budget."""
     args = [*RESNET_RUN, "train.steps=1", f"train.channels_last={channels_last}"]
-    loop, batched = (rows_after(*args, mode=m)[0].replicas for m in ("false", "true"))
+    loop, batched = (rows_after(*args, mode=m)[0].replicas for m in ("false", way))
     scale = loop.grads.abs().max().item()
     assert (loop.grads - batched.grads).abs().max().item() <= 1e-5 * scale
     assert (loop.buffers - batched.buffers).abs().max().item() <= 1e-5  # running_var ~ 1
     assert torch.equal(loop.int_buffers, batched.int_buffers) and loop.int_buffers.min() == 1
 
 
-def test_bf16_autocast_batched_equals_loop():
+@pytest.mark.parametrize("way", WAYS)
+def test_bf16_autocast_batched_equals_loop(way):
     """bf16 rounds every product to 8 bits: batched and loop agree to bf16's precision. In
     float32 (autocast leaves float64 alone): bf16's unit roundoff is 2^-8 ≈ 4e-3, so one
     reordered product can move a step by that much; 2e-2 is a few bf16 ulps of a parameter of
     size ~1 after 20 steps."""
     assert_same_rows(*MLP_RUN, "model.batch_norm=false", "train.autocast=bf16", tol=2e-2,
-                     dtype=torch.float32)  # fmt: skip
+                     dtype=torch.float32, way=way)  # fmt: skip
 
 
-def test_bf16_with_batchnorm_on_the_cpu_falls_back_or_is_refused():
+def test_bf16_with_batchnorm_on_the_cpu_runs_stacked_and_vmap_is_refused():
     """torch's batching rule for BatchNorm refuses bf16 inputs with float32 statistics on the
-    CPU (the loop's kernel mixes them): `auto` runs one by one and says why, `true` is one
-    line before the run."""
+    CPU (the loop's kernel mixes them): `vmap` is one line before the run; the stacked
+    BatchNorm calls the loop's kernel on all workers' channels, so `auto` and `true` run
+    stacked, equal to the loop at bf16's precision (see test_bf16_autocast_batched_equals_loop)."""
     args = [*MLP_RUN, "workers=16", "train.autocast=bf16"]
     cfg = compose_config(*args)
-    batched, line = decide(cfg, preflight(cfg), 16, torch.device("cpu"))
-    assert not batched and "cannot be vmapped under train.autocast=bf16" in line
-    with pytest.raises(ConfigError, match="train.batched_workers=true but model MLP cannot"):
-        preflight(compose_config(*args, "train.batched_workers=true"))
+    way, line = decide(cfg, preflight(cfg), 16, torch.device("cpu"))
+    assert way == "stacked" and line.startswith("16 workers stacked")
+    with pytest.raises(ConfigError, match="train.batched_workers=vmap but model MLP cannot"):
+        preflight(compose_config(*args, "train.batched_workers=vmap"))
+    assert_same_rows(*MLP_RUN, "train.autocast=bf16", tol=2e-2, dtype=torch.float32)
 
 
 def _replicas(model: nn.Module, rows: int, seed: int = 1) -> Replicas:
@@ -219,8 +238,9 @@ def _replicas(model: nn.Module, rows: int, seed: int = 1) -> Replicas:
     return reps
 
 
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("rows", [[0, 2], [1], [1, 2], [0, 1, 2, 3]])
-def test_any_subset_of_rows_computes_as_the_loop_and_leaves_the_others(rows, one_thread):
+def test_any_subset_of_rows_computes_as_the_loop_and_leaves_the_others(rows, way, one_thread):
     """In float64 (TOL64 of the gradients): vmapped kernels sum in another order than the
     loop's (class b of issue 33)."""
     torch.manual_seed(0)
@@ -233,7 +253,7 @@ def test_any_subset_of_rows_computes_as_the_loop_and_leaves_the_others(rows, one
     for i, w in enumerate(rows):
         loop.grads[w].zero_()
         F.cross_entropy(loop.models[w](x[i]), y[i]).backward()
-    losses, out = BatchedWorkers(batched).run(rows, x, y)
+    losses, out = CLASSES[way](batched).run(rows, x, y)
     assert losses.shape == (len(rows),) and out.shape == (len(rows), 8, 5)
     for what in ("grads", "params", "buffers", "int_buffers"):
         assert torch.allclose(getattr(loop, what).double(), getattr(batched, what).double(),
@@ -255,15 +275,16 @@ def test_fp16_loss_scaling_batched_equals_loop(one_thread):
     data = make_synthetic(num_train=256, num_test=16, num_features=6, num_classes=5)
     part = data.make_partitioner(4, 0)
     grads = {}
-    for batched in (False, True):
+    for batched in (None, *WAYS):
         torch.manual_seed(0)
         reps = _replicas(MLP(5, (6,), hidden=[7]), 4)
         compute = WorkerCompute(data, part, reps, range(4), 8, 8, 0, torch.device("cpu"),
                                 autocast="fp16", loss_scale=1024.0, batched=batched)  # fmt: skip
         compute.run([0, 1, 2, 3])
         grads[batched] = reps.grads.clone()
-    assert grads[False].abs().max() > 1e-3
-    assert torch.allclose(grads[False], grads[True], atol=2e-3, rtol=2e-3)
+    assert grads[None].abs().max() > 1e-3
+    for way in WAYS:
+        assert torch.allclose(grads[None], grads[way], atol=2e-3, rtol=2e-3), way
 
 
 def test_divergence_and_skipped_steps_are_the_loops(tmp_path):
@@ -300,27 +321,47 @@ def test_batched_run_killed_and_resumed_equals_uninterrupted(case, tmp_path, one
     check_resumed(tmp_path, [*args, *CHECKPOINT_CASES[case]], InjectedFailure)
 
 
-def test_auto_batches_many_small_workers_on_the_cpu_and_says_so(capsys):
+def test_auto_batches_small_workers_on_the_cpu_and_says_so(capsys):
+    """On a CPU `auto` stacks a stacked model's workers from two on; a model above the size
+    bound runs one by one; a model that cannot run stacked is vmapped from 8 workers while
+    their inputs fit the cache budget."""
     data = preflight(compose_config(*SMALL))
     cpu = torch.device("cpu")
-    batched, line = decide(compose_config(*SMALL, "workers=16"), data, 16, cpu)
-    assert batched and line.startswith("16 workers batched") and "auto" in line
-    batched, line = decide(compose_config(*SMALL, "workers=2"), data, 2, cpu)
-    assert not batched and "one by one (auto:" in line
-    assert decide(compose_config(*SMALL), data, 1, cpu) == (False, "")  # nothing to batch
+    way, line = decide(compose_config(*SMALL, "workers=16"), data, 16, cpu)
+    assert way == "stacked" and line.startswith("16 workers stacked") and "auto" in line
+    way, line = decide(compose_config(*SMALL, "workers=2"), data, 2, cpu)
+    assert way == "stacked" and line.startswith("2 workers stacked")
+    assert decide(compose_config(*SMALL), data, 1, cpu) == (None, "")  # nothing to batch
     # a model above the CPU's size limit runs one by one
     big = compose_config(*SMALL, "workers=16", "model.hidden=[4096,4096]", "train.batch_size=64")
-    batched, line = decide(big, data, 16, cpu)
-    assert not batched and "multiply-adds per worker forward" in line
-    # so do workers whose inputs together exceed the cache budget (64 × 64 × 3072 floats)
-    wide = compose_config("model=logreg", "workers=64", "data.num_features=3072",
-                          "data.num_train=4096", "train.batch_size=64")  # fmt: skip
-    batched, line = decide(wide, preflight(wide), 64, cpu)
-    assert not batched and "48.0 MiB" in line
+    way, line = decide(big, data, 16, cpu)
+    assert way is None and "multiply-adds per worker forward" in line
+    # a model with no stacked counterpart: vmapped from 8 workers, while the inputs fit
+    odd = f"model._target_={__name__}.PlainMLP"
+    way, line = decide(compose_config(*SMALL, odd, "workers=16"), data, 16, cpu)
+    assert way == "vmap" and "stacked: the model (PlainMLP) has no stacked counterpart" in line
+    way, line = decide(compose_config(*SMALL, odd, "workers=4"), data, 4, cpu)
+    assert way is None and "cannot run stacked" in line and "from 8 workers" in line
+    wide = compose_config(odd, "workers=64", "data.num_features=3072", "data.num_train=4096",
+                          "train.batch_size=64")  # fmt: skip
+    way, line = decide(wide, preflight(wide), 64, cpu)
+    assert way is None and "48.0 MiB" in line
     # and the run prints its choice once at the start
     train(compose_config(*SMALL, "workers=16", "train.steps=2", "train.progress=true"), None)
     out = capsys.readouterr().out
-    assert out.count("workers_compute: 16 workers batched") == 1
+    assert out.count("workers_compute: 16 workers stacked") == 1
+
+
+class PlainMLP(nn.Module):
+    """A model of known layers in a class the stacked layers do not know: vmap runs it."""
+
+    def __init__(self, num_classes: int, input_shape, hidden=(8,), batch_norm=False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), 8), nn.ReLU(),
+                                 nn.Linear(8, num_classes))  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
 
 
 class DropoutMLP(nn.Module):
@@ -346,8 +387,11 @@ def test_true_for_a_model_that_cannot_be_batched_is_one_line_before_any_worker()
     assert "\n" not in message
     # auto falls back and says why
     cfg = compose_config(*SMALL, target, "workers=16")
-    batched, line = decide(cfg, preflight(cfg), 16, torch.device("cpu"))
-    assert not batched and "DropoutMLP cannot be batched: it draws random numbers" in line
+    way, line = decide(cfg, preflight(cfg), 16, torch.device("cpu"))
+    assert way is None and "DropoutMLP cannot be batched" in line and "random numbers" in line
+    # and stacked, the same for the shipped MLP with a dropout layer swapped in
+    with pytest.raises(ConfigError, match="train.batched_workers=stacked but model DropoutMLP"):
+        preflight(compose_config(*SMALL, target, "train.batched_workers=stacked"))
 
 
 def test_bad_value_is_one_line():
@@ -379,11 +423,12 @@ def test_every_shipped_model_batches_or_says_why(name):
                            torch.zeros(64, dtype=torch.int32), torch.zeros(1, dtype=torch.long),
                            classes, block_size=8)  # fmt: skip
         shape = data.input_shape
-    reason = probe_config(node, shape, classes, data=data)
-    if name == "torchvision" or node.get("dropout", 0) > 0:
-        assert reason is None or "cannot" in reason or "random" in reason
-    else:
-        assert reason is None, reason
+    for way in WAYS:
+        reason = probe_config(node, shape, classes, data=data, way=way)
+        if name == "torchvision" or node.get("dropout", 0) > 0:
+            assert reason is None or "cannot" in reason or "random" in reason
+        else:
+            assert reason is None, (way, reason)
 
 
 def test_a_forward_that_keeps_python_state_is_caught_by_the_probe():
@@ -428,5 +473,6 @@ def test_cuda_resnet20_batched_equals_loop(channels_last):
 @needs_cuda
 def test_auto_batches_on_a_gpu():
     cfg = compose_config(*MLP_RUN)
-    batched, line = decide(cfg, preflight(cfg), 4, torch.device("cuda"))
-    assert batched and line == "4 workers batched, one vmapped forward/backward (auto: cuda)"
+    way, line = decide(cfg, preflight(cfg), 4, torch.device("cuda"))
+    assert way == "stacked"
+    assert line == "4 workers stacked, one forward/backward into their gradient rows (auto: cuda)"

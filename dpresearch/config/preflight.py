@@ -108,22 +108,22 @@ def build_model(cfg: DictConfig, dataset: Dataset) -> torch.nn.Module:
 
 
 def check_batched(cfg: DictConfig, dataset: Dataset) -> None:
-    """`train.batched_workers=true` only for a model whose workers can run batched (a run
-    that holds several workers in one process: simulated)."""
-    from dpresearch.run.batched import batched_mode, probe_config, unbatchable_message
+    """`train.batched_workers=true|stacked|vmap` only for a model whose workers can run that
+    way (a run that holds several workers in one process: simulated)."""
+    from dpresearch.run.batched import batched_mode, choose_way, unbatchable_message
 
-    if batched_mode(cfg.train.batched_workers) != "true":
+    mode = batched_mode(cfg.train.batched_workers)
+    if mode in ("auto", "false"):
         return
     if cfg.backend.name != "simulated" or cfg.workers < 2:
         return  # one worker per process: nothing to batch
     device = cfg.train.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    reason = probe_config(
-        cfg.model, dataset.input_shape, dataset.num_classes, cfg.train.autocast, device, dataset
-    )
-    if reason is not None:
-        raise ConfigError(unbatchable_message(cfg.model._target_.rsplit(".", 1)[-1], reason))
+    way, reason = choose_way(cfg, dataset, torch.device(device))
+    if way is None:
+        name = cfg.model._target_.rsplit(".", 1)[-1]
+        raise ConfigError(unbatchable_message(name, reason, mode))
 
 
 def check_optimizer(cfg: DictConfig, model: torch.nn.Module) -> None:

@@ -47,10 +47,13 @@ class TrainConfig:
     dropped and counted) or `continue`.
 
     `batched_workers`: how the simulated workers of one process compute — `false` one by one,
-    `true` as one vmapped forward/backward over their stacked parameter rows
-    (`dpresearch/run/batched.py`; a model that cannot be batched is refused before the run),
-    `auto` batched where that is faster (a GPU; a CPU only for models small enough that
-    per-operation overhead dominates) and where the model can be. Printed at the start.
+    `stacked` as one forward/backward whose layers hold the workers' weights as one tensor
+    and write the gradients into their rows (`dpresearch/run/stacked.py`: the shipped model
+    families), `vmap` as a `torch.func.vmap` ensemble over the parameter rows (any model vmap
+    can run; `dpresearch/run/batched.py`), `true` stacked where the model can, else vmap (a
+    model that can do neither is refused before the run), `auto` batched where that is faster
+    (a GPU; a CPU only for models small enough that per-operation overhead dominates) and
+    where the model can be. Printed at the start.
     """
 
     steps: int | None = None

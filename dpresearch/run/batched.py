@@ -26,7 +26,6 @@ import json
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,8 +34,13 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from dpresearch.replicas import Replicas
+from dpresearch.run.slots import NULL_CONTEXT, slots
 
-MODES = ("auto", "true", "false")
+MODES = ("auto", "true", "false", "stacked", "vmap")
+# How batched rows compute: `StackedWorkers` (run/stacked.py: the shipped model families, their
+# gradients accumulated straight into the rows) or this module's vmapped ensemble (any model
+# vmap can run; its gradients come back as fresh tensors and are copied into the rows).
+STACKED, VMAP = "stacked", "vmap"
 # vmap runs an operator without a batching rule (CPU attention, `scaled_dot_product_attention`)
 # row by row, correctly, and says so at every call: the batched-workers line says how workers
 # compute, and the warning would repeat every step.
@@ -44,7 +48,8 @@ warnings.filterwarnings("ignore", message="There is a performance drop because w
 # On a CPU a batched step gains only while per-operation overhead outweighs the arithmetic,
 # and only with enough workers to spread vmap's own fixed cost over: `auto` batches on a CPU
 # from this many local workers and up to this many multiply-adds per worker forward (measured
-# with `experiments/bench/batched_vs_ensemble.py`, see the bench README).
+# with `experiments/bench/batched_vs_ensemble.py`, see the bench README). A stacked model has
+# no such fixed cost and batches from two workers; the size bound is the same.
 CPU_BATCHED_MIN_WORKERS = 8
 CPU_BATCHED_MAX_MACS = 2.0e7
 # ... and while the inputs of all workers' batches together stay near the CPU's cache: beyond
@@ -59,50 +64,6 @@ PROBE_RTOL = 1e-8
 PROBE_RTOL_16BIT = 5e-2  # under bf16/fp16 autocast every product is rounded to 8 or 11 bits
 
 
-@dataclass(frozen=True)
-class _Slot:
-    """One tensor of the model inside a flat row: its name, offset, shape and layout."""
-
-    name: str
-    offset: int
-    shape: torch.Size
-    nhwc: bool = False
-
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
-
-    def view(self, flat: Tensor) -> Tensor:
-        """The `[S, *shape]` view of this tensor in the rows of `flat` (`[S, D]`)."""
-        block = flat[:, self.offset : self.offset + self.numel]
-        if not self.nhwc:
-            return block.view(flat.shape[0], *self.shape)
-        n, c, h, w = self.shape
-        return block.view(flat.shape[0], n, h, w, c).permute(0, 1, 4, 2, 3)
-
-
-def _slots(replicas: Replicas) -> tuple[list[_Slot], list[_Slot], list[_Slot]]:
-    """(parameters, float buffers, integer buffers) of the template replica, in the order
-    `Replicas` lays them out in its rows."""
-    template = replicas.models[0]
-    params, offset = [], 0
-    for name, p in template.named_parameters():
-        if p.requires_grad:
-            nhwc = replicas.channels_last and p.dim() == 4
-            params.append(_Slot(name, offset, p.shape, nhwc))
-            offset += p.numel()
-    floats, ints, f_off, i_off = [], [], 0, 0
-    stacked_ints = replicas.int_buffers.shape[1] > 0
-    for name, b in template.named_buffers():
-        if b.is_floating_point():
-            floats.append(_Slot(name, f_off, b.shape))
-            f_off += b.numel()
-        elif stacked_ints:
-            ints.append(_Slot(name, i_off, b.shape))
-            i_off += b.numel()
-    return params, floats, ints
-
-
 class BatchedWorkers:
     """Forward and backward of rows of `replicas` as one vmapped computation.
 
@@ -113,14 +74,14 @@ class BatchedWorkers:
     ) -> None:
         self.replicas = replicas
         self.template = replicas.models[0]
-        self.params, self.floats, self.ints = _slots(replicas)
+        self.params, self.floats, self.ints = slots(replicas)
         self.loss_fn = loss_fn
         self._names = [s.name for s in (*self.params, *self.floats, *self.ints)]
         # The gradient is taken per row inside vmap (vmap of grad), as an ensemble does: the
         # backward of a batched forward (grad of vmap) multiplies transposed operands, which
         # the CPU's batched matrix product runs several times slower.
         self._step = vmap(grad(self._loss, has_aux=True), randomness="error")
-        self._autocast: Any = _NULL
+        self._autocast: Any = NULL_CONTEXT
         self._scale = 1.0
         self._orders: dict[tuple[int, torch.device], Tensor] = {}
         self._row_views: dict[tuple[int, int], tuple] = {}
@@ -195,7 +156,7 @@ class BatchedWorkers:
         order = self._buffer_major(len(rows), float_rows.device) if self.floats else None
         staged = float_rows.reshape(-1).index_select(0, order) if order is not None else None
         floats = self._blocks(staged, len(rows)) if staged is not None else []
-        self._autocast, self._scale = autocast if autocast is not None else _NULL, scale
+        self._autocast, self._scale = autocast if autocast is not None else NULL_CONTEXT, scale
         grads, (losses, out) = self._step(params, (*floats, *ints), x, y)
         if staged is not None:
             float_rows.view(-1).index_copy_(0, order, staged)
@@ -221,21 +182,24 @@ def probe(
     autocast: str | None = None,
     device: torch.device | str = "cpu",
     data: Any = None,
+    way: str = VMAP,
 ) -> str | None:
-    """Why `model` cannot run its workers batched, or None: a copy on `device` is run both
-    ways on two rows with different parameters and inputs (training mode, under the run's
-    `autocast`: None, "bf16" or "fp16"), and the gradients and buffers compared; with the data
-    set `data`, on its kind of inputs (`Dataset.probe_batch`) and its loss. Without
-    autocast the copy runs in float64: in float32, BatchNorm over the probe's 4-image batches
-    amplifies rounding so much in a deep model (ResNet-18: the loop itself 2 % from the exact
-    gradient) that no tolerance would tell rounding from a forward that keeps state; in float64
-    the two ways agree to ~1e-14."""
+    """Why `model` cannot run its workers batched `way` (`stacked` or `vmap`), or None: a copy
+    on `device` is run both ways (the loop, and batched) on two rows with different parameters
+    and inputs (training mode, under the run's `autocast`: None, "bf16" or "fp16"), and the
+    gradients and buffers compared; with the data set `data`, on its kind of inputs
+    (`Dataset.probe_batch`) and its loss. Without autocast the copy runs in float64: in
+    float32, BatchNorm over the probe's 4-image batches amplifies rounding so much in a deep
+    model (ResNet-18: the loop itself 2 % from the exact gradient) that no tolerance would tell
+    rounding from a forward that keeps state; in float64 the two ways agree to ~1e-14."""
     device = torch.device(device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(autocast or "")
     model = copy.deepcopy(model).to(device, None if dtype else torch.float64).train()
     real = next((p.dtype for p in model.parameters()), torch.float32)
     generator = torch.Generator().manual_seed(0)
-    context = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else (lambda: _NULL)
+    context = (
+        (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else (lambda: NULL_CONTEXT)
+    )
     try:
         loop, batched = (Replicas(model, 2, device) for _ in range(2))
         with torch.no_grad():
@@ -255,9 +219,9 @@ def probe(
             with context():
                 loss = loss_fn(loop.models[w](x[w]), y[w])
             loss.backward()
-        BatchedWorkers(batched, loss_fn).run([0, 1], x, y, context())
+        workers_class(way)(batched, loss_fn).run([0, 1], x, y, context())
     except Exception as exc:
-        return _reason(exc, autocast)
+        return _reason(exc, autocast, way)
     rtol = PROBE_RTOL if dtype is None else PROBE_RTOL_16BIT
     for what in ("grads", "buffers", "int_buffers"):
         a, b = getattr(loop, what).double(), getattr(batched, what).double()
@@ -267,18 +231,7 @@ def probe(
     return None
 
 
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NULL = _Null()
-
-
-def _reason(exc: BaseException, autocast: str | None) -> str:
+def _reason(exc: BaseException, autocast: str | None, way: str = VMAP) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if "randomness" in text or "random operation" in text:
         return (
@@ -286,7 +239,8 @@ def _reason(exc: BaseException, autocast: str | None) -> str:
             "draw differently from the loop"
         )
     under = f" under train.autocast={autocast}" if autocast else ""
-    return f"it cannot be vmapped{under} ({type(exc).__name__}: {text[:160]})"
+    what = "be vmapped" if way == VMAP else "run stacked"
+    return f"it cannot {what}{under} ({type(exc).__name__}: {text[:160]})"
 
 
 _PROBED: dict[str, str | None] = {}
@@ -299,10 +253,11 @@ def probe_config(
     autocast: str | None = None,
     device: torch.device | str = "cpu",
     data: Any = None,
+    way: str = VMAP,
 ) -> str | None:
-    """`probe` of the model a `model` config node builds (memoised per node, shape, autocast
-    and device type: the checks before a run and the run itself ask once). Building it does
-    not move torch's global random stream."""
+    """`probe` of the model a `model` config node builds, batched `way` (memoised per node,
+    shape, autocast, device type and way: the checks before a run and the run itself ask
+    once). Building it does not move torch's global random stream."""
     from hydra.utils import instantiate
     from omegaconf import DictConfig, OmegaConf
 
@@ -313,7 +268,7 @@ def probe_config(
     )
     device = torch.device(device)
     key = json.dumps(
-        [node, list(input_shape), num_classes, autocast, device.type, type(data).__name__],
+        [node, list(input_shape), num_classes, autocast, device.type, type(data).__name__, way],
         sort_keys=True,
         default=str,
     )
@@ -321,7 +276,7 @@ def probe_config(
         state = torch.get_rng_state()
         try:
             model = instantiate(node, num_classes=num_classes, input_shape=tuple(input_shape))
-            _PROBED[key] = probe(model, input_shape, num_classes, autocast, device, data)
+            _PROBED[key] = probe(model, input_shape, num_classes, autocast, device, data, way)
         finally:
             torch.set_rng_state(state)
     return _PROBED[key]
@@ -333,57 +288,126 @@ def batched_mode(value: Any) -> str:
     return str(value).strip().lower()
 
 
-def decide(cfg: Any, data: Any, num_local: int, device: torch.device) -> tuple[bool, str]:
-    """Whether this process's `num_local` workers compute batched, and the one line saying
-    which and why ("" with a single worker: nothing to batch). `true` for a model that cannot
-    be batched raises `ConfigError` (the checks before the run say so first)."""
+def workers_class(way: str) -> type:
+    """The class computing batched rows `way` (`stacked` or `vmap`); both take
+    `(replicas, loss_fn)` and have `run(rows, x, y, autocast, scale)`."""
+    from dpresearch.run.stacked import StackedWorkers
+
+    return StackedWorkers if way == STACKED else BatchedWorkers
+
+
+def stacked_reason(cfg: Any, data: Any, device: torch.device) -> str | None:
+    """Why the run's model cannot run stacked (None: it can): the structure first (a module
+    with no stacked counterpart, dropout), then the probe against the loop."""
+    from hydra.utils import instantiate
+
+    from dpresearch.run.stacked import unsupported
+
+    state = torch.get_rng_state()
+    try:
+        model = instantiate(cfg.model, num_classes=data.num_classes,
+                            input_shape=tuple(data.input_shape))  # fmt: skip
+    finally:
+        torch.set_rng_state(state)
+    reason = unsupported(model)
+    if reason is not None:
+        return reason
+    return probe_config(cfg.model, data.input_shape, data.num_classes, cfg.train.autocast,
+                        device, data, STACKED)  # fmt: skip
+
+
+def choose_way(cfg: Any, data: Any, device: torch.device) -> tuple[str | None, str]:
+    """The way batched rows compute for `train.batched_workers` true/stacked/vmap (None when
+    the model cannot, with the reason): `true` is stacked where the model can, else vmap."""
+    mode = batched_mode(cfg.train.batched_workers)
+    reasons = []
+    for way in (STACKED, VMAP) if mode in ("true", "auto") else (mode,):
+        if way == STACKED:
+            reason = stacked_reason(cfg, data, device)
+        else:
+            reason = probe_config(cfg.model, data.input_shape, data.num_classes,
+                                  cfg.train.autocast, device, data, VMAP)  # fmt: skip
+        if reason is None:
+            return way, ""
+        reasons.append(f"{way}: {reason}" if mode in ("true", "auto") else reason)
+    return None, "; ".join(reasons)
+
+
+def decide(cfg: Any, data: Any, num_local: int, device: torch.device) -> tuple[str | None, str]:
+    """How this process's `num_local` workers compute — `stacked`, `vmap` or None (one by
+    one) — and the one line saying which and why ("" with a single worker: nothing to batch).
+    `true`, `stacked` or `vmap` for a model that cannot run that way raises `ConfigError`
+    (the checks before the run say so first)."""
     from dpresearch.errors import ConfigError
     from dpresearch.models.workload import describe_macs, forward_macs
 
     if num_local < 2:
-        return False, ""
+        return None, ""
     mode = batched_mode(cfg.train.batched_workers)
     name = str(cfg.model._target_).rsplit(".", 1)[-1]
     if mode == "false":
-        return False, f"{num_local} workers one by one (train.batched_workers=false)"
-    if mode == "auto" and device.type == "cpu" and num_local < CPU_BATCHED_MIN_WORKERS:
-        return False, (
-            f"{num_local} workers one by one (auto: on a CPU batching gains from "
-            f"{CPU_BATCHED_MIN_WORKERS} workers in one process)"
-        )
-    if mode == "auto" and device.type == "cpu":
-        per_example = forward_macs(
-            cfg.model, data.input_shape, data.num_classes, data.tokens_per_example is not None
-        )
-        macs = per_example * cfg.train.batch_size if per_example is not None else None
-        if macs is None or macs > CPU_BATCHED_MAX_MACS:
-            size = "uncounted" if macs is None else describe_macs(macs)
-            return False, (
-                f"{num_local} workers one by one (auto: on a CPU batching gains only below "
-                f"{describe_macs(CPU_BATCHED_MAX_MACS)} multiply-adds per worker forward; "
-                f"{name} at batch {cfg.train.batch_size}: {size})"
+        return None, f"{num_local} workers one by one (train.batched_workers=false)"
+    if mode != "auto":
+        way, reason = choose_way(cfg, data, device)
+        if way is None:
+            raise ConfigError(unbatchable_message(name, reason, mode))
+        return way, f"{num_local} workers {_described(way)} (train.batched_workers={mode})"
+    if device.type != "cpu":
+        way, reason = choose_way(cfg, data, device)
+        if way is None:
+            return (
+                None,
+                f"{num_local} workers one by one (auto: {name} cannot be batched: {reason})",
             )
-        inputs = math.prod(data.input_shape) * 4 * cfg.train.batch_size * num_local  # float32
-        if inputs > CPU_BATCHED_MAX_INPUT_BYTES:
-            return False, (
-                f"{num_local} workers one by one (auto: on a CPU batching gains only while all "
-                f"workers' inputs fit {CPU_BATCHED_MAX_INPUT_BYTES // 2**20} MiB; "
-                f"{num_local} × batch {cfg.train.batch_size}: {inputs / 2**20:.1f} MiB)"
-            )
-    reason = probe_config(
-        cfg.model, data.input_shape, data.num_classes, cfg.train.autocast, device, data
+        return way, f"{num_local} workers {_described(way)} (auto: {device.type})"
+    per_example = forward_macs(
+        cfg.model, data.input_shape, data.num_classes, data.tokens_per_example is not None
     )
+    macs = per_example * cfg.train.batch_size if per_example is not None else None
+    if macs is None or macs > CPU_BATCHED_MAX_MACS:
+        size = "uncounted" if macs is None else describe_macs(macs)
+        return None, (
+            f"{num_local} workers one by one (auto: on a CPU batching gains only below "
+            f"{describe_macs(CPU_BATCHED_MAX_MACS)} multiply-adds per worker forward; "
+            f"{name} at batch {cfg.train.batch_size}: {size})"
+        )
+    stacked = stacked_reason(cfg, data, device)
+    if stacked is None:
+        return STACKED, f"{num_local} workers {_described(STACKED)} (auto: cpu)"
+    if num_local < CPU_BATCHED_MIN_WORKERS:
+        return None, (
+            f"{num_local} workers one by one (auto: {name} cannot run stacked: {stacked}; on a "
+            f"CPU a vmapped ensemble gains from {CPU_BATCHED_MIN_WORKERS} workers in one process)"
+        )
+    inputs = math.prod(data.input_shape) * 4 * cfg.train.batch_size * num_local  # float32
+    if inputs > CPU_BATCHED_MAX_INPUT_BYTES:
+        return None, (
+            f"{num_local} workers one by one (auto: {name} cannot run stacked: {stacked}; a "
+            f"vmapped ensemble gains only while all workers' inputs fit "
+            f"{CPU_BATCHED_MAX_INPUT_BYTES // 2**20} MiB; "
+            f"{num_local} × batch {cfg.train.batch_size}: {inputs / 2**20:.1f} MiB)"
+        )
+    reason = probe_config(cfg.model, data.input_shape, data.num_classes, cfg.train.autocast,
+                          device, data, VMAP)  # fmt: skip
     if reason is not None:
-        if mode == "true":
-            raise ConfigError(unbatchable_message(name, reason))
-        return False, f"{num_local} workers one by one (auto: {name} cannot be batched: {reason})"
-    why = "train.batched_workers=true" if mode == "true" else f"auto: {device.type}"
-    return True, f"{num_local} workers batched, one vmapped forward/backward ({why})"
+        return None, (
+            f"{num_local} workers one by one (auto: {name} cannot be batched: stacked: "
+            f"{stacked}; vmap: {reason})"
+        )
+    return VMAP, f"{num_local} workers {_described(VMAP)} (auto: cpu; stacked: {stacked})"
 
 
-def unbatchable_message(name: str, reason: str) -> str:
-    """The one line for `train.batched_workers=true` with a model that cannot be batched."""
+def _described(way: str) -> str:
+    if way == STACKED:
+        return "stacked, one forward/backward into their gradient rows"
+    return "batched, one vmapped forward/backward"
+
+
+def unbatchable_message(name: str, reason: str, mode: str = "true") -> str:
+    """The one line for `train.batched_workers=true|stacked|vmap` with a model that cannot
+    run its workers that way."""
+    how = "batched" if mode == "true" else mode
     return (
-        f"train.batched_workers=true but model {name} cannot run its workers batched: "
+        f"train.batched_workers={mode} but model {name} cannot run its workers {how}: "
         f"{reason}; use train.batched_workers=auto (falls back to one by one) or false"
     )

@@ -8,8 +8,8 @@ cursor equals the global step. An asynchronous worker that computes more often t
 simply walks its own sequence faster.
 
 Several rows computed in one step run either one by one (the loop) or as one batched
-computation over their stacked parameter rows (`batched=True`, `dpresearch/run/batched.py`): the
-same batches, cursors, generators, statistics and gradient rows either way.
+computation over their stacked parameter rows (`batched="stacked"|"vmap"`, `run/stacked.py`,
+`run/batched.py`): the same batches, cursors, generators, statistics and gradient rows either way.
 
 Computing ahead (an event simulator's workers in flight, `StepPlan.ahead`): a row whose
 parameters and next batch are fixed until it is planned can have its gradient computed early,
@@ -31,7 +31,7 @@ from torch import Tensor
 from dpresearch.data.base import Dataset
 from dpresearch.data.partition import Partitioner
 from dpresearch.replicas import Replicas
-from dpresearch.run.batched import BatchedWorkers
+from dpresearch.run.batched import workers_class
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 NO_AUTOCAST = contextlib.nullcontext()  # reusable: building one per batch costs more than this
@@ -53,8 +53,9 @@ class WorkerCompute:
     steps_per_epoch: batches in one pass of a worker over its shard.
     autocast: None, "bf16" or "fp16"; with fp16 the loss is multiplied by `loss_scale` and the
     computed gradient rows divided by it again.
-    batched: compute several rows at once as one vmapped computation (`BatchedWorkers`; the
-    caller has checked the model can, `batched.decide`); `mode` says how, for the record.
+    batched: compute several rows at once as one computation, `"stacked"` (`StackedWorkers`)
+    or `"vmap"` (`BatchedWorkers`), None one by one (the caller has checked the model can,
+    `batched.decide`); `mode` says how, for the record.
     """
 
     def __init__(
@@ -70,7 +71,7 @@ class WorkerCompute:
         channels_last: bool = False,
         autocast: str | None = None,
         loss_scale: float = 1.0,
-        batched: bool = False,
+        batched: str | None = None,
         mode: str = "",
     ) -> None:
         self.data, self.partitioner, self.replicas = data, partitioner, replicas
@@ -102,8 +103,8 @@ class WorkerCompute:
         self._held: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
         self._held_finite: dict[int, bool] = {}
         self._finite: dict[int, bool] = {}  # rows of the last `run` whose finiteness is known
-        several = batched and len(self.workers) > 1
-        self.batched = BatchedWorkers(replicas, data.loss) if several else None
+        several = batched is not None and len(self.workers) > 1
+        self.batched = workers_class(batched)(replicas, data.loss) if several else None
         self.mode = mode
 
     @classmethod
