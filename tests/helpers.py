@@ -585,11 +585,17 @@ def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: flo
         time.sleep(0.1)
 
 
-def kill_9_and_resume(args: list[str], cwd: Path, kill_after: int) -> tuple[Path, Path]:
+def kill_9_and_resume(
+    args: list[str],
+    cwd: Path,
+    kill_after: int,
+    before_resume: Callable[[Path], None] | None = None,
+) -> tuple[Path, Path]:
     """Run `python -m dpresearch.train args` (a run that checkpoints), SIGKILL it once it has
-    logged step `kill_after`, check it left a checkpoint and no summary, resume it with
-    `train.resume=auto` to the end, and train the same configuration uninterrupted in this
-    process; returns (the resumed run's directory, the uninterrupted one's)."""
+    logged step `kill_after`, check it left a checkpoint and no summary, call
+    `before_resume(run_dir)` if given (to inspect or tamper with what the kill left), resume
+    it with `train.resume=auto` to the end, and train the same configuration uninterrupted in
+    this process; returns (the resumed run's directory, the uninterrupted one's)."""
     run_dir = cwd / "run"
     proc = start_cli([*args, f"hydra.run.dir={run_dir}"], cwd)
     try:
@@ -600,6 +606,8 @@ def kill_9_and_resume(args: list[str], cwd: Path, kill_after: int) -> tuple[Path
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert latest_checkpoint(run_dir) is not None and not (run_dir / "summary.json").exists()
+    if before_resume is not None:
+        before_resume(run_dir)
     out = run_cli([*args, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=cwd)
     assert out.returncode == 0, out.stderr[-3000:]
     reference = cwd / "reference"

@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import (
@@ -25,12 +26,12 @@ from helpers import (
     cli_env,
     compose_config,
     final_params,
+    kill_9_and_resume,
     kill_and_resume,
     load_scaled,
     metric_lines,
     run_cli,
     same,
-    start_cli,
     stop_and_resume,
     wait_for_step,
 )
@@ -222,24 +223,14 @@ def test_resume_of_another_layout_is_one_line_before_any_worker_starts(tmp_path)
 def test_kill_9_then_resume_equals_uninterrupted(tmp_path):
     """A real SIGKILL at an arbitrary step (after the first checkpoint): the lock and any
     half-written file it leaves are taken over, the resumed run ends as an uninterrupted one."""
-    run_dir = tmp_path / "run"
     args = [*CHECKPOINTED, "train.steps=400", "train.eval_every=200", "train.checkpoint_every=10"]
-    proc = start_cli([*args, f"hydra.run.dir={run_dir}"], tmp_path)
-    try:
-        wait_for_step(run_dir, proc, 35, timeout=240)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=load_scaled(60))
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert latest_checkpoint(run_dir) is not None and not (run_dir / "summary.json").exists()
-    (run_dir / "checkpoints" / ".step_999.pt.half.tmp").write_bytes(b"torn")
-    out = run_cli([*args, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
+
+    def tear(run_dir: Path) -> None:
+        (run_dir / "checkpoints" / ".step_999.pt.half.tmp").write_bytes(b"torn")
+
+    run_dir, reference = kill_9_and_resume(args, tmp_path, kill_after=35, before_resume=tear)
     assert [m["step"] for m in metric_lines(run_dir)] == list(range(1, 401))
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
-    reference = tmp_path / "reference"
-    train(compose_config(*args), reference)
     assert same(final_params(run_dir), final_params(reference))
 
 

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import signal
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,7 +34,6 @@ from helpers import (
     default_dtype,
     free_port,
     gap,
-    load_scaled,
     run_cli,
 )
 from helpers import finished_run as run
@@ -607,30 +605,21 @@ def test_kill_9_resumes_exactly(case, tmp_path):
     """A real SIGKILL of DiLoCo, SlowMo over SGP, Streaming DiLoCo (every checkpoint it could
     resume from holds fragments in flight) and DiLoCo with top-k + EF14 (a non-zero memory in
     every checkpoint): the resumed run ends bit for bit as an uninterrupted one."""
-    from helpers import CHECKPOINTED, final_params, metric_lines, same, start_cli, wait_for_step
+    from helpers import CHECKPOINTED, final_params, kill_9_and_resume, metric_lines, same
 
-    run_dir = tmp_path / "run"
     args = [*CHECKPOINTED, "workers=4", *RESUME_CASES[case], "train.steps=300",
             "train.eval_every=150", "train.checkpoint_every=10"]  # fmt: skip
-    proc = start_cli([*args, f"hydra.run.dir={run_dir}"], tmp_path)
-    try:
-        wait_for_step(run_dir, proc, 25, timeout=240)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=load_scaled(60))
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert latest_checkpoint(run_dir) is not None and not (run_dir / "summary.json").exists()
-    state = torch.load(latest_checkpoint(run_dir), weights_only=False)["states"][0]["algorithm"]
-    if case == "streaming":
-        assert len(state["in_flight"]) == 2
-    if case == "diloco_topk_ef14":
-        assert state["reducers"][0]["memory"]["memory"].abs().sum() > 0
-    out = run_cli([*args, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
+
+    def check_state(run_dir: Path) -> None:
+        ckpt = torch.load(latest_checkpoint(run_dir), weights_only=False)
+        state = ckpt["states"][0]["algorithm"]
+        if case == "streaming":
+            assert len(state["in_flight"]) == 2
+        if case == "diloco_topk_ef14":
+            assert state["reducers"][0]["memory"]["memory"].abs().sum() > 0
+
+    run_dir, reference = kill_9_and_resume(args, tmp_path, kill_after=25, before_resume=check_state)
     assert [m["step"] for m in metric_lines(run_dir)] == list(range(1, 301))
-    reference = tmp_path / "reference"
-    train(compose_config(*args), reference)
     assert same(final_params(run_dir), final_params(reference))
 
 
