@@ -104,6 +104,11 @@ BAD = [
     (["comm.hierarchy.workers_per_node=0"], "workers_per_node=0: must be at least 1"),
     (["comm.hierarchy.workers_per_node=2", "algorithm=local_sgd"], "for algorithm=sync"),
     (["comm.hierarchy.workers_per_node=2", "network.intra=infiniband"], "network.intra="),
+    (
+        ["comm.hierarchy.workers_per_node=2", "comm.hierarchy.intra_algorithm=chain"],
+        "comm.hierarchy.intra_algorithm=chain; choose one of: tree, ring",
+    ),
+    (["comm.hierarchy.intra_algorithm=ring"], "set comm.hierarchy.workers_per_node too"),
     (["optimizer=onebit_adam", "compressor=topk"], "optimizer=onebit_adam compresses its"),
     (["optimizer=zero_one_adam", "error_feedback=ef14"], "drop compressor=/error_feedback="),
     (["optimizer=onebit_adam", "algorithm=local_sgd"], "runs its own algorithm"),

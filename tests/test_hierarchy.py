@@ -4,6 +4,7 @@ its own link; bytes are kept per tier; simulated ≡ gloo × 4 with 2 workers pe
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -88,6 +89,103 @@ def test_modeled_time_is_the_sum_of_the_two_tiers_alpha_beta_terms():
         assert priced == pytest.approx(comm.ledger.modeled_s, rel=1e-12)
 
 
+# An intra-node link with a host overhead, so the ring's latency term is checked as α + o.
+LINK = NetworkModel(latency_s=3e-6, bandwidth_Bps=4e10, overhead_s=1e-6)
+
+
+def chain(n: int, nbytes: int, net: NetworkModel) -> float:
+    """NCCL's ring Reduce or Broadcast (issue 32, item 4): a chain along the ring, n − 1 hops
+    each paying a latency (α + o), the payload pipelined through it so every link carries it
+    once: (n − 1)(α + o) + D/B; nothing for a node of one."""
+    if n == 1:
+        return 0.0
+    return (n - 1) * (net.latency_s + net.overhead_s) + nbytes / net.bandwidth_Bps
+
+
+def ring_cluster(workers: int, per_node: int, intra_algorithm: str) -> SimulatedCommunicator:
+    hierarchy = Hierarchy(per_node, LINK, ETHERNET, intra_algorithm)
+    return SimulatedCommunicator(workers, ETHERNET, hierarchy=hierarchy)
+
+
+@pytest.mark.parametrize("numel", [1, 1000, 4097])
+@pytest.mark.parametrize(("nodes", "per_node"), [(2, 1), (2, 2), (3, 3), (2, 4), (2, 8)])
+def test_ring_priced_intra_step_bytes_and_seconds(nodes, per_node, numel):
+    """`intra_algorithm=ring`: the intra tier's bytes per worker and modeled seconds are NCCL's
+    ring chains' (restated here), the inter tier's unchanged, and the reduction's values the
+    same as the trees' bit for bit."""
+    workers, dense = nodes * per_node, 4 * numel
+    layout = [(0, (numel,))]
+    g = grads(workers, 2)[:, :1].expand(workers, numel) * torch.arange(1.0, numel + 1)
+    out, ledgers = {}, {}
+    for algorithm in ("tree", "ring"):
+        comm = ring_cluster(workers, per_node, algorithm)
+        out[algorithm] = g.clone()
+        HierarchicalReducer(Identity(), comm, layout).reduce(out[algorithm], 0)
+        ledgers[algorithm] = comm.ledger
+    assert torch.equal(out["ring"], out["tree"])  # only the ledger differs
+    ring, tree = ledgers["ring"], ledgers["tree"]
+    a, b = ETHERNET.latency_s, ETHERNET.bandwidth_Bps
+    inter = 2 * (nodes - 1) * a + 2 * (nodes - 1) / nodes * dense / b
+    # reduce: 1 → 2 → … → G−1 → 0, every non-leader sends one row (its partial sum);
+    # broadcast: 0 → 1 → … → G−1, every worker but the node's last forwards the row
+    node_rank = [w % per_node for w in range(workers)]
+    expected = [dense * (i != 0) + dense * (i != per_node - 1) for i in node_rank]
+    assert ring.bytes_by_tier["intra"] == expected
+    assert ring.bytes_by_tier["inter"] == tree.bytes_by_tier["inter"]
+    # per node 2(G − 1)·D: what the trees move on the wire too (a binomial broadcast's inner
+    # workers forward), of which the tree ledger charges the broadcast's source only
+    assert sum(expected) == nodes * 2 * (per_node - 1) * dense
+    assert ring.modeled_s == pytest.approx(2 * chain(per_node, dense, LINK) + inter, rel=1e-12)
+    a_intra = LINK.latency_s + LINK.overhead_s
+    tree_intra = 2 * math.ceil(math.log2(per_node)) * (a_intra + dense / LINK.bandwidth_Bps)
+    assert tree.modeled_s == pytest.approx(tree_intra + inter, rel=1e-12)
+    priced = ETHERNET.total_seconds(ring.op_table(), {"intra": LINK, "inter": ETHERNET})
+    assert priced == pytest.approx(ring.modeled_s, rel=1e-12)  # re-pricing knows the ring
+    kinds = {row[0] for row in ring.op_table() if row[5] == "intra"}
+    assert kinds == {"reduce_ring", "broadcast_ring"}
+
+
+def test_ring_against_trees_bandwidth_bound():
+    """The issue's figures, bandwidth-bound (α = 0) at G = 4: the trees' reduce + broadcast
+    cost 2·⌈log₂ 4⌉ = 4 D/B, the ring chains 2 D/B (a ring allreduce's 2(G−1)/G = 1.5 D/B
+    needs every worker in the inter step, which a leaders' inter step does not have)."""
+    fabric = NetworkModel(latency_s=0.0, bandwidth_Bps=1e9)
+    numel = 2500
+    dense, seconds = 4 * numel, {}
+    for algorithm in ("tree", "ring"):
+        hierarchy = Hierarchy(4, fabric, fabric, algorithm)
+        comm = SimulatedCommunicator(4, fabric, hierarchy=hierarchy)  # one node: no inter cost
+        HierarchicalReducer(Identity(), comm, [(0, (numel,))]).reduce(
+            grads(4)[:, :1].repeat(1, numel), 0
+        )
+        seconds[algorithm] = comm.ledger.modeled_s
+    assert seconds["tree"] == pytest.approx(4 * dense / 1e9, rel=1e-12)
+    assert seconds["ring"] == pytest.approx(2 * dense / 1e9, rel=1e-12)
+
+
+def test_ring_pricing_keeps_compressed_values_and_memory():
+    """Top-k with error feedback across nodes: tree and ring pricing give the same aggregate
+    and the same leaders' memories, bit for bit; only the intra bytes differ."""
+    results = {}
+    for algorithm in ("tree", "ring"):
+        comm = ring_cluster(8, 4, algorithm)
+        reducer = HierarchicalReducer(TopK(ratio=0.05), comm, LAYOUT, ErrorFeedback("ef14"))
+        g = grads(8, 3)
+        for step in range(3):
+            reducer.reduce(g, step)
+        results[algorithm] = (g, reducer.memory.memory.clone(), comm.ledger)
+    assert torch.equal(results["ring"][0], results["tree"][0])
+    assert torch.equal(results["ring"][1], results["tree"][1])
+    ring, tree = results["ring"][2], results["tree"][2]
+    assert ring.bytes_by_tier["inter"] == tree.bytes_by_tier["inter"]
+    assert ring.bytes_by_tier["intra"] == [3 * 4 * D * (2 - (w % 4 in (0, 3))) for w in range(8)]
+
+
+def test_bad_intra_algorithm_is_refused():
+    with pytest.raises(ValueError, match="intra_algorithm=chain; choose one of: tree, ring"):
+        Hierarchy(2, LINK, ETHERNET, "chain")
+
+
 def test_error_feedback_lives_on_the_node_leaders():
     comm = cluster(8, 4)
     reducer = HierarchicalReducer(TopK(ratio=0.05), comm, LAYOUT, ErrorFeedback("ef14"))
@@ -141,3 +239,22 @@ def test_two_level_simulated_equals_gloo(tmp_path, overrides):
     # collectives need not add in the simulated order (issue 33, class b), so 1e-6 is a
     # float32 rounding budget here, CPU-dependent
     assert max_diff(simulated, gloo) <= 1e-6
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ring_priced_two_level_simulated_equals_gloo(tmp_path):
+    """`intra_algorithm=ring` on gloo (one node of G = 4: there the ring's bytes differ from
+    the trees'): the same parameters as simulated, and each rank's intra tier priced as the
+    ring — the summaries' intra bytes (mean over workers: leader D, inner 2D, last D per step)
+    and modeled seconds are the simulated run's."""
+    args = ("comm.hierarchy.workers_per_node=4", "comm.hierarchy.intra_algorithm=ring",
+            "compressor=topk", "compressor.ratio=0.05", "error_feedback=ef14")  # fmt: skip
+    simulated = run(tmp_path, "sim", *args)
+    gloo = run(tmp_path, "gloo", *args, "backend=gloo")
+    assert max_diff(simulated, gloo) <= 1e-6  # float32 rounding budget, as above
+    sim, real = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("sim", "gloo"))
+    dense = 4 * sim["num_params"]
+    assert sim["comm/bytes_intra"] == 1.5 * dense * sim["total_steps"]
+    assert real["comm/bytes_intra"] == sim["comm/bytes_intra"]
+    assert real["comm/modeled_s"] == pytest.approx(sim["comm/modeled_s"], rel=1e-12)

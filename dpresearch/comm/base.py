@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from dpresearch.comm.hierarchy import Tiers
 
 REDUCTIONS = ("ring", "centralized")
+# How `reduce` and `broadcast` are priced and charged (`Communicator.rooted_algorithm`).
+ROOTED_ALGORITHMS = ("tree", "ring")
 
 Message = Tensor | Sequence[Tensor]
 
@@ -136,6 +138,11 @@ class Communicator(ABC):
     """
 
     first_worker: int = 0
+    # How `reduce` and `broadcast` are priced and their bytes charged: "tree" (binomial trees;
+    # a broadcast charges its source only) or "ring" (NCCL's ring Reduce and Broadcast:
+    # pipelined chains along the ring, every hop charged). Only the ledger differs: the values
+    # are the same. A two-level cluster's intra tier takes `Hierarchy.intra_algorithm`.
+    rooted_algorithm: str = "tree"
 
     def __init__(
         self,
@@ -217,14 +224,24 @@ class Communicator(ABC):
             return self._all_gather(x)
 
     def broadcast(self, x: Tensor, src: int = 0, record: bool | str = True) -> None:
-        """In place: every row becomes worker `src`'s row. Bytes: charged to `src` alone."""
-        with self._timed(record, "broadcast", x, src=src):
+        """In place: every row becomes worker `src`'s row. Bytes: charged to `src` alone (a
+        tree: the payload handed in), or, priced as a ring (`rooted_algorithm`), to every
+        worker but src − 1, the last of the chain src → src+1 → … → src−1 (each before it
+        forwards the row)."""
+        if self.rooted_algorithm == "ring":
+            last = (src - 1) % self.world_size
+            timed = self._timed(record, "broadcast_ring", x, src=last, charge_src=False)
+        else:
+            timed = self._timed(record, "broadcast", x, src=src)
+        with timed:
             self._broadcast(x, src)
 
     def reduce(self, x: Tensor, dst: int = 0, record: bool | str = True) -> None:
         """In place: worker `dst`'s row becomes the sum of all K workers' rows; the other rows
-        are undefined afterwards. Bytes: every worker but `dst` is charged its row."""
-        with self._timed(record, "reduce", x, src=dst, charge_src=False):
+        are undefined afterwards. Bytes: every worker but `dst` is charged its row (a tree, or
+        a ring's chain dst+1 → … → dst, each hop a partial sum of one row)."""
+        kind = "reduce_ring" if self.rooted_algorithm == "ring" else "reduce"
+        with self._timed(record, kind, x, src=dst, charge_src=False):
             self._reduce(x, dst)
 
     def all_to_all(self, x: Tensor, record: bool | str = True) -> Tensor:

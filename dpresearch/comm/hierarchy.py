@@ -6,7 +6,9 @@ communicator of such a run carries `tiers`: `intra`, collectives inside every no
 node leaders (a group of N = K/G; priced on `network.inter`, by default the run's network),
 held only by processes holding a leader. Both record into the process's ledger, their ops tagged
 with the tier (`comm/bytes_intra`, `comm/bytes_inter`; `comm/modeled_s` prices each tier on its
-own link).
+own link). `comm.hierarchy.intra_algorithm` prices the intra tier's reduce and broadcast as
+binomial trees ("tree", the default) or as NCCL's intra-node ring ("ring": its pipelined Reduce
+and Broadcast chains; `Communicator.rooted_algorithm`); the values are the same either way.
 
 Simulated, `intra` is one communicator over all K rows that reduces and broadcasts within each
 node's G rows, and `inter` one over the N leader rows. On real ranks the groups are
@@ -24,7 +26,13 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from dpresearch.comm.base import Communicator, ExchangePlan, Message, PendingOp
+from dpresearch.comm.base import (
+    ROOTED_ALGORITHMS,
+    Communicator,
+    ExchangePlan,
+    Message,
+    PendingOp,
+)
 from dpresearch.comm.network import NetworkModel
 
 if TYPE_CHECKING:
@@ -36,11 +44,20 @@ INTRA, INTER = "intra", "inter"
 @dataclass(frozen=True)
 class Hierarchy:
     """Nodes of `workers_per_node` workers; `intra` prices links inside a node, `inter` links
-    between nodes."""
+    between nodes; `intra_algorithm` ("tree" or "ring") how the intra tier's reduce and
+    broadcast are priced and charged (`Communicator.rooted_algorithm`)."""
 
     workers_per_node: int
     intra: NetworkModel
     inter: NetworkModel
+    intra_algorithm: str = "tree"
+
+    def __post_init__(self) -> None:
+        if self.intra_algorithm not in ROOTED_ALGORITHMS:
+            raise ValueError(
+                f"comm.hierarchy.intra_algorithm={self.intra_algorithm}; choose one of: "
+                f"{', '.join(ROOTED_ALGORITHMS)}"
+            )
 
     def nodes(self, workers: int) -> int:
         if workers % self.workers_per_node:
@@ -56,12 +73,16 @@ class Tiers:
     """A process's view of a two-level cluster. intra: collectives inside each node over all
     the process's rows (worker ids within the node; src/dst 0 is the leader). inter: collectives
     among the leaders over the process's leader rows (ids: node indices), None on a process
-    holding no leader. leaders: the process's rows that lead their node, in `inter`'s order."""
+    holding no leader. leaders: the process's rows that lead their node, in `inter`'s order.
+    Built, it sets `intra`'s `rooted_algorithm` to the hierarchy's `intra_algorithm`."""
 
     hierarchy: Hierarchy
     intra: Communicator
     inter: Communicator | None
     leaders: list[int]
+
+    def __post_init__(self) -> None:
+        self.intra.rooted_algorithm = self.hierarchy.intra_algorithm
 
 
 class NodeGroups(Communicator):

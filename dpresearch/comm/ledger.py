@@ -3,7 +3,8 @@
 Bytes. `comm/bytes` in the metrics comes from these records — the size of the tensors each
 worker handed to the network (values, indices, scales, padding: whatever the payload holds) —
 never a formula. A collective counts its payload once per sending worker; a broadcast charges
-its source only; a point-to-point send of D bytes to p peers counts p·D for the sender (an
+its source only (priced as a ring, `Communicator.rooted_algorithm`: every worker forwarding
+it); a point-to-point send of D bytes to p peers counts p·D for the sender (an
 exponential graph is not as cheap as a ring). A receiver is charged nothing for what it only
 received.
 
@@ -65,8 +66,8 @@ class CommOp:
     """One collective, as the network model prices it.
 
     kind: "allreduce", "allreduce_ps" (parameter-server: gather to worker 0 + broadcast),
-    "allgather", "broadcast", "reduce" (to one worker), "alltoall" or "p2p" (neighbour
-    exchange).
+    "allgather", "broadcast", "reduce" (to one worker; both binomial trees), "broadcast_ring",
+    "reduce_ring" (the same as NCCL's ring chains), "alltoall" or "p2p" (neighbour exchange).
     nbytes: bytes of the payload row each worker handed to the collective.
     group: number of workers taking part.
     peers: for "p2p", the largest number of peers any worker sent its row to (the round ends

@@ -9,6 +9,10 @@ D bytes per worker:
 - ring allgather:            (n−1)α + (n−1) · D/B
 - broadcast (binomial tree): ⌈log₂ n⌉ · (α + D/B)
 - reduce to one worker (binomial tree, the broadcast reversed): ⌈log₂ n⌉ · (α + D/B)
+- ring broadcast / ring reduce (NCCL's Broadcast and Reduce: a chain along the ring, from the
+  root / ending at it, the payload pipelined through it in chunks, so every link carries D
+  once and each of the n−1 hops adds a latency; the limit of fine chunks):
+                             (n−1)α + D/B
 - all-to-all (each worker's row of D bytes is n slices, one per worker; pairwise exchange):
                              (n−1)α + (n−1)/n · D/B
 - neighbour exchange to p peers (sends serialised on one full-duplex link): α + p · D/B
@@ -161,6 +165,8 @@ class NetworkModel:
             return (n - 1) * a + self.allgather_factor * (n - 1) * d / b
         if kind in ("broadcast", "reduce"):
             return math.ceil(math.log2(n)) * (a + d / b)
+        if kind in ("broadcast_ring", "reduce_ring"):
+            return (n - 1) * a + d / b
         if kind == "alltoall":
             return (n - 1) * a + (n - 1) / n * d / b
         if kind == "p2p":

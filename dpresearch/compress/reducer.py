@@ -114,8 +114,9 @@ class HierarchicalReducer:
     nodes of node means: with the identity compressor, the flat mean of all K gradients.
 
     Bytes: the reduce charges every non-leader its row (intra), the inter aggregation charges
-    the leaders the compressor's payload (inter), the broadcast charges the leaders (intra); each
-    op is priced on its tier's link.
+    the leaders the compressor's payload (inter), the broadcast charges the leaders (intra;
+    priced as a ring, `comm.hierarchy.intra_algorithm=ring`, every worker of the chain but the
+    node's last); each op is priced on its tier's link.
     """
 
     passthrough = False

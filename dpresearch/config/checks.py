@@ -226,9 +226,22 @@ def check_comm(cfg: DictConfig) -> None:
 
 def check_hierarchy(cfg: DictConfig) -> None:
     """`comm.hierarchy` (a two-level cluster): nodes that divide the workers, and an algorithm
-    that reduces in two levels."""
+    that reduces in two levels; `intra_algorithm` one of ROOTED_ALGORITHMS, set only with
+    nodes."""
+    from dpresearch.comm.base import ROOTED_ALGORITHMS
+
     per_node = cfg.comm.hierarchy.workers_per_node
+    intra = cfg.comm.hierarchy.get("intra_algorithm", "tree")
+    if intra not in ROOTED_ALGORITHMS:
+        raise ConfigError(
+            f"comm.hierarchy.intra_algorithm={intra}; choose one of: {', '.join(ROOTED_ALGORITHMS)}"
+        )
     if per_node is None:
+        if intra != "tree":
+            raise ConfigError(
+                f"comm.hierarchy.intra_algorithm={intra} prices the intra-node step of a "
+                "two-level cluster; set comm.hierarchy.workers_per_node too, or drop it"
+            )
         return
     if per_node < 1:
         raise ConfigError(

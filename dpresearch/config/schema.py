@@ -127,9 +127,13 @@ class NetworkConfig:
 class HierarchyConfig:
     """A two-level cluster (`dpresearch.comm.hierarchy`): `workers_per_node` G (null: flat).
     Workers nG … nG+G−1 form node n; `algorithm=sync` then reduces inside each node exactly,
-    compresses across nodes (between the node leaders) and broadcasts back."""
+    compresses across nodes (between the node leaders) and broadcasts back.
+    `intra_algorithm`: how that intra-node reduce and broadcast are priced and their bytes
+    counted — "tree" (binomial trees) or "ring" (NCCL's intra-node ring: pipelined chains);
+    the values are the same."""
 
     workers_per_node: int | None = None
+    intra_algorithm: str = "tree"
 
 
 @dataclass

@@ -89,8 +89,9 @@ def network_model(cfg: DictConfig) -> NetworkModel:
 def hierarchy_of(cfg: DictConfig) -> Hierarchy | None:
     """The two-level cluster `comm.hierarchy` describes (None: flat): nodes of
     `workers_per_node`, links priced on `network.intra` inside and `network.inter` (null: the
-    run's network) between."""
-    per_node = cfg.comm.get("hierarchy", {}).get("workers_per_node")
+    run's network) between, the intra-node step priced as `intra_algorithm`."""
+    hierarchy = cfg.comm.get("hierarchy", {})
+    per_node = hierarchy.get("workers_per_node")
     if per_node is None:
         return None
     net = cfg.network
@@ -99,6 +100,7 @@ def hierarchy_of(cfg: DictConfig) -> Hierarchy | None:
         int(per_node),
         NetworkModel.preset(net.get("intra") or "nvlink"),
         NetworkModel.preset(inter) if inter else network_model(cfg),
+        hierarchy.get("intra_algorithm", "tree"),
     )
 
 
