@@ -889,3 +889,60 @@ def float32_mean_bound(rows: torch.Tensor) -> torch.Tensor:
     k = rows.shape[0]
     u = torch.finfo(torch.float32).eps / 2
     return (k + 3) * u * rows.double().abs().sum(0) / k
+
+
+# -- FP4 written out (tests/test_fp4.py, tests/test_codecs.py) ---------------------------------
+FP4_FIELDS = {"e3m0": (3, 0, 3), "e2m1": (2, 1, 1)}  # exponent bits, mantissa bits, bias
+
+
+def fp4_values(fmt: str) -> list[float]:
+    """The 16 values of a 4-bit float s|e|m of `fmt`, by the IEEE rule for its fields (exponent
+    0: subnormal 2^(1−bias)·m/2^M; else 2^(e−bias)·(1 + m/2^M); no infinity, no NaN): the value
+    of code c at index c."""
+    exponent_bits, mantissa_bits, bias = FP4_FIELDS[fmt]
+    values = []
+    for code in range(16):
+        sign = -1.0 if code >> 3 else 1.0
+        e, m = (code & 7) >> mantissa_bits, code & ((1 << mantissa_bits) - 1)
+        if e == 0:
+            values.append(sign * 2.0 ** (1 - bias) * m / 2**mantissa_bits)
+        else:
+            values.append(sign * 2.0 ** (e - bias) * (1 + m / 2**mantissa_bits))
+    assert len({abs(v) for v in values}) == 8 and max(values) < 2 ** (2**exponent_bits)
+    return values
+
+
+def fp4_reference(
+    v: torch.Tensor, fmt: str, bucket: int, u: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP4 of one chunk `v` (1-D fp32) by brute force: (codes, scales, decoded). Per bucket the
+    scale s = fp32(max|v| / top), then y = |v|/s divided in fp32 as the codec's contract says
+    (the one fp32 step; an all-zero bucket keeps y = 0) and in float64 from there: with `u`
+    None, the magnitude nearest y among the format's eight (a tie: the larger); else the
+    magnitudes lo ≤ y < hi around it and hi iff u < p, p = (y − lo)/(hi − lo) formed in fp32 as
+    the contract says. Code: magnitude index + 8 if v < 0; decoded: fp32(value·s) (the float64
+    product of two fp32 numbers with ≤ 2 significant bits is exact: one rounding)."""
+    values = torch.tensor(fp4_values(fmt), dtype=torch.float64)
+    mags = values[:8]
+    codes = torch.empty(v.numel(), dtype=torch.long)
+    scales = []
+    for start in range(0, v.numel(), bucket):
+        part = v[start : start + bucket]
+        scale = torch.tensor(part.double().abs().max().item() / mags.max().item()).float()
+        scales.append(scale)
+        y32 = part.abs() / scale if scale > 0 else torch.zeros_like(part)
+        y = y32.double()
+        dist = (y[:, None] - mags[None, :]).abs()
+        if u is None:
+            nearest = dist == dist.min(1, keepdim=True).values
+            index = (nearest * torch.arange(8)).max(1).values  # the largest of the nearest
+        else:
+            index = (y[:, None] >= mags[None, :]).sum(1) - 1
+            lo, hi = mags[index], mags[(index + 1).clamp(max=7)]
+            p = ((y32 - lo.float()) / (hi - lo).float()).double()
+            p[index == 7] = 0.0
+            index = index + (u[start : start + bucket].double() < p).long()
+        codes[start : start + bucket] = index + 8 * (part < 0).long()
+    scales = torch.stack(scales)
+    per_entry = torch.repeat_interleave(scales.double(), bucket)[: v.numel()]
+    return codes, scales, (values[codes] * per_entry).float()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import layout_of
+from helpers import fp4_reference, layout_of
 
 import dpresearch.compress as dc
 from dpresearch.comm.network import NetworkModel
@@ -89,6 +89,16 @@ def ref_quantize(c: dc.QSGD, v: torch.Tensor, chunk: Chunk, step: int, worker: i
     return out
 
 
+def ref_fp4(c: dc.FP4, v: torch.Tensor, chunk: Chunk, step: int, worker: int) -> torch.Tensor:
+    """`helpers.fp4_reference`, with the worker's 16-bit stream for stochastic rounding."""
+    u = None
+    if c.rounding == "stochastic":
+        seed = rng.stream_seed("FP4", c.seed, worker, chunk.key, step)
+        u = rng.Int16Stream(seed, torch.device("cpu")).fill(torch.empty(v.numel())) + 32768.5
+        u = u.double() / 65536.0
+    return fp4_reference(v, c.format, c.bucket(v.numel()), u)[2]
+
+
 def ref_scaled_sign(c, v: torch.Tensor, chunk: Chunk, step: int, worker: int) -> torch.Tensor:
     scale = v.abs().sum() / v.numel()
     return torch.where(torch.signbit(v), -scale, scale)
@@ -117,6 +127,11 @@ CODECS = {
     "qsgd": (lambda: dc.QSGD(levels=7, bucket_size=100, seed=SEED), ref_quantize),
     "qsgd_s3": (lambda: dc.QSGD(levels=3, bucket_size=None, seed=SEED), ref_quantize),
     "terngrad": (lambda: dc.TernGrad(seed=SEED), ref_quantize),
+    "fp4": (lambda: dc.FP4(seed=SEED), ref_fp4),
+    "fp4_e2m1_stochastic": (
+        lambda: dc.FP4(format="e2m1", rounding="stochastic", bucket_size=100, seed=SEED),
+        ref_fp4,
+    ),
     "sign": (lambda: dc.ScaledSign(seed=SEED), ref_scaled_sign),
     "signum": (lambda: dc.MajorityVote(seed=SEED), ref_vote),
 }

@@ -52,6 +52,7 @@ from dpresearch.compress.channel import (
 from dpresearch.compress.codec import ChunkCodec, Codec, WirePlan
 from dpresearch.compress.ddp_hook import make_comm_hook
 from dpresearch.compress.error_feedback import ErrorFeedback
+from dpresearch.compress.fp4 import FP4
 from dpresearch.compress.layout import param_layout, plan_buckets
 from dpresearch.compress.natural import Natural
 from dpresearch.compress.onebit import OneBit
@@ -68,6 +69,7 @@ from dpresearch.compress.topk import TopK
 
 __all__ = [
     "BF16",
+    "FP4",
     "FP16",
     "QSGD",
     "Aggregation",

@@ -14,7 +14,9 @@ from dpresearch.compress.base import COLLECTIVES, Compressor
 from dpresearch.compress.error_feedback import ErrorFeedback
 
 KINDS = ("sync", "gossip", "push")
-GOSSIP_CODECS = "compressor=topk, randomk, qsgd, natural, sign, onebit, terngrad, fp16 or identity"
+GOSSIP_CODECS = (
+    "compressor=topk, randomk, qsgd, fp4, natural, sign, onebit, terngrad, fp16 or identity"
+)
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dpresearch.compress.base import Chunk, SingleRoundCompressor
-from dpresearch.compress.quantize import MAX_LEVELS, QuantizeCodec, level_bits
-from dpresearch.compress.wire import Spec, packed_size
+from dpresearch.compress.quantize import MAX_LEVELS, BucketQuantizer, QuantizeCodec, level_bits
 
 
-class QSGD(SingleRoundCompressor):
+class QSGD(BucketQuantizer):
     """Q_s(v)_i = ‖v‖₂·sign(v_i)·ξ_i/s per bucket of `bucket_size` entries of a chunk (null: one
     bucket per chunk), ξ_i the stochastic rounding of s·|v_i|/‖v‖₂ (see `quantize.py`).
     Unbiased, with E‖Q_s(v) − v‖² ≤ min(d/s², √d/s)·‖v‖² per bucket of d entries (Lemma 3.1).
@@ -23,21 +21,10 @@ class QSGD(SingleRoundCompressor):
     codec_class = QuantizeCodec
 
     def __init__(self, levels: int = 7, bucket_size: int | None = 512, seed: int = 0) -> None:
-        super().__init__(seed)
         if not 1 <= levels <= MAX_LEVELS:
             raise ValueError(f"levels={levels}: must be in 1..{MAX_LEVELS} (at most 8 bits)")
-        if bucket_size is not None and bucket_size < 1:
-            raise ValueError(f"bucket_size={bucket_size}: must be >= 1 (or null: whole chunk)")
-        self.levels, self.bucket_size = levels, bucket_size
-        self.bits = level_bits(levels)
-
-    def bucket(self, numel: int) -> int:
-        """Entries per bucket in a chunk of `numel` entries."""
-        return max(1, min(self.bucket_size or numel, numel))
-
-    def payload_spec(self, chunk: Chunk, dtype: torch.dtype) -> Spec:
-        buckets = -(-chunk.numel // self.bucket(chunk.numel))
-        return [(torch.float32, buckets), (torch.uint8, packed_size(chunk.numel, self.bits))]
+        super().__init__(level_bits(levels), bucket_size, seed)
+        self.levels = levels
 
     def norms(self, buckets: Tensor) -> Tensor:
         """The norm of each bucket as the wire carries it, fp32: `[..., B]` → `[...]` (the scale

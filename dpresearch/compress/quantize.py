@@ -16,20 +16,26 @@ dither stream, seeded by (method, run seed, worker, chunk key, step).
 `QuantizeCodec` quantizes a whole bucket for all rows at once: norms per group of equal-size
 chunks (a `[R, G, buckets, B]` view), one dither fill per row and chunk, one pass for the
 levels, one `pack_rows` per run of chunks.
+
+The plan it shares with the FP4 codec (`fp4.py`) — one fp32 scale per bucket, bit-packed codes
+after them — is `BucketQuantizer` (the compressor side: bucket size, bits, payload) and
+`ScaledCodec` (the codec side: where each bucket's scale sits, the packing runs).
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from dpresearch.compress import rng
-from dpresearch.compress.chunks import ChunkGroup
+from dpresearch.compress.base import SingleRoundCompressor
+from dpresearch.compress.chunks import Chunk, ChunkGroup
 from dpresearch.compress.codec import Codec
 from dpresearch.compress.kernels import cast_into
-from dpresearch.compress.wire import pack_rows, packed_size, unpack_rows
+from dpresearch.compress.wire import Spec, pack_rows, packed_size, unpack_rows
 
 if TYPE_CHECKING:
     from dpresearch.compress.qsgd import QSGD
@@ -55,17 +61,50 @@ def bucket_parts(view: Tensor, bucket: int) -> list[Tensor]:
     return parts
 
 
-class QuantizeCodec(Codec):
-    """The codec of `QSGD` and its subclasses (the compressor supplies `levels`, `bits`,
-    `bucket(d)` and `norms(parts)`). Payload per chunk: fp32 norms (one region for all chunks),
-    then bit-packed levels (a second region)."""
+def absmax(buckets: Tensor) -> Tensor:
+    """max |v| of each bucket `[..., B]` → `[...]`, fp32 (exact: a max loses nothing)."""
+    low, high = torch.aminmax(buckets, dim=-1)  # one pass; vector_norm(inf) is far slower
+    return torch.maximum(-low, high).to(torch.float32)
 
-    compressor: QSGD
+
+class BucketQuantizer(SingleRoundCompressor):
+    """A quantizer with one fp32 scale per bucket of `bucket_size` entries of a chunk (null: one
+    bucket per chunk) and `bits`-wide codes per entry. Payload per chunk of d entries:
+    4·⌈d/B⌉ + ⌈d·bits/8⌉ bytes — the scales, then the bit-packed codes. Non-linear (per-worker
+    scales): gathered. Subclasses give `bits`, `norms` (the scale of each bucket) and the
+    codec."""
+
+    def __init__(self, bits: int, bucket_size: int | None, seed: int = 0) -> None:
+        super().__init__(seed)
+        if bucket_size is not None and bucket_size < 1:
+            raise ValueError(f"bucket_size={bucket_size}: must be >= 1 (or null: whole chunk)")
+        self.bits, self.bucket_size = bits, bucket_size
+
+    def bucket(self, numel: int) -> int:
+        """Entries per bucket in a chunk of `numel` entries."""
+        return max(1, min(self.bucket_size or numel, numel))
+
+    def payload_spec(self, chunk: Chunk, dtype: torch.dtype) -> Spec:
+        buckets = -(-chunk.numel // self.bucket(chunk.numel))
+        return [(torch.float32, buckets), (torch.uint8, packed_size(chunk.numel, self.bits))]
+
+    @abstractmethod
+    def norms(self, buckets: Tensor) -> Tensor:
+        """The scale of each bucket as the wire carries it, fp32: `[..., B]` → `[...]`."""
+
+
+class ScaledCodec(Codec):
+    """The plan of a `BucketQuantizer`'s codec: the fp32 scales of all chunks' buckets in one
+    region of the row (`num_norms`; `norm_slots[g]`, group g's slots in it), the packed codes
+    in a second one (`spans`: the row columns and code bytes of each run of chunks that packs
+    as one stream)."""
+
+    compressor: BucketQuantizer
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         c = self.compressor
-        self.levels, self.bits = c.levels, c.bits
+        self.bits = c.bits
         self.name = type(c).__name__
         self.num_norms = self.layout.regions[torch.float32][1]
         # per group: the slots of its chunks' norms in the norms region, [G·buckets]
@@ -98,14 +137,54 @@ class QuantizeCodec(Codec):
             pairs.append((parts[1], values[..., full:, :]))
         return pairs, view
 
-    def encode_rows(self, x: Tensor, step: int, workers: tuple[int, ...], wire: Tensor) -> None:
-        c, rows = self.compressor, x.shape[0]
-        norms = self.ws.get("norms", (rows, self.num_norms), torch.float32, self.device)
+    def bucket_norms(self, x: Tensor) -> Tensor:
+        """The scales of every bucket of the rows `x` `[R, n]`: `[R, num_norms]` fp32 (a
+        workspace buffer), in the order of the wire's scale region."""
+        c = self.compressor
+        norms = self.ws.get("norms", (x.shape[0], self.num_norms), torch.float32, self.device)
         for group, slots in zip(self.table.groups, self.norm_slots, strict=True):
             view = self.table.view(x, group)
-            bucket = c.bucket(group.numel)
-            found = [c.norms(part) for part in bucket_parts(view, bucket)]
+            found = [c.norms(part) for part in bucket_parts(view, c.bucket(group.numel))]
             norms.index_copy_(1, slots, torch.cat(found, -1).flatten(1))
+        return norms
+
+    def scale_buckets(self, x: Tensor, per_bucket: Tensor, op=Tensor.mul_) -> None:
+        """`op(bucket, value)` in place on every bucket of the rows `x` `[R, n]` with its value
+        from `per_bucket` `[R, num_norms]` (wire order), e.g. multiply by the bucket's scale."""
+        for group, slots in zip(self.table.groups, self.norm_slots, strict=True):
+            pairs, view = self._group_parts(x, group, slots, per_bucket)
+            for part, s in pairs:
+                op(part, s)
+            if group.index is not None:  # a gathered copy: put it back
+                self.table.put(x, group, view)
+
+    def pack_codes(self, codes: Tensor, wire: Tensor) -> None:
+        """Bit-pack the uint8 `codes` `[R, n]` into the code region of `wire` `[R, L]`."""
+        packed = self.layout.region(wire, torch.uint8)
+        for cols, span in self.spans:
+            pack_rows(codes[:, cols], self.bits, packed[:, span], self.ws)
+
+    def unpack_codes(self, wire: Tensor, out: Tensor) -> None:
+        """The codes of wire rows `[R, L]` into the uint8 `out` `[R, n]`."""
+        packed = self.layout.region(wire, torch.uint8)
+        for cols, span in self.spans:
+            out[:, cols] = unpack_rows(packed[:, span], self.bits, cols.stop - cols.start, self.ws)
+
+
+class QuantizeCodec(ScaledCodec):
+    """The codec of `QSGD` and its subclasses (the compressor supplies `levels`, `bits`,
+    `bucket(d)` and `norms(parts)`). Payload per chunk: fp32 norms (one region for all chunks),
+    then bit-packed levels (a second region)."""
+
+    compressor: QSGD
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.levels = self.compressor.levels
+
+    def encode_rows(self, x: Tensor, step: int, workers: tuple[int, ...], wire: Tensor) -> None:
+        c = self.compressor
+        norms = self.bucket_norms(x)
         scale = torch.where(norms > 0, self.levels * 65536.0 / norms, torch.zeros_like(norms))
         part = self.ws.get("part", tuple(x.shape), torch.float32, self.device)
         for row, worker in enumerate(workers):
@@ -125,23 +204,12 @@ class QuantizeCodec(Codec):
         codes = self.ws.get("codes", tuple(x.shape), torch.uint8, self.device)
         # Truncation is the floor here (part ≥ 0); the clamp guards v·s/ν rounding above s.
         cast_into(codes, part).clamp_(max=2 * self.levels)
-        packed = self.layout.region(wire, torch.uint8)
-        for cols, span in self.spans:
-            pack_rows(codes[:, cols], self.bits, packed[:, span], self.ws)
+        self.pack_codes(codes, wire)
         self.layout.write_region(wire, torch.float32, norms)
 
     def decode_rows(self, wire: Tensor, step: int, out: Tensor) -> None:
-        packed = self.layout.region(wire, torch.uint8)
         signed = self.ws.get("signed", (wire.shape[0], self.numel), torch.uint8, self.device)
-        for cols, span in self.spans:
-            codes = unpack_rows(packed[:, span], self.bits, cols.stop - cols.start, self.ws)
-            # ξ = codes − s wraps modulo 256 in uint8, which read as int8 is the signed level.
-            torch.sub(codes, self.levels, out=signed[:, cols])
-        out.copy_(signed.view(torch.int8))
-        step_size = self.layout.region(wire, torch.float32) / self.levels
-        for group, slots in zip(self.table.groups, self.norm_slots, strict=True):
-            pairs, view = self._group_parts(out, group, slots, step_size)
-            for part, s in pairs:
-                part.mul_(s)
-            if group.index is not None:
-                self.table.put(out, group, view)
+        self.unpack_codes(wire, signed)
+        # ξ = codes − s wraps modulo 256 in uint8, which read as int8 is the signed level.
+        out.copy_(signed.sub_(self.levels).view(torch.int8))
+        self.scale_buckets(out, self.layout.region(wire, torch.float32) / self.levels)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from dpresearch.compress.qsgd import QSGD
+from dpresearch.compress.quantize import absmax
 
 
 class TernGrad(QSGD):
@@ -21,5 +21,4 @@ class TernGrad(QSGD):
         super().__init__(levels=1, bucket_size=None, seed=seed)
 
     def norms(self, buckets: Tensor) -> Tensor:
-        low, high = torch.aminmax(buckets, dim=-1)  # one pass; vector_norm(inf) is far slower
-        return torch.maximum(-low, high).to(torch.float32)
+        return absmax(buckets)
