@@ -18,6 +18,9 @@ What a report states (one rule for every study):
   twice, unresolved otherwise. Nothing is concluded beyond the last horizon.
 - **Published numbers** in a table of their own, with their set-up and source, never in a
   column beside ours.
+- **Counts** a reading quotes, in the notes (`summary_sentences`): the runs by role, the grids
+  grown, and per horizon how many picks are interior, at an edge and within noise — so that no
+  README types a count by hand (`tests/test_study_readme_counts.py` ties each to the run data).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import math
 import shlex
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +148,107 @@ def build(study: Study, header: dict, runs, metrics, include_failed: bool = Fals
     report.notes += duplicate_seed_notes(finished, ["case", lr_column(study)], "cfg.seed")
     if header.get("source"):
         report.notes.append(f"run data: {header['source']}")
+    report.notes += summary_sentences(report)
     return report
+
+
+# -- counts a README quotes (issue 32: counts are generated, not typed) --------------------------
+@dataclass(frozen=True)
+class PickCounts:
+    """At one horizon (or summed over several): `tuned` cases with a grid of their own,
+    `picks` of them with a selectable lr, `edge` picks at an edge of the lrs tried (`bound` of
+    them with the bound reached), `close` picks won within noise."""
+
+    tuned: int
+    picks: int
+    edge: int
+    bound: int
+    close: int
+
+    @property
+    def interior(self) -> int:
+        return self.picks - self.edge
+
+    def __add__(self, other: PickCounts) -> PickCounts:
+        return PickCounts(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
+def pick_counts(study: Study, horizon: Horizon) -> PickCounts:
+    picks = horizon.picks.values()
+    return PickCounts(
+        sum(c.lr_from is None for c in study.cases),
+        len(picks),
+        sum(bool(p.edge) for p in picks),
+        sum(p.bound_reached for p in picks),
+        sum(p.close for p in picks),
+    )
+
+
+def run_counts(study: Study, runs) -> dict[str, int]:
+    """How many runs did what: `grid` on the tuning seeds at their case's initial lrs,
+    `extensions` on the tuning seeds at lrs a grid extension added, `final` the rest (the final
+    seeds, and cases that reuse another case's lr)."""
+    lr_col = lr_column(study)
+    tuning = runs[runs["cfg.seed"].isin(list(study.selection_seeds))]
+    own = {c.name: set(c.lrs) for c in study.cases if c.lr_from is None}
+    tuned = tuning[tuning["case"].isin(own)]
+    grid = sum(float(lr) in own[case]
+               for case, lr in zip(tuned["case"], tuned[lr_col], strict=True))  # fmt: skip
+    return {"grid": grid, "extensions": len(tuned) - grid, "final": len(runs) - len(tuned)}
+
+
+def grown_grids(study: Study, runs) -> dict[str, tuple[int, int]]:
+    """Each tuned case whose tuning seeds ran lrs beyond its initial grid → (how many above
+    its largest initial lr, how many below its smallest)."""
+    lr_col = lr_column(study)
+    tuning = runs[runs["cfg.seed"].isin(list(study.selection_seeds))]
+    out = {}
+    for case in study.cases:
+        if case.lr_from is not None or not case.lrs:
+            continue
+        tried = {float(v) for v in tuning[tuning["case"] == case.name][lr_col].dropna()}
+        up = sum(v > max(case.lrs) for v in tried)
+        down = sum(v < min(case.lrs) for v in tried)
+        if up or down:
+            out[case.name] = (up, down)
+    return out
+
+
+def _picks_sentence(counts: PickCounts, where: str) -> str:
+    n = counts.picks
+    text = (
+        f"picks{where}: {counts.interior} of {n} interior, {counts.edge} at an edge of the lrs "
+        f"tried ({counts.bound} with the bound reached); {counts.close} of {n} won within noise"
+    )
+    missing = counts.tuned - n
+    if missing > 0:
+        text += f"; {missing} of {counts.tuned} tuned cases with no selectable lr"
+    return text
+
+
+def summary_sentences(report: StudyReport) -> list[str]:
+    """The counts a reading quotes, stated by the report so that none is typed by hand: the
+    runs by role, the grids grown, and the picks at each horizon (and over all of them)."""
+    study = report.study
+    runs = run_counts(study, report.runs)
+    grown = grown_grids(study, report.runs)
+    tuned = sum(c.lr_from is None for c in study.cases)
+    lines = [
+        f"runs by role: {runs['grid']} on the tuning seeds at the initial grids' lrs, "
+        f"{runs['extensions']} on the tuning seeds at lrs added by grid extensions, "
+        f"{runs['final']} final-seed or reused-lr runs",
+        f"grids grown past their initial lrs: {len(grown)} of {tuned} tuned cases "
+        f"({sum(u > 0 for u, _ in grown.values())} upwards, "
+        f"{sum(d > 0 for _, d in grown.values())} downwards)",
+    ]
+    counts = [pick_counts(study, h) for h in report.horizons]
+    if len(counts) == 1:
+        return [*lines, _picks_sentence(counts[0], "")]
+    lines += [_picks_sentence(c, f" at {h.label}") for c, h in zip(counts, report.horizons,
+                                                                   strict=True)]  # fmt: skip
+    total = sum(counts[1:], counts[0])
+    lines.append(_picks_sentence(total, f" over the {len(counts)} horizons"))
+    return lines
 
 
 REPRICED = "comm/modeled_s@"
