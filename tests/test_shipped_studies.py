@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import re
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from helpers import REPO
@@ -87,6 +88,89 @@ def test_published_numbers_name_their_source_and_unit():
     assert "90.05" not in grace.values() and "90.77" not in grace.values()
     assert grace["GRACE: topk ratio 0.01, no memory"] == "84.77"
     assert grace["GRACE: no compression (baseline, plain SGD optimizer)"] == "89.13"
+
+
+# Each shipped report's published rows: (case, value) pairs beside our cases (like for like) and
+# in the "other setting" block, read back from the committed results.md.
+SAME_HEADING = "## Published numbers in our case's setting"
+OTHER_HEADING = "## Published, other setting"
+
+
+def _published_blocks(text: str) -> dict[str, list[list[str]]]:
+    """The rows of each published table of a results.md, cells stripped, by heading prefix."""
+    blocks: dict[str, list[list[str]]] = {}
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        for heading in (SAME_HEADING, OTHER_HEADING):
+            if line.startswith(heading):
+                rows = []
+                for row in lines[i + 2 :]:
+                    if not row.startswith("|"):
+                        break
+                    rows.append([c.strip() for c in row.strip("|").split(" | ")])
+                blocks[heading] = rows
+    return blocks
+
+
+def test_published_rows_are_like_for_like_or_name_what_differs():
+    """Issue 32, item 3: every published row either was measured in the setting of the case it
+    names (empty `differs`) or names what differs; a row naming no case names what differs too.
+    Each shipped report keeps the two apart: like-for-like rows in one table, the others in a
+    "published, other setting" table headed by their case and what differs — no row in both."""
+    for path in sorted(REPO.glob("experiments/*/published*.csv")):
+        with path.open() as f:
+            rows = list(csv.DictReader(f))
+        assert rows and "differs" in rows[0], path.name
+        for row in rows:
+            assert row["case"] or row["differs"], (path.name, row["setting"])
+    checked = 0
+    for path in STUDIES:
+        study = load_study(path)
+        if not study.published:
+            continue
+        with (path.parent / study.published["file"]).open() as f:
+            rows = list(csv.DictReader(f))
+        names = {c.name for c in study.cases}
+        rows = [r for r in rows if r["case"] in names or not r["case"]]
+        same = [(r["case"], r["value"]) for r in rows if r["case"] and not r["differs"]]
+        other = [(r["case"], r["differs"], r["value"]) for r in rows
+                 if r["differs"] or not r["case"]]  # fmt: skip
+        blocks = _published_blocks((study.results_dir / "results.md").read_text())
+        header = f"{path.parent.name}/{path.stem}"
+        shown_same = blocks.get(SAME_HEADING, [])
+        shown_other = blocks.get(OTHER_HEADING, [])
+        if same:  # header row first; the case is the first column, the value the third
+            assert shown_same[0][:3] == ["case", "setting", "value"], header
+            assert [(r[0], r[2]) for r in shown_same[2:]] == same, header
+        else:
+            assert not shown_same, header
+        if other:
+            head = shown_other[0][:4]
+            assert head == ["nearest case of ours", "what differs", "setting", "value"], header
+            assert [(r[0], r[1], r[3]) for r in shown_other[2:]] == other, header
+        else:
+            assert not shown_other, header
+        checked += 1
+    assert checked >= 7
+
+
+def test_published_split_keeps_other_settings_out_of_the_join():
+    """`split_by_setting` and `join_published` agree: a row naming what differs, or no case,
+    is never beside our case; a like-for-like row is, and the join says why a row is left out."""
+    import pandas as pd
+
+    from dpresearch.analysis.published import Published, join_published, split_by_setting
+
+    frame = pd.DataFrame({
+        "case": ["A", "A", "", "B"], "differs": ["", "levels 64 (ours 1)", "no case", ""],
+        "value": [1.0, 2.0, 3.0, 4.0], "source": ["p", "q", "r", "s"],
+    })  # fmt: skip
+    same, other = split_by_setting(frame)
+    assert list(same["value"]) == [1.0, 4.0] and list(other["value"]) == [2.0, 3.0]
+    published = Published(Path("x.csv"), frame, "case", ["value"], "source", ["p", "q", "r", "s"])
+    table, notes = join_published(pd.DataFrame({"case": ["A", "B"]}), published, "case")
+    assert list(table["published value"]) == ["1.0", "4.0"]
+    assert "published A not joined, other setting: levels 64 (ours 1)" in notes
 
 
 def test_plots_keep_distinct_colours_up_to_twenty_series(tmp_path):

@@ -17,7 +17,9 @@ What a report states (one rule for every study):
   difference exceeds twice its standard error, the opposite holds where it is below minus
   twice, unresolved otherwise. Nothing is concluded beyond the last horizon.
 - **Published numbers** in a table of their own, with their set-up and source, never in a
-  column beside ours.
+  column beside ours; a row measured in another setting than the case it names (its `differs`
+  column) or naming no case goes to a second table, "published, other setting", naming what
+  differs.
 - **Counts** a reading quotes, in the notes (`summary_sentences`): the runs by role, the grids
   grown, and per horizon how many picks are interior, at an edge and within noise — so that no
   README types a count by hand (`tests/test_study_readme_counts.py` ties each to the run data).
@@ -656,15 +658,38 @@ def describe(report: StudyReport) -> list[str]:
 
 
 def published_markdown(frame) -> list[str]:
+    """Published rows like for like with the case they name (no `differs`) in one table, and
+    rows in another setting (their `differs` says what; or no case of ours) in a second table
+    with what differs beside the nearest case, so no number sits beside a case it was not
+    measured in (`analysis.published.split_by_setting`)."""
+    from dpresearch.analysis.published import DIFFERS, split_by_setting
+
     if frame is None or frame.empty:
         return []
-    columns = [c for c in frame.columns if c not in ("note",)]
-    lines = [
-        "## Published numbers (their set-up, their units — not comparable to ours)",
-        "",
-        markdown_table(frame, columns),
-        "",
-    ]
+    same, other = split_by_setting(frame)
+    shown = [c for c in frame.columns if c not in ("note", DIFFERS)]
+    lines = []
+    if not same.empty:
+        lines += [
+            "## Published numbers in our case's setting (their scale, their units — not "
+            "comparable to ours)",
+            "",
+            markdown_table(same, shown),
+            "",
+        ]
+    if not other.empty:
+        first = ["case", DIFFERS] if "case" in frame else [DIFFERS]
+        columns = [*first, *(c for c in shown if c not in first)]
+        other = other.assign(**{DIFFERS: other.get(DIFFERS, "")})
+        lines += [
+            "## Published, other setting (what differs from our nearest case named; not "
+            "beside our cases)",
+            "",
+            markdown_table(
+                other, columns, headers={"case": "nearest case of ours", DIFFERS: "what differs"}
+            ),
+            "",
+        ]
     if "note" in frame:
         lines += [f"- {n}" for n in frame["note"] if n] + [""]
     return lines
