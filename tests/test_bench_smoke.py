@@ -243,8 +243,9 @@ def test_consensus_metric_cost_tiny(tmp_path):
     assert 0 < data["share_median"] < data["old_share_median"]  # cheaper than before
 
 
-@pytest.mark.slow
 def test_gpu_benchmark_skips_cleanly_without_a_gpu_and_runs_on_the_cpu(tmp_path):
+    """The whole GPU table in smoke mode on the CPU (issue 31, item 5): ResNet-20 stacked,
+    vmapped, one by one and one process; the GPT rows at the test size."""
     import torch
 
     if not torch.cuda.is_available():
@@ -253,9 +254,14 @@ def test_gpu_benchmark_skips_cleanly_without_a_gpu_and_runs_on_the_cpu(tmp_path)
     out = tmp_path / "gpu.json"
     done = bench("gpu_batched.py", "--device", "cpu", "--workers", "2", "--batch", "2",
                  "--rounds", "1", "--block", "1", "--blocks", "1", "--warmup", "1",
-                 "--random-images", "--json", str(out))  # fmt: skip
-    assert "| loop ÷ batched |" in done.stdout and "| batched ÷ single (batch 4) |" in done.stdout
-    assert json.loads(out.read_text())["summary"]["loop_over_batched"][0] > 0
+                 "--random-images", "--gpt", "--gpt-model", "gpt_tiny",
+                 "--json", str(out))  # fmt: skip
+    for row in ("| loop ÷ stacked |", "| stacked ÷ single |", "| vmap ÷ stacked |"):
+        assert row in done.stdout, row
+    assert "stacked side: 2 workers stacked" in done.stdout
+    assert "GPT, batched_workers=stacked:" in done.stdout
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["loop_over_stacked"][0] > 0 and set(summary["gpt"]) == {"stacked", "false"}
 
 
 @pytest.mark.slow

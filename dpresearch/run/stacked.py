@@ -28,6 +28,7 @@ cannot run stacked (None: it can); `run/batched.py` decides between this, the vm
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,10 @@ from dpresearch.replicas import Replicas
 from dpresearch.run.slots import NULL_CONTEXT, slots
 
 ROWS, CHANNELS = "rows", "channels"
+# A leaf whose `.grad` is a strided view of the gradient rows is the point of this module: the
+# accumulation into it is in place; torch's note that the layouts differ from a fresh tensor's
+# would repeat at every step.
+warnings.filterwarnings("ignore", message="grad and param do not obey the gradient layout")
 
 
 class Unsupported(Exception):

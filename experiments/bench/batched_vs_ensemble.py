@@ -147,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "logreg"], choices=list(MODELS))
     parser.add_argument("--workers", nargs="+", type=int, default=[16, 64])
-    parser.add_argument("--modes", nargs="+", default=["auto"], choices=["auto", "true", "false"])
+    parser.add_argument(
+        "--modes", nargs="+", default=["auto"], choices=["auto", "true", "false", "stacked", "vmap"]
+    )
     parser.add_argument(
         "--floor", action="store_true", help="also the ensemble with its gradients in a buffer"
     )

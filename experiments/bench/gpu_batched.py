@@ -3,11 +3,14 @@
 
 ResNet-20 on CIFAR-10-shaped images (the CIFAR-10 subset if present, else seeded random
 images of the same shape and type: the arithmetic is the same), K = `--workers` (16) workers ×
-`--batch` (128) images, sync SGD (momentum 0.9), with the standard augmentation. Three sides,
+`--batch` (128) images, sync SGD (momentum 0.9), with the standard augmentation. Sides,
 alternating in rounds:
 
-- `batched`: the training loop with `train.batched_workers=true` (one vmapped forward and
-  backward over the K stacked parameter rows);
+- `stacked`: the training loop with `train.batched_workers=stacked` (one forward and backward
+  whose layers hold the K workers' weights as one tensor — grouped convolutions, per-worker
+  BatchNorm — writing the gradients into the K parameter rows; issue 31);
+- `vmap`: the same with `train.batched_workers=vmap` (a `torch.func.vmap` ensemble over the
+  rows, gradients copied into them; issue 16);
 - `loop`: the same with `train.batched_workers=false` (the workers one after another: K
   launches of every kernel);
 - `single`: one model, one process, batch K × `--batch` (2048), written here: gather,
@@ -16,12 +19,15 @@ alternating in rounds:
 Our steps are the trainer's step regions (`time/compute_s + time/comm_s`, median block after
 warm-up; every step reads its losses on the host for the divergence check, so the GPU has
 finished the step when its region ends); the single process is timed around the same work with
-a host read of its loss per step. Targets: loop ÷ batched ≥ 5; batched ÷ single ≤ 1.5. Prints
-images/s of each side. Without a GPU it prints one `skipped:` line and exits 0; `--device cpu`
+a host read of its loss per step. Targets: loop ÷ stacked ≥ 5; stacked ÷ single ≤ 1.5 (vmap ÷
+stacked beside them). Prints images/s of each side. `--gpt` adds the LM rows: tokens/s of K = 8
+simulated workers of nanoGPT's shakespeare-char GPT (without dropout, which the stacked GPT does
+not draw) stacked and one by one, and a minimal AdamW loop at the global batch
+(`lm_throughput.py`). Without a GPU it prints one `skipped:` line and exits 0; `--device cpu`
 runs the same code on the CPU (smoke runs at tiny sizes).
 
     python experiments/bench/gpu_batched.py [--workers 16] [--batch 128] [--rounds 5]
-        [--block 10] [--blocks 3] [--warmup 5] [--channels-last] [--autocast bf16]
+        [--block 10] [--blocks 3] [--warmup 5] [--channels-last] [--autocast bf16] [--gpt]
 """
 
 from __future__ import annotations
@@ -125,6 +131,27 @@ def single(args, data) -> float:
     return statistics.median(blocks)
 
 
+def gpt_rows(args) -> dict:
+    """The LM rows: `--gpt-model` (nanoGPT's shakespeare-char GPT) without dropout, K = 8 × 8
+    windows, stacked and one by one, beside a minimal AdamW loop at the global batch
+    (`lm_throughput.py`)."""
+    import lm_throughput
+
+    rows = {}
+    for mode in ("stacked", "false"):
+        json = args.json.with_name(f"{args.json.stem}-gpt-{mode}.json") if args.json else None
+        argv = ["--model", args.gpt_model, "--dropout", "0", "--workers", "8", "--batch", "8",
+                "--rounds", str(args.rounds), "--block", str(args.block), "--blocks", "2",
+                "--warmup", str(args.warmup), "--device", args.device, "--batched", mode,
+                "--sides", "simulated", "minimal_global",
+                *(["--autocast", args.autocast] if args.autocast else []),
+                *(["--json", str(json)] if json else [])]  # fmt: skip
+        print(f"\nGPT, batched_workers={mode}:", flush=True)
+        lm_throughput.main(argv)
+        rows[mode] = argv
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=16)
@@ -137,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--autocast", choices=["bf16", "fp16"], default=None)
     parser.add_argument("--random-images", action="store_true")
-    parser.add_argument("--sides", nargs="+", default=["batched", "loop", "single"],
-                        choices=["batched", "loop", "single"])  # fmt: skip
+    parser.add_argument("--sides", nargs="+", default=["stacked", "vmap", "loop", "single"],
+                        choices=["stacked", "vmap", "loop", "single"])  # fmt: skip
+    parser.add_argument("--gpt", action="store_true", help="also the LM rows (tokens/s)")
+    parser.add_argument("--gpt-model", default="gpt_nanogpt", help="conf/model preset for --gpt")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -153,16 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ResNet-20, K={args.workers} × {args.batch} on {name} ({what}); "
           f"{bt.load()}", flush=True)  # fmt: skip
     steps: dict[str, list[float]] = {s: [] for s in args.sides}
-    took = ""
+    took: dict[str, str] = {}
     for r in range(args.rounds):
         order = args.sides if r % 2 == 0 else list(reversed(args.sides))
         for side in order:
             if side == "single":
                 steps[side].append(single(args, data))
             else:
-                step, mode = ours(args, data, "true" if side == "batched" else "false")
+                step, mode = ours(args, data, "false" if side == "loop" else side)
                 steps[side].append(step)
-                took = mode if side == "batched" else took
+                took[side] = mode
         print(f"round {r}: " + ", ".join(f"{s} {images / steps[s][-1]:.0f} images/s"
                                          for s in args.sides), flush=True)  # fmt: skip
         results.add(round=r, step_s={s: steps[s][-1] for s in args.sides})
@@ -172,17 +201,17 @@ def main(argv: list[str] | None = None) -> int:
     for side in args.sides:
         print(f"| {side} | {images / statistics.median(steps[side]):.0f} | | |")
     summary = {}
-    if {"batched", "loop"} <= set(args.sides):
-        speedup = per_round("loop", "batched")
-        summary["loop_over_batched"] = speedup
-        print(f"| loop ÷ batched | | {statistics.median(speedup):.2f} "
-              f"{bt.fmt_range(speedup, 2)} | ≥ 5 |")  # fmt: skip
-    if {"batched", "single"} <= set(args.sides):
-        gap = per_round("batched", "single")
-        summary["batched_over_single"] = gap
-        print(f"| batched ÷ single (batch {images}) | | {statistics.median(gap):.2f} "
-              f"{bt.fmt_range(gap, 2)} | ≤ 1.5 |")  # fmt: skip
-    print(f"batched side: {took}")
+    for slow, fast, goal in (("loop", "stacked", "≥ 5"), ("stacked", "single", "≤ 1.5"),
+                             ("vmap", "stacked", "–"), ("loop", "vmap", "–")):  # fmt: skip
+        if {slow, fast} <= set(args.sides):
+            ratio = per_round(slow, fast)
+            summary[f"{slow}_over_{fast}"] = ratio
+            print(f"| {slow} ÷ {fast} | | {statistics.median(ratio):.2f} "
+                  f"{bt.fmt_range(ratio, 2)} | {goal} |")  # fmt: skip
+    for side, mode in took.items():
+        print(f"{side} side: {mode}")
+    if args.gpt:
+        summary["gpt"] = gpt_rows(args)
     results.write(summary=summary)
     print(f"wrote {results.path}")
     return 0

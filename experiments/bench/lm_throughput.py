@@ -63,6 +63,7 @@ def compose(args, workers: int):
         "train.progress=false", "train.save_model=false", "data.sample_tokens=0",
         f"train.device={args.device}", f"train.batched_workers={args.batched}",
         *([f"train.autocast={args.autocast}"] if args.autocast else []), "backend.threads=1",
+        *([f"model.dropout={args.dropout}"] if args.dropout is not None else []),
     ]  # fmt: skip
     return compose_run(*overrides)
 
@@ -138,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cuda", "cpu"])
     parser.add_argument("--clock", choices=["cpu", "wall"], default=None)
     parser.add_argument("--autocast", choices=["bf16", "fp16"], default=None)
-    parser.add_argument("--batched", default="auto", choices=["auto", "true", "false"])
+    parser.add_argument("--batched", default="auto",
+                        choices=["auto", "true", "false", "stacked", "vmap"])  # fmt: skip
+    parser.add_argument("--dropout", type=float, default=None,
+                        help="model.dropout (the stacked GPT runs without dropout)")  # fmt: skip
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
