@@ -323,8 +323,8 @@ def test_batched_run_killed_and_resumed_equals_uninterrupted(case, tmp_path, one
 
 def test_auto_batches_small_workers_on_the_cpu_and_says_so(capsys):
     """On a CPU `auto` stacks a stacked model's workers from two on; a model above the size
-    bound runs one by one; a model that cannot run stacked is vmapped from 8 workers while
-    their inputs fit the cache budget."""
+    bound, or workers whose inputs together exceed the cache budget, run one by one; a model
+    that cannot run stacked is vmapped from 8 workers."""
     data = preflight(compose_config(*SMALL))
     cpu = torch.device("cpu")
     way, line = decide(compose_config(*SMALL, "workers=16"), data, 16, cpu)
@@ -342,8 +342,8 @@ def test_auto_batches_small_workers_on_the_cpu_and_says_so(capsys):
     assert way == "vmap" and "stacked: the model (PlainMLP) has no stacked counterpart" in line
     way, line = decide(compose_config(*SMALL, odd, "workers=4"), data, 4, cpu)
     assert way is None and "cannot run stacked" in line and "from 8 workers" in line
-    wide = compose_config(odd, "workers=64", "data.num_features=3072", "data.num_train=4096",
-                          "train.batch_size=64")  # fmt: skip
+    wide = compose_config("model=logreg", "workers=64", "data.num_features=3072",
+                          "data.num_train=4096", "train.batch_size=64")  # fmt: skip
     way, line = decide(wide, preflight(wide), 64, cpu)
     assert way is None and "48.0 MiB" in line
     # and the run prints its choice once at the start

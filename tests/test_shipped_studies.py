@@ -188,4 +188,3 @@ def test_plots_keep_distinct_colours_up_to_twenty_series(tmp_path):
     assert all(list(line.get_xdata()) == sorted(line.get_xdata()) for line in lines)  # in x order
     assert fig.axes[0].get_ylabel() == "test accuracy (%)"
     assert max(lines[0].get_ydata()) == pytest.approx(30.0)  # a fraction shown in %
-

@@ -390,11 +390,9 @@ class StackedWorkers:
     def run(
         self, rows: Sequence[int], x: Tensor, y: Tensor, autocast: Any = None, scale: float = 1.0
     ) -> tuple[Tensor, Tensor]:
-        """Forward and backward of `rows` (ascending) on inputs `x` (`[S, B, ...]`) and targets
-        `y` (`[S, B, ...]`), the forward under the context `autocast`, the loss multiplied by
-        `scale` before differentiation; each row's gradient is written into its row of
-        `replicas.grads` (overwriting it) and its buffers updated. Returns the per-row losses
-        `[S]` and outputs `[S, B, ...]` (detached)."""
+        """`BatchedWorkers.run`'s contract: `rows` ascending, `x`/`y` `[S, B, ...]`; each
+        row's gradient overwrites its row of `replicas.grads`, its buffers are updated; the
+        per-row losses `[S]` and outputs `[S, B, ...]` come back detached."""
         reps = self.replicas
         lo, hi = rows[0], rows[-1] + 1
         contiguous = hi - lo == len(rows)
