@@ -37,6 +37,8 @@ from dpresearch.compress.workspace import Workspace
 if TYPE_CHECKING:
     from dpresearch.compress.base import SingleRoundCompressor
 
+DECODE_BLOCK = 1 << 24  # entries decoded per call in `accumulate` (64 MiB of fp32)
+
 
 @dataclass(frozen=True)
 class WirePlan:
@@ -125,16 +127,23 @@ class Codec:
         in the codec's dtype and added one r at a time, in order — the sums every backend
         forms identically. A wire row of zero bytes decodes to zeros (padding slots of a
         neighbour exchange, weighted 0, add nothing)."""
-        shape = (out.shape[0], self.numel)
-        decoded = self.ws.get("accumulate.decoded", shape, self.dtype, self.device)
+        b, count = out.shape[0], rows.shape[1]
+        # several r decoded per call (a decode's Python cost once per block, not per row),
+        # within DECODE_BLOCK entries of scratch
+        per = max(1, min(count, DECODE_BLOCK // max(b * self.numel, 1)))
         term = self.ws.get("accumulate.term", tuple(out.shape), out.dtype, self.device)
-        for r in range(rows.shape[1]):
-            self.decode(rows[:, r], step, decoded)
-            if weights is None:
-                out.add_(decoded)
-            else:
-                torch.mul(decoded, weights[:, r : r + 1], out=term)
-                out.add_(term)
+        for first in range(0, count, per):
+            last = min(count, first + per)
+            shape = (b, last - first, self.numel)
+            decoded = self.ws.get("accumulate.decoded", shape, self.dtype, self.device)
+            block = rows[:, first:last].reshape(-1, rows.shape[-1])
+            self.decode(block, step, decoded.view(-1, self.numel))
+            for r in range(first, last):
+                if weights is None:
+                    out.add_(decoded[:, r - first])
+                else:
+                    torch.mul(decoded[:, r - first], weights[:, r : r + 1], out=term)
+                    out.add_(term)
 
 
 class ChunkCodec(Codec):

@@ -10,7 +10,7 @@ from torch import Tensor
 from dpresearch.compress import rng
 from dpresearch.compress.base import Chunk, SingleRoundCompressor
 from dpresearch.compress.sign import SignCodec
-from dpresearch.compress.wire import Spec, packed_size
+from dpresearch.compress.wire import Spec, packed_size, unpack_rows
 
 MANTISSA_BITS = 23
 MAX_FINITE_EXPONENT = 254  # fp32 exponent field of the largest finite power of two, 2^127
@@ -33,27 +33,47 @@ class NaturalCodec(SignCodec):
 
     def encode_rows(self, x: Tensor, step: int, workers: tuple[int, ...], wire: Tensor) -> None:
         self._pack_signs(x, wire)
-        word = self.ws.get("word", tuple(x.shape), torch.float32, self.device)
-        word.copy_(x)
-        bits = word.view(torch.int32)
+        if x.dtype == torch.float32 and x.is_contiguous():
+            bits = x.view(torch.int32)
+        else:
+            bits = self.ws.get("word", tuple(x.shape), torch.float32, self.device).copy_(x)
+            bits = bits.view(torch.int32)
         draws = self.ws.get("draws", tuple(x.shape), torch.int32, self.device)
         for row, worker in enumerate(workers):
             for ch in self.chunks:
                 seed = rng.stream_seed("natural", self.compressor.seed, worker, ch.key, step)
                 rng.uniform_bits(seed, draws[row, ch.slice], MANTISSA_BITS)
-        exponent = (bits >> MANTISSA_BITS) & 0xFF
-        up = draws < (bits & ((1 << MANTISSA_BITS) - 1))
-        code = exponent.add_(up).clamp_(max=MAX_FINITE_EXPONENT)
-        finite = torch.isfinite(word)
-        code = torch.where(finite, code, torch.full_like(code, 0xFF))
+        shape = tuple(x.shape)
+        code = torch.bitwise_right_shift(
+            bits, MANTISSA_BITS, out=self.ws.get("code", shape, torch.int32, self.device)
+        )
+        code.bitwise_and_(0xFF)
+        # non-finite inputs (exponent field 255) stay non-finite
+        nonfinite = torch.eq(code, 0xFF, out=self.ws.get("nonfinite", shape, torch.bool,
+                                                          self.device))  # fmt: skip
+        mantissa = self.ws.get("mantissa", shape, torch.int32, self.device)
+        torch.bitwise_and(bits, (1 << MANTISSA_BITS) - 1, out=mantissa)
+        up = torch.lt(draws, mantissa, out=self.ws.get("up", shape, torch.bool, self.device))
+        code.add_(up).clamp_(max=MAX_FINITE_EXPONENT).masked_fill_(nonfinite, 0xFF)
         self.layout.write_region(wire, torch.int8, code.to(torch.uint8).view(torch.int8))
 
     def decode_rows(self, wire: Tensor, step: int, out: Tensor) -> None:
-        signs = self.ws.get("signs", tuple(out.shape), self.dtype, self.device)
-        self._unpack_signs(wire, signs)
-        codes = self.layout.region(wire, torch.int8).view(torch.uint8).to(torch.int32)
-        word = (codes << MANTISSA_BITS).view(torch.float32)
-        torch.where(signs < 0, -word, word, out=out)
+        # the fp32 word sign | code | 0-mantissa, built with integer shifts (a select between
+        # ±word costs several times more)
+        shape = tuple(out.shape)
+        direct = out.dtype == torch.float32 and out.is_contiguous()
+        word = out.view(torch.int32) if direct else self.ws.get("word", shape, torch.int32,
+                                                                 self.device)  # fmt: skip
+        codes = self.layout.region(wire, torch.int8).view(torch.uint8)
+        word.copy_(codes).bitwise_left_shift_(MANTISSA_BITS)
+        negative = self.ws.get("negative", shape, torch.int32, self.device)
+        packed = self.layout.region(wire, torch.uint8)
+        for cols, span in self.spans:
+            width = cols.stop - cols.start
+            negative[:, cols].copy_(unpack_rows(packed[:, span], 1, width, self.ws))
+        word.bitwise_or_(negative.bitwise_left_shift_(31))
+        if not direct:
+            out.copy_(word.view(torch.float32))
 
 
 class Natural(SingleRoundCompressor):

@@ -73,6 +73,9 @@ def uniform_bits(seed: int, out: Tensor, bits: int) -> Tensor:
     numel = out.numel()
     if numpy_path(out):
         words = np.random.PCG64(seed).random_raw((numel + 1) // 2).view(np.uint32)[:numel]
+        if out.is_contiguous() and out.dtype == torch.int32:  # shifted straight into `out`
+            np.right_shift(words, 32 - bits, out=out.numpy().reshape(-1), casting="unsafe")
+            return out
         out.view(-1).copy_(torch.from_numpy((words >> np.uint32(32 - bits)).astype(np.int32)))
         return out
     gen = generator(seed, out.device)
