@@ -195,12 +195,13 @@ def test_a_non_finite_loss_computed_ahead_counts_at_its_push():
 
 
 @pytest.mark.parametrize(
-    ("workers", "mode", "ahead"), [(8, "auto", True), (4, "auto", True), (4, "false", False)]
+    ("workers", "mode", "ahead"),
+    [(8, "auto", True), (4, "auto", False), (4, "stacked", True), (8, "false", False)],
 )
 def test_auto_says_whether_the_simulator_computes_ahead(workers, mode, ahead):
     """The simulator computes ahead exactly when its workers compute batched
-    (`train.batched_workers=auto`: a small stacked model from 2 workers on a CPU, see
-    run/batched.py); the set-up line says which it took."""
+    (`train.batched_workers=auto`: a small model from 8 workers on a CPU, see run/batched.py);
+    the set-up line says which it took."""
     trainer = trainer_for(*MLP_RUN, *ASYNC, f"workers={workers}", mode=mode)
     setup = trainer.built.setup
     assert setup["async"]["compute_ahead"] is ahead

@@ -49,7 +49,11 @@ warnings.filterwarnings("ignore", message="There is a performance drop because w
 # and only with enough workers to spread vmap's own fixed cost over: `auto` batches on a CPU
 # from this many local workers and up to this many multiply-adds per worker forward (measured
 # with `experiments/bench/batched_vs_ensemble.py`, see the bench README). A stacked model has
-# no such fixed cost and batches from two workers; the size bound is the same.
+# no such fixed cost, but below this many workers it gains little on a CPU and `auto` keeps the
+# loop there for another reason: a few simulated workers then compute exactly as one process
+# per worker does (the same kernels in the same order), so a float32 run of K < 8 simulated
+# workers equals its gloo/NCCL twin on any CPU; stacked kernels round otherwise (equal in
+# float64, tests/test_stacked.py) and `train.batched_workers=stacked` asks for them.
 CPU_BATCHED_MIN_WORKERS = 8
 CPU_BATCHED_MAX_MACS = 2.0e7
 # ... and while the inputs of all workers' batches together stay near the CPU's cache: beyond
@@ -380,14 +384,14 @@ def decide(cfg: Any, data: Any, num_local: int, device: torch.device) -> tuple[s
             f"workers' inputs fit {CPU_BATCHED_MAX_INPUT_BYTES // 2**20} MiB; "
             f"{num_local} × batch {cfg.train.batch_size}: {inputs / 2**20:.1f} MiB)"
         )
+    if num_local < CPU_BATCHED_MIN_WORKERS:
+        return None, (
+            f"{num_local} workers one by one (auto: on a CPU batching gains from "
+            f"{CPU_BATCHED_MIN_WORKERS} workers in one process)"
+        )
     stacked = stacked_reason(cfg, data, device)
     if stacked is None:
         return STACKED, f"{num_local} workers {_described(STACKED)} (auto: cpu)"
-    if num_local < CPU_BATCHED_MIN_WORKERS:
-        return None, (
-            f"{num_local} workers one by one (auto: {name} cannot run stacked: {stacked}; on a "
-            f"CPU a vmapped ensemble gains from {CPU_BATCHED_MIN_WORKERS} workers in one process)"
-        )
     reason = probe_config(cfg.model, data.input_shape, data.num_classes, cfg.train.autocast,
                           device, data, VMAP)  # fmt: skip
     if reason is not None:
