@@ -23,6 +23,7 @@ at the end of each block on an 8-image test split (outside the timed step region
 
     python experiments/bench/spine_step_time.py [--rounds 8] [--block 10] [--warmup 10]
         [--models mlp resnet20] [--comparisons gloo2 sim4] [--threads 1] [--json PATH]
+        [--batched-workers auto|false|stacked|vmap]
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class Sides:
             f"train.log_every={args.block}",
             "train.progress=false",
             "train.save_model=false",
+            f"train.batched_workers={args.batched_workers}",
         )
         validate(cfg)
         data = copy.copy(prepare_data(cfg))
@@ -220,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         "--comparisons", nargs="+", default=list(COMPARISONS), choices=list(COMPARISONS)
     )
     parser.add_argument("--json", type=Path, default=None, help="results file")
+    parser.add_argument("--batched-workers", default="auto",
+                        choices=["auto", "false", "stacked", "vmap", "true"],
+                        help="train.batched_workers of the simulated side")  # fmt: skip
     args = parser.parse_args(argv)
     if args.warmup % args.block or args.rounds < 2:
         parser.error("--warmup: a multiple of --block; --rounds ≥ 2")
