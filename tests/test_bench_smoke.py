@@ -433,3 +433,35 @@ def test_lm_study_gpu_script_runs_on_the_cpu(tmp_path):
     with tarfile.open(out / "runs.tgz") as tar:
         summaries = [n for n in tar.getnames() if n.endswith("summary.json")]
     assert len(summaries) == 6, summaries
+
+
+# -- issue 31 ----------------------------------------------------------------------------------
+def test_adpsgd_vs_minimal_tiny(tmp_path, monkeypatch, one_thread):
+    """The AD-PSGD benchmark at a tiny size: ours and the minimal loop end at the same bits
+    (the same work, so the ratio means something), and they trained. Its check can fail: the
+    minimal loop given other partners (each worker's draws reversed) is refused."""
+    module = load("adpsgd_vs_minimal")
+    out = tmp_path / "adpsgd.json"
+    sizes = ["--workers", "4", "--features", "32", "--batch", "8", "--updates", "120"]
+    assert module.main([*sizes, "--rounds", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["final_max_abs_diff"] == 0.0 and result["target"] == 1.15
+    lo, hi = result["ratio_range"]
+    assert 0 < lo <= result["ratio_median"] <= hi and len(result["seconds"]["ours"]) == 2
+    assert len(result["load"]) == 2
+    namespace = module.argparse.Namespace(workers=4, features=32, batch=8, updates=120,
+                                          clock="cpu")  # fmt: skip
+    _, rows = module.minimal(namespace)
+    initial = module.reference(namespace)["row"]
+    assert (rows - initial).abs().max() > 1e-3  # it trained
+
+    reference = module.reference
+
+    def other_partners(args) -> dict:
+        ref = reference(args)
+        ref["partners"] = [draws[::-1] for draws in ref["partners"]]
+        return ref
+
+    monkeypatch.setattr(module, "reference", other_partners)
+    with pytest.raises(SystemExit, match="error: ours and the minimal loop end .* apart"):
+        module.main([*sizes, "--rounds", "1", "--out", str(out)])

@@ -63,6 +63,7 @@ from dpresearch.comm.base import Communicator
 from dpresearch.comm.topology import Topology
 from dpresearch.compress import ChannelNeeds, Codec, open_channel
 from dpresearch.compress.rng import stream_seed
+from dpresearch.optim import set_lr
 from dpresearch.replicas import Replicas
 
 PAIRINGS = ("random", "bipartite")
@@ -195,6 +196,8 @@ class ADPSGD(Gossip):
         self.delay_histogram: list[int] = []
         self._delay_window: list[int] = []
         self._event: tuple[int, int | None] = (-1, None)
+        self._stale = False  # whether the computing worker's x_i was kept aside in `live`
+        self._multiplier = 1.0  # the schedule's, for the optimizer that steps
         self._started = False
         self._idle = StepPlan(())
 
@@ -255,14 +258,23 @@ class ADPSGD(Gossip):
         row = self.row.get(i)
         if row is None:
             return self._idle
+        # Nobody averaged with i since its read: its row is still x̂_i, bit for bit.
+        self._stale = self.changed[i] > 0
+        if not self._stale:
+            return StepPlan((row,))
         self.live.copy_(self.replicas.params[row])
         return StepPlan((row,), {row: self.read[row]})
+
+    def set_lr(self, multiplier: float) -> None:
+        """Kept for the one optimizer that steps this event (`after_backward`): setting all K
+        every event costs more than a small model's average."""
+        self._multiplier = multiplier
 
     def after_backward(self, step: int) -> None:
         i, j = self._event
         params = self.replicas.params
         here = self.row.get(i)
-        if here is not None:
+        if here is not None and self._stale:
             params[here].copy_(self.live)  # x_i as it is now, the gradient computed at x̂_i
         if j is not None:
             self.pairs += 1
@@ -272,6 +284,7 @@ class ADPSGD(Gossip):
             else:
                 self._choco(i, j, step)
         if here is not None:
+            set_lr(self.optimizers[here], self.base_lrs[here], self._multiplier)
             self.optimizers[here].step()
             self.read[here].copy_(params[here])  # i starts its next gradient on this
         tau, self.changed[i] = self.changed[i], 0
@@ -292,6 +305,18 @@ class ADPSGD(Gossip):
         for me, peer, row, _ in sides:
             message = [params[row]] + ([buffers[row]] if self._has_buffers else [])
             self.comm.isend(message, dst=peer, src=me)
+        if len(sides) == 2:
+            # Both ends in this process (simulated): the messages handed over are the rows
+            # themselves, so one mean serves both, no copies (the same bits: a + b is b + a).
+            for me, peer, _, _ in sides:
+                self.comm.recv(peer, dst=me)
+            (_, _, a, _), (_, _, b, _) = sides
+            params[a].add_(params[b]).mul_(0.5)
+            params[b].copy_(params[a])
+            if self._has_buffers:
+                buffers[a].add_(buffers[b]).mul_(0.5)
+                buffers[b].copy_(buffers[a])
+            return
         for me, peer, _, slot in sides:
             out = [self.received[slot]]
             if self._has_buffers:

@@ -40,14 +40,16 @@ from dpresearch import CONF_DIR
 REPO = Path(__file__).resolve().parents[2]
 
 
-def compose(args, *extra: str):
+def compose(args, *extra: str, algorithm: str = "async_sgd"):
+    """The benchmark's run (`args`: workers, features, batch, updates) of `algorithm`, with
+    `extra` overrides."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     import dpresearch.train  # noqa: F401 - registers the schema
 
     overrides = [
-        "algorithm=async_sgd",
+        f"algorithm={algorithm}",
         f"workers={args.workers}",
         "model=logreg",
         f"data.num_features={args.features}",
