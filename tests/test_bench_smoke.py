@@ -202,9 +202,9 @@ def test_stacked_codecs_bench_runs_and_both_sides_agree(capsys) -> None:
 
 
 def test_codecs_vs_minimal_bench_runs_and_both_sides_agree(tmp_path, capsys) -> None:
-    """Issue 31's codec / 1-bit Adam benchmark at K = 2, one round of one step: every case
-    passes its bit-identity check (it exits with an error line otherwise), prints one ratio line
-    and writes its JSON."""
+    """Issue 31's codec / 1-bit SGD / 1-bit Adam benchmark at K = 2, one round of one step:
+    every case passes its bit-identity check (it exits with an error line otherwise), prints one
+    ratio line and writes its JSON."""
     spec = importlib.util.spec_from_file_location(
         "codecs_vs_minimal", BENCH / "codecs_vs_minimal.py"
     )
@@ -213,12 +213,12 @@ def test_codecs_vs_minimal_bench_runs_and_both_sides_agree(tmp_path, capsys) -> 
     out = tmp_path / "codecs.json"
     rows = bench.main(["--workers", "2", "--rounds", "1", "--steps", "1", "--json", str(out)])
     assert [(r["case"], r["workers"]) for r in rows] == [
-        ("natural", 2), ("sign", 2), ("onebit_adam", 2)
+        ("natural", 2), ("sign", 2), ("onebit", 2), ("onebit_adam", 2)
     ]  # fmt: skip
     assert all(r["identical"] and r["ratio"] > 0 for r in rows)
-    assert len(json.loads(out.read_text())["measurements"]) == 3
+    assert len(json.loads(out.read_text())["measurements"]) == 4
     printed = capsys.readouterr().out
-    assert "ratio = ours ÷ minimal" in printed and printed.count("≤1.") == 3
+    assert "ratio = ours ÷ minimal" in printed and printed.count("≤1.") == 4
 
 
 # -- issue 16 ----------------------------------------------------------------------------------

@@ -173,6 +173,28 @@ def test_stacked_codec_equals_per_worker_per_tensor_reference(name):
         assert torch.equal(alone[0], codec.encode(x, step)[1])
 
 
+@pytest.mark.parametrize("name", ["sign", "signum"])
+def test_long_rows_not_filling_whole_bytes_decode_as_the_reference(name):
+    """A run of chunks of more than `ROW_GATHER` packed bytes whose width is not a multiple of 8
+    (ResNet-20's) is decoded one row at a time straight into the output, here a bucket view of
+    wider rows: the values of the per-tensor reference, and the columns around left alone."""
+    from dpresearch.compress.sign import ROW_GATHER
+
+    layout, d = layout_of([(64, 576), (9,)])
+    chunks = plan_buckets(layout, "tensor", bucket_mb=25)[0].chunks
+    assert d // 8 >= ROW_GATHER and d % 8
+    make, ref = CODECS[name]
+    codec = make().codec(chunks, torch.float32, "cpu", range(K))
+    x = torch.randn(K, d, generator=torch.Generator().manual_seed(5))
+    wide = torch.full((K, d + 11), 7.0)
+    codec.decode(codec.encode(x, 0), 0, wide[:, 3 : 3 + d])
+    for w in range(K):
+        for ch in chunks:
+            want = ref(make(), x[w, ch.slice], ch, 0, w)
+            assert torch.equal(wide[w, 3 + ch.offset : 3 + ch.offset + ch.numel], want)
+    assert (wide[:, :3] == 7).all() and (wide[:, 3 + d :] == 7).all()
+
+
 @pytest.mark.parametrize("name", sorted(CODECS))
 def test_gathered_aggregate_and_weighted_sums_equal_the_reference(name):
     """Sync's aggregate (allgather, Σ_k D(wire_k) in worker order, finalize) and CHOCO's

@@ -24,58 +24,107 @@ def segments(chunk: Chunk, per: str) -> tuple[int, int]:
     return 1, 1
 
 
+def pick(mask: Tensor, low: Tensor, high: Tensor, out: Tensor) -> Tensor:
+    """`out` = `low` where `mask` is all ones, `high` where it is zero: exactly one of the two,
+    chosen on the bit patterns (integer tensors of the floats' width, broadcastable to `out`)
+    as high ^ (mask & (low ^ high)) — no branch per entry (`torch.where` takes one on the CPU,
+    several times slower on a sign pattern that changes at random). Returns `out`."""
+    torch.bitwise_and(mask, low ^ high, out=out)
+    return out.bitwise_xor_(high)
+
+
 class OneBitCodec(SignCodec):
     """Sign bits packed as the sign codec packs them (one pass over the bucket), and per segment
-    two fp32 values — the mean of its negative entries, the mean of the rest — found for all
-    rows and segments at once by three scatter-adds over a per-entry segment index (each row
-    summed in entry order, so a row's bytes never depend on the rows beside it); decoding picks
-    one of its segment's two values per entry by its sign."""
+    two fp32 values — the mean of its negative entries, the mean of the rest — from three sums
+    per segment and row: of its entries, of its negative entries (each entry's bits masked by
+    its sign bit: no branch per entry) and of the negative count (the masks, −1 each). Each is
+    one torch sum over the segment's entries, for all rows and segments at once: per="tensor",
+    one per group of equal-size chunks (`ChunkTable`; a chunk is a segment), per="column" one
+    per chunk over its `[shape[0], rest]` view — sums along a row only, so a row's bytes never
+    depend on the rows beside it. Decoding: per="tensor", each packed byte picks its 8 values
+    from a 256 × 8 table per row and chunk (the negatives' mean where a bit is set, the others'
+    elsewhere), as the scaled sign decodes; per="column", each entry picks from its column's
+    pair by its decoded sign."""
 
     compressor: OneBit
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         per = self.compressor.per
-        parts, sizes, first = [], [], 0
+        self.per_tensor = per == "tensor"
+        parts, sizes, self.columns, first = [], [], [], 0
         for ch in self.chunks:
             count, c = segments(ch, per)
             parts.append(torch.arange(ch.numel) % c + first)
             sizes.append(torch.full((count,), ch.numel // count, dtype=torch.float32))
+            self.columns.append((ch.slice, slice(first, first + count)))
             first += count
         self.num_segments = first
         empty = torch.zeros(0, dtype=torch.long)
-        self.segment = (torch.cat(parts) if parts else empty).to(self.device)  # [n]
         self.sizes = (torch.cat(sizes) if sizes else empty.float()).to(self.device)  # [S]
+        self.segment = None  # per="column": each entry's segment, [n]
+        if not self.per_tensor:
+            self.segment = (torch.cat(parts) if parts else empty).to(self.device)
+        self.bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[self.dtype.itemsize]
+        # [256, 8] masks in the codec's float width: all ones where byte b's bit j is set (the
+        # entry decodes to the negatives' mean), else zero
+        table = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+        self._low = table.neg().to(self.bits).to(self.device)
 
     def encode_rows(self, x: Tensor, step: int, workers: tuple[int, ...], wire: Tensor) -> None:
         if self.compressor.sign_rule == "less_than":  # x < 0: −0.0 (and NaN) with the others
             x = torch.where(x < 0, x, x.abs())
         self._pack_signs(x, wire)
-        negative = self.ws.get("signbit", tuple(x.shape), torch.bool, self.device)
-        torch.signbit(x, out=negative)
-        rows, s = x.shape[0], self.num_segments
-        index = self.segment.expand(rows, -1)
+        rows, shape = x.shape[0], tuple(x.shape)
         values = x.to(torch.float32)
-        total = torch.zeros(rows, s, device=self.device).scatter_add_(1, index, values)
-        below = torch.zeros(rows, s, device=self.device).scatter_add_(
-            1, index, values.masked_fill(~negative, 0.0)
-        )
-        count = torch.zeros(rows, s, device=self.device).scatter_add_(
-            1, index, negative.to(torch.float32)
-        )
+        bits = values.view(torch.int32)
+        mask = self.ws.get("mask", shape, torch.int32, self.device)
+        torch.bitwise_right_shift(bits, 31, out=mask)  # −1 where the sign bit is set, else 0
+        below = self.ws.get("below", shape, torch.int32, self.device)
+        torch.bitwise_and(bits, mask, out=below)  # the negative entries, +0.0 elsewhere
+        sums = self.ws.get("sums", (2, rows, self.num_segments), torch.float32, self.device)
+        total, below_sum = self._segment_sums(values, sums[0]), self._segment_sums(below, sums[1])
+        counts = self.ws.get("counts", (rows, self.num_segments), torch.int32, self.device)
+        count = self._segment_sums(mask, counts).neg().to(torch.float32)
         means = torch.stack(
-            [below / count.clamp(min=1.0), (total - below) / (self.sizes - count).clamp(min=1.0)],
+            [below_sum / count.clamp(min=1.0),
+             (total - below_sum) / (self.sizes - count).clamp(min=1.0)],
             dim=-1,
-        )  # [R, S, 2]: (negatives' mean, the others' mean) per segment
-        self.layout.write_region(wire, torch.float32, means.view(rows, 2 * s))
+        )  # [R, S, 2]: (negatives' mean, the others' mean) per segment  # fmt: skip
+        self.layout.write_region(wire, torch.float32, means.view(rows, 2 * self.num_segments))
+
+    def _segment_sums(self, values: Tensor, out: Tensor) -> Tensor:
+        """`out` `[R, S]` = the sum of each segment of `values` `[R, n]` (int32 `values` are
+        read as the float32 their bits hold when `out` is float32); returns `out`."""
+        if values.dtype != out.dtype:
+            values = values.view(out.dtype)
+        if self.per_tensor:
+            for group, members in zip(self.table.groups, self.members, strict=True):
+                part = self.table.view(values, group).sum(-1, dtype=out.dtype)
+                out.index_copy_(1, members, part)
+            return out
+        for cols, segs in self.columns:
+            part = values[:, cols].unflatten(-1, (-1, segs.stop - segs.start))
+            out[:, segs] = part.sum(-2, dtype=out.dtype)
+        return out
 
     def decode_rows(self, wire: Tensor, step: int, out: Tensor) -> None:
+        rows, bits = wire.shape[0], self.bits
+        means = self.layout.region(wire, torch.float32).view(rows, -1, 2).to(self.dtype)
+        low, high = means[..., 0], means[..., 1]  # [R, S] each
+        if self.per_tensor:
+            shape = (rows, self.num_segments, 256, 8)
+            tables = self.ws.get("tables", shape, self.dtype, self.device)
+            low, high = (m.view(bits).view(*shape[:2], 1, 1) for m in (low, high))
+            pick(self._low, low, high, tables.view(bits))
+            self._unpack_signs(wire, out, tables)
+            return
         signs = self.ws.get("signs", tuple(out.shape), self.dtype, self.device)
         self._unpack_signs(wire, signs)
-        means = self.layout.region(wire, torch.float32).view(wire.shape[0], -1, 2).to(out.dtype)
-        low = means[..., 0].index_select(1, self.segment)
-        high = means[..., 1].index_select(1, self.segment)
-        torch.where(signs < 0, low, high, out=out)
+        mask = signs.view(bits).bitwise_right_shift_(8 * self.dtype.itemsize - 1)  # ±1 → −1, 0
+        low = low.index_select(1, self.segment).view(bits)
+        high = high.index_select(1, self.segment).view(bits)
+        pick(mask, low, high, out.view(bits))
 
 
 class OneBit(SingleRoundCompressor):

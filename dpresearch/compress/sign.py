@@ -11,6 +11,10 @@ from dpresearch.compress.codec import Codec
 from dpresearch.compress.kernels import BLOCK, numpy_path
 from dpresearch.compress.wire import Spec, pack_rows, packed_size, sign_table
 
+# packed bytes per row above which a gather per row straight into the output beats one gather
+# of all rows into scratch and a copy (about 8 µs of copying against a call's few µs)
+ROW_GATHER = 4096
+
 
 class SignCodec(Codec):
     """Sign bits of the whole bucket packed in a few passes (one `pack_rows` per run of chunks
@@ -60,13 +64,24 @@ class SignCodec(Codec):
 
     def _pack_signs(self, x: Tensor, wire: Tensor, l1: bool = False) -> Tensor | None:
         """Pack the sign bits of `x` `[R, n]` (1 = negative, −0.0 included) into the packed-bit
-        region of `wire`, per group of equal-size chunks, `BLOCK` entries of each chunk at a time
-        (x is read from memory once); with `l1`, also return ‖x‖₁ of every chunk of every row,
-        `[R, C]` fp32 (a workspace buffer; a chunk over `BLOCK` entries accumulates its fp32
-        block sums in fp64), else None. Subclasses that send signs beside other values (1-bit
-        SGD, natural compression) call it for the sign bits."""
+        region of `wire`; with `l1`, also return ‖x‖₁ of every chunk of every row, `[R, C]` fp32
+        (a workspace buffer; a chunk over `BLOCK` entries accumulates its fp32 block sums in
+        fp64), computed per group of equal-size chunks, `BLOCK` entries of each chunk at a time
+        (x is read from memory once); without, one sign pass and one `pack_rows` per run of
+        chunks, and None. Subclasses that send signs beside other values (1-bit SGD, natural
+        compression) call it for the sign bits."""
         rows = x.shape[0]
         bits = self.layout.region(wire, torch.uint8)
+        if not l1:  # nothing else to read: one sign pass and one `pack_rows` per run
+            for cols, span in self.spans:
+                part = x[:, cols]
+                negative = self.ws.get("negative", tuple(part.shape), torch.bool, self.device)
+                if numpy_path(part):
+                    np.signbit(part.numpy(), out=negative.numpy())
+                else:
+                    torch.signbit(part, out=negative)
+                pack_rows(negative, 1, bits[:, span], self.ws)
+            return None
         norms = self.ws.get("l1", (rows, len(self.chunks)), torch.float32, self.device)
         for group, members, dest in zip(self.table.groups, self.members, self.dest, strict=True):
             view = self.table.view(x, group)
@@ -99,35 +114,47 @@ class SignCodec(Codec):
         return norms if l1 else None
 
     def decode_rows(self, wire: Tensor, step: int, out: Tensor) -> None:
-        scale = self.layout.region(wire, torch.float32) if self.scaled else None
-        self._unpack_signs(wire, out, scale)
-
-    def _unpack_signs(self, wire: Tensor, out: Tensor, scale: Tensor | None = None) -> None:
-        """Write ±1 per entry of wire rows `[R, L]` into `out` `[R, n]` (±scale with `scale`
-        `[R, C]`, one per row and chunk): one gather per run of chunks, each packed byte picking
-        its 8 decoded values from a 256 × 8 table of ±1 — with a scale, a table per row and
-        chunk — so the values are written once, with no unpacked bits in between."""
-        packed = self.layout.region(wire, torch.uint8)
-        rows, chunks = wire.shape[0], len(self.chunks)
-        tables = self._signs
-        if scale is not None:
+        tables = None
+        if self.scaled:
+            scale = self.layout.region(wire, torch.float32)
+            rows, chunks = wire.shape[0], len(self.chunks)
             tables = self.ws.get("tables", (rows, chunks, 256, 8), self.dtype, self.device)
             torch.mul(scale.reshape(rows, chunks, 1, 1), self._signs, out=tables)
-            tables = tables.view(-1, 8)
+        self._unpack_signs(wire, out, tables)
+
+    def _unpack_signs(self, wire: Tensor, out: Tensor, tables: Tensor | None = None) -> None:
+        """Write the decoded value of every entry of wire rows `[R, L]` into `out` `[R, n]`:
+        one gather per run of chunks, each packed byte picking its 8 values from a 256 × 8
+        table — ±1 (`sign_table`), or with `tables` `[R, C, 256, 8]` (`out`'s dtype) the table
+        of its row and chunk (±scale; 1-bit SGD's two means) — so the values are written once,
+        with no unpacked bits in between."""
+        packed = self.layout.region(wire, torch.uint8)
+        rows = wire.shape[0]
+        per_chunk = tables is not None
+        tables = tables.view(-1, 8) if per_chunk else self._signs
         for (cols, span), byte_chunks in zip(self.spans, self.byte_chunks, strict=True):
             # (index buffers from the workspace: fresh megabytes would cost page faults)
             codes = self.ws.get("codes", (rows, span.stop - span.start), torch.int32, self.device)
             codes.copy_(packed[:, span])
-            if scale is not None:  # row r, chunk c: table r·C + c
+            if per_chunk:  # row r, chunk c: table r·C + c
                 codes.add_(self._table_offsets(byte_chunks, rows, span))
             target = out[:, cols]
             width = cols.stop - cols.start
+            whole = width // 8  # bytes whose 8 values all lie in the run
             if target.is_contiguous() and width == codes.shape[1] * 8:
                 torch.index_select(tables, 0, codes.view(-1), out=target.view(-1, 8))
-            else:
-                values = self.ws.get("values", (rows, codes.shape[1] * 8), self.dtype, self.device)
-                torch.index_select(tables, 0, codes.view(-1), out=values.view(-1, 8))
-                target.copy_(values[:, :width])
+                continue
+            if target.stride(-1) == 1 and whole >= ROW_GATHER:
+                # long rows: each row's whole bytes straight into place, one gather per row,
+                # rather than all rows into scratch and a copy of everything
+                for r in range(rows):
+                    place = target[r, : 8 * whole].view(-1, 8)
+                    torch.index_select(tables, 0, codes[r, :whole], out=place)
+                codes, target = codes[:, whole:], target[:, 8 * whole :]
+                width -= 8 * whole
+            values = self.ws.get("values", (rows, codes.shape[1] * 8), self.dtype, self.device)
+            torch.index_select(tables, 0, codes.reshape(-1), out=values.view(-1, 8))
+            target.copy_(values[:, :width])
 
     def _table_offsets(self, byte_chunks: Tensor, rows: int, span: slice) -> Tensor:
         """256·(r·C + chunk of the byte) for each packed byte of a run, `[rows, bytes]`

@@ -18,6 +18,16 @@ seeded gradients `[K, D]`; one step of each side per timing, set-up excluded:
   `np.packbits` over `[K, D]`; e = p − (±scale) (the sender's own values, no unpacking); the
   receivers decode the K rows from the packed bytes and scales, add them in worker order,
   divide by K, write into every row.
+- `onebit` (`compressor=onebit error_feedback=ef14`, 1-bit SGD per tensor, Seide et al.):
+  ours: the reducer `build_reducer` makes from the shipped `compressor/onebit.yaml` and
+  `error_feedback/ef14.yaml` nodes. minimal: p = g + e; the signs packed with one
+  `np.packbits` over `[K, D]`; per tensor the sum of its entries, of its negative entries and
+  their count (one `sum` each per tensor); the two means (negatives', others' = (total −
+  negatives')/(d − count)); e = p − the sender's own decoded values (no unpacking); the
+  receivers unpack the K rows, decode them, add them in worker order, divide by K, write into
+  every row. Both sides sum each tensor with torch's `sum` over its entries (the same order);
+  a decoded entry picks one of its tensor's two means on the bit patterns (`high ^ (mask &
+  (high ^ low))`, exact; `torch.where` is a branch per entry on the CPU, several times slower).
 - `onebit_adam` (`optimizer=onebit_adam`, after the warm-up, in the compression stage): ours:
   `OnebitAdamAlgorithm.after_backward(step)` on ResNet-20 replicas (its m, v, errors taken from
   a few real warm-up steps on seeded gradients). minimal: m ← β₁m + (1−β₁)g; b = m + δ_w;
@@ -38,10 +48,11 @@ before → after. One torch thread; `--clock cpu` (default) times this thread's 
 (`time.thread_time`): both sides run single-threaded here, so on a shared machine it measures
 their work without the time spent waiting for a core; `--clock wall` wall time.
 
-    python experiments/bench/codecs_vs_minimal.py [--cases natural sign onebit_adam]
+    python experiments/bench/codecs_vs_minimal.py [--cases natural sign onebit onebit_adam]
         [--workers 4 16] [--rounds 5] [--steps 10] [--clock cpu|wall] [--json PATH]
 
-Targets: ours ÷ minimal ≤ 1.2 for the codecs, ≤ 1.15 for the 1-bit Adam step.
+Targets: ours ÷ minimal ≤ 1.2 for the codecs (1-bit SGD included), ≤ 1.15 for the 1-bit
+Adam step.
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,7 +76,13 @@ from bench_timing import CLOCKS, Results, default_json, fmt_range, load, pin_thr
 from dpresearch.algorithms.compressed_adam import OnebitAdam, OnebitAdamAlgorithm
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
-from dpresearch.compress import CompressedReducer, ErrorFeedback, ScaledSign, param_layout
+from dpresearch.compress import (
+    CompressedReducer,
+    ErrorFeedback,
+    ScaledSign,
+    build_reducer,
+    param_layout,
+)
 from dpresearch.compress.layout import tensor_key
 from dpresearch.compress.natural import Natural
 from dpresearch.compress.rng import stream_seed
@@ -72,9 +90,10 @@ from dpresearch.compress.workspace import Workspace
 from dpresearch.models.resnet_cifar import ResNetCifar
 from dpresearch.replicas import Replicas
 
-TARGETS = {"natural": 1.2, "sign": 1.2, "onebit_adam": 1.15}
+TARGETS = {"natural": 1.2, "sign": 1.2, "onebit": 1.2, "onebit_adam": 1.15}
 NET = NetworkModel.preset("10gbe")
 SEED = 0
+CONF = Path(__file__).resolve().parents[2] / "dpresearch" / "conf"
 LR, BETAS, EPS, FREEZE = 1e-3, (0.9, 0.999), 1e-8, 3
 
 
@@ -93,6 +112,10 @@ def tensors(layout) -> list[tuple[int, int]]:
 
 def ours_codec(name: str, layout, k: int) -> CompressedReducer:
     comm = SimulatedCommunicator(k, NET)
+    if name == "onebit":  # what `compressor=onebit error_feedback=ef14` builds
+        compressor = OmegaConf.load(CONF / "compressor" / "onebit.yaml")
+        memory = OmegaConf.load(CONF / "error_feedback" / "ef14.yaml")
+        return build_reducer(compressor, memory, comm, layout, seed=SEED)
     if name == "natural":
         return CompressedReducer(Natural(seed=SEED), comm, layout)
     return CompressedReducer(ScaledSign(seed=SEED), comm, layout, ErrorFeedback(mode="ef14"))
@@ -188,11 +211,58 @@ class MinimalSign:
         g.copy_(mean_of_rows(decoded, buf("total", (d,))).expand_as(g))
 
 
+class MinimalOneBit:
+    """1-bit SGD, one segment per tensor, with EF14 written directly over `[K, D]` (see the module
+    docstring)."""
+
+    def __init__(self, layout, k: int) -> None:
+        self.k, self.parts = k, tensors(layout)
+        self.d = sum(n for _, n in self.parts)
+        self.sizes = torch.tensor([float(n) for _, n in self.parts])
+        self.memory = torch.zeros(k, self.d)
+        self.buf = Scratch()
+
+    def sums(self, x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """`[K, T]`: each tensor's sum of `x` `[K, D]`."""
+        return torch.stack([x[:, o : o + n].sum(-1, dtype=dtype) for o, n in self.parts], 1)
+
+    def decode(self, mask: Tensor, low: Tensor, high: Tensor, out: Tensor) -> Tensor:
+        """`out` = `low` of an entry's tensor where `mask` (int32 `[K, D]`) is −1, else `high`
+        (`[K, T]` each): exactly one of the two, picked on the bit patterns."""
+        low, high = low.view(torch.int32), high.view(torch.int32)
+        diff, bits = low ^ high, out.view(torch.int32)
+        for t, (o, n) in enumerate(self.parts):
+            cols = slice(o, o + n)
+            torch.bitwise_and(mask[:, cols], diff[:, t : t + 1], out=bits[:, cols])
+            bits[:, cols].bitwise_xor_(high[:, t : t + 1])
+        return out
+
+    def step(self, g: Tensor, step: int) -> None:
+        k, d, buf = self.k, self.d, self.buf
+        p = self.memory.add_(g)
+        negative = buf("negative", (k, d), torch.bool).numpy()
+        np.signbit(p.numpy(), out=negative)
+        packed = np.packbits(negative, axis=1, bitorder="little")  # sent, with 2 means a tensor
+        bits = p.view(torch.int32)
+        mask = torch.bitwise_right_shift(bits, 31, out=buf("mask", (k, d), torch.int32))  # −1: <0
+        below = torch.bitwise_and(bits, mask, out=buf("below", (k, d), torch.int32))
+        total, below = self.sums(p), self.sums(below.view(torch.float32))
+        count = self.sums(mask, torch.int32).neg_().float()
+        low = below / count.clamp(min=1.0)  # the two fp32 means per tensor
+        high = (total - below) / (self.sizes - count).clamp(min=1.0)
+        p.sub_(self.decode(mask, low, high, buf("sent", (k, d))))  # e = p − what was sent
+        # every worker receives the K messages: decode them from the bytes
+        received = np.unpackbits(packed, axis=1, count=d, bitorder="little")
+        mask = buf("mask", (k, d), torch.int32).copy_(torch.from_numpy(received)).neg_()
+        decoded = self.decode(mask, low, high, buf("decoded", (k, d)))
+        g.copy_(mean_of_rows(decoded, buf("total", (d,))).expand_as(g))
+
+
 def codec_state(side) -> list[Tensor]:
     if isinstance(side, CompressedReducer):
         memory = side.memory.memory
         return [] if memory is None else [memory]
-    return [side.memory] if isinstance(side, MinimalSign) else []
+    return [side.memory] if isinstance(side, MinimalSign | MinimalOneBit) else []
 
 
 # -- 1-bit Adam -------------------------------------------------------------------------------
@@ -307,7 +377,8 @@ def sides(case: str, k: int, grads: Tensor) -> tuple[tuple, tuple, Callable]:
 
         return (into_replicas, ours_step), (clone, minimal.step), states
     reducer = ours_codec(case, layout, k)
-    mine = MinimalNatural(layout, k) if case == "natural" else MinimalSign(layout, k)
+    minimal = {"natural": MinimalNatural, "sign": MinimalSign, "onebit": MinimalOneBit}[case]
+    mine = minimal(layout, k)
     return (
         (clone, reducer.reduce),
         (clone, mine.step),
