@@ -789,6 +789,57 @@ CLAIMS = [
             ("lm_shakespeare/gpu.yaml", "lm_shakespeare/gpu"),
         )
     ),
+    # -- async/README.md ---------------------------------------------------------------------
+    *(
+        Claim(
+            f"async/{name}/picks",
+            "experiments/async",
+            rf"{title}.*?picks over the 2 horizons: (\d+) of (\d+) interior, (\d+) at an edge "
+            r"of the lrs tried \((\d+) with the bound reached\); (\d+) of (\d+) won within noise",
+            lambda name=name: (
+                picks(f"async/{name}").interior,
+                picks(f"async/{name}").picks,
+                picks(f"async/{name}").edge,
+                picks(f"async/{name}").bound,
+                picks(f"async/{name}").close,
+                picks(f"async/{name}").picks,
+            ),
+        )
+        for name, title in (("least_squares", "Part \\(a\\)"), ("cifar", "Part \\(b\\)"))
+    ),
+    Claim(
+        "async/least_squares/seeds",
+        "experiments/async",
+        r"Tuned on seeds (\d) and (\d) over log-spaced lr grids grown past every edge pick, the "
+        r"final seeds (\d) and (\d) at the selected lr \(n = (\d)\)",
+        lambda: (
+            *report("async/least_squares").study.selection_seeds,
+            *final_seeds("async/least_squares"),
+            len(final_seeds("async/least_squares")),
+        ),
+    ),
+    Claim(
+        "async/cifar/seeds",
+        "experiments/async",
+        r"Tuned on seeds (\d) and (\d), (all) (\d) grids grown past their initial lrs, (\d) final "
+        r"seeds \((\d), (\d), (\d)\)",
+        lambda: (
+            *report("async/cifar").study.selection_seeds,
+            quantifier(
+                len(grown_grids(report("async/cifar").study, runs("async/cifar"))),
+                sum(c.lr_from is None for c in report("async/cifar").study.cases),
+            ),
+            sum(c.lr_from is None for c in report("async/cifar").study.cases),
+            len(final_seeds("async/cifar")),
+            *final_seeds("async/cifar"),
+        ),
+    ),
+    Claim(
+        "async/cifar/points",
+        "experiments/async",
+        r"the CIFAR study's (\d+) points took",
+        lambda: (len(runs("async/cifar")),),
+    ),
     Claim(
         "main/outer",
         ".",
