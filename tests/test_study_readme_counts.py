@@ -841,6 +841,17 @@ CLAIMS = [
         lambda: (len(runs("async/cifar")),),
     ),
     Claim(
+        "main/async-cifar",
+        ".",
+        r"`experiments/async` \| [^|]* \| (\d+) \(least squares\) \+ (\d+) \(CIFAR: (\d+) grid, "
+        r"(\d+) extensions, (\d+) final seeds\)",
+        lambda: (
+            len(runs("async/least_squares")),
+            len(runs("async/cifar")),
+            *roles("async/cifar").values(),
+        ),
+    ),
+    Claim(
         "main/outer",
         ".",
         r"`experiments/outer` \| [^|]* \| (\d+) \((\d+) grid, (\d+) grid extensions, (\d+) "
