@@ -242,15 +242,17 @@ def load(name: str):
 def test_batched_vs_ensemble_tiny(tmp_path):
     out = tmp_path / "ens.json"
     done = bench("batched_vs_ensemble.py", "--models", "logreg", "--workers", "2",
-                 "--modes", "false", "true", "--rounds", "1", "--block", "2", "--blocks", "1",
-                 "--warmup", "1", "--floor", "--json", str(out))  # fmt: skip
-    assert re.search(r"\| logreg \| 2 \| true \| 2 workers batched.*\| \d+\.\d+ \[", done.stdout)
+                 "--modes", "false", "stacked", "vmap", "--rounds", "1", "--block", "2",
+                 "--blocks", "1", "--warmup", "1", "--floor", "--json", str(out))  # fmt: skip
+    stacked = r"\| logreg \| 2 \| stacked \| 2 workers stacked.*\| \d+\.\d+ \["
+    assert re.search(stacked, done.stdout)
+    assert re.search(r"\| logreg \| 2 \| vmap \| 2 workers batched.*\| \d+\.\d+ \[", done.stdout)
     assert re.search(r"\| logreg \| 2 \| false \| 2 workers one by one", done.stdout)
     assert re.search(r"\| logreg \| 2 \| floor \| ensemble \+ flat gradient buffer", done.stdout)
     ratios = json.loads(out.read_text())["summary"]
-    assert [r["mode"] for r in ratios] == ["false", "true", "floor"]
+    assert [r["mode"] for r in ratios] == ["false", "stacked", "vmap", "floor"]
     assert all(r["ratios"][0] > 0 for r in ratios)
-    assert all(r["over_floor"][0] > 0 for r in ratios[:2]) and ratios[2]["over_floor"] == []
+    assert all(r["over_floor"][0] > 0 for r in ratios[:3]) and ratios[3]["over_floor"] == []
 
 
 @pytest.mark.slow

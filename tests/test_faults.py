@@ -128,3 +128,29 @@ def test_gloo_run_survives_sighup_under_setsid_nohup(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["total_steps"] == steps
+
+
+def test_a_peer_still_writing_its_error_file_is_not_taken_for_the_root_cause(tmp_path):
+    """CI caught it (a gloo worker killed at step 35): torch's agent reported worker 1, and its
+    peer's error file existed but was still empty; reading it raised JSONDecodeError out of the
+    launcher instead of the failure. A file that does not parse yet is skipped: it is written
+    after the root cause's."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from dpresearch.launch.processes import every_failure
+
+    attempt = tmp_path / "attempt_0"
+    for rank in (0, 1):
+        (attempt / str(rank)).mkdir(parents=True)
+    extra = {"py_callstack": "Traceback ...", "timestamp": "1700000000"}
+    message = {"message": "InjectedFailure: at step 35", "extraInfo": extra}
+    (attempt / "1" / "error.json").write_text(json.dumps({"message": message}))
+    (attempt / "0" / "error.json").write_text("")  # the peer, mid-write
+    reported = ProcessFailure(1, pid=123, exitcode=1, error_file=str(attempt / "1" / "error.json"))
+    result = every_failure(ChildFailedError("train", {1: reported}), 2)
+    assert isinstance(result, ChildFailedError) and list(result.failures) == [1]
+    assert "InjectedFailure" in result.failures[1].message["message"]
+    # once the peer's file is complete (and older), it is listed, earliest first
+    (attempt / "0" / "error.json").write_text(json.dumps({"message": message}))
+    os.utime(attempt / "0" / "error.json", ns=(1, 1))
+    assert list(every_failure(ChildFailedError("train", {1: reported}), 2).failures) == [0, 1]

@@ -243,7 +243,12 @@ def every_failure(exc: Any, processes: int) -> Any:
         path = attempt / str(rank) / "error.json"
         if rank not in failures and path.is_file():
             # (raised, so exited with 1 (torch's wrapper); its pid is not recorded)
-            failures[rank] = ProcessFailure(rank, pid=-1, exitcode=1, error_file=str(path))
+            try:
+                failures[rank] = ProcessFailure(rank, pid=-1, exitcode=1, error_file=str(path))
+            except (OSError, ValueError):
+                # A peer still writing its file (empty or cut short: torch's parse raises)
+                # failed after the files already written, so it is not the root cause.
+                continue
 
     def written(rank: int) -> int:
         try:
