@@ -27,7 +27,7 @@ Usage:
 
     python experiments/bench/async_vs_minimal.py [--rounds 5] [--updates 10000] [--workers 64]
         [--features 3072] [--batch 64] [--clock cpu|wall] [--sides ahead one minimal]
-        [--out async_vs_minimal.json]
+        [--out PATH]
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from async_overhead import compose
+from bench_timing import default_json
 
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
 
@@ -175,8 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clock", choices=list(CLOCKS), default="cpu")
     parser.add_argument("--sides", nargs="+", choices=["ahead", "one", "minimal", "ideal"],
                         default=["ahead", "one", "minimal"])  # fmt: skip
-    parser.add_argument("--out", type=Path, default=Path("async_vs_minimal.json"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results file (default: runs/bench/<script>-<time>.json)")  # fmt: skip
     args = parser.parse_args(argv)
+    args.out = args.out or default_json("async_vs_minimal")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     if "minimal" not in args.sides:
         parser.error("--sides must include minimal (the reference)")
