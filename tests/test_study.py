@@ -271,3 +271,40 @@ def test_a_data_set_with_its_own_validation_needs_no_split():
     check_study(load_study(REPO / "experiments" / "gossip_subset" / "study.yaml"))
     cifar = OmegaConf.create({"_target_": "dpresearch.data.cifar.CIFAR10.load"})
     assert not dataset_class(cifar).own_validation
+
+
+def test_unpacked_run_data_packs_back_to_the_same_bytes(tmp_path):
+    """`unpack` writes what `report` packs: the shipped records come back byte for byte."""
+    from dpresearch.analysis.rundata import pack_runs
+    from dpresearch.analysis.runs import find_runs
+
+    study = load_study(REPO / "experiments/compressors_more/hierarchy.yaml")
+    assert study_main(["unpack", str(study.path), "--out", str(tmp_path / "out")]) == 0
+    runs = find_runs([tmp_path / "out" / "runs"])
+    packed = pack_runs(runs, tmp_path / "out", tmp_path / "again.jsonl.gz", study.curves,
+                       {"study": study.name})  # fmt: skip
+    assert packed.read_bytes() == study.data_path.read_bytes()
+
+
+def test_a_grown_study_runs_only_what_its_unpacked_run_data_lacks(tmp_path, capsys):
+    """Seeds added to a study that ran: after `unpack`, `run` starts the new final seeds at the
+    lr the unpacked tuning runs select, and nothing that already ran."""
+    path = write_study(tmp_path)
+    first = tmp_path / "first"
+    assert study_main(["run", str(path), "--out", str(first), "--launcher", "inprocess"]) == 0
+    report_study(load_study(path), first, tmp_path / "results", wandb=False)
+    grown = write_study(tmp_path, seeds=[0, 1], tune_seeds=[0])
+    out = tmp_path / "grown"
+    assert study_main(["unpack", str(grown), "--out", str(out)]) == 0
+    started = []
+
+    def runner(point, run_dir, overrides):
+        started.append((point.case, point.seed))
+        return run_inprocess(point, run_dir, overrides)
+
+    run_study(load_study(grown), out, launcher=runner, log=lambda line: None)
+    assert sorted(started) == [("dense", 1), ("top-k 10% + EF", 1)]
+    capsys.readouterr()
+    assert study_main(["unpack", str(grown), "--out", str(out)]) == 2  # runs there: refused
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "already holds runs" in err[0]

@@ -1,6 +1,7 @@
-"""`python -m dpresearch.study run|status|report STUDY.yaml`: run a study, show where it
-stands, or write its results.md. Runs go to `runs/<study name>/` under the current directory
-(or `--out`), results beside the study file in `results/` (or `--results`). Problems are one
+"""`python -m dpresearch.study run|status|report|unpack STUDY.yaml`: run a study, show where it
+stands, write its results.md, or unpack its shipped run data into run directories (to add seeds
+or grow a grid without re-running it). Runs go to `runs/<study name>/` under the current
+directory (or `--out`), results beside the study file in `results/` (or `--results`). Problems are one
 `error:` line, exit 2; a run whose points failed (the others ran) ends with one `error:` line
 naming them, exit 1."""
 
@@ -21,9 +22,10 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "action",
-        choices=("run", "status", "report"),
+        choices=("run", "status", "report", "unpack"),
         help="run: start the points not yet done; status: show where the study stands; "
-        "report: write results.md, tables and plots",
+        "report: write results.md, tables and plots; unpack: the shipped run data as run "
+        "directories under --out, so `run` adds only what is missing",
     )
     p.add_argument("study", type=Path, help="the study YAML")
     p.add_argument(
@@ -67,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
             from dpresearch.analysis.report import check_out_dir
 
             check_out_dir(results, "--results")
+        if args.action == "unpack":
+            from dpresearch.study.unpack import unpack_study
+
+            print(f"unpacked {unpack_study(study, out)} runs into {out / 'runs'}")
         if args.action in ("run", "status"):
             from dpresearch.study.launcher import run_study, summarize
 
