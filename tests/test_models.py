@@ -139,3 +139,15 @@ def test_torchvision_model_calls_get_model(monkeypatch: pytest.MonkeyPatch) -> N
     )
     assert isinstance(model, nn.Linear) and model.out_features == 100
     assert calls == [("resnet50", {"num_classes": 100, "weights": None})]
+
+
+def test_resnet18_width_narrows_every_stage_in_proportion() -> None:
+    """`width` w: stages of w, 2w, 4w, 8w channels; 64 is ResNet-18 itself. Every conv and
+    linear weight scales with w², BatchNorm and the classifier's bias with w or not at all."""
+    narrow = ResNet18(10, width=8)
+    assert [m.out_channels for m in narrow.modules() if isinstance(m, torch.nn.Conv2d)][:1] == [8]
+    assert narrow.fc.in_features == 64
+    assert num_params(ResNet18(10, width=64)) == 11_173_962
+    assert narrow(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    with pytest.raises(ValueError, match="model.width=0"):
+        ResNet18(10, width=0)
