@@ -1,9 +1,9 @@
 """`python -m dpresearch.study run|status|report|unpack STUDY.yaml`: run a study, show where it
 stands, write its results.md, or unpack its shipped run data into run directories (to add seeds
 or grow a grid without re-running it). Runs go to `runs/<study name>/` under the current
-directory (or `--out`), results beside the study file in `results/` (or `--results`). Problems are one
-`error:` line, exit 2; a run whose points failed (the others ran) ends with one `error:` line
-naming them, exit 1."""
+directory (or `--out`), results beside the study file in `results/` (or `--results`).
+Problems are one `error:` line, exit 2; a run whose points failed (the others ran) ends with one
+`error:` line naming them, exit 1."""
 
 from __future__ import annotations
 
