@@ -71,6 +71,10 @@ SKIPPED = {
         "needs a SLURM cluster; the hydra launcher is tested with the basic launcher in "
         "tests/test_study.py"
     ),
+    "python -m dpresearch.study unpack experiments/compressors_more/hierarchy.yaml --out "
+    "runs/hier": "writes into the checkout; the same command on that study runs in "
+    "tests/test_study.py::test_unpacked_run_data_packs_back_to_the_same_bytes, and a grown "
+    "study after unpack in ::test_a_grown_study_runs_only_what_its_unpacked_run_data_lacks",
     "python experiments/bench/spine_step_time.py": "a benchmark (minutes); its cases are "
     "smoke-tested through experiments/bench's shared harness",
     "python -m dpresearch.study run experiments/compression_subset/study.yaml --jobs 2 "
