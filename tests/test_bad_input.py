@@ -212,6 +212,17 @@ BAD = [
     ([*TEXT, "data.tokenizer=words"], "data.tokenizer=words; choose one of: char, byte, gpt2"),
     ([*TEXT, "model.block_size=32", "data.block_size=64"], "model.block_size=32 is shorter"),
     ([*TEXT, "model.dropout=1"], "model.dropout=1: must be in [0, 1)"),
+    ([*TEXT, "model.dropout_stream=fast"], "model.dropout_stream=fast: choose one of: worker"),
+    (
+        [
+            *TEXT,
+            "model.dropout=0.1",
+            "model.dropout_stream=global",
+            "train.batched_workers=stacked",
+        ],  # fmt: skip
+        "(model.dropout_stream=global), which stacked rows would draw differently; "
+        "model.dropout_stream=worker runs stacked",
+    ),
     ([*TEXT, "model.n_embd=65"], "model.n_embd=65 must be a multiple of model.n_head=2"),
     (["data=cifar10", f"data.root={SUBSET}", "model=gpt_tiny"], "not inputs of shape [3, 32, 32]"),
     ([*TEXT, "optimizer=muon", "optimizer.adamw_betas=[2]"], "optimizer.adamw_betas=[2]"),

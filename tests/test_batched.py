@@ -410,7 +410,8 @@ FAST = {"mlp", "logreg", "resnet20"}
 def test_every_shipped_model_batches_or_says_why(name):
     """Every model in conf/model/ runs batched exactly as the loop (`probe`), or — only the
     torchvision bridge, whose models may draw (dropout) or be missing, and a GPT with dropout
-    — says why. The GPTs are probed on token windows of a text corpus (`Dataset.probe_batch`)."""
+    vmapped — says why. The GPTs are probed on token windows of a text corpus
+    (`Dataset.probe_batch`)."""
     if name == "torchvision":
         pytest.importorskip("torchvision")
     images = name.startswith(("resnet", "vgg")) or name == "torchvision"
@@ -425,7 +426,8 @@ def test_every_shipped_model_batches_or_says_why(name):
         shape = data.input_shape
     for way in WAYS:
         reason = probe_config(node, shape, classes, data=data, way=way)
-        if name == "torchvision" or node.get("dropout", 0) > 0:
+        # dropout on the per-worker stream (gpt_nanogpt) runs stacked; vmap draws no stream
+        if name == "torchvision" or (node.get("dropout", 0) > 0 and way == "vmap"):
             assert reason is None or "cannot" in reason or "random" in reason
         else:
             assert reason is None, (way, reason)

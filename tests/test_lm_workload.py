@@ -51,9 +51,14 @@ LM = [
 DILOCO = ["algorithm=local_sgd", "algorithm.period=4", "outer=nesterov"]
 # The methods of issue 30 too: SparseLoCo (DiLoCo's round, the error-feedback accumulator and
 # 2-bit chunk-wise top-k), DeMo (algorithm=demo: its own optimizer) and SPARTA (5 % of the
-# entries averaged every step, so that 12 steps of gpt_tiny reach many of them).
+# entries averaged every step, so that 12 steps of gpt_tiny reach many of them). And DiLoCo
+# with dropout on the per-worker stream (`model.dropout_stream=worker`, the default): each
+# worker's masks from its own generator, so one process or two draw the same.
+DROPOUT = ["model.dropout=0.1"]
+GLOBAL = [*DROPOUT, "model.dropout_stream=global"]  # torch's generator, as nanoGPT
 CASES = {
     "adamw": [], "diloco": DILOCO, "muon": ["optimizer=muon"],
+    "diloco_dropout": [*DILOCO, *DROPOUT],
     "sparseloco": ["algorithm=local_sgd", "algorithm.period=4", "outer=sparseloco"],
     "demo": ["algorithm=demo", "optimizer.lr=1e-3"],
     "sparta": ["algorithm=sparta", "algorithm.p=0.05"],
@@ -81,8 +86,9 @@ def on_gloo(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
 def test_simulated_equals_gloo(case, tmp_path, on_gloo, one_thread):
     """2 simulated workers and 2 gloo processes end with the same GPT parameters (float64 of
     the saved tensors to 1e-6) for AdamW, DiLoCo (local AdamW + outer Nesterov every 4 steps),
-    Muon, SparseLoCo, DeMo and SPARTA: the text partition, the windows drawn, the tied head and
-    the optimizers are the same functions of the seed in one process and in two."""
+    Muon, SparseLoCo, DeMo and SPARTA, and DiLoCo with dropout: the text partition, the windows
+    drawn, the dropout masks, the tied head and the optimizers are the same functions of the
+    seed in one process and in two."""
     simulated = tmp_path / "sim"
     train(compose_config(*EQUIV, *CASES[case]), simulated)
     initial = tmp_path / "init"
@@ -233,6 +239,25 @@ def test_batched_workers_equal_the_loop_in_float64(case, one_thread):
     assert gap <= 1e-10
 
 
+@pytest.mark.parametrize("case", ["adamw", "diloco"])
+def test_stacked_workers_with_dropout_equal_the_loop_in_float64(case, one_thread):
+    """gpt_tiny with dropout 0.1 on the per-worker stream, 2 simulated workers: stacked (each
+    row's masks from its worker's generator, site by site) gives the loop's parameters after
+    10 steps, in float64 to 1e-10 as without dropout (the stacked kernels round a few ulps
+    otherwise; the masks themselves: `tests/test_dropout_stream.py`); dropout moved them."""
+    from dpresearch.run.stacked import StackedWorkers
+
+    args = [*LM, "train.steps=10", *CASES[case], *DROPOUT]
+    loop, initial, _ = rows_after(*args, mode="false")
+    stacked, _, compute = rows_after(*args, mode="stacked")
+    assert isinstance(compute.batched, StackedWorkers)
+    without, _, _ = rows_after(*LM, "train.steps=10", *CASES[case], mode="false")
+    assert (loop - without).abs().max() > 1e-3  # the masks changed the trajectory
+    gap = (loop - stacked).abs().max().item()
+    print(f"{case} with dropout: stacked vs loop max |Δ| = {gap:.3g}")
+    assert gap <= 1e-10
+
+
 # -- 5. bf16 autocast, the DDP communication hook ----------------------------------------------
 def test_bf16_autocast_trains_the_gpt(tmp_path):
     """`train.autocast=bf16` on the CPU: the GPT's forward and backward under autocast, a
@@ -360,8 +385,9 @@ def test_small_gpt_learns_shakespeare(tmp_path):
 
 # -- the bad inputs the workload adds ----------------------------------------------------------
 def test_batched_workers_with_dropout_is_one_line(tmp_path, monkeypatch, capsys):
-    """`train.batched_workers=true` with a GPT whose dropout draws random numbers: one `error:`
-    line through the entry point, exit 2, nothing written."""
+    """`train.batched_workers=true` with a GPT whose dropout draws from torch's global
+    generator (`model.dropout_stream=global`): one `error:` line through the entry point
+    naming the stream that runs stacked, exit 2, nothing written."""
     import dpresearch.train as entry
     from dpresearch.launch.provenance import COMMAND_ENV
 
@@ -371,8 +397,7 @@ def test_batched_workers_with_dropout_is_one_line(tmp_path, monkeypatch, capsys)
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(COMMAND_ENV, raising=False)
     monkeypatch.setattr(entry, "_hydra_main", hydra_started)
-    args = [*LM, "model.dropout=0.1", "train.batched_workers=true",
-            f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    args = [*LM, *GLOBAL, "train.batched_workers=true", f"hydra.run.dir={tmp_path / 'run'}"]
     monkeypatch.setattr(sys, "argv", ["dpresearch.train", *args])
     with pytest.raises(SystemExit) as stopped:
         entry.main()
@@ -382,6 +407,10 @@ def test_batched_workers_with_dropout_is_one_line(tmp_path, monkeypatch, capsys)
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert "train.batched_workers=true but model GPT cannot" in lines[0], lines[0]
     assert "random numbers" in lines[0], lines[0]
+    assert "model.dropout_stream=worker runs stacked" in lines[0], lines[0]
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ConfigError, match="random numbers"):
-        preflight(compose_config(*LM, "model.dropout=0.1", "train.batched_workers=true"))
+        preflight(compose_config(*LM, *GLOBAL, "train.batched_workers=true"))
+    # the vmapped ensemble draws no stream: refused with either
+    with pytest.raises(ConfigError, match="random numbers"):
+        preflight(compose_config(*LM, *DROPOUT, "train.batched_workers=vmap"))

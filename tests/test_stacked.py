@@ -2,7 +2,8 @@
 forward/backward over the workers' parameter rows (`run/stacked.py`) gives each row the loop's
 gradient, BatchNorm statistics and `num_batches_tracked`, its gradient written into the
 gradient rows themselves (no copy), any subset of rows, channels-last, autocast; models the
-stacked layers do not know say why (exact types, dropout, cumulative BatchNorm).
+stacked layers do not know say why (exact types, dropout from torch's generator, cumulative
+BatchNorm); dropout on the per-worker stream runs stacked (`tests/test_dropout_stream.py`).
 
 In float64: the stacked kernels (a batched product, a grouped convolution, BatchNorm over all
 workers' channels at once) compute each worker's numbers with the loop's arithmetic, most of
@@ -175,7 +176,11 @@ class Subclassed(MLP):
 @pytest.mark.parametrize(
     ("model", "says"),
     [
-        (GPT(17, (8,), n_layer=1, n_head=2, n_embd=16, dropout=0.1), "dropout"),
+        (
+            GPT(17, (8,), n_layer=1, n_head=2, n_embd=16, dropout=0.1, dropout_stream="global"),
+            "dropout_stream=global",
+        ),  # fmt: skip
+        (nn.Sequential(nn.Linear(4, 3), nn.Dropout(0.1)), "draws dropout masks (p=0.1)"),
         (Subclassed(10, (4,)), "Subclassed) has no stacked counterpart"),
         (nn.Sequential(nn.Linear(4, 3), nn.Tanh()), "(Tanh) has no stacked counterpart"),
         (nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3, momentum=None)), "cumulatively"),

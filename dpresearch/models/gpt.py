@@ -5,6 +5,13 @@ vocabulary size, `input_shape == (T,)` is the data's window length, and the forw
 a LongTensor `[B, T]` of token ids to float logits `[B, T, num_classes]` (next-token logits at
 every position). Module and parameter names are nanoGPT's (`transformer.wte`, `.wpe`, `.h.<i>`,
 `.ln_f`, `lm_head`), and so is the order in which initialisation draws from torch's generator.
+
+Dropout (`dropout` > 0, training) draws on the stream `dropout_stream` (`models/dropout.py`):
+`global` as nanoGPT — torch's global generator, attention dropout inside the fused
+`scaled_dot_product_attention` — or `worker` (the default): every mask from the worker's own
+generator, in forward order (the embedding's, then per block the attention probabilities',
+the attention output's and the MLP's), attention written out (`causal_attention`) so that its
+probabilities can be masked from that generator.
 """
 
 from __future__ import annotations
@@ -16,25 +23,51 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dpresearch.models.dropout import GLOBAL, StreamDropout, check_stream, installed, stream_dropout
+
+
+def causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, p: float, generators: Sequence[torch.Generator] | None
+) -> Tensor:
+    """softmax(q·kᵀ/√d, causal) · v with `worker`-stream dropout `p` on the probabilities
+    (`stream_dropout`, its rows split along q's first dimension), for q, k, v `[N, heads, T,
+    d]`: scaled_dot_product_attention's math written out, as nanoGPT's non-flash path."""
+    t = q.shape[-2]
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.shape[-1]))
+    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    att = F.softmax(att.masked_fill(future, float("-inf")), dim=-1)
+    return stream_dropout(att, p, generators) @ v
+
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: one fused q/k/v projection (`c_attn`), torch's
-    `scaled_dot_product_attention` with `is_causal=True`, an output projection (`c_proj`)."""
+    `scaled_dot_product_attention` with `is_causal=True`, an output projection (`c_proj`);
+    in training with dropout on the `worker` stream, `causal_attention` instead."""
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+    def __init__(
+        self, n_embd: int, n_head: int, dropout: float, bias: bool, dropout_stream: str = "worker"
+    ) -> None:
         super().__init__()
         self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
         self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
-        self.resid_dropout = nn.Dropout(dropout)
+        self.resid_dropout = StreamDropout(dropout, dropout_stream)
         self.n_head, self.n_embd, self.dropout = n_head, n_embd, dropout
+        self.dropout_stream = check_stream(dropout_stream)
+
+    def drawn(self) -> bool:
+        """Whether this forward masks attention from the `worker` stream (`causal_attention`)."""
+        return self.training and self.dropout > 0 and self.dropout_stream != GLOBAL
 
     def forward(self, x: Tensor) -> Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        if self.drawn():
+            y = causal_attention(q, k, v, self.dropout, installed())
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -42,12 +75,14 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     """Linear (4× wider) → GELU → Linear → dropout."""
 
-    def __init__(self, n_embd: int, dropout: float, bias: bool) -> None:
+    def __init__(
+        self, n_embd: int, dropout: float, bias: bool, dropout_stream: str = "worker"
+    ) -> None:
         super().__init__()
         self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
         self.gelu = nn.GELU()
         self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = StreamDropout(dropout, dropout_stream)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
@@ -56,12 +91,14 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
+    def __init__(
+        self, n_embd: int, n_head: int, dropout: float, bias: bool, dropout_stream: str = "worker"
+    ) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
-        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias, dropout_stream)
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
-        self.mlp = MLP(n_embd, dropout, bias)
+        self.mlp = MLP(n_embd, dropout, bias, dropout_stream)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -73,6 +110,9 @@ class GPT(nn.Module):
     a final LayerNorm and an output head tied to the token embedding (`lm_head.weight is
     transformer.wte.weight`). `bias`: biases in the Linears and LayerNorms (GPT-2: true;
     nanoGPT's default false). `block_size`: the longest context (None: the data's `T`).
+    `dropout_stream`: where dropout's masks come from, `worker` (each worker's own generator,
+    the same masks in simulated, gloo and stacked workers) or `global` (torch's global
+    generator, as nanoGPT); see the module docstring.
 
     Initialisation as nanoGPT: every Linear and Embedding weight N(0, 0.02²), biases 0, the
     residual projections (`c_proj.weight`) N(0, (0.02/√(2·n_layer))²).
@@ -93,6 +133,7 @@ class GPT(nn.Module):
         block_size: int | None = None,
         dropout: float = 0.0,
         bias: bool = False,
+        dropout_stream: str = "worker",
     ) -> None:
         super().__init__()
         if len(input_shape) != 1:
@@ -115,13 +156,16 @@ class GPT(nn.Module):
             )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"model.dropout={dropout}: must be in [0, 1)")
+        check_stream(dropout_stream)
         self.block_size, self.n_layer = block_size, n_layer
         self.transformer = nn.ModuleDict(
             {
                 "wte": nn.Embedding(num_classes, n_embd),
                 "wpe": nn.Embedding(block_size, n_embd),
-                "drop": nn.Dropout(dropout),
-                "h": nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer)),
+                "drop": StreamDropout(dropout, dropout_stream),
+                "h": nn.ModuleList(
+                    Block(n_embd, n_head, dropout, bias, dropout_stream) for _ in range(n_layer)
+                ),
                 "ln_f": nn.LayerNorm(n_embd, bias=bias),
             }
         )

@@ -13,7 +13,8 @@ forward would. Any subset of rows works: a contiguous range is computed on views
 themselves; other subsets are gathered and their results scattered back.
 
 Not every model can run this way: a model that draws random numbers in training (dropout)
-would draw for all rows at once, not as the loop does one worker after another, and a model
+would draw for all rows at once, not as the loop does one worker after another (the stacked
+way runs dropout on the `worker` stream, `models/dropout.py`; vmap none), and a model
 whose forward reads tensor values into Python control flow cannot be vmapped. `probe` runs a
 model both ways on two rows and says why it cannot be batched (None: it can); `decide` turns
 `train.batched_workers` (auto | true | false) into the mode a run takes.
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from dpresearch.models.dropout import drawing_from
 from dpresearch.replicas import Replicas
 from dpresearch.run.slots import NULL_CONTEXT, slots
 
@@ -197,7 +199,8 @@ def probe(
     (`Dataset.probe_batch`) and its loss. Without autocast the copy runs in float64: in
     float32, BatchNorm over the probe's 4-image batches amplifies rounding so much in a deep
     model (ResNet-18: the loop itself 2 % from the exact gradient) that no tolerance would tell
-    rounding from a forward that keeps state; in float64 the two ways agree to ~1e-14."""
+    rounding from a forward that keeps state; in float64 the two ways agree to ~1e-14.
+    `worker`-stream dropout draws from one generator per row, the same both ways."""
     device = torch.device(device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(autocast or "")
     model = copy.deepcopy(model).to(device, None if dtype else torch.float64).train()
@@ -221,11 +224,16 @@ def probe(
             loss_fn = F.cross_entropy
         x = x.to(device, real) if x.is_floating_point() else x.to(device)
         y = y.to(device)
-        for w in range(2):
-            with context():
+
+        def streams() -> list[torch.Generator]:
+            return [torch.Generator(device).manual_seed(w) for w in range(2)]
+
+        for w, g in enumerate(streams()):
+            with context(), drawing_from([g]):
                 loss = loss_fn(loop.models[w](x[w]), y[w])
             loss.backward()
-        workers_class(way)(batched, loss_fn).run([0, 1], x, y, context())
+        with drawing_from(streams()):
+            workers_class(way)(batched, loss_fn).run([0, 1], x, y, context())
     except Exception as exc:
         return _reason(exc, autocast, way)
     rtol = PROBE_RTOL if dtype is None else PROBE_RTOL_16BIT

@@ -17,11 +17,18 @@ in the same batched computation as the planned rows. Its gradient waits in its r
 batch's loss and accuracy are held back; when a later step plans the row, nothing is computed
 for it and its statistics count from that step (logged in that step's window, checked there
 for non-finite values) — the same gradients, statistics and windows as computing it then.
+
+Dropout on the `worker` stream (`models/dropout.py`): worker w's n-th batch draws its masks
+from a generator seeded with `dropout_seed(seed, w, n)`, made for that forward on the compute
+device — a pure function of the seed, the global worker id and its cursor, so the loop, one
+process per worker and stacked rows draw the same masks, and a resumed run (cursors restored)
+draws what the uninterrupted one drew, with nothing more in the checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections.abc import Sequence
 
@@ -30,6 +37,7 @@ from torch import Tensor
 
 from dpresearch.data.base import Dataset
 from dpresearch.data.partition import Partitioner
+from dpresearch.models.dropout import drawing_from, draws_worker_stream
 from dpresearch.replicas import Replicas
 from dpresearch.run.batched import workers_class
 
@@ -43,6 +51,15 @@ FOLD_EVERY, FOLD_NUMEL = 256, 1 << 22
 def worker_seed(seed: int, worker: int) -> int:
     """Seed of worker `worker`'s own generator (augmentation, sampling in compressors)."""
     return (seed * 1_000_003 + 7919 * (worker + 1)) % (2**63 - 1)
+
+
+def dropout_seed(seed: int, worker: int, batch: int) -> int:
+    """Seed of worker `worker`'s `worker`-stream dropout generator for its `batch`-th batch
+    (0-based cursor): a hash of the three, so that it meets no other generator's seed (an
+    affine rule like `worker_seed`'s would give worker 0's batch n worker n's augmentation
+    seed)."""
+    text = f"dropout {seed} {worker} {batch}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
 class WorkerCompute:
@@ -85,6 +102,8 @@ class WorkerCompute:
             for w in workers
         ]
         self.cursors = [0] * len(self.workers)
+        self._seed = seed
+        self._dropout = draws_worker_stream(replicas.models[0])
         self._epochs = [-1] * len(self.workers)
         # Per row: its current epoch's batches of indices, on the data's device.
         self._batches: list[tuple[Tensor, ...]] = [()] * len(self.workers)
@@ -152,6 +171,18 @@ class WorkerCompute:
             self._batches[row] = indices.to(self.data.train_targets.device).split(self.batch_size)
             self._epochs[row] = epoch
         return self._batches[row][pos]
+
+    def dropout_generators(self, rows: Sequence[int]) -> list[torch.Generator] | None:
+        """Each row's dropout generator for its next batch (before `next_batch` advances its
+        cursor); None when the model draws no `worker`-stream dropout."""
+        if not self._dropout:
+            return None
+        return [
+            torch.Generator(self.device).manual_seed(
+                dropout_seed(self._seed, self.workers[w], self.cursors[w])
+            )
+            for w in rows
+        ]
 
     def next_batch(self, row: int) -> tuple[Tensor, Tensor]:
         """Inputs and targets of local row `row`'s next batch; advances its cursor."""
@@ -229,8 +260,9 @@ class WorkerCompute:
             for w in rows:
                 grads[w].zero_()
         for w in rows:
+            generators = self.dropout_generators([w])
             x, y = self.next_batch(w)
-            with self.autocast():
+            with self.autocast(), drawing_from(generators):
                 out = models[w](x)
                 loss = self.data.loss(out, y)
             (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
@@ -241,8 +273,10 @@ class WorkerCompute:
     def _run_batched(self, rows: Sequence[int], hold: set[int]) -> None:
         """`rows` as one batched computation; the statistics of those in `hold` held back."""
         assert self.batched is not None
+        generators = self.dropout_generators(rows)
         x, y = self.next_batches(rows)
-        losses, out = self.batched.run(rows, x, y, self.autocast(), self.loss_scale)
+        with drawing_from(generators):
+            losses, out = self.batched.run(rows, x, y, self.autocast(), self.loss_scale)
         if not hold:
             self._add_pending(tuple(rows), losses, out, y)
             return

@@ -20,8 +20,11 @@ to the other (the input, and the flatten before a classifier).
 
 The structure is read from the template module by type: a model is stacked only when every
 module in it has a stacked counterpart here (`STACKED_FORWARDS`, exact types, so a subclass that
-changes `forward` is not taken for its base) and needs no random numbers in training (dropout
-with p > 0 would draw other numbers than the loop). `unsupported(model)` says why a model
+changes `forward` is not taken for its base) and draws no random numbers in training from
+torch's global generator (dropout with p > 0 there would draw other numbers than the loop).
+Dropout on the `worker` stream (`models/dropout.py`) runs stacked: at each dropout site, in the
+loop's order, row i's mask is drawn from row i's installed generator, so every row gets the
+mask its worker draws in the loop or in its own process. `unsupported(model)` says why a model
 cannot run stacked (None: it can); `run/batched.py` decides between this, the vmapped ensemble
 (the general fallback) and the loop.
 """
@@ -37,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dpresearch.models import dropout as stream
 from dpresearch.models import gpt as gpt_model
 from dpresearch.models import mlp as small_models
 from dpresearch.models import resnet18, resnet_cifar, vgg
@@ -209,6 +213,23 @@ def _identity(stack: Stack, m: nn.Module, x: Act) -> Act:
     return x
 
 
+def _stream_dropout(stack: Stack, m: stream.StreamDropout, x: Act) -> Act:
+    """`worker`-stream dropout (`unsupported` refuses the `global` one): each row's mask from
+    its own generator, as the loop draws it."""
+    if not m.training or m.p == 0:
+        return x
+    return Act(stream.stream_dropout(x.rows(), m.p, _generators(stack)), ROWS, stack.workers)
+
+
+def _generators(stack: Stack) -> tuple[torch.Generator, ...] | None:
+    generators = stream.installed()
+    if generators is not None and len(generators) != stack.workers:
+        raise ValueError(
+            f"{len(generators)} dropout generators installed for {stack.workers} stacked rows"
+        )
+    return generators
+
+
 def _flatten(stack: Stack, m: nn.Flatten, x: Act) -> Act:
     return Act(x.rows().flatten(2), ROWS, stack.workers)
 
@@ -267,7 +288,10 @@ def _attention(stack: Stack, m: gpt_model.CausalSelfAttention, x: Act) -> Act:
         part.view(s * b, t, m.n_head, c // m.n_head).transpose(1, 2)
         for part in qkv.split(m.n_embd, dim=2)
     )
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if m.drawn():
+        y = gpt_model.causal_attention(q, k, v, m.dropout, _generators(stack))
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     y = y.transpose(1, 2).reshape(s, b, t, c)
     return stack(m.resid_dropout, stack(m.c_proj, Act(y, ROWS, s)))
 
@@ -308,6 +332,7 @@ STACKED_FORWARDS: dict[type, Forward] = {
     nn.AvgPool2d: _same_layout,
     nn.AdaptiveAvgPool2d: _same_layout,
     nn.Dropout: _identity,  # p = 0 only (`unsupported`)
+    stream.StreamDropout: _stream_dropout,
     nn.Identity: _identity,
     nn.Flatten: _flatten,
     nn.Sequential: _sequential,
@@ -334,12 +359,18 @@ def unsupported(model: nn.Module) -> str | None:
         where = name or "the model"
         if type(m) not in STACKED_FORWARDS and not isinstance(m, _WALKED):
             return f"{where} ({type(m).__name__}) has no stacked counterpart"
-        if isinstance(m, nn.Dropout) and m.p > 0:
+        if getattr(m, "dropout_stream", None) == stream.GLOBAL and (
+            getattr(m, "p", 0) > 0 or getattr(m, "dropout", 0) > 0
+        ):
+            return (
+                f"{where} draws dropout masks from torch's global generator "
+                "(model.dropout_stream=global), which stacked rows would draw differently; "
+                "model.dropout_stream=worker runs stacked"
+            )
+        if type(m) is nn.Dropout and m.p > 0:
             return (
                 f"{where} draws dropout masks (p={m.p}), which stacked rows would draw differently"
             )
-        if isinstance(m, gpt_model.CausalSelfAttention) and m.dropout > 0:
-            return f"{where} draws attention dropout (p={m.dropout})"
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is None:
             return f"{where} averages its statistics cumulatively (momentum=None)"
         if isinstance(m, nn.Conv2d) and m.padding_mode != "zeros":

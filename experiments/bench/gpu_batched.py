@@ -21,8 +21,9 @@ warm-up; every step reads its losses on the host for the divergence check, so th
 finished the step when its region ends); the single process is timed around the same work with
 a host read of its loss per step. Targets: loop ÷ stacked ≥ 5; stacked ÷ single ≤ 1.5 (vmap ÷
 stacked beside them). Prints images/s of each side. `--gpt` adds the LM rows: tokens/s of K = 8
-simulated workers of nanoGPT's shakespeare-char GPT (without dropout, which the stacked GPT does
-not draw) stacked and one by one, and a minimal AdamW loop at the global batch
+simulated workers of nanoGPT's shakespeare-char GPT (without dropout, as these rows were
+first measured; with dropout the stacked GPT needs `model.dropout_stream=worker`, the default)
+stacked and one by one, and a minimal AdamW loop at the global batch
 (`lm_throughput.py`). Without a GPU it prints one `skipped:` line and exits 0; `--device cpu`
 runs the same code on the CPU (smoke runs at tiny sizes).
 

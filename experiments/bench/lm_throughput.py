@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batched", default="auto",
                         choices=["auto", "true", "false", "stacked", "vmap"])  # fmt: skip
     parser.add_argument("--dropout", type=float, default=None,
-                        help="model.dropout (the stacked GPT runs without dropout)")  # fmt: skip
+                        help="model.dropout (stacked: on the worker stream)")  # fmt: skip
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
