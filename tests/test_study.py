@@ -308,3 +308,16 @@ def test_a_grown_study_runs_only_what_its_unpacked_run_data_lacks(tmp_path, caps
     assert study_main(["unpack", str(grown), "--out", str(out)]) == 2  # runs there: refused
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "already holds runs" in err[0]
+
+
+def test_a_study_without_grids_says_nothing_was_selected(tmp_path):
+    """Every case at one lr: the report neither claims a selection nor calls its seeds tuning
+    seeds whose values a selection favours; every seed's run is in the results."""
+    path = write_study(tmp_path, lrs=[0.1], seeds=[0, 1])
+    out = tmp_path / "out"
+    assert study_main(["run", str(path), "--out", str(out), "--launcher", "inprocess"]) == 0
+    text = report_study(load_study(path), out, tmp_path / "results", wandb=False).read_text()
+    assert "**Selection:** none: every case runs at one lr" in text
+    assert "seeds 0,1 at each case's one lr: nothing selected" in text
+    assert "which the selection favours" not in text and "picks:" not in text
+    assert "| dense | 0.1 |" in text and "| 2 |" in text  # n = both seeds

@@ -130,17 +130,23 @@ def build(study: Study, header: dict, runs, metrics, include_failed: bool = Fals
     seeds = sorted(int(s) for s in runs["cfg.seed"].dropna().unique())
     tuning = [s for s in study.selection_seeds if s in seeds]
     final = [s for s in study.final_seeds if s in seeds]
-    report.notes.append(
-        f"seeds {','.join(map(str, seeds))}: selected on seeds {','.join(map(str, tuning))} "
-        f"only (the tuning seeds)"
-        + (
-            f"; the final seeds {','.join(map(str, final))} ran at the selected lr and alone "
-            "make the results tables"
-            if final
-            else "; no final seeds: the results tables "
-            "show the tuning seeds' own values, which the selection favours"
-        )  # fmt: skip
-    )
+    if untuned(study):
+        report.notes.append(
+            f"seeds {','.join(map(str, seeds))} at each case's one lr: nothing selected, every "
+            "seed's run in the results tables"
+        )
+    else:
+        report.notes.append(
+            f"seeds {','.join(map(str, seeds))}: selected on seeds {','.join(map(str, tuning))} "
+            f"only (the tuning seeds)"
+            + (
+                f"; the final seeds {','.join(map(str, final))} ran at the selected lr and alone "
+                "make the results tables"
+                if final
+                else "; no final seeds: the results tables "
+                "show the tuning seeds' own values, which the selection favours"
+            )  # fmt: skip
+        )
     if len(study.selection_seeds) < 2:
         report.notes.append(
             "one tuning seed: below the rule of ≥ 2 this harness now requires to run a study; "
@@ -232,6 +238,8 @@ def summary_sentences(report: StudyReport) -> list[str]:
     """The counts a reading quotes, stated by the report so that none is typed by hand: the
     runs by role, the grids grown, and the picks at each horizon (and over all of them)."""
     study = report.study
+    if untuned(study):
+        return [f"runs: {len(report.runs)}, every case at one lr (no grid, nothing selected)"]
     runs = run_counts(study, report.runs)
     grown = grown_grids(study, report.runs)
     tuned = sum(c.lr_from is None for c in study.cases)
@@ -609,6 +617,13 @@ def describe(report: StudyReport) -> list[str]:
         f" combined with the binomial error √(p(1−p)/N) of the {int(examples)}-example split "
         "it is measured on (the same split in every seed, so averaging seeds cannot remove "
         "it)" if examples else "")  # fmt: skip
+    if untuned(study):
+        lines.append(
+            "**Selection:** none: every case runs at one lr (no grid), so no run is chosen over "
+            "another and every seed's run enters the results."
+        )
+        lines += _results_and_bytes(report, "over the seeds at the case's one lr (`n` runs)")
+        return lines
     lines.append(
         f"**Selection:** per case, the lr with the {selection.describe()}, on the tuning seeds "
         f"only; beside it its standard error ({se_rule}). A choice won by less than the "
@@ -628,18 +643,33 @@ def describe(report: StudyReport) -> list[str]:
             "pick is interior or the case's bound is reached, before any final seed runs. A "
             'pick still at an edge says "bound reached".'
         )
-    lines.append(
-        "**Results:** mean ± sample standard deviation over the final seeds at the selected lr "
-        "(`n` runs), never averaged with the tuning seeds; accuracy in %. A run whose final "
-        "training loss is above its first logged one, or whose test accuracy is within two "
-        'binomial standard errors of chance, is shown as "did not train", a non-finite loss '
-        'as "diverged"; neither enters a mean.'
+    lines += _results_and_bytes(
+        report,
+        "over the final seeds at the selected lr (`n` runs), never averaged with the tuning seeds",
+    )
+    return lines
+
+
+def untuned(study: Study) -> bool:
+    """Whether no case of `study` selects an lr (each runs at one lr of its own)."""
+    return all(len(c.lrs) == 1 and c.lr_from is None for c in study.cases)
+
+
+def _results_and_bytes(report: StudyReport, averaged: str) -> list[str]:
+    """The Results, Bytes and Verdicts paragraphs; `averaged`: what a results row is a mean
+    over."""
+    study = report.study
+    lines = [
+        f"**Results:** mean ± sample standard deviation {averaged}; accuracy in %. A run whose "
+        "final training loss is above its first logged one, or whose test accuracy is within "
+        'two binomial standard errors of chance, is shown as "did not train", a non-finite '
+        'loss as "diverged"; neither enters a mean.'
         + (
             " (here diverged and unfinished runs are included: --include-failed.)"
             if report.include_failed
             else ""
         )  # fmt: skip
-    )
+    ]
     if "comm/bytes_per_epoch" in report.runs:
         lines.append(
             "**Bytes:** MB = 10⁶ bytes of `comm/bytes`, the algorithm's payload a worker sent "
