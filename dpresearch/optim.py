@@ -73,15 +73,17 @@ def set_lr(optimizer: torch.optim.Optimizer, base_lrs: list[float], multiplier: 
 def step_together(
     optimizers: Sequence[torch.optim.Optimizer], rows: FlatRows | None = None
 ) -> None:
-    """`opt.step()` for every optimizer in `optimizers` (one per local worker). Where they are
-    all plain `torch.optim.SGD` with the same hyper-parameters group by group, each group of
-    all of them is one call of torch's own multi-tensor SGD (`torch.optim.sgd.sgd`,
-    `foreach=True`) over every worker's parameters at once: the same arithmetic, tensor by
-    tensor, as each optimizer's own step (bit for bit: tested), without K passes through the
-    optimizer's Python. Where, in addition, `rows` says their parameters and gradients tile the
-    rows of two flat tensors (`Replicas`), that call runs on the two flat tensors themselves
-    (`FlatRows.step`). Otherwise one by one."""
-    if len(optimizers) < 2 or not _same_plain_sgd(optimizers):
+    """`opt.step()` for every optimizer in `optimizers` (one per local worker, or a single
+    one: an asynchronous event's). Where they are all plain `torch.optim.SGD` with the same
+    hyper-parameters group by group, each group of all of them is one call of torch's own
+    functional SGD (`torch.optim.sgd.sgd`, `foreach=True`) over every worker's parameters at
+    once: the same arithmetic, tensor by tensor, as each optimizer's own step (bit for bit:
+    tested), without passes through the optimizer's Python (for a single small model its
+    wrapper — profiler record, grad mode, dispatch choice — costs more than the update).
+    Where, in addition, `rows` says their parameters and gradients tile the rows of two flat
+    tensors (`Replicas`; one worker's: `FlatRows.of_row`), that call runs on the two flat
+    tensors themselves (`FlatRows.step`). Otherwise one by one."""
+    if not _same_plain_sgd(optimizers):
         for opt in optimizers:
             opt.step()
         return
@@ -156,10 +158,19 @@ class FlatRows:
 
     def __init__(self, params: torch.Tensor, grads: torch.Tensor) -> None:
         self.params, self.grads = params, grads
+        # torch's SGD's own default: multi-tensor on an accelerator, per tensor on a CPU (where
+        # the multi-tensor kernels fall back to the same per-tensor ops after grouping them)
+        self._foreach = params.device.type != "cpu"
         self._for: tuple[int, ...] = ()  # the optimizers the check below was made for
         self._pairs: list[tuple[torch.optim.Optimizer, torch.Tensor, torch.Tensor]] = []
         self.momentum: torch.Tensor | None = None
         self._buffers: list[torch.Tensor] = []  # per pair, its view of `momentum`
+
+    @classmethod
+    def of_row(cls, params: torch.Tensor, grads: torch.Tensor, row: int) -> FlatRows:
+        """The flat rows of one worker: row `row` of `params` and `grads` (`[1, D]` views),
+        for its optimizer stepping alone (`step_together([optimizer], ...)`)."""
+        return cls(params[row : row + 1], grads[row : row + 1])
 
     def step(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
         """One SGD step of all `optimizers` on the flat rows (they have been checked to be the
@@ -176,7 +187,7 @@ class FlatRows:
         from torch.optim.sgd import sgd
 
         with torch.no_grad():
-            sgd([self.params], [self.grads], buffers, foreach=True,
+            sgd([self.params], [self.grads], buffers, foreach=self._foreach,
                 weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
                 dampening=group["dampening"], nesterov=group["nesterov"],
                 maximize=group["maximize"])  # fmt: skip
