@@ -21,6 +21,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.optim import optimizer as _torch_optimizer
 
 OWN_KEYS = ("exclude_bn_bias_from_weight_decay",)
 
@@ -125,9 +126,12 @@ _SGD_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximiz
 
 
 def _same_plain_sgd(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
-    """All exactly `torch.optim.SGD`, none with hooks, fused or differentiable steps, with the
-    same number of groups and the same hyper-parameters group by group (gradients are dense:
-    the replicas' are views of one flat tensor)."""
+    """All exactly `torch.optim.SGD`, none with hooks (their own or torch's global ones), fused
+    or differentiable steps, with the same number of groups and the same hyper-parameters group
+    by group (gradients are dense: the replicas' are views of one flat tensor)."""
+    hooks = _torch_optimizer
+    if hooks._global_optimizer_pre_hooks or hooks._global_optimizer_post_hooks:
+        return False
     first = optimizers[0]
     for opt in optimizers:
         if type(opt) is not torch.optim.SGD or len(opt.param_groups) != len(first.param_groups):
@@ -137,7 +141,7 @@ def _same_plain_sgd(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
         for group, reference in zip(opt.param_groups, first.param_groups, strict=True):
             if group.get("fused") or group.get("differentiable"):
                 return False
-            if any(group[k] != reference[k] for k in _SGD_KEYS):
+            if opt is not first and any(group[k] != reference[k] for k in _SGD_KEYS):
                 return False
     return True
 

@@ -77,6 +77,16 @@ def test_anything_else_steps_one_by_one():
     opts[2].param_groups[0]["lr"] = 0.1
     opts[1].register_step_post_hook(lambda *a: None)
     assert not _same_plain_sgd(opts)
+    # one optimizer alone too, and torch's global hooks (which its own step would call)
+    assert _same_plain_sgd(opts[:1]) and not _same_plain_sgd(opts[1:2])
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handle = register_optimizer_step_pre_hook(lambda *a: None)
+    try:
+        assert not _same_plain_sgd(opts[:1])
+    finally:
+        handle.remove()
+    assert _same_plain_sgd(opts[:1])
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
