@@ -21,6 +21,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.optim import optimizer as _torch_optimizer
 
 OWN_KEYS = ("exclude_bn_bias_from_weight_decay",)
 
@@ -73,15 +74,17 @@ def set_lr(optimizer: torch.optim.Optimizer, base_lrs: list[float], multiplier: 
 def step_together(
     optimizers: Sequence[torch.optim.Optimizer], rows: FlatRows | None = None
 ) -> None:
-    """`opt.step()` for every optimizer in `optimizers` (one per local worker). Where they are
-    all plain `torch.optim.SGD` with the same hyper-parameters group by group, each group of
-    all of them is one call of torch's own multi-tensor SGD (`torch.optim.sgd.sgd`,
-    `foreach=True`) over every worker's parameters at once: the same arithmetic, tensor by
-    tensor, as each optimizer's own step (bit for bit: tested), without K passes through the
-    optimizer's Python. Where, in addition, `rows` says their parameters and gradients tile the
-    rows of two flat tensors (`Replicas`), that call runs on the two flat tensors themselves
-    (`FlatRows.step`). Otherwise one by one."""
-    if len(optimizers) < 2 or not _same_plain_sgd(optimizers):
+    """`opt.step()` for every optimizer in `optimizers` (one per local worker, or a single
+    one: an asynchronous event's). Where they are all plain `torch.optim.SGD` with the same
+    hyper-parameters group by group, each group of all of them is one call of torch's own
+    functional SGD (`torch.optim.sgd.sgd`, `foreach=True`) over every worker's parameters at
+    once: the same arithmetic, tensor by tensor, as each optimizer's own step (bit for bit:
+    tested), without passes through the optimizer's Python (for a single small model its
+    wrapper — profiler record, grad mode, dispatch choice — costs more than the update).
+    Where, in addition, `rows` says their parameters and gradients tile the rows of two flat
+    tensors (`Replicas`; one worker's: `FlatRows.of_row`), that call runs on the two flat
+    tensors themselves (`FlatRows.step`). Otherwise one by one."""
+    if not _same_plain_sgd(optimizers):
         for opt in optimizers:
             opt.step()
         return
@@ -123,9 +126,12 @@ _SGD_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximiz
 
 
 def _same_plain_sgd(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
-    """All exactly `torch.optim.SGD`, none with hooks, fused or differentiable steps, with the
-    same number of groups and the same hyper-parameters group by group (gradients are dense:
-    the replicas' are views of one flat tensor)."""
+    """All exactly `torch.optim.SGD`, none with hooks (their own or torch's global ones), fused
+    or differentiable steps, with the same number of groups and the same hyper-parameters group
+    by group (gradients are dense: the replicas' are views of one flat tensor)."""
+    hooks = _torch_optimizer
+    if hooks._global_optimizer_pre_hooks or hooks._global_optimizer_post_hooks:
+        return False
     first = optimizers[0]
     for opt in optimizers:
         if type(opt) is not torch.optim.SGD or len(opt.param_groups) != len(first.param_groups):
@@ -135,7 +141,7 @@ def _same_plain_sgd(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
         for group, reference in zip(opt.param_groups, first.param_groups, strict=True):
             if group.get("fused") or group.get("differentiable"):
                 return False
-            if any(group[k] != reference[k] for k in _SGD_KEYS):
+            if opt is not first and any(group[k] != reference[k] for k in _SGD_KEYS):
                 return False
     return True
 
@@ -156,10 +162,19 @@ class FlatRows:
 
     def __init__(self, params: torch.Tensor, grads: torch.Tensor) -> None:
         self.params, self.grads = params, grads
+        # torch's SGD's own default: multi-tensor on an accelerator, per tensor on a CPU (where
+        # the multi-tensor kernels fall back to the same per-tensor ops after grouping them)
+        self._foreach = params.device.type != "cpu"
         self._for: tuple[int, ...] = ()  # the optimizers the check below was made for
         self._pairs: list[tuple[torch.optim.Optimizer, torch.Tensor, torch.Tensor]] = []
         self.momentum: torch.Tensor | None = None
         self._buffers: list[torch.Tensor] = []  # per pair, its view of `momentum`
+
+    @classmethod
+    def of_row(cls, params: torch.Tensor, grads: torch.Tensor, row: int) -> FlatRows:
+        """The flat rows of one worker: row `row` of `params` and `grads` (`[1, D]` views),
+        for its optimizer stepping alone (`step_together([optimizer], ...)`)."""
+        return cls(params[row : row + 1], grads[row : row + 1])
 
     def step(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
         """One SGD step of all `optimizers` on the flat rows (they have been checked to be the
@@ -176,7 +191,7 @@ class FlatRows:
         from torch.optim.sgd import sgd
 
         with torch.no_grad():
-            sgd([self.params], [self.grads], buffers, foreach=True,
+            sgd([self.params], [self.grads], buffers, foreach=self._foreach,
                 weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
                 dampening=group["dampening"], nesterov=group["nesterov"],
                 maximize=group["maximize"])  # fmt: skip

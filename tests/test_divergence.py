@@ -72,6 +72,21 @@ def test_skip_step_drops_and_counts_nonfinite_steps(tmp_path):
     assert all(m["train/loss"] == "nan" for m in logged[first - 1 :])  # nothing left to average
 
 
+def test_adpsgd_stops_at_its_first_nonfinite_event(tmp_path):
+    """AD-PSGD's steps are events of one worker (the loop's one-row finiteness check): under
+    `stop` it ends at the very event whose loss is first non-finite under `continue`, before
+    that event's update (the logged loss of every earlier event is finite)."""
+    adpsgd = ("algorithm=adpsgd", "workers=4", "async.speed=exponential")
+    first = first_nonfinite_step(tmp_path, *adpsgd)
+    assert first > 1  # the check is not trivially at the start
+    run_dir = tmp_path / "run"
+    summary = train(compose_config(*QUICK, HUGE_LR, *adpsgd), run_dir)
+    assert summary["status"] == "diverged" and summary["diverged_at_step"] == first
+    logged = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == list(range(1, first))
+    assert all(math.isfinite(m["train/loss"]) for m in logged)
+
+
 def test_finished_run_says_so(tmp_path):
     summary = train(compose_config(*QUICK, "train.steps=5"), tmp_path / "run")
     assert summary["status"] == "finished"

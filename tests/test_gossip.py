@@ -101,6 +101,27 @@ def test_consensus_distance_metric_is_the_definition(small_config):
     assert got == pytest.approx(expected, rel=1e-9)
 
 
+def test_consensus_distance_in_a_kept_workspace_is_the_same_number():
+    """The differences written into a workspace kept across calls (`Gossip.metrics`, no
+    fresh megabytes per block): bit for bit the value computed with fresh tensors, over
+    several column blocks (the last one narrower) and call after call (the buffer reused
+    with its old contents), and the definition to 1e-12 relative in float64."""
+    from dpresearch.algorithms.gossip import DISTANCE_BLOCK_ELEMENTS, consensus_distance
+    from dpresearch.compress.workspace import Workspace
+
+    workers = 6
+    width = 2 * max(4096, DISTANCE_BLOCK_ELEMENTS // workers) + 1234  # three blocks
+    comm, workspace = SimulatedCommunicator(workers, NET), Workspace()
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(workers, width, generator=g) * (1 + seed)
+        kept = consensus_distance(comm, x, workspace)
+        assert kept == consensus_distance(comm, x)
+        d = x.double()
+        expected = (d - d.mean(0)).pow(2).sum(1).mean().item()
+        assert kept == pytest.approx(expected, rel=1e-12)
+
+
 # -- C: simulated ≡ gloo, every worker ------------------------------------------------------------
 CASES = {
     "dpsgd_ring2": (2, ["algorithm=dpsgd"]),

@@ -78,6 +78,32 @@ def test_message_bytes_are_charged_to_the_sender_per_purpose_in_constant_time():
     assert restored.clock == ledger.clock
 
 
+def test_recording_a_send_in_place_records_what_the_send_would():
+    """`record_send` (two endpoints of one process reading each other's tensors in place, e.g.
+    a simulated AD-PSGD pair): the ledger afterwards is the one `isend` of the same messages
+    leaves — bytes per worker and purpose, ops, modeled seconds, clocks — and nothing is
+    queued for a receiver."""
+    sent, recorded = SimulatedCommunicator(4, NET), SimulatedCommunicator(4, NET)
+    row, buffers = torch.zeros(250), torch.zeros(3, dtype=torch.float64)
+    for i, (src, dst) in enumerate([(0, 1), (1, 0), (2, 3), (3, 2), (2, 1)]):
+        sent.isend([row, buffers], dst=dst, src=src, at=0.25 * i)
+        recorded.record_send(row.nbytes + buffers.nbytes, src, at=0.25 * i)
+    sent.isend(row, dst=0, src=SERVER, record="metrics")  # no worker: charged to nobody
+    recorded.record_send(row.nbytes, SERVER, record="metrics")
+    sent.isend(row, dst=0, src=1, record=False)  # unrecorded
+    recorded.record_send(row.nbytes, 1, record=False)
+    a, b = sent.ledger, recorded.ledger
+    assert b.bytes_by_purpose == a.bytes_by_purpose == {"algorithm": [1024, 1024, 2048, 1024]}
+    assert b.clock == a.clock == [0.0, 0.25, 1.0, 0.75]
+    assert b.op_totals == a.op_totals and b.op_counts == a.op_counts
+    assert b.purpose_op_counts == a.purpose_op_counts
+    assert b.modeled_by_purpose == a.modeled_by_purpose
+    assert b.op_table() == a.op_table() and b.end_step() == a.end_step()
+    assert not any(recorded._mailbox.values())
+    with pytest.raises(PeerTimeout):
+        recorded.recv(0, dst=1)
+
+
 def test_pack_round_trip_keeps_every_dtype():
     parts = [torch.tensor([1.5, -2.0], dtype=torch.float64), torch.arange(3, dtype=torch.uint8),
              torch.randn(5), torch.tensor([7], dtype=torch.int32)]  # fmt: skip

@@ -77,6 +77,16 @@ def test_anything_else_steps_one_by_one():
     opts[2].param_groups[0]["lr"] = 0.1
     opts[1].register_step_post_hook(lambda *a: None)
     assert not _same_plain_sgd(opts)
+    # one optimizer alone too, and torch's global hooks (which its own step would call)
+    assert _same_plain_sgd(opts[:1]) and not _same_plain_sgd(opts[1:2])
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handle = register_optimizer_step_pre_hook(lambda *a: None)
+    try:
+        assert not _same_plain_sgd(opts[:1])
+    finally:
+        handle.remove()
+    assert _same_plain_sgd(opts[:1])
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
@@ -148,3 +158,47 @@ def test_stepping_on_the_flat_rows_is_bit_identical_to_each_step(name, channels_
         step_both(5)
         partial = False
     step_both(6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_one_optimizer_stepping_alone_is_bit_identical_to_its_step(name, dtype):
+    """An asynchronous event's update (`Algorithm.step_optimizer`): one worker's optimizer
+    through `step_together([opt], FlatRows.of_row(...))` — one functional SGD call on its row
+    where its one group tiles it, per tensor otherwise (two groups) — gives bit for bit its own
+    `step()`: parameters and momentum buffers, from the first step (buffers created) on,
+    through a state-dict round trip, with the other rows untouched; and without rows too."""
+    from dpresearch.optim import FlatRows
+
+    node = {"_target_": "torch.optim.SGD", "lr": 0.1, **SETTINGS[name]}
+
+    def build():
+        torch.manual_seed(0)
+        reps = Replicas(MLP(5, (6,), hidden=[7], batch_norm=True).to(dtype), 4,
+                        torch.device("cpu"))  # fmt: skip
+        return reps, [make_optimizer(OmegaConf.create(node), m) for m in reps.models]
+
+    (a, opts_a), (b, opts_b), (c, opts_c) = build(), build(), build()
+    assert b.params.dtype == dtype
+    rows = {w: FlatRows.of_row(b.params, b.grads, w) for w in range(4)}
+    flat = name != "two_groups"
+    for event, w in enumerate([2, 0, 2, 3, 2, 1, 0]):
+        grads = torch.randn(a.grads.shape, generator=torch.Generator().manual_seed(event))
+        for reps in (a, b, c):
+            reps.grads.copy_(grads.to(dtype))
+        if event == 4:  # a resumed run: state read from a file
+            for oa, ob in zip(opts_a, opts_b, strict=True):
+                ob.load_state_dict(copy.deepcopy(oa.state_dict()))
+        opts_a[w].step()
+        step_together([opts_b[w]], rows[w])
+        step_together([opts_c[w]])
+        assert rows[w]._pairs if flat else not rows[w]._pairs  # the row path took it
+        for reps, opts in ((b, opts_b), (c, opts_c)):
+            assert torch.equal(a.params, reps.params), (event, w)
+            for oa, ob in zip(opts_a, opts, strict=True):
+                for p_a, p_b in zip(oa.param_groups[0]["params"], ob.param_groups[0]["params"],
+                                    strict=True):  # fmt: skip
+                    sa, sb = oa.state.get(p_a, {}), ob.state.get(p_b, {})
+                    assert sa.keys() == sb.keys()
+                    assert all(torch.equal(sa[k], sb[k]) for k in sa if torch.is_tensor(sa[k]))
+    assert not torch.equal(a.params[0], a.params[1])  # the rows stepped apart

@@ -178,10 +178,16 @@ class ADPSGD(Gossip):
         row_bytes = link.wire_bytes
         if self._has_buffers:
             row_bytes += buffers.shape[1] * buffers.element_size()
+        # one uncompressed message of the pair: x_i's row (and its float buffers)
+        self._message_bytes = params[0].nbytes + (buffers[0].nbytes if self._has_buffers else 0)
         self.clock = EventClock(self.speed, 0.0, transfer_seconds(comm.ledger.network, row_bytes))
         # the row of each worker held here (simulated: all; real ranks: one)
         self.row = {w: r for r, w in enumerate(comm.local_workers)}
         self.read = params.clone()  # x̂: what each local worker read when it started
+        # each local row's two plans: on its row as it is, on its read x̂ (made once: the
+        # read rows stay where they are)
+        self._plans = [(StepPlan((r,)), StepPlan((r,), {r: self.read[r]}))
+                       for r in range(len(self.row))]  # fmt: skip
         self.live = torch.empty_like(params[0])  # the computing worker's x_i, kept aside
         # what each side of a pair receives (simulated: both sides are here)
         self.received = params.new_empty((2, params.shape[1]))
@@ -261,9 +267,9 @@ class ADPSGD(Gossip):
         # Nobody averaged with i since its read: its row is still x̂_i, bit for bit.
         self._stale = self.changed[i] > 0
         if not self._stale:
-            return StepPlan((row,))
+            return self._plans[row][0]
         self.live.copy_(self.replicas.params[row])
-        return StepPlan((row,), {row: self.read[row]})
+        return self._plans[row][1]
 
     def set_lr(self, multiplier: float) -> None:
         """Kept for the one optimizer that steps this event (`after_backward`): setting all K
@@ -273,11 +279,16 @@ class ADPSGD(Gossip):
     def after_backward(self, step: int) -> None:
         i, j = self._event
         params = self.replicas.params
-        here = self.row.get(i)
-        if here is not None and self._stale:
-            params[here].copy_(self.live)  # x_i as it is now, the gradient computed at x̂_i
+        here, there = self.row.get(i), self.row.get(j) if j is not None else None
+        # x_i as it is now, kept aside while its row held x̂_i for the gradient: back into its
+        # row (a pair averaged here reads it from where it was kept instead)
+        if self._stale and here is not None and (there is None or self.codec is not None):
+            params[here].copy_(self.live)
         if j is not None:
             self.pairs += 1
+            if there is not None and self.changed[j] == 0:
+                # j's row has been its read x̂_j (j computes on it): kept before it first changes
+                self.read[there].copy_(params[there])
             self.changed[j] += 1
             if self.codec is None:
                 self._average(i, j)
@@ -285,8 +296,9 @@ class ADPSGD(Gossip):
                 self._choco(i, j, step)
         if here is not None:
             set_lr(self.optimizers[here], self.base_lrs[here], self._multiplier)
-            self.optimizers[here].step()
-            self.read[here].copy_(params[here])  # i starts its next gradient on this
+            self.step_optimizer(here)
+            # i starts its next gradient on its row as it is now: its read, until a neighbour
+            # changes the row (only then is it copied into `read`)
         tau, self.changed[i] = self.changed[i], 0
         count_tau(self.histogram, tau)
         self._window.append(tau)
@@ -301,22 +313,27 @@ class ADPSGD(Gossip):
         received before either is averaged, and the same sum on every rank (a + b is b + a in
         floating point)."""
         params, buffers = self.replicas.params, self.replicas.buffers
-        sides = self._sides(i, j)
-        for me, peer, row, _ in sides:
-            message = [params[row]] + ([buffers[row]] if self._has_buffers else [])
-            self.comm.isend(message, dst=peer, src=me)
-        if len(sides) == 2:
-            # Both ends in this process (simulated): the messages handed over are the rows
-            # themselves, so one mean serves both, no copies (the same bits: a + b is b + a).
-            for me, peer, _, _ in sides:
-                self.comm.recv(peer, dst=me)
-            (_, _, a, _), (_, _, b, _) = sides
-            params[a].add_(params[b]).mul_(0.5)
+        a, b = self.row.get(i), self.row.get(j)
+        if a is not None and b is not None:
+            # Both ends in this process (simulated): each side reads the other's row where it
+            # lies, so the two messages are recorded (the same bytes and ops as sent) and
+            # nothing moves; one mean serves both (the same bits: a + b is b + a), x_i read
+            # from where `plan` kept it when its row holds x̂_i.
+            self.comm.record_send(self._message_bytes, i)
+            self.comm.record_send(self._message_bytes, j)
+            if self._stale:
+                torch.add(self.live, params[b], out=params[a]).mul_(0.5)
+            else:
+                params[a].add_(params[b]).mul_(0.5)
             params[b].copy_(params[a])
             if self._has_buffers:
                 buffers[a].add_(buffers[b]).mul_(0.5)
                 buffers[b].copy_(buffers[a])
             return
+        sides = self._sides(i, j)
+        for me, peer, row, _ in sides:
+            message = [params[row]] + ([buffers[row]] if self._has_buffers else [])
+            self.comm.isend(message, dst=peer, src=me)
         for me, peer, _, slot in sides:
             out = [self.received[slot]]
             if self._has_buffers:
@@ -387,6 +404,10 @@ class ADPSGD(Gossip):
     def state_dict(self) -> dict:
         """The reads x̂ of the local workers, the event queue, speed and pairing streams, the
         staleness and delay counts (the live models are the replicas' rows)."""
+        params = self.replicas.params
+        for w, row in self.row.items():
+            if self.changed[w] == 0:  # the read is the row itself (see `after_backward`)
+                self.read[row].copy_(params[row])
         return {
             "read": self.read, "clock": self.clock.state_dict(), "speed": self.speed.state_dict(),
             "pairing": self.pairing.state_dict(), "changed": list(self.changed),

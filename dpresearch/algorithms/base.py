@@ -151,6 +151,7 @@ class Algorithm(ABC):
         # iteration costs microseconds per element on every step
         self.optimizers = list(optimizers)
         self._rows = FlatRows(replicas.params, replicas.grads)
+        self._row_steps: dict[int, FlatRows] = {}  # per row stepping alone (`step_optimizer`)
         self.base_lrs = [[g["lr"] for g in opt.param_groups] for opt in optimizers]
         self._lockstep = StepPlan.every(replicas.num_local)
 
@@ -175,6 +176,16 @@ class Algorithm(ABC):
         the same plain SGD, over the flat rows where they can, `optim.step_together`; the same
         result as one by one)."""
         step_together(self.optimizers, self._rows)
+
+    def step_optimizer(self, row: int) -> None:
+        """Local row `row`'s optimizer steps alone (an asynchronous event's update): plain SGD
+        as one functional call on its row of the flat rows (`optim.step_together`), without
+        the optimizer's wrapper; the same result as its own `step()`."""
+        rows = self._row_steps.get(row)
+        if rows is None:
+            replicas = self.replicas
+            rows = self._row_steps[row] = FlatRows.of_row(replicas.params, replicas.grads, row)
+        step_together((self.optimizers[row],), rows)
 
     def before_forward(self, step: int) -> None:
         """Called before the workers' forward passes of `step`."""

@@ -350,10 +350,21 @@ class Communicator(ABC):
         src = self._local_endpoint(src)
         purpose = purpose_of(record)
         if purpose is not None:
-            # the sender's ledger row; a process without a worker is charged nothing
-            row = self._worker_rows.get(src)
-            self.ledger.record_message(row, message_bytes(parts), purpose, at)
+            self.record_send(message_bytes(parts), src, purpose, at)
         return self._isend(parts, dst, src, purpose is not None)
+
+    def record_send(
+        self, nbytes: int, src: int, record: bool | str = True, at: float | None = None
+    ) -> None:
+        """Record a message of `nbytes` from local endpoint `src` exactly as `isend` records
+        one (its bytes charged to `src` when it is a worker, one "p2p" op, `at` the sender's
+        clock), sending nothing: for two endpoints of this process that exchange by reading
+        each other's tensors where they lie (what the simulated communicator's `recv` would
+        hand over anyway), so the run's bytes and ops are those of the messages."""
+        purpose = purpose_of(record)
+        if purpose is not None:
+            # the sender's ledger row; a process without a worker is charged nothing
+            self.ledger.record_message(self._worker_rows.get(src), nbytes, purpose, at)
 
     def send(self, x: Message, dst: int, src: int | None = None, record: bool | str = True,
              at: float | None = None) -> None:  # fmt: skip

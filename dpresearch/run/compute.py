@@ -305,6 +305,10 @@ class WorkerCompute:
     def last_losses_finite(self, rows: Sequence[int]) -> bool:
         """Whether the loss of each row's batch in the last `run` is finite (one host sync,
         none where a batched call computing ahead checked it)."""
+        if len(rows) == 1 and not self._finite:  # one row computed alone (an event's)
+            latest = self._latest.get(rows[0])
+            if latest is None or latest[1] is None:  # (not computed / its own batch's loss)
+                return latest is None or math.isfinite(latest[0].item())
         if not all(self._finite.get(w, True) for w in rows):
             return False
         positions: dict[int, tuple[Tensor, list[int]]] = {}
