@@ -284,8 +284,12 @@ CLAIMS = [
         lambda: (
             *report(f"{CM}/codecs").study.selection_seeds,
             *report(f"{CM}/codecs").study.final_seeds,
-            *{int(n) for p in ("codecs", "adam") for n in final_means(f"{CM}/{p}", "n").values()
-              if n == max(final_means(f"{CM}/{p}", "n").values())},
+            *{
+                int(n)
+                for p in ("codecs", "adam")
+                for n in final_means(f"{CM}/{p}", "n").values()
+                if n == max(final_means(f"{CM}/{p}", "n").values())
+            },
             *sorted({int(s) for s in runs(f"{CM}/hierarchy")["cfg.seed"]}),
             *{int(n) for n in final_means(f"{CM}/hierarchy", "n").values()},
         ),
