@@ -451,8 +451,9 @@ def test_adpsgd_vs_minimal_tiny(tmp_path, monkeypatch, one_thread):
     lo, hi = result["ratio_range"]
     assert 0 < lo <= result["ratio_median"] <= hi and len(result["seconds"]["ours"]) == 2
     assert len(result["load"]) == 2
+    assert result["log_every"] == 100  # the default: ours logs as a run does
     namespace = module.argparse.Namespace(workers=4, features=32, batch=8, updates=120,
-                                          clock="cpu")  # fmt: skip
+                                          clock="cpu", log_every=100)  # fmt: skip
     _, rows = module.minimal(namespace)
     initial = module.reference(namespace)["row"]
     assert (rows - initial).abs().max() > 1e-3  # it trained
