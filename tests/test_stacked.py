@@ -221,15 +221,17 @@ def test_thin_layers_run_class_major_and_equal_the_loop(hidden, classes, one_thr
         assert per_row_losses[i].item() == pytest.approx(expected, rel=1e-12)
 
 
-def test_rows_not_consecutive_compute_on_reused_staging(one_thread):
+@pytest.mark.parametrize("name", ["mlp_batchnorm", "resnet8_B"])
+def test_rows_not_consecutive_compute_on_reused_staging(name, one_thread):
     """Rows that are not consecutive are gathered into staging rows grown once to the most
     rows a call took (no allocation per call) and written back: each call gives the loop's
-    gradients, buffers and counters, and leaves the other rows as they were."""
-    loop, stacked = pair(CASES["mlp_batchnorm"][0](), 6)
+    gradients, buffers and counters, and leaves the other rows as they were (ResNet-8 with
+    channels-last rows: the staged views keep the rows' layout)."""
+    loop, stacked = pair(CASES[name][0](), 6, channels_last=name == "resnet8_B")
     workers = StackedWorkers(stacked)
     pointers = []
     for rows in ([0, 2, 5], [1, 4], [0, 3, 5], [2, 4]):
-        x, y = images(len(rows), 5, 4)
+        x, y = images(len(rows), 5, 4) if name == "mlp_batchnorm" else images(len(rows), 4, 8)
         with torch.no_grad():
             loop.grads.fill_(5.0)
             stacked.grads.fill_(5.0)
