@@ -46,8 +46,9 @@ from dpresearch.run.slots import NULL_CONTEXT, slots
 
 ROWS, CHANNELS = "rows", "channels"
 # Linear layers with at most this many outputs run their forward as weight @ xᵀ on a CPU
-# (measured, 64 × 3072 inputs: 10 outputs 57 µs against 91 per worker; from ~128 outputs the
-# two layouts cost the same).
+# (measured per worker, 64 × 3072 inputs: 10 outputs 64 µs against 106, 15 outputs 91 against
+# 223, 20 outputs 96 against 134; at 16, 32 and 64 outputs the same; wider, x @ weightᵀ is
+# ~2% faster).
 THIN_OUTPUTS = 32
 # A leaf whose `.grad` is a strided view of the gradient rows is the point of this module: the
 # accumulation into it is in place; torch's note that the layouts differ from a fresh tensor's
