@@ -121,6 +121,23 @@ def test_computed_ahead_equals_one_push_at_a_time(case):
     )
 
 
+# The benchmark's model (experiments/bench/async_vs_minimal.py), small: logistic regression
+LOGREG_RUN = ["data.num_train=1024", "data.num_test=256", "data.num_features=16", "model=logreg",
+              "workers=8", "train.batch_size=8", "train.progress=false", "train.log_every=5",
+              "backend.threads=1"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["asgd", "ssp", "inverse_lr_straggler", "delay_compensation"])
+def test_logistic_regression_stacked_ahead_equals_one_push_at_a_time(case):
+    """The workers in flight computed stacked (a thin classifier: weight @ xᵀ, one
+    cross-entropy call over the classes, rows not consecutive gathered into staging rows):
+    the same events and τ, the same rows and server as one push at a time."""
+    trainer = trainer_for(*LOGREG_RUN, *ASYNC, mode="true")
+    assert "stacked" in trainer.built.setup["workers_compute"]
+    assert_same_run(*LOGREG_RUN, *ASYNC, "train.steps=60", *CASES[case], tol=TOL64,
+                    dtype=torch.float64)  # fmt: skip
+
+
 @needs_subset
 def test_resnet20_with_batchnorm_computed_ahead_equals_one_push_at_a_time():
     """float64, as test_batched's ResNet-20 comparison (20 float32 steps are chaotic)."""

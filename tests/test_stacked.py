@@ -27,7 +27,7 @@ from dpresearch.models.resnet18 import ResNet18
 from dpresearch.models.resnet_cifar import ResNetCifar
 from dpresearch.models.vgg import VGG
 from dpresearch.replicas import Replicas
-from dpresearch.run.stacked import StackedWorkers, Unsupported, unsupported
+from dpresearch.run.stacked import THIN_OUTPUTS, StackedWorkers, Unsupported, unsupported
 
 
 def lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -191,3 +191,60 @@ def test_a_model_the_stacked_layers_do_not_know_says_why(model, says):
     assert reason is not None and says in reason and "\n" not in reason
     with pytest.raises(Unsupported, match="stacked|dropout|cumulatively"):
         StackedWorkers(Replicas(model, 2, torch.device("cpu")))
+
+
+@pytest.mark.parametrize(("hidden", "classes"), [(64, 10), (64, 40)])
+def test_thin_layers_run_class_major_and_equal_the_loop(hidden, classes, one_thread):
+    """A linear layer with at most `THIN_OUTPUTS` outputs computes weight @ xᵀ on a CPU (its
+    output `[S, B, C]` a transposed view of `[S, C, B]`), a wider one x @ weightᵀ: either way
+    each row's gradient and loss are the loop's. Cross-entropy over the thin output runs as
+    one call over the classes of `[S, C, B]`: its vectorised log-softmax rounds its last bit
+    differently from the loop's (TOL64); over the wider one, as one call over all rows'
+    examples `[S·B, C]`, whose gradient is the loop's bit for bit (1/B per example either
+    way)."""
+    thin = classes <= THIN_OUTPUTS
+    loop, stacked = pair(MLP(classes, (3, 4, 4), hidden=(hidden,)), 4)
+    x, y = images(3, 5, 4)
+    y = y * classes // 10  # every class index in range, some above 10
+    rows = [0, 1, 3]
+    loop_rows(loop, rows, x, y, F.cross_entropy)
+    losses, out = StackedWorkers(stacked, F.cross_entropy).run(rows, x, y)
+    assert out.transpose(1, 2).is_contiguous() is thin and out.is_contiguous() is not thin
+    assert_rows_equal(loop, stacked)
+    _, per_row = pair(MLP(classes, (3, 4, 4), hidden=(hidden,)), 4)
+    per_row.params.copy_(stacked.params)
+    each = StackedWorkers(per_row, lambda o, t: F.cross_entropy(o, t))  # a call per row
+    per_row_losses, _ = each.run(rows, x, y)
+    if thin:
+        scale = per_row.grads.abs().max().item()
+        assert (per_row.grads - stacked.grads).abs().max().item() <= TOL64 * scale
+    else:
+        assert torch.equal(per_row.grads, stacked.grads)
+    for w, i in zip(rows, range(3), strict=True):
+        expected = F.cross_entropy(loop.models[w](x[i]), y[i]).item()
+        assert losses[i].item() == pytest.approx(expected, rel=1e-12)
+        assert per_row_losses[i].item() == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["mlp_batchnorm", "resnet8_B"])
+def test_rows_not_consecutive_compute_on_reused_staging(name, one_thread):
+    """Rows that are not consecutive are gathered into staging rows grown once to the most
+    rows a call took (no allocation per call) and written back: each call gives the loop's
+    gradients, buffers and counters, and leaves the other rows as they were (ResNet-8 with
+    channels-last rows: the staged views keep the rows' layout)."""
+    loop, stacked = pair(CASES[name][0](), 6, channels_last=name == "resnet8_B")
+    workers = StackedWorkers(stacked)
+    pointers = []
+    for rows in ([0, 2, 5], [1, 4], [0, 3, 5], [2, 4]):
+        x, y = images(len(rows), 5, 4) if name == "mlp_batchnorm" else images(len(rows), 4, 8)
+        with torch.no_grad():
+            loop.grads.fill_(5.0)
+            stacked.grads.fill_(5.0)
+        loop_rows(loop, rows, x, y, F.cross_entropy)
+        workers.run(rows, x, y)
+        assert_rows_equal(loop, stacked)
+        others = [w for w in range(6) if w not in rows]
+        assert (stacked.grads[others] == 5.0).all()
+        pointers.append([t.data_ptr() for t in workers._staging])
+    assert all(p == pointers[0] for p in pointers)
+    assert workers._staging[0].shape[0] == 3  # grown to the largest call, not to every row

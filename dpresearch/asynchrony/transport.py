@@ -97,6 +97,7 @@ class EventTransport:
         self._has_buffers = replicas.buffers.shape[1] > 0
         self._rows = [(w,) for w in range(k)]
         self._headers = torch.zeros(k, HEADER, dtype=torch.float64)
+        self._header_rows = list(self._headers.unbind(0))
         self._header_values = self._headers.numpy()  # written without dispatching torch ops
         self.read_version = [0] * k
         self.pushes = [0] * k
@@ -116,9 +117,9 @@ class EventTransport:
         count = self.pushes[w]
         self.pushes[w] = count + 1
         wire, decoded = self.codec.encode(w, self.grads[w], count)
-        header = self._headers[w]
         self._header_values[w, :2] = (self.read_version[w], count)
-        self.comm.isend([header, wire, self.buffers[w]], SERVER, src=w, at=self.clock.now)
+        self.comm.isend([self._header_rows[w], wire, self.buffers[w]], SERVER, src=w,
+                        at=self.clock.now)  # fmt: skip
         self.comm.recv(w, dst=SERVER)
         return Push(w, self.read_version[w], count, 0.0, 0.0, decoded, self.buffers[w])
 

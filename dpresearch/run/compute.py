@@ -281,13 +281,15 @@ class WorkerCompute:
             self._add_pending(tuple(rows), losses, out, y)
             return
         finite = losses.isfinite().tolist()
-        for i, w in enumerate(rows):
+        # (one unbind per tensor: three dispatched ops per call, not three per row)
+        each = zip(rows, finite, losses.unbind(), out.unbind(), y.unbind(), strict=True)
+        for w, ok, loss, row_out, row_y in each:
             if w in hold:
-                self._held[w] = (losses[i], out[i], y[i])
-                self._held_finite[w] = finite[i]
+                self._held[w] = (loss, row_out, row_y)
+                self._held_finite[w] = ok
             else:
-                self._finite[w] = finite[i]
-                self._add_pending(w, losses[i], out[i], y[i])
+                self._finite[w] = ok
+                self._add_pending(w, loss, row_out, row_y)
 
     def _add_pending(
         self, rows: int | tuple[int, ...], losses: Tensor, out: Tensor, y: Tensor
