@@ -223,7 +223,7 @@ CLAIMS = [
     Claim(
         "ef_claim/seeds",
         "experiments/compression_subset",
-        r"tuned on the mean of seeds (\d) and (\d) .* then final seeds (\d) and (\d);",
+        r"tuned on the mean of seeds (\d) and (\d) .* then final seeds (\d), (\d) and (\d);",
         lambda: (*report(EF).study.selection_seeds, *final_seeds(EF)),
     ),
     Claim(
@@ -238,13 +238,13 @@ CLAIMS = [
     Claim(
         "ef_claim/one-usable-seed-at-3",
         "experiments/compression_subset",
-        r"on (one) usable final seed of random-k \+ EF \(the other did not train\)",
+        r"on (two) usable final seeds of random-k \+ EF: the third did not train",
         lambda: (
             sum(
                 report(EF)
                 .horizons[0]
                 .runs.query(
-                    "case == 'random-k 1% + EF' and `cfg.seed` in [2, 3] and `cfg.optimizer.lr` == "
+                    "case == 'random-k 1% + EF' and `cfg.seed` in [2, 3, 4] and `cfg.optimizer.lr` == "
                     f"{report(EF).horizons[0].picks['random-k 1% + EF'].lr}"
                 )["status"]
                 == FINISHED
