@@ -149,10 +149,10 @@ class _StackedLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         weight_grad, bias_grad = ctx.grads
         if out_grad.dtype == x.dtype == weight_grad.dtype:
-            if weight_grad.is_contiguous() or weight_grad.device.type != "cpu":
-                weight_grad.baddbmm_(out_grad.transpose(1, 2), x)
-            else:  # rows of [S, D]: the CPU's baddbmm_ would run one product per worker
-                weight_grad.add_(torch.bmm(out_grad.transpose(1, 2), x))
+            # Straight into the rows' views (strided by the row width): on this CPU 0.60 ms
+            # against 0.72 for a product then `add_` ([16, 256, 256], batch 32), 2.6 against
+            # 4.2 at 64 workers, 1.07 against 1.23 for logistic regression's [16, 10, 3072].
+            weight_grad.baddbmm_(out_grad.transpose(1, 2), x)
         else:  # autocast: the product in the forward's precision, accumulated in the rows'
             weight_grad.add_(torch.bmm(out_grad.transpose(1, 2), x.to(out_grad.dtype)))
         if bias_grad is not None:
