@@ -244,8 +244,8 @@ CLAIMS = [
                 report(EF)
                 .horizons[0]
                 .runs.query(
-                    "case == 'random-k 1% + EF' and `cfg.seed` in [2, 3, 4] and `cfg.optimizer.lr` == "
-                    f"{report(EF).horizons[0].picks['random-k 1% + EF'].lr}"
+                    "case == 'random-k 1% + EF' and `cfg.seed` in [2, 3, 4] and "
+                    f"`cfg.optimizer.lr` == {report(EF).horizons[0].picks['random-k 1% + EF'].lr}"
                 )["status"]
                 == FINISHED
             ),
@@ -479,53 +479,45 @@ CLAIMS = [
     Claim(
         "local_sgd/runs",
         "experiments/local_sgd",
-        r"(\d+) runs on one H100 \(6\.8 min",
-        lambda: (len(runs("local_sgd/study")),),
+        r"(\d+) runs \((\d+) grid, (\d+) grid extensions, (\d+) final seeds\) on this machine",
+        lambda: (len(runs("local_sgd/study")), *roles("local_sgd/study").values()),
     ),
     Claim(
         "local_sgd/protocol",
         "experiments/local_sgd",
-        r"selected on \*\*(one)\*\* tuning seed \(seed (\d)\) from a (three)-value grid that "
-        r"was (never) extended; seeds (\d) and (\d) then ran at it and alone make the results "
-        r"table \(n = (\d)\)",
+        r"tuned on the mean of seeds (\d) and (\d) over a log-spaced grid .* then the final seeds "
+        r"(\d), (\d) and (\d) ran at the selected lr and alone make the results table \(n = (\d)\)",
         lambda: (
-            len(report("local_sgd/study").study.selection_seeds),
             *report("local_sgd/study").study.selection_seeds,
-            *set(grid_sizes("local_sgd/study")),
-            never(roles("local_sgd/study")["extensions"]),
             *final_seeds("local_sgd/study"),
-            len(final_seeds("local_sgd/study")),
+            *{int(n) for n in final_means("local_sgd/study", "n").values()},
         ),
     ),
     Claim(
         "local_sgd/steps",
         "experiments/local_sgd",
-        r"10 epochs \((\d+) steps\)\. Cases",
+        r"20 epochs \((\d+) steps\)\. Cases",
         lambda: tuple(total_steps("local_sgd/study")),
     ),
     Claim(
-        "local_sgd/smallest",
+        "local_sgd/interior-and-grown",
         "experiments/local_sgd",
-        r"H = 4 and H = 16 end lower .*, but \*\*(both) picked the (smallest) lr tried and the "
-        r"grid was not extended\*\*",
+        r"(Every) pick is interior: the grids of (H = 1) and (post-local) SGD grew up to 3\.2",
         lambda: (
-            quantifier(
-                sum(one_pick("local_sgd/study", f"local SGD H={h}").bound_reached for h in (4, 16)),
-                2,
+            quantifier(picks("local_sgd/study").interior, picks("local_sgd/study").picks),
+            *sorted(
+                ("H = 1" if c == "local SGD H=1" else "post-local")
+                for c, (up, _) in grown_grids(
+                    report("local_sgd/study").study, runs("local_sgd/study")
+                ).items()
+                if up
             ),
-            *{one_pick("local_sgd/study", f"local SGD H={h}").edge for h in (4, 16)},
         ),
-    ),
-    Claim(
-        "local_sgd/largest",
-        "experiments/local_sgd",
-        r"Synchronous SGD and H = 1 picked the (largest) lr tried",
-        lambda: tuple({one_pick("local_sgd/study", c).edge for c in ("sync SGD", "local SGD H=1")}),
     ),
     Claim(
         "local_sgd/within-noise",
         "experiments/local_sgd",
-        r"(\d) of the (\d) picks were won by less than the standard error of the difference",
+        r"(\d) of the (\d) picks were won within the selection's noise",
         lambda: (picks("local_sgd/study").close, picks("local_sgd/study").picks),
     ),
     # -- powersgd_table6/README.md ----------------------------------------------------------
