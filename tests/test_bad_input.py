@@ -182,6 +182,7 @@ BAD = [
     (["network=nonexistent"], "network=nonexistent is not an option"),
     (["algorithm._target_=dpresearch.models.mlp.MLP"], "is not an Algorithm subclass"),
     (["model=resnet20", "model.depth=21"], "model.depth=21 is not 6n+2"),
+    (["model=resnet18", "model.width=0"], "model.width=0: must be a positive number of channels"),
     (["model=resnet20", "model.shortcut=x"], "model.shortcut='X' is not known"),
     (["model=vgg11", "model.depth=12"], "model.depth=12 is not a VGG depth"),
     (["algorithm=dpsgd", "topology=random", "topology.p=0"], "topology.p=0 must be in (0, 1]"),

@@ -236,6 +236,7 @@ class OuterOptimizer(Algorithm):
         "part": "one class on every process (the outer step is lockstep)",
         "channel": "the outer node's own compressor is checked by check_config",
         "step_optimizers": "the base steps its inner optimizers in its own after_backward",
+        "step_optimizer": "the base steps an event's optimizer in its own after_backward",
         "outer_handover": "asked of the base class by check_config; outer steps do not nest",
         "hand_over_averaging": "asked of the base in __init__; outer steps do not nest",
         "model_rows": "read from the base by the outer step itself",
