@@ -158,6 +158,7 @@ class Claim:
 
 
 CS, EF = "compression_subset/study", "compression_subset/ef_claim"
+P6 = "powersgd_table6/study"
 CM = "compressors_more"
 LM = "lm_shakespeare/study"
 EDGE_EF = ("top-k 1% + EF", "top-k 1% (no EF)", "random-k 1% + EF", "random-k 1% (no EF)")
@@ -524,72 +525,63 @@ CLAIMS = [
     Claim(
         "powersgd/runs",
         "experiments/powersgd_table6",
-        r"\(329,040 B\)\. (\d+) runs",
-        lambda: (len(runs("powersgd_table6/study")),),
+        r"(\d+) runs \((\d+) grid, (\d+) grid extensions, (\d+) final seeds\) on this machine",
+        lambda: (len(runs(P6)), *roles(P6).values()),
     ),
     Claim(
         "powersgd/protocol",
         "experiments/powersgd_table6",
-        r"each lr was selected on (one) tuning seed from a (three)-value grid that was (never) "
-        r"extended; seeds (\d) and (\d) then ran at it and alone make the results table "
-        r"\(n = (\d)\)",
+        r"tuned on the mean of seeds (\d) and (\d) over a log-spaced grid .* then the final seeds "
+        r"(\d), (\d) and (\d) ran at the selected lr and alone make the results table \(n = (\d)\)",
         lambda: (
-            len(report("powersgd_table6/study").study.selection_seeds),
-            *set(grid_sizes("powersgd_table6/study")),
-            never(roles("powersgd_table6/study")["extensions"]),
-            *final_seeds("powersgd_table6/study"),
-            len(final_seeds("powersgd_table6/study")),
+            *report(P6).study.selection_seeds,
+            *final_seeds(P6),
+            *{int(n) for n in final_means(P6, "n").values()},
         ),
     ),
     Claim(
-        "powersgd/random-k-untrained",
+        "powersgd/steps",
         "experiments/powersgd_table6",
-        r"Random-K at rank-2's bytes \*\*did not train\*\* at (any) lr tried",
-        lambda: (
-            "any"
-            if (
-                runs("powersgd_table6/study").query("case == 'Random-K (rank-2 bytes)'")["status"]
-                == "did not train"
-            ).all()
-            else "",
-        ),
+        r"10 epochs, (\d+) steps\)",
+        lambda: tuple(total_steps(P6)),
     ),
     Claim(
-        "powersgd/smallest",
+        "powersgd/interior-grown-noise",
         "experiments/powersgd_table6",
-        r"(Five) of (seven) cases picked the \*\*smallest lr tried\*\* \(SGD, Signum, ranks 1, "
-        r"2 and 4\), and the grid was not extended",
+        r"(Every) pick is interior; (\d) of the (\d) grids grew past their initial lrs \((all) "
+        r"upwards\), and (\d) of the (\d) picks were won within the selection's noise",
         lambda: (
-            sum(
-                p.edge == "smallest" and p.bound_reached
-                for p in report("powersgd_table6/study").last.picks.values()
+            quantifier(picks(P6).interior, picks(P6).picks),
+            len(grown_grids(report(P6).study, runs(P6))),
+            len(grid_sizes(P6)),
+            quantifier(
+                sum(
+                    bool(up and not down)
+                    for up, down in grown_grids(report(P6).study, runs(P6)).values()
+                ),
+                len(grown_grids(report(P6).study, runs(P6))),
             ),
-            len(report("powersgd_table6/study").study.cases),
+            picks(P6).close,
+            picks(P6).picks,
         ),
     ),
     Claim(
-        "powersgd/smallest-which",
+        "powersgd/accuracies",
         "experiments/powersgd_table6",
-        r"picked the \*\*smallest lr tried\*\* \((SGD), (Signum), ranks (1), (2) and (4)\)",
+        r"SGD (\d+\.\d) ± \d\.\d %.*Signum (\d+\.\d) ± .*rank-1 PowerSGD (\d+\.\d) ± .*"
+        r"rank-2 (\d+\.\d) ± .*rank-4 (\d+\.\d) ± .*top-k at rank-2's bytes (\d+\.\d) ± .*"
+        r"random-k at rank-2's bytes (\d+\.\d) ±",
         lambda: tuple(
-            c.name.replace("Rank-", "").replace(" PowerSGD", "")
-            for c in report("powersgd_table6/study").study.cases
-            if getattr(one_pick("powersgd_table6/study", c.name), "edge", "") == "smallest"
-        ),
-    ),
-    Claim(
-        "powersgd/top-k",
-        "experiments/powersgd_table6",
-        r"Top-k's pick is (interior) but was won (within the noise)",
-        lambda: (
-            (
-                "interior"
-                if not one_pick("powersgd_table6/study", "Top-K (rank-2 bytes)").edge
-                else "edge"
-            ),
-            "within the noise"
-            if one_pick("powersgd_table6/study", "Top-K (rank-2 bytes)").close
-            else "",
+            f"{100 * final_means(P6, 'test/acc')[c]:.1f}"
+            for c in (
+                "SGD",
+                "Signum",
+                "Rank-1 PowerSGD",
+                "Rank-2 PowerSGD",
+                "Rank-4 PowerSGD",
+                "Top-K (rank-2 bytes)",
+                "Random-K (rank-2 bytes)",
+            )
         ),
     ),
     # -- outer/README.md --------------------------------------------------------------------
