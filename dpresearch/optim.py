@@ -182,6 +182,13 @@ class FlatRows:
         if not self._tile(optimizers):
             return False
         group = optimizers[0].param_groups[0]
+        lr = group["lr"]
+        if (group["momentum"] == 0 and group["weight_decay"] == 0 and not group["maximize"]
+                and not self._foreach and not isinstance(lr, torch.Tensor)):  # fmt: skip
+            # what torch's per-tensor SGD does with these settings, without its wrapper (for
+            # one small model's event its Python costs more than the update): the same op
+            self.params.add_(self.grads, alpha=-lr)
+            return True
         buffers: list[torch.Tensor | None] = [None]
         if group["momentum"] != 0:
             flat = self._momentum_rows()

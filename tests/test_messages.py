@@ -102,6 +102,17 @@ def test_recording_a_send_in_place_records_what_the_send_would():
     assert not any(recorded._mailbox.values())
     with pytest.raises(PeerTimeout):
         recorded.recv(0, dst=1)
+    # a pair's two messages in one call: the same ledger as two calls
+    pair = SimulatedCommunicator(4, NET)
+    for i, (src, dst) in enumerate([(0, 1), (2, 3)]):
+        pair.record_sends(row.nbytes + buffers.nbytes, (src, dst), at=0.25 * i)
+    fresh = SimulatedCommunicator(4, NET)
+    for i, (src, dst) in enumerate([(0, 1), (2, 3)]):
+        fresh.record_send(row.nbytes + buffers.nbytes, src, at=0.25 * i)
+        fresh.record_send(row.nbytes + buffers.nbytes, dst, at=0.25 * i)
+    c, d = pair.ledger, fresh.ledger
+    assert c.bytes_by_purpose == d.bytes_by_purpose == {"algorithm": [1024] * 4}
+    assert c.clock == d.clock and c.op_counts == d.op_counts and c.op_table() == d.op_table()
 
 
 def test_pack_round_trip_keeps_every_dtype():

@@ -189,6 +189,9 @@ class ADPSGD(Gossip):
         self._plans = [(StepPlan((r,)), StepPlan((r,), {r: self.read[r]}))
                        for r in range(len(self.row))]  # fmt: skip
         self.live = torch.empty_like(params[0])  # the computing worker's x_i, kept aside
+        # each local row's views, made once (indexing `params[r]` is a dispatched op per use)
+        self._param_rows, self._buffer_rows = params.unbind(0), buffers.unbind(0)
+        self._read_rows = self.read.unbind(0)
         # what each side of a pair receives (simulated: both sides are here)
         self.received = params.new_empty((2, params.shape[1]))
         self.received_buffers = buffers.new_empty((2, buffers.shape[1]))
@@ -268,7 +271,7 @@ class ADPSGD(Gossip):
         self._stale = self.changed[i] > 0
         if not self._stale:
             return self._plans[row][0]
-        self.live.copy_(self.replicas.params[row])
+        self.live.copy_(self._param_rows[row])
         return self._plans[row][1]
 
     def set_lr(self, multiplier: float) -> None:
@@ -278,7 +281,7 @@ class ADPSGD(Gossip):
 
     def after_backward(self, step: int) -> None:
         i, j = self._event
-        params = self.replicas.params
+        params = self._param_rows
         here, there = self.row.get(i), self.row.get(j) if j is not None else None
         # x_i as it is now, kept aside while its row held x̂_i for the gradient: back into its
         # row (a pair averaged here reads it from where it was kept instead)
@@ -288,7 +291,7 @@ class ADPSGD(Gossip):
             self.pairs += 1
             if there is not None and self.changed[j] == 0:
                 # j's row has been its read x̂_j (j computes on it): kept before it first changes
-                self.read[there].copy_(params[there])
+                self._read_rows[there].copy_(params[there])
             self.changed[j] += 1
             if self.codec is None:
                 self._average(i, j)
@@ -312,15 +315,14 @@ class ADPSGD(Gossip):
         """x_i, x_j ← (x_i + x_j) / 2 (and their float buffers), through two messages; both
         received before either is averaged, and the same sum on every rank (a + b is b + a in
         floating point)."""
-        params, buffers = self.replicas.params, self.replicas.buffers
+        params, buffers = self._param_rows, self._buffer_rows
         a, b = self.row.get(i), self.row.get(j)
         if a is not None and b is not None:
             # Both ends in this process (simulated): each side reads the other's row where it
             # lies, so the two messages are recorded (the same bytes and ops as sent) and
             # nothing moves; one mean serves both (the same bits: a + b is b + a), x_i read
             # from where `plan` kept it when its row holds x̂_i.
-            self.comm.record_send(self._message_bytes, i)
-            self.comm.record_send(self._message_bytes, j)
+            self.comm.record_sends(self._message_bytes, (i, j))
             if self._stale:
                 torch.add(self.live, params[b], out=params[a]).mul_(0.5)
             else:

@@ -361,10 +361,19 @@ class Communicator(ABC):
         clock), sending nothing: for two endpoints of this process that exchange by reading
         each other's tensors where they lie (what the simulated communicator's `recv` would
         hand over anyway), so the run's bytes and ops are those of the messages."""
+        self.record_sends(nbytes, (src,), record, at)
+
+    def record_sends(
+        self, nbytes: int, srcs: Sequence[int], record: bool | str = True, at: float | None = None
+    ) -> None:
+        """`record_send(nbytes, src, record, at)` for each endpoint of `srcs`, in order, in one
+        call (a simulated AD-PSGD pair's two messages, recorded every event)."""
         purpose = purpose_of(record)
         if purpose is not None:
-            # the sender's ledger row; a process without a worker is charged nothing
-            self.ledger.record_message(self._worker_rows.get(src), nbytes, purpose, at)
+            rows, ledger = self._worker_rows, self.ledger
+            for src in srcs:
+                # the sender's ledger row; a process without a worker is charged nothing
+                ledger.record_message(rows.get(src), nbytes, purpose, at)
 
     def send(self, x: Message, dst: int, src: int | None = None, record: bool | str = True,
              at: float | None = None) -> None:  # fmt: skip

@@ -92,6 +92,7 @@ class WorkerCompute:
         mode: str = "",
     ) -> None:
         self.data, self.partitioner, self.replicas = data, partitioner, replicas
+        self._grad_rows = replicas.grads.unbind(0)  # (`grads[w]` is a dispatched op per use)
         self.workers = list(workers)
         self.batch_size, self.steps_per_epoch = batch_size, steps_per_epoch
         self.device, self.channels_last = device, channels_last
@@ -258,14 +259,16 @@ class WorkerCompute:
             grads.zero_()
         else:
             for w in rows:
-                grads[w].zero_()
+                self._grad_rows[w].zero_()
         for w in rows:
             generators = self.dropout_generators([w])
             x, y = self.next_batch(w)
-            with self.autocast(), drawing_from(generators):
+            # (entering `drawing_from` costs more than a small model's loss: only with dropout)
+            with self.autocast(), drawing_from(generators) if generators else NO_AUTOCAST:
                 out = models[w](x)
                 loss = self.data.loss(out, y)
-            (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
+            # (`torch.autograd.backward`: what `Tensor.backward` calls, one layer less)
+            torch.autograd.backward(loss * self.loss_scale if self.loss_scale != 1.0 else loss)
             # Per batch as few small ops as possible: the statistics are computed for many
             # batches at once in `_fold`.
             self._add_pending(w, loss.detach(), out.detach(), y)
