@@ -207,6 +207,7 @@ class ADPSGD(Gossip):
         self._event: tuple[int, int | None] = (-1, None)
         self._stale = False  # whether the computing worker's x_i was kept aside in `live`
         self._multiplier = 1.0  # the schedule's, for the optimizer that steps
+        self._lr_of: list[float | None] = [None] * len(self.row)  # each row's, as last set
         self._started = False
         self._idle = StepPlan(())
 
@@ -298,7 +299,9 @@ class ADPSGD(Gossip):
             else:
                 self._choco(i, j, step)
         if here is not None:
-            set_lr(self.optimizers[here], self.base_lrs[here], self._multiplier)
+            if self._lr_of[here] != self._multiplier:  # (constant between schedule changes)
+                set_lr(self.optimizers[here], self.base_lrs[here], self._multiplier)
+                self._lr_of[here] = self._multiplier
             self.step_optimizer(here)
             # i starts its next gradient on its row as it is now: its read, until a neighbour
             # changes the row (only then is it copied into `read`)

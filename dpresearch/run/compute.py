@@ -260,11 +260,12 @@ class WorkerCompute:
         else:
             for w in rows:
                 self._grad_rows[w].zero_()
+        autocast = self.autocast()
         for w in rows:
-            generators = self.dropout_generators([w])
+            generators = self.dropout_generators([w]) if self._dropout else None
             x, y = self.next_batch(w)
             # (entering `drawing_from` costs more than a small model's loss: only with dropout)
-            with self.autocast(), drawing_from(generators) if generators else NO_AUTOCAST:
+            with autocast, drawing_from(generators) if generators else NO_AUTOCAST:
                 out = models[w](x)
                 loss = self.data.loss(out, y)
             # (`torch.autograd.backward`: what `Tensor.backward` calls, one layer less)
