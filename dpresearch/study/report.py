@@ -388,7 +388,7 @@ def results_frame(report: StudyReport, horizon: Horizon):
         row = {"case": case.name}
         values: dict[str, Any] = {"case": case.name, "horizon": horizon.epochs}
         if pick is None:
-            row.update({"lr": MISSING, f"selection: {_metric_head(metric, study.labels)}": MISSING})
+            row.update({"lr": MISSING, _selection_head(study, metric): MISSING})
             rows = horizon.runs[horizon.runs["case"] == case.name]
             for m in metrics:
                 row[_metric_head(m, study.labels)] = _failed_text(rows) if len(rows) else "not run"
@@ -401,7 +401,7 @@ def results_frame(report: StudyReport, horizon: Horizon):
         rows = _final_runs(report, horizon, case.name, pick.lr)
         row["lr"] = f"{pick.lr:g}"
         values["lr"] = pick.lr
-        row[f"selection: {_metric_head(metric, study.labels)}"] = (
+        row[_selection_head(study, metric)] = (
             _selection_cell(pick, metric) if case.lr_from is None else f"lr of {case.lr_from}"
         )
         values.update({"selection_mean": pick.value, "selection_se": pick.se})
@@ -648,6 +648,13 @@ def describe(report: StudyReport) -> list[str]:
         "over the final seeds at the selected lr (`n` runs), never averaged with the tuning seeds",
     )
     return lines
+
+
+def _selection_head(study: Study, metric: str) -> str:
+    """The results table's column of the selection metric: what selected each case's lr, or,
+    in a study that selects nothing, that metric over every seed of the case."""
+    head = _metric_head(metric, study.labels)
+    return f"{head}, every seed" if untuned(study) else f"selection: {head}"
 
 
 def untuned(study: Study) -> bool:
