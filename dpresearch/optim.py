@@ -214,12 +214,7 @@ class FlatRows:
         if key != self._for:
             self._for, self._pairs = key, self._check(optimizers)
             self.momentum, self._buffers = None, []
-        if not self._pairs:
-            return False
-        for _, p, g in self._pairs:  # (a loop: a generator's frames cost more, every event)
-            if p.grad is not g:
-                return False
-        return True
+        return bool(self._pairs) and all(p.grad is g for _, p, g in self._pairs)
 
     def _check(self, optimizers) -> list[tuple[torch.optim.Optimizer, torch.Tensor, torch.Tensor]]:
         params, grads = self.params, self.grads
