@@ -112,6 +112,37 @@ class Replicas:
             for dst, src in zip(ints, saved, strict=True):
                 dst.copy_(src)
 
+    def models_on(self, bank: Tensor) -> list[nn.Module]:
+        """One module per replica whose trainable parameters are views of row w of `bank`
+        (`[W, D]`, laid out as `params`, channels-last where the replica's are) and which
+        shares everything else with replica w: each parameter's `.grad` is the replica's
+        gradient view (backward accumulates into `grads`), the buffers are the replica's own
+        tensors (a training forward updates its statistics), frozen parameters are the
+        replica's. For computing a row's gradient at parameters kept elsewhere — a stale read —
+        with nothing copied (`StepPlan.models`)."""
+        if bank.shape != self.params.shape or bank.dtype != self.params.dtype:
+            raise ValueError(
+                f"models_on: the bank must be laid out as params {tuple(self.params.shape)} "
+                f"{self.params.dtype}, got {tuple(bank.shape)} {bank.dtype}"
+            )
+        twins = []
+        for w, replica in enumerate(self.models):
+            # deepcopy with every tensor mapped in advance: the module structure is copied,
+            # no tensor is (a parameter's deepcopy would copy the whole stacked storage)
+            memo: dict[int, object] = {id(b): b for b in replica.buffers()}
+            offset = 0
+            for p in replica.parameters():
+                if not p.requires_grad:
+                    memo[id(p)] = p
+                    continue
+                nhwc = p.dim() == 4 and not p.is_contiguous()
+                twin = nn.Parameter(_shaped(bank[w, offset : offset + p.numel()], p.shape, nhwc))
+                twin.grad = p.grad
+                memo[id(p)] = twin
+                offset += p.numel()
+            twins.append(copy.deepcopy(replica, memo))
+        return twins
+
     def load_into(self, target: nn.Module, params: Tensor, buffers: Tensor) -> nn.Module:
         """Copy one flat parameter row and buffer row into `target` (same architecture);
         integer buffers are taken from local replica 0."""

@@ -282,3 +282,49 @@ def test_paper_delay_beside_our_staleness_on_a_schedule_by_hand(small_config, on
     tau = summary["adpsgd/tau_histogram"]
     assert sum(tau) == 17 and summary["adpsgd/staleness_mean_run"] < sum(delays) / 17
     assert trainer.algorithm.events == 17 and trainer.algorithm.read_at == [14, 15, 16]
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_module_on_the_reads_computes_as_copying_the_read_into_the_row(channels_last):
+    """`Replicas.models_on(bank)` (AD-PSGD's stale workers compute at their read where it
+    lies): the gradient, the loss and the updated BatchNorm statistics are those of copying
+    the bank row into the replica's row and computing there (float64, exact), the replica's
+    parameters are left as they were, and no parameter storage is copied (the twins' are
+    views of the bank, their gradients the replica's gradient views)."""
+    from dpresearch.models.resnet_cifar import ResNetCifar
+    from dpresearch.replicas import Replicas
+
+    with default_dtype(torch.float64):
+        torch.manual_seed(0)
+        model = ResNetCifar(10, (3, 8, 8), depth=8, width=4)
+        x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 10, (6,))
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        results = []
+        for in_place in (False, True):
+            replicas = Replicas(copy.deepcopy(model), 3, CPU, channels_last=channels_last)
+            torch.manual_seed(1)
+            bank = replicas.params + 0.01 * torch.randn_like(replicas.params)  # the reads
+            live = replicas.params.clone()
+            if in_place:
+                twin = replicas.models_on(bank)[1]
+                assert all(p.untyped_storage().data_ptr() == bank.untyped_storage().data_ptr()
+                           for p in twin.parameters())  # fmt: skip
+            else:
+                replicas.params[1].copy_(bank[1])
+                twin = replicas.models[1]
+            replicas.train()
+            twin.train()
+            replicas.grads.zero_()
+            loss = F.cross_entropy(twin(x), y)
+            loss.backward()
+            results.append((loss.detach(), replicas.grads.clone(), replicas.buffers.clone()))
+            if in_place:
+                assert torch.equal(replicas.params, live)  # x_i stayed in its row
+        (loss_a, grads_a, buffers_a), (loss_b, grads_b, buffers_b) = results
+        assert grads_a[1].abs().sum() > 0 and grads_a[[0, 2]].abs().sum() == 0
+        assert torch.equal(loss_a, loss_b)
+        assert torch.equal(grads_a, grads_b)
+        assert torch.equal(buffers_a, buffers_b)
+    with pytest.raises(ValueError, match="laid out as params"):
+        replicas.models_on(bank[:2])

@@ -184,11 +184,12 @@ class ADPSGD(Gossip):
         # the row of each worker held here (simulated: all; real ranks: one)
         self.row = {w: r for r, w in enumerate(comm.local_workers)}
         self.read = params.clone()  # x̂: what each local worker read when it started
-        # each local row's two plans: on its row as it is, on its read x̂ (made once: the
-        # read rows stay where they are)
-        self._plans = [(StepPlan((r,)), StepPlan((r,), {r: self.read[r]}))
+        # each local row's two plans: on its row as it is, on its read x̂ where it lies (a
+        # module viewing the read row, the row's gradients and buffers: nothing copied; x_i
+        # stays in its row)
+        on_reads = replicas.models_on(self.read)
+        self._plans = [(StepPlan((r,)), StepPlan((r,), models={r: on_reads[r]}))
                        for r in range(len(self.row))]  # fmt: skip
-        self.live = torch.empty_like(params[0])  # the computing worker's x_i, kept aside
         # each local row's views, made once (indexing `params[r]` is a dispatched op per use)
         self._param_rows, self._buffer_rows = params.unbind(0), buffers.unbind(0)
         self._read_rows = self.read.unbind(0)
@@ -205,7 +206,6 @@ class ADPSGD(Gossip):
         self.delay_histogram: list[int] = []
         self._delay_window: list[int] = []
         self._event: tuple[int, int | None] = (-1, None)
-        self._stale = False  # whether the computing worker's x_i was kept aside in `live`
         self._multiplier = 1.0  # the schedule's, for the optimizer that steps
         self._lr_of: list[float | None] = [None] * len(self.row)  # each row's, as last set
         self._started = False
@@ -269,11 +269,7 @@ class ADPSGD(Gossip):
         if row is None:
             return self._idle
         # Nobody averaged with i since its read: its row is still x̂_i, bit for bit.
-        self._stale = self.changed[i] > 0
-        if not self._stale:
-            return self._plans[row][0]
-        self.live.copy_(self._param_rows[row])
-        return self._plans[row][1]
+        return self._plans[row][self.changed[i] > 0]
 
     def set_lr(self, multiplier: float) -> None:
         """Kept for the one optimizer that steps this event (`after_backward`): setting all K
@@ -284,10 +280,6 @@ class ADPSGD(Gossip):
         i, j = self._event
         params = self._param_rows
         here, there = self.row.get(i), self.row.get(j) if j is not None else None
-        # x_i as it is now, kept aside while its row held x̂_i for the gradient: back into its
-        # row (a pair averaged here reads it from where it was kept instead)
-        if self._stale and here is not None and (there is None or self.codec is not None):
-            params[here].copy_(self.live)
         if j is not None:
             self.pairs += 1
             if there is not None and self.changed[j] == 0:
@@ -323,13 +315,9 @@ class ADPSGD(Gossip):
         if a is not None and b is not None:
             # Both ends in this process (simulated): each side reads the other's row where it
             # lies, so the two messages are recorded (the same bytes and ops as sent) and
-            # nothing moves; one mean serves both (the same bits: a + b is b + a), x_i read
-            # from where `plan` kept it when its row holds x̂_i.
+            # nothing moves; one mean serves both (the same bits: a + b is b + a).
             self.comm.record_sends(self._message_bytes, (i, j))
-            if self._stale:
-                torch.add(self.live, params[b], out=params[a]).mul_(0.5)
-            else:
-                params[a].add_(params[b]).mul_(0.5)
+            params[a].add_(params[b]).mul_(0.5)
             params[b].copy_(params[a])
             if self._has_buffers:
                 buffers[a].add_(buffers[b]).mul_(0.5)

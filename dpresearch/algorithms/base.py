@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 from omegaconf import DictConfig
-from torch import Tensor
+from torch import Tensor, nn
 
 from dpresearch.comm.base import Communicator
 from dpresearch.compress.pairing import ChannelNeeds
@@ -44,6 +44,10 @@ class StepPlan:
     reads: parameters a planned worker computes on instead of its row's current ones (e.g. a
     stale snapshot): row w's parameters are overwritten with `reads[w]` (a `[D]` tensor the
     algorithm owns; copied at once, so it may change afterwards) before the forward pass.
+    models: modules planned rows compute with instead of their replicas' (nothing copied):
+    parameters held elsewhere — e.g. a stale read kept in place, `Replicas.models_on` — with
+    the replica's gradient views and buffers, so the gradient lands in the row's gradients
+    and the row's parameters stay as they are. Such rows compute one at a time.
     ahead: rows (not in `workers`) whose parameters and next batch stay fixed until a later
     plan lists them in `workers` (an event simulator's workers in flight, their pulls in their
     rows). A batched compute may compute their next gradients now, together with `workers`,
@@ -55,6 +59,7 @@ class StepPlan:
     workers: tuple[int, ...]
     reads: Mapping[int, Tensor] = field(default_factory=dict)
     ahead: tuple[int, ...] = ()
+    models: Mapping[int, nn.Module] = field(default_factory=dict)
 
     @classmethod
     def every(cls, num_local: int) -> StepPlan:

@@ -30,10 +30,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from dpresearch.data.base import Dataset
 from dpresearch.data.partition import Partitioner
@@ -208,7 +208,12 @@ class WorkerCompute:
             x = x.permute(0, 1, 3, 4, 2).contiguous().permute(0, 1, 4, 2, 3)
         return x, y
 
-    def run(self, rows: Sequence[int], ahead: Sequence[int] = ()) -> None:
+    def run(
+        self,
+        rows: Sequence[int],
+        ahead: Sequence[int] = (),
+        models: Mapping[int, nn.Module] | None = None,
+    ) -> None:
         """Forward/backward of each row in `rows` (ascending) on its next batch, on the
         parameters its replica holds; each row's gradient is written into its row of
         `replicas.grads` (what was there is overwritten; other rows are left alone). Each
@@ -217,7 +222,9 @@ class WorkerCompute:
         A row computed ahead earlier is not computed again: its held gradient is its
         result, its held statistics join this step's. `ahead` (`StepPlan.ahead`, rows not in
         `rows`): batched, when some row of `rows` is computed, the rows of `ahead` not yet
-        held are computed in the same call and held (the loop ignores `ahead`)."""
+        held are computed in the same call and held (the loop ignores `ahead`). `models`
+        (`StepPlan.models`): rows that compute with another module than their replica (one
+        at a time), their gradients still landing in their rows."""
         # Reduced before this step's batches join, never after: until the next `run`, this
         # step's statistics stay pending (`last_losses_finite`, `forget_last` read them).
         if len(self._pending) >= FOLD_EVERY or self._pending_numel >= FOLD_NUMEL:
@@ -237,10 +244,10 @@ class WorkerCompute:
             hold = [w for w in ahead if w not in held and w not in rows]
             if hold:
                 rows = sorted([*rows, *hold])
-        if self.batched is not None and len(rows) > 1:
+        if self.batched is not None and len(rows) > 1 and not models:
             self._run_batched(rows, set(hold))
         else:
-            self._run_loop(rows)
+            self._run_loop(rows, models)
         if self.loss_scale != 1.0:
             grads = self.replicas.grads
             if len(rows) == grads.shape[0]:
@@ -253,7 +260,7 @@ class WorkerCompute:
         """Whether `row`'s next gradient was computed ahead and waits in its row."""
         return row in self._held
 
-    def _run_loop(self, rows: Sequence[int]) -> None:
+    def _run_loop(self, rows: Sequence[int], instead: Mapping[int, nn.Module] | None) -> None:
         models, grads = self.replicas.models, self.replicas.grads
         if len(rows) == grads.shape[0]:
             grads.zero_()
@@ -266,7 +273,7 @@ class WorkerCompute:
             x, y = self.next_batch(w)
             # (entering `drawing_from` costs more than a small model's loss: only with dropout)
             with autocast, drawing_from(generators) if generators else NO_AUTOCAST:
-                out = models[w](x)
+                out = (instead.get(w, models[w]) if instead else models[w])(x)
                 loss = self.data.loss(out, y)
             # (`torch.autograd.backward`: what `Tensor.backward` calls, one layer less)
             torch.autograd.backward(loss * self.loss_scale if self.loss_scale != 1.0 else loss)

@@ -116,7 +116,7 @@ def run_loop(run: Run, state: LoopState, hooks: Sequence[Hook], on_nonfinite: st
         clock.step_begins()
         algorithm.before_forward(step)
         rows.prepare(plan)
-        compute.run(plan.workers, plan.ahead)
+        compute.run(plan.workers, plan.ahead, plan.models)
         for hook in hooks:
             hook.after_compute(step)
         verdict = algorithm.agree(
