@@ -78,7 +78,7 @@ SKIPPED = {
     "python experiments/bench/spine_step_time.py": "a benchmark (minutes); its cases are "
     "smoke-tested through experiments/bench's shared harness",
     "python -m dpresearch.study run experiments/compression_subset/study.yaml --jobs 2 "
-    "--report": "the shipped study (about 6.5 h on this machine); its YAML composes and "
+    "--report": "the shipped study (about 3.5 h on this machine); its YAML composes and "
     "validates in tests/test_study.py",
     "python -m dpresearch.study run experiments/gossip_subset/study.yaml --jobs 2 --report": (
         "the shipped gossip study (about 50 points of minutes each); its YAML composes and "

@@ -161,59 +161,72 @@ CS, EF = "compression_subset/study", "compression_subset/ef_claim"
 P6 = "powersgd_table6/study"
 CM = "compressors_more"
 LM = "lm_shakespeare/study"
-EDGE_EF = ("top-k 1% + EF", "top-k 1% (no EF)", "random-k 1% + EF", "random-k 1% (no EF)")
 SLOW_SEEDS = 3.3  # between the fast (≈ 3.0) and slow (≈ 3.6) plateaus of the DiLoCo family
 
 CLAIMS = [
     # -- compression_subset/README.md -------------------------------------------------------
     Claim(
-        "compression/cases-and-runs",
+        "compression/runs",
         "experiments/compression_subset",
-        r"10 epochs \(350 steps\), (\d+) cases\. (\d+) runs on one H100",
-        lambda: (len(report(CS).study.cases), len(runs(CS))),
+        r"(\d+) cases; (\d+) runs \((\d+) grid, (\d+) grid extensions, (\d+) final seeds\)",
+        lambda: (len(report(CS).study.cases), len(runs(CS)), *roles(CS).values()),
     ),
     Claim(
-        "compression/one-tuning-seed",
+        "compression/protocol",
         "experiments/compression_subset",
-        r"selected on \*\*(one)\*\* tuning seed \(seed (\d)\)",
-        lambda: (len(report(CS).study.selection_seeds), *report(CS).study.selection_seeds),
-    ),
-    Claim(
-        "compression/grid-sizes",
-        "experiments/compression_subset",
-        r"a grid that was never extended \(three lrs for (\d+) of the (\d+) cases; (four) for "
-        r"top-k \+ EF and top-k \+ DGC, (five) for random-k \+ EF\)",
+        r"tuned on the mean of seeds (\d) and (\d) over a log-spaced grid .* then the final seeds "
+        r"(\d), (\d) and (\d) ran at the selected lr and alone make the results tables "
+        r"\(n = (\d)\)",
         lambda: (
-            grid_sizes(CS).count(3),
-            len(grid_sizes(CS)),
-            len(report(CS).study.case("top-k 1% + EF").lrs),
-            len(report(CS).study.case("random-k 1% + EF").lrs),
+            *report(CS).study.selection_seeds,
+            *final_seeds(CS),
+            *{int(n) for n in final_means(CS, "n").values()},
         ),
     ),
     Claim(
-        "compression/never-extended",
+        "compression/steps",
         "experiments/compression_subset",
-        r"a grid that was (never) extended",
-        lambda: (never(roles(CS)["extensions"]),),
+        r"30 epochs \((\d+) steps",
+        lambda: tuple(total_steps(CS)),
     ),
     Claim(
-        "compression/final-seeds",
+        "compression/interior-grown-noise",
         "experiments/compression_subset",
-        r"seeds (\d) and (\d) then ran at it and alone make the results table \(n = (\d)\)",
-        lambda: (*final_seeds(CS), len(final_seeds(CS))),
+        r"(Every) pick is interior at (both) horizons; (\d+) of the (\d+) grids grew past their "
+        r"initial lrs \((\d) upwards, (\d) downwards\), and (\d+) of the (\d+) picks were won "
+        r"within the selection's noise",
+        lambda: (
+            quantifier(picks(CS).interior, picks(CS).picks),
+            quantifier(len(report(CS).horizons), 2),
+            len(grown_grids(report(CS).study, runs(CS))),
+            len(grid_sizes(CS)),
+            sum(bool(up) for up, _ in grown_grids(report(CS).study, runs(CS)).values()),
+            sum(bool(down) for _, down in grown_grids(report(CS).study, runs(CS)).values()),
+            picks(CS).close,
+            picks(CS).picks,
+        ),
     ),
     Claim(
-        "compression/edges-and-noise",
+        "compression/accuracies-30",
         "experiments/compression_subset",
-        r"(\d+) of (\d+) picks are at an edge of their grid \(\"bound reached\" in results\.md\), "
-        r"and (\d+) of (\d+) choices were won within the selection noise",
-        lambda: (picks(CS).edge, picks(CS).picks, picks(CS).close, picks(CS).picks),
-    ),
-    Claim(
-        "compression/ef-picks-at-edges",
-        "experiments/compression_subset",
-        r"but (all) four of those picks are grid edges",
-        lambda: (quantifier(sum(bool(one_pick(CS, c).edge) for c in EDGE_EF), len(EDGE_EF)),),
+        r"at 30 epochs \(n = 3 each\): dense (\d+\.\d) ± .*fp16 (\d+\.\d) ± .*QSGD s = 7 "
+        r"(\d+\.\d) ± .*QSGD s = 15 (\d+\.\d) ± .*PowerSGD rank 1 / 2 / 4 (\d+\.\d) ± .* / "
+        r"(\d+\.\d) ± .* / (\d+\.\d) ± .*top-k 1 % \+ EF (\d+\.\d) ± .*random-k 1 % \+ EF "
+        r"(\d+\.\d) ±",
+        lambda: tuple(
+            f"{100 * final_means(CS, 'test/acc')[c]:.1f}"
+            for c in (
+                "none",
+                "fp16",
+                "QSGD s=7",
+                "QSGD s=15",
+                "PowerSGD rank 1",
+                "PowerSGD rank 2",
+                "PowerSGD rank 4",
+                "top-k 1% + EF",
+                "random-k 1% + EF",
+            )
+        ),
     ),
     Claim(
         "ef_claim/runs",
