@@ -330,9 +330,9 @@ def test_study_point_time_tiny(tmp_path):
 
 def test_study_point_keeps_the_points_overrides_but_the_thread_pin():
     module = load("study_point_time")
-    args = module.argparse.Namespace(study=module.STUDY, case="top-k 1% + EF", lr=0.06, seed=0)
+    args = module.argparse.Namespace(study=module.STUDY, case="top-k 1% + EF", lr=0.1, seed=0)
     overrides = module.point_overrides(args)
-    assert "compressor=topk" in overrides and "optimizer.lr=0.06" in overrides
+    assert "compressor=topk" in overrides and "optimizer.lr=0.1" in overrides
     assert "seed=0" in overrides and not any(o.startswith("backend.threads") for o in overrides)
     assert all("{repo}" not in o for o in overrides)
 

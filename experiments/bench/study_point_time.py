@@ -18,7 +18,7 @@ the point short (the whole point otherwise). `--device cuda` runs on the GPU (sk
 one) and reports images/s of the point.
 
     python experiments/bench/study_point_time.py [--study experiments/compression_subset/study.yaml]
-        [--case "top-k 1% + EF"] [--lr 0.06] [--seed 0] [--rounds 3] [--steps N]
+        [--case "top-k 1% + EF"] [--lr 0.1] [--seed 0] [--rounds 3] [--steps N]
         [--old-repo PATH] [--device cpu|cuda] [--sides old new]
 """
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--study", type=Path, default=STUDY)
     parser.add_argument("--case", default="top-k 1% + EF")
-    parser.add_argument("--lr", type=float, default=0.06)
+    parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=None, help="cut the point to N steps")
