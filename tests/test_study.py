@@ -248,6 +248,20 @@ def test_a_dry_run_catches_every_bad_study_in_one_line(changes, fragment, tmp_pa
     assert not out.exists()
 
 
+def test_an_lr_key_in_a_group_only_the_cases_choose_passes_the_dry_run(tmp_path, capsys):
+    # A study of the outer lr: `common` chooses no outer (`outer.optimizer.lr` means nothing
+    # there), each case does; a case that chooses none is the one named.
+    diloco = ["algorithm=local_sgd", "algorithm.period=2", "outer=nesterov"]
+    path = write_study(tmp_path, lr_key="outer.optimizer.lr", lrs=[0.7], cases={"diloco": diloco})
+    assert study_main(["run", str(path), "--out", str(tmp_path / "out"), "--dry-run"]) == 0
+    capsys.readouterr()
+    cases = {"diloco": diloco, "plain": ["algorithm=local_sgd"]}
+    path = write_study(tmp_path, lr_key="outer.optimizer.lr", lrs=[0.7], cases=cases)
+    assert study_main(["run", str(path), "--out", str(tmp_path / "out2"), "--dry-run"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("error: case 'plain': "), err
+
+
 def test_a_study_whose_points_fail_exits_non_zero(tmp_path, capsys):
     failing = ["debug.fail_worker=0", "debug.fail_at_step=0"]
     path = write_study(tmp_path, cases={"broken": failing}, lrs=[0.1])

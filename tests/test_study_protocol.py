@@ -77,6 +77,16 @@ def test_grids_are_log_spaced():
         grid_values([0.1, 0.2, 0.9], "lrs")
 
 
+def test_a_grids_bounds_are_its_values_as_written():
+    # 10^-1.5 = 0.0316 lies below `from: 0.032` and 10^-2.5 = 0.00316 below 0.0032: the bounds
+    # still hold them, as the grid writes them (the first gossip study lost its 0.032 this way).
+    assert grid_values({"from": 0.032, "to": 0.32, "per_decade": 2}, "lrs")[0] == (
+        0.032, 0.1, 0.32,
+    )  # fmt: skip
+    assert grid_values({"from": 0.0032, "to": 0.01, "per_decade": 2}, "lrs")[0] == (0.0032, 0.01)
+    assert grid_values({"from": 0.033, "to": 0.31, "per_decade": 2}, "lrs")[0] == (0.1,)
+
+
 def test_a_grid_grows_past_its_edge_until_the_pick_is_interior_then_runs_the_final_seeds(
     tmp_path,
 ):

@@ -5,7 +5,8 @@
   the study's `common` overrides, the case's own, the lr key at the case's first lr and the
   first seed: a typo in `common`, a bad override inside a case and a misspelt `lr_key` are
   all caught here, not by a failed point (the rest of a case's grid only changes the lr and
-  the seed, whose keys this composition has checked).
+  the seed, whose keys this composition has checked). `common` is first composed alone,
+  without the lr key, which may belong to a group only the cases choose (`outer.optimizer.lr`).
 - Every `network:` the report re-prices on is a preset (`comm.network.PRESETS`).
 - The selection metric (`select: NAME[:min|max]`) and the target's metric are ones a run
   reports; a validation metric needs a validation split (`train.val_size`) in every case, unless
@@ -31,7 +32,9 @@ def check_study(study: Study) -> None:
     metric = _selection(study.select)
     _known(study.target_metric, "target.metric")
     _networks(study.networks)
-    _compose(study, (), "common")
+    # `common` alone, without the lr key: that key may live in a group only the cases choose
+    # (a study of the outer lr sets outer.optimizer.lr, and `outer=` is each case's).
+    _compose(study, (), "common", with_lr=False)
     for case in study.cases:
         grid = case.lrs or study.case(case.lr_from).lrs  # an lr_from case runs at another's lr
         cfg = _compose(study, case.overrides, f"case {case.name!r}", grid[0])
@@ -95,9 +98,16 @@ def _known(metric: str, what: str) -> None:
         )
 
 
-def _compose(study: Study, overrides: tuple[str, ...], where: str, lr: float | None = None):
+def _compose(
+    study: Study,
+    overrides: tuple[str, ...],
+    where: str,
+    lr: float | None = None,
+    with_lr: bool = True,
+):
     """The composed and checked configuration of `overrides` after the study's `common`, at
-    `lr` (default: the study's first) and the first seed; `where` names them in the error."""
+    `lr` (default: the study's first; none set when not `with_lr`) and the first seed; `where`
+    names them in the error."""
     from dpresearch import CONF_DIR
     from dpresearch.config.cli_check import compose_command_line, parse_command_line, task_config
     from dpresearch.config.schema import register_configs
@@ -105,7 +115,8 @@ def _compose(study: Study, overrides: tuple[str, ...], where: str, lr: float | N
 
     register_configs()
     lr = lr if lr is not None else min(c.lrs[0] for c in study.cases if c.lrs)
-    args = [*study.common, *overrides, f"{study.lr_key}={lr!r}", f"seed={study.seeds[0]}"]
+    lr_arg = [f"{study.lr_key}={lr!r}"] if with_lr else []
+    args = [*study.common, *overrides, *lr_arg, f"seed={study.seeds[0]}"]
     try:
         cfg = task_config(compose_command_line(parse_command_line(args), CONF_DIR))
         validate(cfg, args)

@@ -307,8 +307,8 @@ def _positive(value: Any, what: str) -> float:
 
 def grid_values(value: Any, what: str) -> tuple[tuple[float, ...], float]:
     """(values, ratio between neighbours) of a grid given as a list (its order kept) or as
-    `{from, to, per_decade}` (the values 10^(k/per_decade) in [from, to], two significant
-    digits); a list must be log-spaced."""
+    `{from, to, per_decade}` (the values 10^(k/per_decade), two significant digits, that lie
+    in [from, to] as written); a list must be log-spaced."""
     if isinstance(value, dict):
         if set(value) != {"from", "to", "per_decade"}:
             raise StudyError(f"{what}: give a list, or {{from, to, per_decade}}, got {value!r}")
@@ -316,8 +316,11 @@ def grid_values(value: Any, what: str) -> tuple[tuple[float, ...], float]:
         n = value["per_decade"]
         if not isinstance(n, int) or n < 1 or lo > hi:
             raise StudyError(f"{what}: per_decade must be an integer ≥ 1 and from ≤ to")
-        first, last = math.ceil(math.log10(lo) * n - 1e-9), math.floor(math.log10(hi) * n + 1e-9)
-        values = tuple(round_lr(10 ** (k / n)) for k in range(first, last + 1))
+        # Bounds compare with the values as written (two digits): `from: 0.032` is the grid's
+        # 0.032, though 10^-1.5 = 0.0316 lies below it.
+        first, last = math.floor(math.log10(lo) * n) - 1, math.ceil(math.log10(hi) * n) + 1
+        written = (round_lr(10 ** (k / n)) for k in range(first, last + 1))
+        values = tuple(v for v in written if lo <= v <= hi)
         if not values:
             raise StudyError(f"{what}: no grid value lies in [{lo:g}, {hi:g}]")
         return values, 10 ** (1 / n)
