@@ -81,8 +81,8 @@ SKIPPED = {
     "--report": "the shipped study (about 3.5 h on this machine); its YAML composes and "
     "validates in tests/test_study.py",
     "python -m dpresearch.study run experiments/gossip_subset/study.yaml --jobs 2 --report": (
-        "the shipped gossip study (about 50 points of minutes each); its YAML composes and "
-        "validates in tests/test_study.py"
+        "the shipped gossip study (106 runs, about 50 min on this machine); its YAML composes "
+        "and validates in tests/test_study.py"
     ),
     "python -m dpresearch.study run experiments/async/least_squares.yaml --jobs 2 --report": (
         "the shipped asynchronous study (about 40 points); its YAML composes and validates in "

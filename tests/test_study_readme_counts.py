@@ -2,7 +2,7 @@
 and claims are generated, not typed).
 
 One case per claim: a regex finds the claim's words in the README (so rewording it breaks the
-case), its captured counts are read as numbers ("five" → 5; "every", "all", "both" → "all"),
+case), its captured counts are read as numbers ("five" → 5; "every", "all", "both", "each" → "all"),
 and they must equal what the study's run data say, read through the harness's own loaders and
 the report's counting (`report.run_counts`, `grown_grids`, `pick_counts`: the counts results.md
 states in its notes). A count changed on either side fails its case; the fix is the README.
@@ -53,7 +53,7 @@ def readme(folder: str) -> str:
 
 def number(text: str) -> Any:
     word = text.lower()
-    if word in ("every", "all", "both"):
+    if word in ("every", "all", "both", "each"):
         return ALL
     if word.isdigit():
         return int(word)
@@ -90,6 +90,18 @@ def one_pick(study: str, case: str):
     return report(study).last.picks.get(case)
 
 
+def growth(study: str) -> tuple[int, int, int, int]:
+    """(grids grown, grids, grown upwards, grown downwards) of `study`."""
+    grown = grown_grids(report(study).study, runs(study))
+    up = sum(bool(u) for u, _ in grown.values())
+    return len(grown), len(grid_sizes(study)), up, sum(bool(d) for _, d in grown.values())
+
+
+def untrained(study: str):
+    """The runs of `study` the report marks "did not train"."""
+    return runs(study)[runs(study)["status"] == "did not train"]
+
+
 def final_seeds(study: str) -> tuple[int, ...]:
     return report(study).study.final_seeds
 
@@ -109,6 +121,23 @@ def final_means(study: str, metric: str) -> dict[str, float]:
     r = report(study)
     _, raw = results_frame(r, r.last)
     return dict(zip(raw["case"], raw[metric], strict=True))
+
+
+def dirichlet_pairs() -> list[tuple[str, str]]:
+    """(Dirichlet case, its IID counterpart) of the gossip study."""
+    names = [c.name for c in report(GS).study.cases]
+    return [(c, c.replace("Dirichlet 0.1", "IID")) for c in names if "Dirichlet" in c]
+
+
+def dirichlet_lr_ratios() -> list[float]:
+    """Each Dirichlet case's selected lr over its IID counterpart's (gossip study)."""
+    return [one_pick(GS, d).lr / one_pick(GS, i).lr for d, i in dirichlet_pairs()]
+
+
+def dirichlet_losses() -> list[float]:
+    """Points of final test accuracy each gossip case loses on Dirichlet data."""
+    means = final_means(GS, "test/acc")
+    return [100 * (means[i] - means[d]) for d, i in dirichlet_pairs()]
 
 
 def seeds_by_speed(study: str, case: str, above: float) -> tuple[list[int], list[int]]:
@@ -161,6 +190,7 @@ CS, EF = "compression_subset/study", "compression_subset/ef_claim"
 P6 = "powersgd_table6/study"
 CM = "compressors_more"
 LM = "lm_shakespeare/study"
+GS = "gossip_subset/study"
 SLOW_SEEDS = 3.3  # between the fast (≈ 3.0) and slow (≈ 3.6) plateaus of the DiLoCo family
 
 CLAIMS = [
@@ -198,10 +228,7 @@ CLAIMS = [
         lambda: (
             quantifier(picks(CS).interior, picks(CS).picks),
             quantifier(len(report(CS).horizons), 2),
-            len(grown_grids(report(CS).study, runs(CS))),
-            len(grid_sizes(CS)),
-            sum(bool(up) for up, _ in grown_grids(report(CS).study, runs(CS)).values()),
-            sum(bool(down) for _, down in grown_grids(report(CS).study, runs(CS)).values()),
+            *growth(CS),
             picks(CS).close,
             picks(CS).picks,
         ),
@@ -397,97 +424,108 @@ CLAIMS = [
     Claim(
         "gossip/steps",
         "experiments/gossip_subset",
-        r"\*\*4 epochs \((\d+) steps\)\*\*",
-        lambda: tuple(total_steps("gossip_subset/study")),
+        r"\*\*12 epochs \((\d+) steps\)\*\*",
+        lambda: tuple(total_steps(GS)),
     ),
     Claim(
-        "gossip/tuned-interior",
+        "gossip/every-case-tuned",
         "experiments/gossip_subset",
-        r"The (four) IID ring/allreduce cases were tuned \(log-spaced grids grown past edge "
-        r"picks — (every) pick ended interior —, selected on the mean validation accuracy of "
-        r"seeds (\d) and (\d)\)",
+        r"\*\*Every one of the (\d+) cases was tuned on its own partition\*\*",
         lambda: (
-            picks("gossip_subset/study").tuned,
-            quantifier(picks("gossip_subset/study").interior, picks("gossip_subset/study").tuned),
-            *report("gossip_subset/study").study.selection_seeds,
+            len(report(GS).study.cases)
+            if all(c.lr_from is None for c in report(GS).study.cases)
+            else "some borrow an lr",
         ),
     ),
     Claim(
-        "gossip/tuned-are-iid",
+        "gossip/protocol-and-runs",
         "experiments/gossip_subset",
-        r"The four (IID) ring/allreduce cases were tuned",
+        r"selected on the mean validation accuracy of seeds (\d) and (\d); then the final seeds "
+        r"(\d), (\d) and (\d) ran at the selected lr and alone make the tables \(n = (\d)\)\. "
+        r"(\d+) runs \((\d+) grid, (\d+) grid extensions, (\d+) final seeds\)",
+        lambda: (
+            *report(GS).study.selection_seeds,
+            *final_seeds(GS),
+            len(final_seeds(GS)),
+            len(runs(GS)),
+            *roles(GS).values(),
+        ),
+    ),
+    Claim(
+        "gossip/interior-grown-noise",
+        "experiments/gossip_subset",
+        r"Every pick is interior \((\d+) of (\d+)\); (\d+) of the (\d+) grids grew past their "
+        r"initial lrs \((\d) upwards, (\d) downwards\), and (\d+) of the (\d+) picks were won "
+        r"within the selection's noise",
+        lambda: (
+            picks(GS).interior,
+            picks(GS).picks,
+            *growth(GS),
+            picks(GS).close,
+            picks(GS).picks,
+        ),
+    ),
+    Claim(
+        "gossip/iid-accuracies",
+        "experiments/gossip_subset",
+        r"allreduce (\d+\.\d) ± [\d.]+ % \(lr 1\), SGP (\d+\.\d) ± [\d.]+ %, CHOCO sign "
+        r"(\d+\.\d) ± [\d.]+ %, D-PSGD ring (\d+\.\d) ± [\d.]+ %, D-PSGD exponential "
+        r"(\d+\.\d) ± [\d.]+ % \(each at lr 0\.32\), CHOCO top-k 1 % (\d+\.\d) ± [\d.]+ % "
+        r"\(lr 0\.1\)",
         lambda: tuple(
-            {
-                c.name.rsplit("(", 1)[1].rstrip(")")
-                for c in report("gossip_subset/study").study.cases
-                if c.lr_from is None
-            }
+            f"{100 * final_means(GS, 'test/acc')[c]:.1f}"
+            for c in (
+                "allreduce (IID)",
+                "SGP one-peer exp. (IID)",
+                "CHOCO sign ring (IID)",
+                "D-PSGD ring (IID)",
+                "D-PSGD exponential (IID)",
+                "CHOCO top-k 1% ring (IID)",
+            )
         ),
     ),
     Claim(
-        "gossip/final-seeds-and-runs",
+        "gossip/dirichlet-lower-lr-and-loss",
         "experiments/gossip_subset",
-        r"seeds (\d) and (\d) make the tables \(n = (\d)\)\. (\d+) runs",
+        r"On Dirichlet data \(α = 0\.1\) (every) case selected a smaller lr than its IID "
+        r"counterpart \((\d+)–(\d+)×\), and lost (\d+)–(\d+) points against its IID result",
         lambda: (
-            *final_seeds("gossip_subset/study"),
-            len(final_seeds("gossip_subset/study")),
-            len(runs("gossip_subset/study")),
+            quantifier(sum(r < 1 for r in dirichlet_lr_ratios()), len(dirichlet_pairs())),
+            round(1 / max(dirichlet_lr_ratios())),
+            round(1 / min(dirichlet_lr_ratios())),
+            round(min(dirichlet_losses())),
+            round(max(dirichlet_losses())),
         ),
     ),
     Claim(
-        "gossip/within-noise",
+        "gossip/untrained-are-dirichlet",
         "experiments/gossip_subset",
-        r"(Every) IID choice of lr was won within the selection noise",
+        r"The (\d+) runs that did not train are (all) Dirichlet runs of D-PSGD ring and CHOCO sign "
+        r"\(one final seed of (each) among them",
         lambda: (
-            quantifier(picks("gossip_subset/study").close, picks("gossip_subset/study").tuned),
-        ),
-    ),
-    Claim(
-        "gossip/choco-dirichlet-untrained",
-        "experiments/gossip_subset",
-        r"CHOCO with scaled sign at its IID lr \*\*did not train\*\* \((both) final seeds\)",
-        lambda: (
+            len(untrained(GS)),
             quantifier(
-                sum(
-                    runs("gossip_subset/study").query("case == 'CHOCO sign ring (Dirichlet 0.1)'")[
-                        "status"
-                    ]
-                    == "did not train"
-                ),
-                len(final_seeds("gossip_subset/study")),
+                int(untrained(GS)["case"].str.contains("Dirichlet").sum()), len(untrained(GS))
+            ),
+            quantifier(
+                int(untrained(GS)["cfg.seed"].isin(final_seeds(GS)).sum()),
+                untrained(GS)["case"].nunique(),
             ),
         ),
     ),
     Claim(
-        "gossip/dirichlet-loss",
+        "gossip/untrained-cases",
         "experiments/gossip_subset",
-        r"(every) other method lost (\d+)–(\d+) points against its IID result",
-        lambda: (
-            lambda m: (
-                quantifier(
-                    sum(
-                        c.replace("Dirichlet 0.1", "IID") in m
-                        for c in m
-                        if "Dirichlet" in c and "CHOCO sign" not in c
-                    ),
-                    sum("Dirichlet" in c and "CHOCO sign" not in c for c in m),
-                ),
-                round(
-                    min(
-                        100 * (m[c.replace("Dirichlet 0.1", "IID")] - v)
-                        for c, v in m.items()
-                        if "Dirichlet" in c and "CHOCO sign" not in c
-                    )
-                ),
-                round(
-                    max(
-                        100 * (m[c.replace("Dirichlet 0.1", "IID")] - v)
-                        for c, v in m.items()
-                        if "Dirichlet" in c and "CHOCO sign" not in c
-                    )
-                ),
+        r"did not train are all Dirichlet runs of (D-PSGD ring) and (CHOCO sign)",
+        lambda: tuple(
+            sorted(
+                {
+                    c.split(" (")[0].removesuffix(" ring") if "CHOCO" in c else c.split(" (")[0]
+                    for c in untrained(GS)["case"]
+                },
+                key=lambda c: not c.startswith("D-PSGD"),
             )
-        )(final_means("gossip_subset/study", "test/acc")),
+        ),
     ),
     # -- local_sgd/README.md ----------------------------------------------------------------
     Claim(
