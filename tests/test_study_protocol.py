@@ -36,15 +36,23 @@ def stub_study(tmp_path, cases: dict, **extra) -> object:
     return load_study(path)
 
 
-def stub_runner(objective, ran: list, curve=lambda acc, epoch: acc * epoch / STEPS):
+def stub_runner(
+    objective, ran: list, curve=lambda acc, epoch: acc * epoch / STEPS, lr_key="optimizer.lr"
+):
     """A runner writing the files the trainer writes, with val/acc at epoch e =
-    curve(objective(case, lr, seed), e) (test/acc 0.01 below it); `ran` records each point."""
+    curve(objective(case, lr, seed), e) (test/acc 0.01 below it), the point's lr under
+    `lr_key` in its configuration; `ran` records each point."""
 
     def run(point, run_dir, overrides):
         ran.append(point.id)
         acc = objective(point.case, point.lr, point.seed)
-        config = {"seed": point.seed, "optimizer": {"lr": point.lr}, "train": {"epochs": STEPS},
+        config = {"seed": point.seed, "train": {"epochs": STEPS},
                   "schedule": {"_target_": "dpresearch.schedules.Constant"}}  # fmt: skip
+        *parents, leaf = lr_key.split(".")
+        node = config
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = point.lr
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
         curves = {s: curve(acc, s) if callable(curve) else curve[point.case](acc, s)
                   for s in range(1, STEPS + 1)}  # fmt: skip
@@ -154,6 +162,21 @@ def test_a_choice_won_within_the_noise_is_marked(tmp_path):
     assert f"70.5 ± {100 * se_best:.1f} (n=2)" in close
     grid = text.split("Every lr tried")[1]
     assert "| close | 0.032 | 0,1 |" in grid and "| 2,3 |" in grid  # tuning and final apart
+
+
+def test_a_study_of_another_lr_names_it_in_its_tables(tmp_path):
+    # A study of the outer lr: its tables head the lr column with the key the grid sets.
+    diloco = ["algorithm=local_sgd", "algorithm.period=2", "outer=nesterov"]
+    study = stub_study(tmp_path, {"diloco": {"overrides": diloco, "lrs": [0.35, 0.7, 1.4]}},
+                       lr_key="outer.optimizer.lr")  # fmt: skip
+    out = tmp_path / "out"
+    runner = stub_runner(peak_at(0.7), [], lr_key="outer.optimizer.lr")
+    run_study(study, out, launcher=runner, log=lambda line: None)
+    assert selected_lrs(study, out) == {"diloco": 0.7}
+    text = report_study(study, out, tmp_path / "results").read_text()
+    heads = [ln for ln in text.splitlines() if ln.startswith("| case | lr (outer.optimizer.lr) |")]
+    assert len(heads) == 2, text  # the results table and every lr tried
+    assert "| diloco | 0.7 |" in text
 
 
 def test_a_study_selecting_on_one_seed_is_refused(tmp_path):

@@ -369,6 +369,12 @@ def _pick_note(pick: Pick, metric: str, study: Study) -> str:
 RESULT_METRICS = ("test/acc", "train/loss")
 
 
+def _lr_head(study: Study) -> str:
+    """The tables' lr column: "lr", or the key it sets where that is not the optimizer's lr
+    (a study of the outer lr)."""
+    return "lr" if study.lr_key == "optimizer.lr" else f"lr ({study.lr_key})"
+
+
 def result_metrics(report: StudyReport) -> list[str]:
     study, runs = report.study, report.runs
     wanted = [study.claim.metric] if study.claim else []
@@ -388,7 +394,7 @@ def results_frame(report: StudyReport, horizon: Horizon):
         row = {"case": case.name}
         values: dict[str, Any] = {"case": case.name, "horizon": horizon.epochs}
         if pick is None:
-            row.update({"lr": MISSING, _selection_head(study, metric): MISSING})
+            row.update({_lr_head(study): MISSING, _selection_head(study, metric): MISSING})
             rows = horizon.runs[horizon.runs["case"] == case.name]
             for m in metrics:
                 row[_metric_head(m, study.labels)] = _failed_text(rows) if len(rows) else "not run"
@@ -399,7 +405,7 @@ def results_frame(report: StudyReport, horizon: Horizon):
             raw.append(values)
             continue
         rows = _final_runs(report, horizon, case.name, pick.lr)
-        row["lr"] = f"{pick.lr:g}"
+        row[_lr_head(study)] = f"{pick.lr:g}"
         values["lr"] = pick.lr
         row[_selection_head(study, metric)] = (
             _selection_cell(pick, metric) if case.lr_from is None else f"lr of {case.lr_from}"
@@ -448,7 +454,7 @@ def grid_frame(report: StudyReport, horizon: Horizon):
             final = at[~at["cfg.seed"].isin(list(study.selection_seeds))]
             if case.lr_from is not None:
                 tuning, final = tuning.iloc[:0], at
-            row = {"case": case.name, "lr": f"{lr:g}"}
+            row = {"case": case.name, _lr_head(study): f"{lr:g}"}
             for name, part in (("tuning", tuning), ("final", final)):
                 seeds = ",".join(str(int(s)) for s in sorted(part["cfg.seed"]))
                 row[f"{name} seeds"] = seeds or MISSING
