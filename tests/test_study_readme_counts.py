@@ -191,6 +191,7 @@ P6 = "powersgd_table6/study"
 CM = "compressors_more"
 LM = "lm_shakespeare/study"
 GS = "gossip_subset/study"
+OS, OL = "outer/study", "outer/outer_lr"  # the outer study's two stages
 SLOW_SEEDS = 3.3  # between the fast (≈ 3.0) and slow (≈ 3.6) plateaus of the DiLoCo family
 
 CLAIMS = [
@@ -639,58 +640,80 @@ CLAIMS = [
     Claim(
         "outer/steps-rounds",
         "experiments/outer",
-        r"then cosine, (\d+) steps \(4\.1 epochs; "
-        r"(\d) rounds of H = 16\)",
+        r"then cosine, (\d+) steps \(13\.4 epochs; (\d+) rounds of H = 16\)",
         lambda: (
-            *total_steps("outer/study"),
-            int(runs("outer/study").query("case == 'DiLoCo H=16'")["outer/rounds"].max()),
+            *(total_steps(OS) | total_steps(OL)),  # both stages: one value
+            int(runs(OS).query("case == 'DiLoCo H=16'")["outer/rounds"].max()),
         ),
     ),
     Claim(
-        "outer/seeds",
+        "outer/protocol-seeds",
         "experiments/outer",
-        r"mean final validation accuracy of seeds (\d) and (\d) over its grid \(grown past "
-        r"(every) edge pick until the pick is interior, see results\.md\); seeds (\d), (\d) "
-        r"and (\d) then run",
+        r"selected on the mean final validation accuracy of seeds (\d) and (\d), then the final "
+        r"seeds (\d), (\d) and (\d) at the selected lr.*one case per momentum, on the (same) seeds",
         lambda: (
-            *report("outer/study").study.selection_seeds,
-            quantifier(picks("outer/study").interior, picks("outer/study").tuned),
-            *final_seeds("outer/study"),
+            *report(OS).study.selection_seeds,
+            *final_seeds(OS),
+            "same" if report(OL).study.seeds == report(OS).study.seeds else "other",
         ),
     ),
     Claim(
         "outer/runs",
         "experiments/outer",
-        r"\((?:\d{4}-\d\d-\d\d), (\d+) runs: (\d+) grid points, (\d+) grid extensions, (\d+) "
-        r"final seeds;",
+        r"(\d+) runs in stage 1 \((\d+) grid, (\d+) grid extensions, (\d+) final seeds\) and "
+        r"(\d+) in stage 2 \((\d+) grid, (\d+) grid extensions, (\d+) final seeds\)",
+        lambda: (len(runs(OS)), *roles(OS).values(), len(runs(OL)), *roles(OL).values()),
+    ),
+    Claim(
+        "outer/picks",
+        "experiments/outer",
+        r"Every pick is interior in both stages \((\d+) of (\d+) and (\d+) of (\d+), none with "
+        r"the bound reached\); (\d+) of the (\d+) picks were won within the validation noise",
         lambda: (
-            len(runs("outer/study")),
-            roles("outer/study")["grid"],
-            roles("outer/study")["extensions"],
-            roles("outer/study")["final"],
+            picks(OS).interior,
+            picks(OS).picks,
+            picks(OL).interior,
+            picks(OL).picks,
+            picks(OS).close + picks(OL).close,
+            picks(OS).picks + picks(OL).picks,
         ),
     ),
-    Claim(
-        "outer/within-noise",
-        "experiments/outer",
-        r"(Every) lr choice was won within the validation noise",
-        lambda: (quantifier(picks("outer/study").close, picks("outer/study").tuned),),
-    ),
-    Claim(
-        "outer/diloco-grew-twice-below",
-        "experiments/outer",
-        r"its grid grew (twice) below the initial one",
-        lambda: (
-            {2: "twice"}.get(
-                grown_grids(report("outer/study").study, runs("outer/study"))["DiLoCo H=16"][1]
+    *(
+        Claim(
+            f"outer/row/{label}",
+            "experiments/outer",
+            rf"\| {re.escape(label)} \| ([\d.]+) \| (?:α = )?(–|[\d.]+)[^|]*\| (\d+\.\d) ± "
+            r"[\d.]+ \| ([\d.]+) \|",
+            lambda label=label, study=study, case=case: (
+                f"{one_pick(OS, label).lr:g}",
+                "–" if study == OS else f"{one_pick(OL, case).lr:g}",
+                f"{100 * final_means(study, 'test/acc')[case]:.1f}",
+                f"{final_means(study, 'MB_per_epoch')[case]:.3g}",
             ),
-        ),
+        )
+        for label, study, case in (
+            ("sync SGD", OS, "sync SGD"),
+            ("SGP", OS, "SGP"),
+            ("SlowMo over SGP", OL, "SlowMo over SGP β=0.7"),
+            ("DiLoCo H=16", OL, "DiLoCo H=16 β=0.9"),
+            ("Streaming DiLoCo F=4", OL, "Streaming DiLoCo F=4 β=0.6"),
+            ("local SGD H=16", OS, "local SGD H=16"),
+            ("DiLoCo top-k 5% + EF", OL, "DiLoCo top-k 5% + EF β=0.6"),
+        )
     ),
     Claim(
-        "outer/nine-outer-steps",
+        "outer/stage2-reruns-stage1",
         "experiments/outer",
-        r"(nine) outer steps are too few",
-        lambda: (int(runs("outer/study").query("case == 'DiLoCo H=16'")["outer/rounds"].max()),),
+        r"give the same accuracies to the last digit \((\d+\.\d) ± [\d.]+ and (\d+\.\d) ± ",
+        lambda: tuple(
+            f"{100 * final_means(OS, 'test/acc')[one]:.1f}"
+            if final_means(OS, "test/acc")[one] == final_means(OL, "test/acc")[two]
+            else "differs"
+            for one, two in (
+                ("DiLoCo H=16", "DiLoCo H=16 β=0.9"),
+                ("SlowMo over SGP", "SlowMo over SGP β=0.7"),
+            )  # fmt: skip
+        ),
     ),
     # -- lm_shakespeare/README.md -----------------------------------------------------------
     Claim(
@@ -892,8 +915,9 @@ CLAIMS = [
         "main/outer",
         ".",
         r"`experiments/outer` \| [^|]* \| (\d+) \((\d+) grid, (\d+) grid extensions, (\d+) "
-        r"final seeds\)",
-        lambda: (len(runs("outer/study")), *roles("outer/study").values()),
+        r"final seeds\) \+ (\d+) \(stage 2: (\d+) grid, (\d+) grid extensions, (\d+) final "
+        r"seeds\)",
+        lambda: (len(runs(OS)), *roles(OS).values(), len(runs(OL)), *roles(OL).values()),
     ),
     Claim(
         "main/lm",
