@@ -501,7 +501,7 @@ CLAIMS = [
     Claim(
         "gossip/untrained-are-dirichlet",
         "experiments/gossip_subset",
-        r"The (\d+) runs that did not train are (all) Dirichlet runs of D-PSGD ring and CHOCO sign "
+        r"The (\d+) runs so marked are (all) Dirichlet runs of D-PSGD ring and CHOCO sign "
         r"\(one final seed of (each) among them",
         lambda: (
             len(untrained(GS)),
@@ -517,7 +517,7 @@ CLAIMS = [
     Claim(
         "gossip/untrained-cases",
         "experiments/gossip_subset",
-        r"did not train are all Dirichlet runs of (D-PSGD ring) and (CHOCO sign)",
+        r"so marked are all Dirichlet runs of (D-PSGD ring) and (CHOCO sign)",
         lambda: tuple(
             sorted(
                 {
@@ -526,6 +526,16 @@ CLAIMS = [
                 },
                 key=lambda c: not c.startswith("D-PSGD"),
             )
+        ),
+    ),
+    Claim(
+        "gossip/untrained-accuracies",
+        "experiments/gossip_subset",
+        r"Their averaged models reach (\d+)–(\d+) % test accuracy \(chance is (\d+) %\)",
+        lambda: (
+            int(100 * untrained(GS)["test/acc"].min()),
+            round(100 * untrained(GS)["test/acc"].max()),
+            round(100 / int(runs(GS)["data/classes"].max())),
         ),
     ),
     # -- local_sgd/README.md ----------------------------------------------------------------
