@@ -275,3 +275,38 @@ def test_recorded_status_wins_over_inference(tmp_path):
     assert runs["status"].tolist() == ["interrupted", "diverged", "finished"]
     agg = aggregate(runs, ["cfg.optimizer.lr"], ["test/acc"])
     assert agg.loc[0, "n"] == 1 and agg.loc[0, "excluded"] == "1 diverged, 1 interrupted"
+
+
+def test_a_run_did_not_train_by_its_loss_or_its_chance_accuracy():
+    """`mark_untrained`: a finished run whose training loss rose, or whose accuracy is at
+    chance, did not train — unless the evaluated model's test loss fell (gossip workers on
+    label-skewed data log local losses that rise while the averaged model improves)."""
+    import pandas as pd
+
+    from dpresearch.analysis.quality import UNTRAINED, mark_untrained
+
+    def run(name, train, test, acc):
+        summary = {"run": name, "status": "finished", "train/loss": train[-1], "test/acc": acc,
+                   "data/classes": 10, "data/test_examples": 1000}  # fmt: skip
+        steps = [{"run": name, "step": i, "train/loss": t, "test/loss": e}
+                 for i, (t, e) in enumerate(zip(train, test, strict=True))]  # fmt: skip
+        return summary, steps
+
+    cases = {
+        "learnt": ([2.3, 1.5], [2.3, 1.6], 0.45),
+        "local loss rose, averaged model learnt": ([1.6, 1.8], [2.4, 1.7], 0.35),
+        "both losses rose": ([1.6, 1.8], [2.0, 2.4], 0.35),
+        "rose, evaluated once": ([1.6, 1.8], [None, 2.0], 0.35),
+        "at chance": ([2.3, 2.2], [2.3, 2.25], 0.10),
+    }
+    pairs = [run(name, *values) for name, values in cases.items()]
+    runs = pd.DataFrame([summary for summary, _ in pairs])
+    metrics = pd.DataFrame([step for _, steps in pairs for step in steps])
+    status = dict(zip(runs["run"], mark_untrained(runs, metrics)["status"], strict=True))
+    assert status == {
+        "learnt": "finished",
+        "local loss rose, averaged model learnt": "finished",
+        "both losses rose": UNTRAINED,
+        "rose, evaluated once": UNTRAINED,
+        "at chance": UNTRAINED,
+    }

@@ -1,8 +1,12 @@
 """What a number can carry: runs that did not train, standard errors, values at a horizon.
 
 - `did_not_train`: a finished run whose final training loss is above its initial one (the
-  first logged value; without a curve, ln(classes), a uniform prediction's loss), or whose
+  first logged value; without a curve, ln(classes), a uniform prediction's loss) — unless the
+  evaluated model's own test loss fell from its first evaluation to its last —, or whose
   accuracy is at chance (within two binomial standard errors of 1/classes on its test split).
+  The exception is for runs whose logged training loss is not the evaluated model's: gossip
+  workers on label-skewed data log their local losses, which rise as mixing pulls each model
+  toward the others' classes while the averaged (evaluated) model improves.
   `mark_untrained` gives such runs the status `did not train`, so no mean includes them and
   tables print the status instead of a number.
 - `standard_error`: the standard error of a mean over seeds of a metric: the seeds' spread
@@ -58,17 +62,34 @@ def _first_losses(metrics) -> dict[str, float]:
     return {str(k): float(v) for k, v in first.items()}
 
 
-def did_not_train(row: dict[str, Any], initial_loss: float | None) -> bool:
-    """See the module docstring (`row`: one run's summary values)."""
+def _test_losses(metrics) -> dict[str, tuple[float, float]]:
+    """(first, last) logged test loss of each run evaluated at least twice."""
+    if "test/loss" not in metrics:
+        return {}
+    rows = metrics.loc[metrics["test/loss"].notna(), ["run", "test/loss"]]
+    grouped = rows.groupby("run", observed=True, sort=False)["test/loss"]
+    first, last, count = grouped.first(), grouped.last(), grouped.count()
+    return {str(k): (float(first[k]), float(last[k])) for k in first.index if count[k] >= 2}
+
+
+def did_not_train(
+    row: dict[str, Any],
+    initial_loss: float | None,
+    test_losses: tuple[float, float] | None = None,
+) -> bool:
+    """See the module docstring (`row`: one run's summary values; `test_losses`: the first and
+    last evaluation's test loss, None when evaluated fewer than twice)."""
     classes = row.get("data/classes")
     loss = row.get("train/loss")
     if initial_loss is None and isinstance(classes, numbers.Real) and classes >= 2:
         initial_loss = math.log(classes)
+    evaluated_improved = test_losses is not None and test_losses[1] < test_losses[0]
     if (
         isinstance(loss, numbers.Real)
         and initial_loss is not None
         and math.isfinite(loss)
         and loss > initial_loss
+        and not evaluated_improved
     ):
         return True
     acc, n = row.get("test/acc"), row.get("data/test_examples")
@@ -81,9 +102,13 @@ def did_not_train(row: dict[str, Any], initial_loss: float | None) -> bool:
 def mark_untrained(runs, metrics):
     """`runs` with finished runs that did not train given that status (see module doc)."""
     first = _first_losses(metrics) if metrics is not None else {}
+    tested = _test_losses(metrics) if metrics is not None else {}
     runs = runs.copy()
     for i, row in runs.iterrows():
-        if row["status"] == "finished" and did_not_train(row.to_dict(), first.get(str(row["run"]))):
+        run = str(row["run"])
+        if row["status"] == "finished" and did_not_train(
+            row.to_dict(), first.get(run), tested.get(run)
+        ):
             runs.at[i, "status"] = UNTRAINED
     return runs
 
