@@ -192,6 +192,13 @@ class AsyncSGD(Algorithm):
         alg = cfg.algorithm
         opts = AsyncOptions.from_node(alg.get("options"))
         check_options(opts, cfg.workers)
+        if cfg.train.get("grad_clip") is not None and cfg.backend.name != "simulated":
+            raise ValueError(
+                f"train.grad_clip with algorithm=async_sgd runs simulated only (on real "
+                f"processes the pushes do not carry the workers' gradient norms for "
+                f"train/grad_norm); use backend=simulated, or set train.grad_clip=null "
+                f"({cfg.backend.name})"
+            )
         if opts.delay is not None:
             if cfg.backend.name != "simulated":
                 raise ValueError(
@@ -251,6 +258,8 @@ class AsyncSGD(Algorithm):
     def after_backward(self, step: int) -> None:
         w = self._worker
         self.steps += 1
+        # `train.grad_clip`: the pushing worker's own gradient, before its push is encoded
+        self.clip_gradients(w)
         push = self.transport.take(w)
         released = self.server.push(w, push.gradient, push.read_version,
                                     self.transport.x_read(w), push.buffers)  # fmt: skip

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from dpresearch.comm.base import Communicator
 from dpresearch.compress.pairing import ChannelNeeds
+from dpresearch.grad_clip import GradClip
 from dpresearch.optim import FlatRows, set_lr, step_together
 from dpresearch.replicas import Replicas
 
@@ -159,6 +160,7 @@ class Algorithm(ABC):
         self._row_steps: dict[int, FlatRows] = {}  # per row stepping alone (`step_optimizer`)
         self.base_lrs = [[g["lr"] for g in opt.param_groups] for opt in optimizers]
         self._lockstep = StepPlan.every(replicas.num_local)
+        self.grad_clip: GradClip | None = None  # `train.grad_clip` (`set_grad_clip`)
 
     @property
     def gradients_per_step(self) -> int:
@@ -176,16 +178,36 @@ class Algorithm(ABC):
         for opt, bases in zip(self.optimizers, self.base_lrs, strict=True):
             set_lr(opt, bases, multiplier)
 
-    def step_optimizers(self) -> None:
+    def set_grad_clip(self, clip: GradClip) -> None:
+        """Told once, before the first step, the run's gradient clipping (`train.grad_clip`),
+        which `clip_gradients` applies."""
+        self.grad_clip = clip
+
+    def clip_gradients(self, row: int | None = None) -> None:
+        """Clip every local row of `replicas.grads` (or only `row`) to the global L2 norm
+        `train.grad_clip`, each by its own norm (`grad_clip.GradClip`); nothing without it.
+        `step_optimizers` and `step_optimizer` call it first: a worker stepping on its own
+        gradient clips that gradient. An algorithm that exchanges gradients before the step
+        calls it where its convention says (synchronous SGD: on the average, or on each
+        worker's gradient before a compressor) and steps with `clip=False`."""
+        if self.grad_clip is not None:
+            self.grad_clip(self.replicas.grads, row)
+
+    def step_optimizers(self, clip: bool = True) -> None:
         """Every local worker's optimizer steps (in one multi-tensor call where they are all
         the same plain SGD, over the flat rows where they can, `optim.step_together`; the same
-        result as one by one)."""
+        result as one by one), after clipping each worker's gradient (`clip_gradients`; not
+        with `clip=False`: the caller has)."""
+        if clip:
+            self.clip_gradients()
         step_together(self.optimizers, self._rows)
 
     def step_optimizer(self, row: int) -> None:
-        """Local row `row`'s optimizer steps alone (an asynchronous event's update): plain SGD
-        as one functional call on its row of the flat rows (`optim.step_together`), without
-        the optimizer's wrapper; the same result as its own `step()`."""
+        """Local row `row`'s optimizer steps alone (an asynchronous event's update), after
+        clipping its gradient (`clip_gradients`): plain SGD as one functional call on its row
+        of the flat rows (`optim.step_together`), without the optimizer's wrapper; the same
+        result as its own `step()`."""
+        self.clip_gradients(row)
         rows = self._row_steps.get(row)
         if rows is None:
             replicas = self.replicas

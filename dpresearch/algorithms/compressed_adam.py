@@ -328,6 +328,12 @@ class CompressedAdam(Algorithm):
         refused by `config.checks.check_compression` with `traits.compression_note`)."""
 
         require_owned_optimizer(cfg, cls.optimizer_class)
+        if cfg.train.get("grad_clip") is not None:
+            raise ValueError(
+                f"train.grad_clip={cfg.train.grad_clip}: {cls.optimizer_class.option} steps on "
+                "exact averages in some steps and on 1-bit-compressed momentum in others, so no "
+                "one gradient matches DDP + clip_grad_norm_'s; set train.grad_clip=null"
+            )
 
     # -- the step ---------------------------------------------------------------------------------
     def _hyper(self) -> tuple[float, float, float, float]:

@@ -309,6 +309,9 @@ class DeMoAlgorithm(Algorithm):
 
     # -- the step -------------------------------------------------------------------------------
     def after_backward(self, step: int) -> None:
+        # `train.grad_clip`: each worker's own gradient, before it enters its momentum (what
+        # is compressed and exchanged), as a compressed synchronous exchange clips
+        self.clip_gradients()
         lr = self._lr()
         params, m = self.replicas.params, self.m
         m.mul_(self.beta).add_(self.replicas.grads, alpha=lr if self.lr_in_momentum else 1.0)

@@ -5,11 +5,13 @@ The gradient exchange is a `CompressedReducer` built from the `compressor` and
 `error_feedback` nodes: linear payloads are allreduced, the others allgathered and decoded. On a
 two-level cluster (`comm.hierarchy`) it is a `HierarchicalReducer`: exact sums inside each node,
 compression between node leaders, broadcast back.
-With the identity compressor this is exactly what torch DDP computes. BatchNorm buffers follow
-DDP's default (`broadcast_buffers=True`): before every forward, worker 0's buffers are copied to
-all workers, so the running statistics are worker 0's (recorded as "buffers" traffic, charged to
-worker 0, not as the algorithm's `comm/bytes`); `buffers="local"` keeps each worker's
-own (DDP with `broadcast_buffers=False`) and evaluates with worker 0's.
+With the identity compressor this is exactly what torch DDP computes. Gradient clipping
+(`train.grad_clip`) clips the averaged gradient, as DDP + `clip_grad_norm_` does; with a
+compressor (or error feedback) each worker's own gradient, before it is encoded. BatchNorm
+buffers follow DDP's default (`broadcast_buffers=True`): before every forward, worker 0's
+buffers are copied to all workers, so the running statistics are worker 0's (recorded as
+"buffers" traffic, charged to worker 0, not as the algorithm's `comm/bytes`); `buffers="local"`
+keeps each worker's own (DDP with `broadcast_buffers=False`) and evaluates with worker 0's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dpresearch.algorithms.overlap import OverlappedGradientAverage
 from dpresearch.comm.base import Communicator
 from dpresearch.comm.hierarchy import INTER, INTRA
 from dpresearch.compress import ChannelNeeds, build_reducer, param_layout
+from dpresearch.compress.channel import uncompressed
 from dpresearch.replicas import Replicas
 
 BUFFER_MODES = ("broadcast", "local")
@@ -85,6 +88,8 @@ class SyncSGD(Algorithm):
             dtype=replicas.grads.dtype,
             device=replicas.grads.device,
         )
+        # whether the aggregate is the exact mean (the identity, no memory; whatever collective)
+        self.exact = uncompressed(self.reducer.compressor, self.reducer.memory)
         # Uncompressed gradients on one-worker processes are averaged during backward.
         self.overlap = (
             OverlappedGradientAverage(replicas, comm, bucket_mb)
@@ -106,11 +111,20 @@ class SyncSGD(Algorithm):
             self.overlap.finish()
 
     def after_backward(self, step: int) -> None:
+        # `train.grad_clip`: an exact average is clipped as DDP + clip_grad_norm_ clips it
+        # (every row holds it); a compressed exchange clips each worker's own gradient before
+        # the codec and its error-feedback memory, so a spike neither travels nor is stored
+        # unclipped to be replayed later
+        exact = self.exact
         if self.overlap is not None:
             self.overlap.finish()
         else:
+            if not exact:
+                self.clip_gradients()
             self.reducer.reduce(self.replicas.grads, step)
-        self.step_optimizers()
+        if exact:
+            self.clip_gradients()
+        self.step_optimizers(clip=False)
 
     def metrics(self) -> dict[str, float]:
         """On a two-level cluster: `comm/bytes_intra` and `comm/bytes_inter`, the algorithm's

@@ -135,7 +135,7 @@ def check_device(cfg: DictConfig) -> None:
 
 def check_train(cfg: DictConfig) -> None:
     """Batch sizes, run length, logging and evaluation intervals, lr scaling, how several
-    workers compute."""
+    workers compute, gradient clipping."""
     tc = cfg.train
     if tc.batch_size < 1:
         raise ConfigError(f"train.batch_size={tc.batch_size}: must be at least 1")
@@ -166,6 +166,11 @@ def check_train(cfg: DictConfig) -> None:
         raise ConfigError(
             f"train.loss_scale={tc.loss_scale}: must be > 0 (fp16's static loss scale)"
         )
+    from dpresearch.grad_clip import check_grad_clip
+
+    problem = check_grad_clip(tc.get("grad_clip"))
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def check_run_control(cfg: DictConfig) -> None:

@@ -54,6 +54,13 @@ class TrainConfig:
     model that can do neither is refused before the run), `auto` batched where that is faster
     (a GPU; a CPU only for models small enough that per-operation overhead dominates) and
     where the model can be. Printed at the start.
+
+    `grad_clip`: clip gradients to this global L2 norm (`torch.nn.utils.clip_grad_norm_` over
+    a worker's parameters; null: off, the default; `inf`: measure only; the language-model data
+    sets `data=shakespeare|text` set nanoGPT's 1.0). Each worker clips its own gradient before
+    its local step; synchronous SGD clips the averaged gradient (as DDP + clip_grad_norm_), or,
+    with a compressor, each worker's gradient before it is encoded (`dpresearch/grad_clip.py`).
+    Logged as `train/grad_norm`, the mean pre-clip norm.
     """
 
     steps: int | None = None
@@ -76,6 +83,7 @@ class TrainConfig:
     resume_allow_changes: list[str] = field(default_factory=list)
     on_nonfinite: str = "stop"
     batched_workers: str = "auto"
+    grad_clip: float | None = None
 
 
 @dataclass

@@ -14,7 +14,8 @@ workers' forward/backward (`WorkerCompute`). The result is a `Run`.
 
 A `Run`'s stateful parts checkpoint themselves: `Run.state_dict()` is this process's part of
 a checkpoint, one entry per part in `Run.STATEFUL` (replicas, optimizers, algorithm, compute,
-the ledger and the global random streams), and `load_state_dict` puts it back; the loop's own
+the ledger, the global random streams and the gradient clipping's pre-clip norms), and
+`load_state_dict` puts it back; the loop's own
 position (step, best accuracy, last metrics, clock) is the loop's (`run.loop.LoopState`).
 """
 
@@ -45,6 +46,7 @@ from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.data.base import Dataset
 from dpresearch.data.partition import Partitioner
 from dpresearch.errors import ConfigError
+from dpresearch.grad_clip import GradClip
 from dpresearch.optim import make_optimizer
 from dpresearch.replicas import Replicas
 from dpresearch.run.checkpoint_files import checkpoint_interval
@@ -227,11 +229,13 @@ class Run:
     gradients_per_step: int
     setup: dict[str, Any]  # the algorithm's and the compute's description of the set-up
     rng: GlobalRandom
+    clip: GradClip  # `train.grad_clip` and the pre-clip norms since the last metrics row
 
     # The parts whose state is the run's state, each with state_dict / load_state_dict.
     STATEFUL: ClassVar[tuple[str, ...]] = (
-        "replicas", "optimizers", "algorithm", "compute", "ledger", "rng",
+        "replicas", "optimizers", "algorithm", "compute", "ledger", "rng", "clip",
     )  # fmt: skip
+    ADDED: ClassVar[tuple[str, ...]] = ("clip",)  # parts a checkpoint made before them lacks
 
     @property
     def ledger(self):
@@ -256,7 +260,8 @@ class Run:
         """Restore `state_dict()`'s parts, in `STATEFUL` order (replicas and optimizers before
         the algorithm, which may read them)."""
         for name in self.STATEFUL:
-            getattr(self, name).load_state_dict(state[name])
+            part = state.get(name) if name in self.ADDED else state[name]
+            getattr(self, name).load_state_dict(part)
 
 
 def build_run(
@@ -312,13 +317,16 @@ def build_run(
     shards = [comm.worker_of(e) for e in comm.local_workers]
     compute = WorkerCompute.for_run(cfg, data, partitioner, replicas, shards, worker_steps, device)
     algorithm.attach_compute(compute)
+    clip = GradClip(tc.get("grad_clip"), replicas.num_local, device)
+    if clip.active:
+        algorithm.set_grad_clip(clip)
     run = Run(
         cfg=cfg, comm=comm, device=device, data=data, partitioner=partitioner,
         replicas=replicas, eval_model=copy.deepcopy(model).to(device), optimizers=optimizers,
         base_lr=optimizers[0].param_groups[0]["lr"], algorithm=algorithm, schedule=schedule,
         compute=compute, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         checkpoint_every=checkpoint_interval(tc.checkpoint_every, steps_per_epoch),
-        gradients_per_step=per_step, rng=GlobalRandom(),
+        gradients_per_step=per_step, rng=GlobalRandom(), clip=clip,
         setup={**algorithm.describe(), **compute.describe()},
     )  # fmt: skip
     comm.ledger.reset()  # the set-up's traffic is not the run's

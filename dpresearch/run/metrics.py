@@ -1,7 +1,8 @@
 """The metrics a run logs: at every log step a row (training loss and accuracy over the window,
-lr, bytes per worker, modeled communication time, the loop clock, the algorithm's own metrics,
-and at evaluation points the evaluation), written by the run's logger and printed as the
-progress line; and the bytes every worker sent, per purpose."""
+with `train.grad_clip` the mean pre-clip gradient norm over it, lr, bytes per worker, modeled
+communication time, the loop clock, the algorithm's own metrics, and at evaluation points the
+evaluation), written by the run's logger and printed as the progress line; and the bytes every
+worker sent, per purpose."""
 
 from __future__ import annotations
 
@@ -88,17 +89,25 @@ class MetricsLog(Hook):
         self.eval_every = tc.eval_every or run.steps_per_epoch
         self.progress = progress and run.comm.is_main_process
         self.counts_skipped = tc.on_nonfinite == "skip_step"
-        self.window = torch.zeros(run.comm.num_local, 3, dtype=torch.float64, device=run.device)
+        # per local row: summed loss, accuracy, batches; with clipping, summed pre-clip
+        # gradient norms and their count (`grad_clip.GradClip`): one allreduce for all
+        columns = 5 if run.clip.active else 3
+        self.window = torch.zeros(
+            run.comm.num_local, columns, dtype=torch.float64, device=run.device
+        )
 
     def after_step(self, done: int, verdict: Verdict) -> None:
         evaluates = done % self.eval_every == 0 or verdict.finished
         if not (evaluates or done % self.log_every == 0):
             return
         run, state = self.run, self.state
-        run.compute.drain(self.window)
+        clips = run.clip.active
+        run.compute.drain(self.window[:, :3] if clips else self.window)
+        if clips:
+            run.clip.drain(self.window[:, 3:])
         if run.lockstep:
             run.comm.all_reduce(self.window, op="sum", record=METRICS)
-        loss_sum, acc_sum, count = self.window[0].tolist()
+        loss_sum, acc_sum, count, *norms = self.window[0].tolist()
         row: dict[str, Any] = {
             "step": done,
             "epoch": done / run.steps_per_epoch,
@@ -109,6 +118,7 @@ class MetricsLog(Hook):
                 if run.data.classification
                 else {}
             ),  # fmt: skip
+            **({"train/grad_norm": norms[0] / norms[1] if norms[1] else math.nan} if clips else {}),
             "lr": run.base_lr * run.schedule(done - 1),
             **bytes_per_worker(run),
             "comm/modeled_s": run.ledger.modeled_s,

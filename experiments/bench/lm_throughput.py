@@ -58,6 +58,7 @@ def compose(args, workers: int):
     steps = bt.logged_steps(args.warmup, args.block, args.blocks)
     overrides = [
         "data=shakespeare", f"data.root={CORPUS}", f"model={args.model}", "optimizer=adamw_lm",
+        "train.grad_clip=null",  # as the shipped figures ran (before the LM data clipped)
         f"workers={workers}", f"train.batch_size={args.batch}", f"train.steps={steps}",
         f"train.log_every={args.block}", f"train.eval_every={100 * steps}",
         "train.progress=false", "train.save_model=false", "data.sample_tokens=0",

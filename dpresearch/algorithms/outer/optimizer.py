@@ -94,6 +94,7 @@ from dpresearch.comm.base import Communicator
 from dpresearch.comm.ledger import BUFFERS
 from dpresearch.compress import CompressedReducer, build_reducer, check_compatibility
 from dpresearch.compress.layout import ParamLayout
+from dpresearch.grad_clip import GradClip
 from dpresearch.optim import build_optimizer
 from dpresearch.replicas import Replicas
 
@@ -237,6 +238,8 @@ class OuterOptimizer(Algorithm):
         "channel": "the outer node's own compressor is checked by check_config",
         "step_optimizers": "the base steps its inner optimizers in its own after_backward",
         "step_optimizer": "the base steps an event's optimizer in its own after_backward",
+        "clip_gradients": "the base clips its inner gradients in its own after_backward (the "
+        "pseudo-gradients are not clipped)",
         "outer_handover": "asked of the base class by check_config; outer steps do not nest",
         "hand_over_averaging": "asked of the base in __init__; outer steps do not nest",
         "model_rows": "read from the base by the outer step itself",
@@ -263,6 +266,9 @@ class OuterOptimizer(Algorithm):
 
     def attach_compute(self, compute: Any) -> None:
         self.base.attach_compute(compute)
+
+    def set_grad_clip(self, clip: GradClip) -> None:
+        self.base.set_grad_clip(clip)
 
     def losses_finite(self) -> bool:
         return self.base.losses_finite()
