@@ -22,6 +22,7 @@ from helpers import (
     CHECKPOINTED,
     DATA,
     LR,
+    SHARED,
     STEPS,
     TOL,
     TOL64,
@@ -51,6 +52,7 @@ from dpresearch.run.trainer import InjectedFailure
 from dpresearch.train import train
 
 F64 = torch.float64
+WORKS = SHARED / "data" / "shakespeare" / "works"
 CLIP = 0.3  # below the MLP's gradient norms (0.5-0.9) on these batches: every step clips
 WINDOW = 5  # SMALL's train.log_every: the last metrics row averages steps 16-20 ...
 EVAL = "train.eval_every=20"  # ... with no evaluation row (an epoch's end) between
@@ -167,6 +169,8 @@ CASES = {
     "DiLoCo": (["workers=4", "algorithm=local_sgd", "algorithm.period=5", "outer=nesterov"],
                lambda: local_reference(4, 5, outer=True)),
     "topk + EF14": (["workers=4", *TOPK], lambda: compressed_reference(4)),
+    # one worker pushing to a parameter server: sequential SGD, its pushes clipped
+    "async SGD": (["workers=1", "algorithm=async_sgd"], lambda: sync_reference(1)),
 }  # fmt: skip
 
 
@@ -305,3 +309,19 @@ def test_bad_grad_clip_is_one_line(case, tmp_path, monkeypatch, capsys):
     assert code == 2, err
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.slow  # (the corpus loaded; tests/test_lm_workload.py runs the GPT clipped at 1.0)
+@pytest.mark.skipif(not WORKS.is_dir(), reason=f"no Shakespeare corpus at {WORKS}")
+def test_gpt_on_shakespeare_logs_the_grad_norm(tmp_path, one_thread):
+    """The acceptance command, `data=shakespeare model=gpt_tiny train.grad_clip=1.0` (DiLoCo
+    over 2 workers here), logs `train/grad_norm` in every metrics row."""
+    args = ["data=shakespeare", f"data.root={WORKS}", "model=gpt_tiny", "model.block_size=16",
+            "data.eval_tokens=256", "data.sample_tokens=0", "workers=2", "train.batch_size=4",
+            "train.steps=6", "train.log_every=2", "train.progress=false", "backend.threads=1",
+            "algorithm=local_sgd", "algorithm.period=3", "outer=nesterov",
+            "train.grad_clip=1.0"]  # fmt: skip
+    train(compose_config(*args), tmp_path / "run")
+    lines = metric_lines(tmp_path / "run")
+    assert [m["step"] for m in lines] == [2, 4, 6]
+    assert all(0 < m["train/grad_norm"] < math.inf for m in lines)
