@@ -230,6 +230,7 @@ BAD = [
     ([*TEXT, "optimizer=muon", "optimizer.adjust_lr_fn=x"], "optimizer.adjust_lr_fn=x: choose"),
     ([*TEXT, "optimizer=muon", "+optimizer.ns_coefficients=[1]"], "optimizer.ns_coefficients"),
     ([*TEXT, "schedule.warmup_steps=-1"], "schedule.warmup_steps=-1: must be an integer >= 0"),
+    (["train.grad_clip=-1"], "train.grad_clip=-1.0: must be a positive number"),
 ]
 # Keys the source names in a `key=...` message that are not constraints of the user's:
 # overrides the study launcher writes itself.

@@ -228,6 +228,13 @@ def test_rows_clip_as_clip_grad_norm_each_worker():
     assert float(replicas.grads[2].norm()) == pytest.approx(1.0, rel=1e-6)
     clip.drain(window)
     assert window[:, 1].tolist() == [0.0, 0.0, 1.0]
+    measure = GradClip(math.inf, 3, torch.device("cpu"))  # train.grad_clip=inf: measure only
+    before = replicas.grads.mul(100)
+    replicas.grads.copy_(before)
+    measure(replicas.grads)
+    assert torch.equal(replicas.grads, before)
+    measure.drain(window)
+    assert window[:, 0].tolist() == pytest.approx(before.norm(dim=1).tolist(), rel=1e-14)
 
 
 @pytest.mark.parametrize("way", ["stacked", "vmap"])
