@@ -15,8 +15,8 @@ workers' forward/backward (`WorkerCompute`). The result is a `Run`.
 A `Run`'s stateful parts checkpoint themselves: `Run.state_dict()` is this process's part of
 a checkpoint, one entry per part in `Run.STATEFUL` (replicas, optimizers, algorithm, compute,
 the ledger, the global random streams and the gradient clipping's pre-clip norms), and
-`load_state_dict` puts it back; the loop's own
-position (step, best accuracy, last metrics, clock) is the loop's (`run.loop.LoopState`).
+`load_state_dict` puts it back; the loop's own position (step, best accuracy, last metrics,
+clock) is the loop's (`run.loop.LoopState`).
 """
 
 from __future__ import annotations
