@@ -54,6 +54,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from dpresearch.algorithms.base import Algorithm, StepPlan, Traits, Verdict
+from dpresearch.algorithms.outer.optimizer import compresses
 from dpresearch.asynchrony.clock import EventClock, transfer_seconds
 from dpresearch.asynchrony.options import AsyncOptions, check_options
 from dpresearch.asynchrony.protocol import ASGD, Protocol
@@ -192,12 +193,18 @@ class AsyncSGD(Algorithm):
         alg = cfg.algorithm
         opts = AsyncOptions.from_node(alg.get("options"))
         check_options(opts, cfg.workers)
-        if cfg.train.get("grad_clip") is not None and cfg.backend.name != "simulated":
+        real = cfg.backend.name != "simulated"
+        if (
+            cfg.train.get("grad_clip") is not None
+            and real
+            and compresses(alg.get("compressor"), alg.get("error_feedback"))
+        ):
             raise ValueError(
-                f"train.grad_clip with algorithm=async_sgd runs simulated only (on real "
-                f"processes the pushes do not carry the workers' gradient norms for "
-                f"train/grad_norm); use backend=simulated, or set train.grad_clip=null "
-                f"({cfg.backend.name})"
+                f"train.grad_clip with algorithm=async_sgd on real processes ({cfg.backend.name}) "
+                "clips the gradient the server receives, so the pushes must be uncompressed "
+                "(compressed pushes clip before encoding, on the worker); use "
+                "compressor=identity error_feedback=none, backend=simulated, or "
+                "train.grad_clip=null"
             )
         if opts.delay is not None:
             if cfg.backend.name != "simulated":
@@ -259,8 +266,14 @@ class AsyncSGD(Algorithm):
         w = self._worker
         self.steps += 1
         # `train.grad_clip`: the pushing worker's own gradient, before its push is encoded
-        self.clip_gradients(w)
+        # (simulated); on real ranks the server clips the uncompressed push it received, the
+        # same values (compressed pushes there are refused by `check_config`)
+        here = self.transport.computes_here
+        if here:
+            self.clip_gradients(w)
         push = self.transport.take(w)
+        if not here and self.grad_clip is not None:
+            self.grad_clip(push.gradient.unsqueeze(0))
         released = self.server.push(w, push.gradient, push.read_version,
                                     self.transport.x_read(w), push.buffers)  # fmt: skip
         self.mode.applied(released)
