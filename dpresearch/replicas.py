@@ -16,6 +16,7 @@ they agree), but stacked so that one computation over several rows
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -163,6 +164,45 @@ class Replicas:
         for dst, src in zip(target_int, source_int, strict=True):
             dst.copy_(src)
         return target
+
+
+def row_state_dict(
+    model: nn.Module,
+    params: Tensor,
+    buffers: Tensor,
+    int_buffers: Sequence[Tensor],
+    channels_last: bool = False,
+) -> dict[str, Tensor]:
+    """One replica's row as `model`'s named tensors: its trainable parameters from the flat
+    `params` row (4-D ones NHWC inside it where the row was laid out `channels_last`), its
+    floating-point buffers from `buffers` and its integer buffers from `int_buffers` (one tensor
+    each), in the order `Replicas` lays `model` out (`Replicas.state_dict` holds these rows).
+    Raises ValueError naming the first size that does not fit `model`."""
+    state: dict[str, Tensor] = {}
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    floats = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+    ints = [(n, b) for n, b in model.named_buffers() if not b.is_floating_point()]
+    for label, row, named in (
+        ("parameters", params, trainable),
+        ("buffer values", buffers, floats),
+    ):
+        total = sum(t.numel() for _, t in named)
+        if row.numel() != total:
+            raise ValueError(f"{row.numel()} {label} where this model has {total}")
+        offset = 0
+        for name, t in named:
+            nhwc = channels_last and t.dim() == 4 and label == "parameters"
+            state[name] = _shaped(row[offset : offset + t.numel()], t.shape, nhwc).contiguous()
+            offset += t.numel()
+    if len(int_buffers) != len(ints):
+        raise ValueError(f"{len(int_buffers)} integer buffers where this model has {len(ints)}")
+    for (name, b), saved in zip(ints, int_buffers, strict=True):
+        if saved.shape != b.shape:
+            raise ValueError(
+                f"{name} of shape {tuple(saved.shape)} where this model's is {tuple(b.shape)}"
+            )
+        state[name] = saved
+    return state
 
 
 def _shaped(flat: Tensor, shape: torch.Size, channels_last: bool) -> Tensor:

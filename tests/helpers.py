@@ -823,6 +823,74 @@ def ramp(final: float, n: int = 10) -> list[float]:
     return [final * (i + 1) / n for i in range(n)]
 
 
+# -- stub study runs: the study harness on objectives known in advance -------------------------
+# (tests/test_study_protocol.py, tests/test_study_two_keys.py)
+STUB_VAL_EXAMPLES = 500
+STUB_STEPS = 4  # logged steps per stub run, one per epoch
+
+
+def stub_study(tmp_path, cases: dict, **extra) -> object:
+    """The study of `cases` (+ `extra` keys) on seeds 0-3, tuned on 0 and 1 by val/acc."""
+    from dpresearch.study import load_study
+
+    body = {
+        "name": "stub",
+        "title": "Stub objective",
+        "seeds": [0, 1, 2, 3],
+        "tune_seeds": [0, 1],
+        "select": "val/acc:max",
+        "common": ["train.val_size=0.1"],  # a validation split: the checks before a study
+        "cases": cases,
+        **extra,
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(body, sort_keys=False))
+    return load_study(path)
+
+
+def stub_runner(
+    objective, ran: list, curve=lambda acc, epoch: acc * epoch / STUB_STEPS, lr_key="optimizer.lr"
+):
+    """A runner writing the files the trainer writes, with val/acc at epoch e =
+    curve(objective(case, lr, seed), e) (test/acc 0.01 below it; a point tuning other keys
+    too, `tune_also`: objective(case, (lr, their values), seed)), the point's lr under `lr_key`
+    and its other tuned values under their keys in its configuration; `ran` records each
+    point."""
+
+    def run(point, run_dir, overrides):
+        ran.append(point.id)
+        acc = objective(point.case, point.setting if point.also else point.lr, point.seed)
+        config = {"seed": point.seed, "train": {"epochs": STUB_STEPS},
+                  "schedule": {"_target_": "dpresearch.schedules.Constant"}}  # fmt: skip
+        for dotted, value in ((lr_key, point.lr), *point.also):
+            *parents, leaf = dotted.split(".")
+            node = config
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = value
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+        curves = {s: curve(acc, s) if callable(curve) else curve[point.case](acc, s)
+                  for s in range(1, STUB_STEPS + 1)}  # fmt: skip
+        lines = [
+            {"step": s, "epoch": float(s), "train/loss": 2.0 - 0.3 * s,
+             "val/acc": curves[s], "test/acc": curves[s] - 0.01}
+            for s in range(1, STUB_STEPS + 1)
+        ]  # fmt: skip
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        summary = {**lines[-1], "status": "finished", "data/classes": 10,
+                   "data/val_examples": STUB_VAL_EXAMPLES, "data/test_examples": 1000,
+                   "total_steps": STUB_STEPS}  # fmt: skip
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+        return 0
+
+    return run
+
+
+def peak_at(best_lr: float):
+    """Validation accuracy 0.8 at `best_lr`, falling by 0.1 per decade² away from it."""
+    return lambda case, lr, seed: 0.8 - 0.1 * (math.log10(lr / best_lr)) ** 2 + 0.001 * seed
+
+
 # -- small pieces shared by two modules --------------------------------------------------------
 def finished_run(*overrides: str, dtype: torch.dtype = torch.float32) -> Trainer:
     """A finished simulated run of SMALL_512 (the synthetic data set; not with an experiment) +

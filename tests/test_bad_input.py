@@ -90,6 +90,10 @@ BAD = [
     (["train.checkpoint_keep=0"], "train.checkpoint_keep=0: must be at least 1"),
     (["train.resume=/nonexistent"], "train.resume=/nonexistent: no such file or directory"),
     (["train.resume={tmp}"], "no complete checkpoint there"),
+    # Starting from another run's weights (issue 40; the model checks: tests/test_init_from.py).
+    (["train.init_from=/nonexistent"], "train.init_from=/nonexistent: no such file or directory"),
+    (["train.init_from={tmp}"], "no finished run's model_final.pt and no complete checkpoint"),
+    (["train.init_from={tmp}/a-file"], "a-file cannot be read (RuntimeError: mmap can only"),
     (["train.on_nonfinite=foo"], "train.on_nonfinite=foo; choose one of: stop, skip_step"),
     (["algorithm=async_sgd", "train.on_nonfinite=skip_step"], "skip_step is not supported"),
     # More compressors, compressed Adam, two-level reduction (issue 20).

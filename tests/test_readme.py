@@ -302,6 +302,15 @@ def check_command_line(args: list[str]) -> None:
         preflight(task_config(composed), cmd.overrides)
 
 
+def train_source(run_dir: str, cwd: Path) -> None:
+    """Run the README command that writes `run_dir` (with TINY's steps), as a reader would
+    before the command that starts from it (`train.init_from`)."""
+    (writer,) = [c for c in of_kind("train") if f"hydra.run.dir={run_dir}" in c.args]
+    out = subprocess.run(_as_run(writer), cwd=cwd, capture_output=True, text=True,
+                         timeout=load_scaled(600))  # fmt: skip
+    assert out.returncode == 0, f"{writer}\n{out.stderr[-3000:]}"
+
+
 @pytest.mark.usefixtures("cifar_subset")
 @pytest.mark.parametrize("command", of_kind("train"), ids=ids(of_kind("train")))
 def test_readme_training_command_passes_the_checks(command, tmp_path, monkeypatch):
@@ -312,6 +321,8 @@ def test_readme_training_command_passes_the_checks(command, tmp_path, monkeypatc
             path = Path(arg.split("=", 1)[1])
             path.parent.mkdir(parents=True)
             path.touch()
+        if arg.startswith("train.init_from="):  # the run it starts from: checked against it
+            train_source(arg.split("=", 1)[1], tmp_path)
     for point in _points(command.args):
         check_command_line(point)
 

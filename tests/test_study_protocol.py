@@ -9,71 +9,13 @@ import math
 import statistics
 
 import pytest
-import yaml
+from helpers import STUB_VAL_EXAMPLES as VAL_EXAMPLES
+from helpers import peak_at, stub_runner, stub_study
 
 from dpresearch.analysis.quality import binomial_se
-from dpresearch.study import StudyError, load_study, run_study
+from dpresearch.study import StudyError, run_study
 from dpresearch.study.report import report_study, selected_lrs
 from dpresearch.study.spec import grid_values
-
-VAL_EXAMPLES = 500
-STEPS = 4  # logged steps per stub run, one per epoch
-
-
-def stub_study(tmp_path, cases: dict, **extra) -> object:
-    body = {
-        "name": "stub",
-        "title": "Stub objective",
-        "seeds": [0, 1, 2, 3],
-        "tune_seeds": [0, 1],
-        "select": "val/acc:max",
-        "common": ["train.val_size=0.1"],  # a validation split: the checks before a study
-        "cases": cases,
-        **extra,
-    }
-    path = tmp_path / "study.yaml"
-    path.write_text(yaml.safe_dump(body, sort_keys=False))
-    return load_study(path)
-
-
-def stub_runner(
-    objective, ran: list, curve=lambda acc, epoch: acc * epoch / STEPS, lr_key="optimizer.lr"
-):
-    """A runner writing the files the trainer writes, with val/acc at epoch e =
-    curve(objective(case, lr, seed), e) (test/acc 0.01 below it), the point's lr under
-    `lr_key` in its configuration; `ran` records each point."""
-
-    def run(point, run_dir, overrides):
-        ran.append(point.id)
-        acc = objective(point.case, point.lr, point.seed)
-        config = {"seed": point.seed, "train": {"epochs": STEPS},
-                  "schedule": {"_target_": "dpresearch.schedules.Constant"}}  # fmt: skip
-        *parents, leaf = lr_key.split(".")
-        node = config
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = point.lr
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
-        curves = {s: curve(acc, s) if callable(curve) else curve[point.case](acc, s)
-                  for s in range(1, STEPS + 1)}  # fmt: skip
-        lines = [
-            {"step": s, "epoch": float(s), "train/loss": 2.0 - 0.3 * s,
-             "val/acc": curves[s], "test/acc": curves[s] - 0.01}
-            for s in range(1, STEPS + 1)
-        ]  # fmt: skip
-        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-        summary = {**lines[-1], "status": "finished", "data/classes": 10,
-                   "data/val_examples": VAL_EXAMPLES, "data/test_examples": 1000,
-                   "total_steps": STEPS}  # fmt: skip
-        (run_dir / "summary.json").write_text(json.dumps(summary))
-        return 0
-
-    return run
-
-
-def peak_at(best_lr: float):
-    """Validation accuracy 0.8 at `best_lr`, falling by 0.1 per decade² away from it."""
-    return lambda case, lr, seed: 0.8 - 0.1 * (math.log10(lr / best_lr)) ** 2 + 0.001 * seed
 
 
 def test_grids_are_log_spaced():

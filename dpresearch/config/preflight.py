@@ -2,7 +2,8 @@
 
 `preflight(cfg, overrides)` runs `validate` (the configuration alone), loads the data set (or
 fetches it), checks that every worker gets a batch, and builds each component once on the CPU —
-the model (with one forward pass on two training examples), the optimizer and the schedule —
+the model (with one forward pass on two training examples, and the weights `train.init_from`
+names loaded against it), the optimizer and the schedule —
 so that a bad value surfaces as one `ConfigError` line here, not as a traceback in every worker
 process. It builds what the trainer builds, with the trainer's own factories; nothing it builds
 is kept except the data set (see `validate.prepare_data`).
@@ -46,6 +47,7 @@ def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> Dataset:
     trained = _call("train", lambda: dataset.hold_out(cfg.train.val_size))
     steps_per_epoch = check_fit(cfg, trained)
     model = build_model(cfg, dataset)
+    check_init_from(cfg, model, dataset)
     check_optimizer(cfg, model)
     check_fragments(cfg, model)
     check_batched(cfg, dataset)
@@ -105,6 +107,35 @@ def build_model(cfg: DictConfig, dataset: Dataset) -> torch.nn.Module:
             f"{dataset.output_shape} (scores per class); check its num_classes handling"
         )
     return model
+
+
+def check_init_from(cfg: DictConfig, model: torch.nn.Module, dataset: Dataset) -> None:
+    """`train.init_from` names weights `model` (built from `cfg` for `dataset`) can start
+    from (`run.init_from`): the same resolved `model` node (the differing keys named), the same
+    vocabulary, every tensor of the same shape. Under torchrun global rank 0 alone reads them
+    (the others receive them), so it alone checks."""
+    from dpresearch.launch.processes import global_rank, under_torchrun
+    from dpresearch.run import init_from
+    from dpresearch.run.resume import show_changes, trajectory_differences
+
+    value = cfg.train.get("init_from")
+    if value is None or str(value).strip() == "" or (under_torchrun() and global_rank() != 0):
+        return
+    source = init_from.resolve(str(value))
+    if source.config is not None:
+        differing = [
+            k for k in trajectory_differences(source.config, cfg) if k.split(".")[0] == "model"
+        ]
+        if differing:
+            changes = show_changes(differing, source.config, cfg)
+            raise source.fail(f"its model differs: {changes}; {init_from.FIX}")
+    vocabulary = dataset.facts().get("data/vocab_fingerprint")
+    if source.vocabulary is not None and source.vocabulary != vocabulary:
+        raise source.fail(
+            f"its model was trained on another vocabulary (fingerprint {source.vocabulary}, this "
+            f"corpus gives {vocabulary}); start from a run on this corpus and data.tokenizer"
+        )
+    init_from.weights(source, model)
 
 
 def check_batched(cfg: DictConfig, dataset: Dataset) -> None:

@@ -42,9 +42,12 @@ class TrainConfig:
     checkpoint file or a run directory); a checkpoint written with other settings in anything
     that shapes the trajectory is refused, naming the keys, unless `resume_allow_changes` lists
     them (keys or whole nodes, e.g. `[train.steps, optimizer]`: deliberate changes; see
-    `dpresearch/resume.py`). `on_nonfinite`: what a non-finite training loss does —
-    `stop` (exit 3, `status: diverged`, no model written), `skip_step` (that step's update is
-    dropped and counted) or `continue`.
+    `dpresearch/resume.py`). `init_from`: start from another run's model weights only (a
+    checkpoint file or a run directory: a finished run's final model, else its latest
+    checkpoint's worker-0 row), with a fresh optimizer, schedule, step counter and data order;
+    refused if the model differs (`dpresearch/run/init_from.py`). `on_nonfinite`: what a
+    non-finite training loss does — `stop` (exit 3, `status: diverged`, no model written),
+    `skip_step` (that step's update is dropped and counted) or `continue`.
 
     `batched_workers`: how the simulated workers of one process compute — `false` one by one,
     `stacked` as one forward/backward whose layers hold the workers' weights as one tensor
@@ -81,6 +84,7 @@ class TrainConfig:
     checkpoint_keep: int = 2
     resume: str | None = None
     resume_allow_changes: list[str] = field(default_factory=list)
+    init_from: str | None = None
     on_nonfinite: str = "stop"
     batched_workers: str = "auto"
     grad_clip: float | None = None

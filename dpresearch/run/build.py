@@ -8,7 +8,8 @@ the processes it needs (`algorithm_class`, `process_count`), and the rest in `bu
 
 `build_run` makes, for the workers this process holds, in this order (each from the config's
 own factories, seeded as before so a run is reproducible): the data set (validation split held
-out) and its partitioner, the replicas (worker 0's initial state broadcast to every process),
+out) and its partitioner, the replicas (worker 0's initial state — `train.init_from`'s weights
+where given, `run.init_from` — broadcast to every process),
 one optimizer per replica, the algorithm, the run length, the learning-rate schedule and the
 workers' forward/backward (`WorkerCompute`). The result is a `Run`.
 
@@ -49,6 +50,7 @@ from dpresearch.errors import ConfigError
 from dpresearch.grad_clip import GradClip
 from dpresearch.optim import make_optimizer
 from dpresearch.replicas import Replicas
+from dpresearch.run import init_from
 from dpresearch.run.checkpoint_files import checkpoint_interval
 from dpresearch.run.compute import WorkerCompute
 
@@ -293,10 +295,14 @@ def build_run(
         cfg.model, num_classes=data.num_classes, input_shape=data.input_shape
     )
     replicas = Replicas(model, comm.num_local, device, tc.channels_last)
+    started = init_from.load_into(cfg, comm, replicas)  # train.init_from: the main process
     # Replicas built from one seed are identical, but broadcasting worker 0's state makes
-    # that true even where initialisation draws differ between processes.
+    # that true even where initialisation draws differ between processes (or where worker 0
+    # alone read the weights it starts from).
     comm.broadcast(replicas.params, src=0, record=False)
     comm.broadcast(replicas.buffers, src=0, record=False)
+    if tc.get("init_from") and replicas.int_buffers.numel():
+        comm.broadcast(replicas.int_buffers, src=0, record=False)
     lr_scale = float(k) if tc.lr_scaling == "linear" else 1.0
     optimizers = Optimizers(make_optimizer(cfg.optimizer, m, lr_scale) for m in replicas.models)
     extra = dict(algorithm_extra or {})
@@ -327,7 +333,7 @@ def build_run(
         compute=compute, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         checkpoint_every=checkpoint_interval(tc.checkpoint_every, steps_per_epoch),
         gradients_per_step=per_step, rng=GlobalRandom(), clip=clip,
-        setup={**algorithm.describe(), **compute.describe()},
+        setup={**started, **algorithm.describe(), **compute.describe()},
     )  # fmt: skip
     comm.ledger.reset()  # the set-up's traffic is not the run's
     return run

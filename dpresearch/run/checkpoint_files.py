@@ -193,21 +193,37 @@ def run_dir_of(checkpoint: Path) -> Path | None:
     return checkpoint.parent.parent if checkpoint.parent.name == CHECKPOINTS else None
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read a checkpoint file (tensors onto the CPU) without running anything it names (see
-    `_safe_load`). Raises `CheckpointError` (one line) for a file that is not one of ours."""
-    return _checked(_safe_load(path), path)
+def load_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """Read a checkpoint file (tensors onto the CPU; `mmap`: memory-mapped, read from disk only
+    where touched) without running anything it names (see `_safe_load`). Raises
+    `CheckpointError` (one line) for a file that is not one of ours."""
+    return _checked(_safe_load(path, mmap=mmap), path)
 
 
-def read_header(path: Path) -> dict[str, Any]:
+def load_model_file(path: Path) -> dict[str, torch.Tensor]:
+    """A model's state dict saved as a file of its own (a run's `model_final.pt`), read as
+    `load_checkpoint` reads (nothing it names is run). Raises `CheckpointError` for a file that
+    is not a mapping of names to tensors."""
+    state = _safe_load(path)
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()
+    ):
+        raise CheckpointError(f"{path} is not a model's state dict (names mapped to tensors)")
+    return state
+
+
+def read_header(path: Path, fix: str | None = None) -> dict[str, Any]:
     """A checkpoint's own facts (step, workers, processes, algorithm, ...) without reading its
     tensors (memory-mapped) or running anything. Raises `CheckpointError` for a file that is
-    not one of ours."""
-    state = _checked(_safe_load(path, mmap=True), path)
+    not one of ours (`fix`: what its line suggests for an unreadable file)."""
+    state = _checked(_safe_load(path, mmap=True, fix=fix), path)
     return {k: v for k, v in state.items() if k not in ("states", "loop")}
 
 
-def _safe_load(path: Path, mmap: bool = False) -> Any:
+RESUME_FIX = "pass another checkpoint, or train.resume=auto to start fresh where there is none"
+
+
+def _safe_load(path: Path, mmap: bool = False, fix: str | None = None) -> Any:
     """`torch.load(weights_only=True)`: the file may rebuild tensors and plain containers
     only. A pickle that names any other callable (the way a planted payload runs code) is
     refused before that name is imported, let alone called."""
@@ -222,7 +238,7 @@ def _safe_load(path: Path, mmap: bool = False) -> Any:
     except Exception as exc:
         raise CheckpointError(
             f"checkpoint {path} cannot be read ({type(exc).__name__}: {_first_line(exc)}); "
-            "pass another checkpoint, or train.resume=auto to start fresh where there is none"
+            f"{fix or RESUME_FIX}"
         ) from None
 
 

@@ -72,6 +72,8 @@ class Checkpoints(Hook):
             "config": OmegaConf.to_container(run.cfg, resolve=True),
             "loop": self.state.state_dict(),
             "states": every,
+            # where the run's first weights came from (train.init_from), for its summary
+            "init_from": run.setup.get("init_from"),
         }
         return write_checkpoint(self.run_dir, done, payload, self.keep)
 
@@ -101,6 +103,8 @@ class Checkpoints(Hook):
                 payload = [("error", problem)] * run.processes
             else:
                 payload = [("state", file["loop"], file["step"], st) for st in file["states"]]
+                if file.get("init_from") is not None:  # (not the source as it is now)
+                    run.setup["init_from"] = file["init_from"]
         mine = run.comm.scatter_objects(payload)
         if mine is None:
             return 0

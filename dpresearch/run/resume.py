@@ -100,7 +100,8 @@ def trajectory_differences(
     return sorted(differing)
 
 
-def _describe(keys: list[str], saved: Mapping[str, Any], current: DictConfig) -> str:
+def show_changes(keys: list[str], saved: Mapping[str, Any], current: DictConfig) -> str:
+    """`keys` (the first `SHOWN`) with their values in `saved` and in `current`: `k (a → b)`."""
     now, before = flatten(OmegaConf.to_container(current, resolve=True)), flatten(dict(saved))
     shown = [f"{k} ({_show(before, k)} → {_show(now, k)})" for k in keys[:SHOWN]]
     more = f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else ""
@@ -138,7 +139,7 @@ def finished_run(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any] | None
         if differing:
             raise ConfigError(
                 f"{run_dir} holds a finished run made with other settings: "
-                f"{_describe(differing, saved, cfg)}; pass a new hydra.run.dir for this one"
+                f"{show_changes(differing, saved, cfg)}; pass a new hydra.run.dir for this one"
             )
     return summary
 
@@ -171,6 +172,22 @@ def nothing_to_resume(cfg: DictConfig, run_dir: Path | None) -> str | None:
 def data_vocabulary(cfg: DictConfig) -> str | None:
     """The fingerprint of the vocabulary of the run's data (text), None for other data."""
     return prepare_data(cfg).facts().get("data/vocab_fingerprint")
+
+
+def check_started_from(saved: Mapping[str, Any], cfg: DictConfig, path: Path) -> None:
+    """`train.init_from` with a resume: a resumed run takes every weight from its checkpoint,
+    so the weights it names must be the ones the checkpoint's run started from (or it is left
+    out); raises `ConfigError` otherwise, whatever `train.resume_allow_changes` says."""
+    wanted = cfg.train.get("init_from")
+    started = (saved.get("train") or {}).get("init_from")
+    if wanted is not None and wanted != started:
+        origin = f"train.init_from={started}" if started else "a random initialisation"
+        raise ConfigError(
+            f"train.init_from={wanted} with train.resume: checkpoint {path} continues a run "
+            f"started from {origin}, and a resumed run takes its weights from its checkpoint; "
+            "drop train.init_from (or pass the run's own), or start a new run without "
+            "train.resume"
+        )
 
 
 def check_resume(cfg: DictConfig, run_dir: Path | None, processes: int) -> None:
@@ -207,11 +224,12 @@ def check_resume(cfg: DictConfig, run_dir: Path | None, processes: int) -> None:
         )
     saved = header.get("config")
     if isinstance(saved, dict):
+        check_started_from(saved, cfg, path)
         differing = trajectory_differences(saved, cfg, allowed_changes(cfg))
         if differing:
             raise ConfigError(
                 f"checkpoint {path} was written with other settings: "
-                f"{_describe(differing, saved, cfg)}; resume with the run's own configuration, "
+                f"{show_changes(differing, saved, cfg)}; resume with the run's own configuration, "
                 f"or name deliberate changes: train.resume_allow_changes=[{','.join(differing)}]"
             )
     steps = cfg.train.steps

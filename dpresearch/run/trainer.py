@@ -85,11 +85,11 @@ class Trainer:
         self.cfg, self.run_dir = cfg, run_dir
         self.built = run = build_run(cfg, comm, device, dataset)
         tc = cfg.train
-        if run.setup and comm.is_main_process and tc.progress:
-            print(format_setup(run.setup), flush=True)
         self.state = LoopState()
         self.checkpoints = Checkpoints(run, self.state, run_dir)
         resumed_at = self.checkpoints.resume(tc.resume) if tc.resume is not None else None
+        if run.setup and comm.is_main_process and tc.progress:  # (as resumed: its init_from)
+            print(format_setup(run.setup), flush=True)
         self.start_step = self.state.step
         resolved = OmegaConf.to_container(cfg, resolve=True)
         logger = (

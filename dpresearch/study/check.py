@@ -4,8 +4,9 @@
 - Each case's configuration composes and passes the configuration checks (`validate`), with
   the study's `common` overrides, the case's own, the lr key at the case's first lr and the
   first seed: a typo in `common`, a bad override inside a case and a misspelt `lr_key` are
-  all caught here, not by a failed point (the rest of a case's grid only changes the lr and
-  the seed, whose keys this composition has checked). `common` is first composed alone,
+  all caught here, not by a failed point (the rest of a case's grid only changes the lr, the
+  `tune_also` key, at its first value here too, and the seed, whose keys this composition has
+  checked). `common` is first composed alone,
   without the lr key, which may belong to a group only the cases choose (`outer.optimizer.lr`).
 - Every `network:` the report re-prices on is a preset (`comm.network.PRESETS`).
 - The selection metric (`select: NAME[:min|max]`) and the target's metric are ones a run
@@ -37,7 +38,10 @@ def check_study(study: Study) -> None:
     _compose(study, (), "common", with_lr=False)
     for case in study.cases:
         grid = case.lrs or study.case(case.lr_from).lrs  # an lr_from case runs at another's lr
-        cfg = _compose(study, case.overrides, f"case {case.name!r}", grid[0])
+        # (and at its other tuned keys' values: the first of each)
+        also = case.also or (study.case(case.lr_from).also if case.lr_from else ())
+        tuned = tuple(f"{key}={grid.values[0]!r}" for key, grid in also)
+        cfg = _compose(study, (*case.overrides, *tuned), f"case {case.name!r}", grid[0])
         if (metric is not None and metric.startswith("val/") and not cfg.train.val_size
                 and not dataset_class(cfg.data).own_validation):  # fmt: skip
             raise StudyError(
@@ -121,7 +125,11 @@ def _compose(
         cfg = task_config(compose_command_line(parse_command_line(args), CONF_DIR))
         validate(cfg, args)
     except ConfigError as exc:
-        if str(exc).split(" ", 1)[0].split("=", 1)[0] == study.lr_key:
+        named = str(exc).split(" ", 1)[0].split("=", 1)[0]
+        if named == study.lr_key:
             where = f"lr_key {study.lr_key}"
+        else:
+            also = [k for k in study.also_keys if k == named or k.startswith(named + ".")]
+            where = f"tune_also key {also[0]}" if also else where
         raise StudyError(f"{where}: {exc}") from None
     return cfg

@@ -80,6 +80,7 @@ class StatusBook:
                 {
                     "case": point.case,
                     "lr": point.lr,
+                    **({"also": dict(point.also)} if point.also else {}),
                     "seed": point.seed,
                     "dir": str(point.dir),
                     "attempts": 0,
@@ -114,9 +115,10 @@ def _set_aside(run_dir: Path, out: Path) -> Path:
 
 
 def run_name(point: Point, seed: str | None = None) -> str:
-    """The W&B name of a point: its case and the values the study varies (lr, seed), never
-    the overrides every point shares."""
-    return f"{point.case} | lr={point.lr:g} | seed={point.seed if seed is None else seed}"
+    """The W&B name of a point: its case and the values the study varies (lr, any other
+    tuned key, seed), never the overrides every point shares."""
+    also = "".join(f" | {k}={v:g}" for k, v in point.also)
+    return f"{point.case} | lr={point.lr:g}{also} | seed={point.seed if seed is None else seed}"
 
 
 def _point_overrides(study: Study, point: Point, seed: str | None = None) -> list[str]:
@@ -189,7 +191,7 @@ def run_inprocess(point: Point, run_dir: Path, overrides: list[str]) -> int:
 
 
 def _hydra_group(study: Study, points: list[Point], out: Path, launcher: str | None) -> int:
-    """One multirun over the seeds of `points` (one case, one lr)."""
+    """One multirun over the seeds of `points` (one case, one setting)."""
     from dpresearch.config.cli_check import quote_value
 
     first = points[0]
@@ -272,7 +274,7 @@ def study_horizons(study: Study, out: str | Path):
 
 def check_tuning_seeds(study: Study) -> None:
     """A study that tunes selects on the mean over `min_tune_seeds` (default 2) or more."""
-    tuned = any(len(c.lrs) > 1 for c in study.cases if c.lr_from is None)
+    tuned = any(len(c.settings()) > 1 for c in study.cases if c.lr_from is None)
     if tuned and len(study.selection_seeds) < study.min_tune_seeds:
         raise StudyError(
             f"{study.path.name} selects on {len(study.selection_seeds)} tuning seed(s); select "
@@ -317,15 +319,16 @@ def run_study(
     wanted |= {c.lr_from for c in study.cases if c.name in wanted and c.lr_from}
     while True:
         found = study_horizons(study, out)
-        grow = {case: lrs for case, lrs in extensions(study, found).items() if case in wanted}
-        new = [study.point(study.case(case), lr, seed) for case, lrs in grow.items()
-               for lr in lrs for seed in study.selection_seeds]  # fmt: skip
+        grow = {case: new for case, new in extensions(study, found).items() if case in wanted}
+        new = [study.point(study.case(case), setting, seed) for case, settings in grow.items()
+               for setting in settings for seed in study.selection_seeds]  # fmt: skip
         if not new:
             break
-        for case, lrs in grow.items():
+        for case, settings in grow.items():
             why = ("the pick is at an edge of its grid" if any(case in h.picks for h in found)
                    else "no lr tried can be picked (every one failed)")  # fmt: skip
-            log(f"== {case}: {why}; adding lr " + ", ".join(f"{lr:g}" for lr in lrs))
+            shown = [study.point(study.case(case), s, 0).tuned for s in settings]
+            log(f"== {case}: {why}; adding " + ", ".join(shown))
         if dry_run:
             log("== (dry run: the extensions and final seeds depend on those runs' results)")
             return records
@@ -407,6 +410,7 @@ def _run_points(
                     "study": study.name,
                     "case": point.case,
                     "lr": point.lr,
+                    **({"also": dict(point.also)} if point.also else {}),
                     "seed": point.seed,
                     "point": point.id,
                     "overrides": list(point.overrides),
@@ -441,9 +445,9 @@ def _run_points(
         )
 
     if launcher == "hydra":
-        groups: dict[tuple[str, float], list[Point]] = {}
+        groups: dict[tuple[str, tuple[float, ...]], list[Point]] = {}
         for point in todo:
-            groups.setdefault((point.case, point.lr), []).append(point)
+            groups.setdefault((point.case, point.setting), []).append(point)
         for group in groups.values():
             began = time.time()
             for point in group:

@@ -51,10 +51,13 @@ from dpresearch.analysis.tables import (
 from dpresearch.study.select import (
     Horizon,
     Pick,
+    case_columns,
     examples_behind,
     horizons,
     lr_column,
     selection_of,
+    setting_of,
+    tuned_columns,
 )
 from dpresearch.study.spec import Study, StudyError, slug
 
@@ -196,27 +199,29 @@ def run_counts(study: Study, runs) -> dict[str, int]:
     """How many runs did what: `grid` on the tuning seeds at their case's initial lrs,
     `extensions` on the tuning seeds at lrs a grid extension added, `final` the rest (the final
     seeds, and cases that reuse another case's lr)."""
-    lr_col = lr_column(study)
     tuning = runs[runs["cfg.seed"].isin(list(study.selection_seeds))]
-    own = {c.name: set(c.lrs) for c in study.cases if c.lr_from is None}
+    own = {c.name: set(c.settings()) for c in study.cases if c.lr_from is None}
     tuned = tuning[tuning["case"].isin(own)]
-    grid = sum(float(lr) in own[case]
-               for case, lr in zip(tuned["case"], tuned[lr_col], strict=True))  # fmt: skip
+    grid = sum(setting_of(row, case_columns(study, row["case"])) in own[row["case"]]
+               for _, row in tuned.iterrows())  # fmt: skip
     return {"grid": grid, "extensions": len(tuned) - grid, "final": len(runs) - len(tuned)}
 
 
 def grown_grids(study: Study, runs) -> dict[str, tuple[int, int]]:
-    """Each tuned case whose tuning seeds ran lrs beyond its initial grid → (how many above
-    its largest initial lr, how many below its smallest)."""
-    lr_col = lr_column(study)
+    """Each tuned case whose tuning seeds ran values beyond its initial grid → (how many above
+    its largest initial lr, how many below its smallest; with `tune_also`, summed over the
+    tuned keys)."""
     tuning = runs[runs["cfg.seed"].isin(list(study.selection_seeds))]
     out = {}
     for case in study.cases:
         if case.lr_from is not None or not case.lrs:
             continue
-        tried = {float(v) for v in tuning[tuning["case"] == case.name][lr_col].dropna()}
-        up = sum(v > max(case.lrs) for v in tried)
-        down = sum(v < min(case.lrs) for v in tried)
+        up = down = 0
+        grids = [case.grid, *(grid for _, grid in case.also)]
+        for grid, column in zip(grids, case_columns(study, case.name), strict=True):
+            tried = {float(v) for v in tuning[tuning["case"] == case.name][column].dropna()}
+            up += sum(v > max(grid.values) for v in tried)
+            down += sum(v < min(grid.values) for v in tried)
         if up or down:
             out[case.name] = (up, down)
     return out
@@ -278,12 +283,13 @@ def with_repriced_totals(study: Study, runs):
     return runs
 
 
-def _final_runs(report: StudyReport, horizon: Horizon, case: str, lr: float):
-    """The runs a case's results row averages: the final seeds at `lr` (a case reusing
-    another's lr: all its seeds; no final seeds: the tuning seeds)."""
+def _final_runs(report: StudyReport, horizon: Horizon, case: str, pick: Pick):
+    """The runs a case's results row averages: the final seeds at the pick's setting (a case
+    reusing another's lr: all its seeds; no final seeds: the tuning seeds)."""
     study, runs = report.study, horizon.runs
-    lr_col = lr_column(study)
-    rows = runs[(runs["case"] == case) & (runs[lr_col] == lr)]
+    rows = runs[runs["case"] == case]
+    for column, value in zip(case_columns(study, case), pick.setting, strict=True):
+        rows = rows[rows[column] == value]
     seeds = study.final_seeds or study.selection_seeds
     return rows[rows["cfg.seed"].isin(list(seeds))]
 
@@ -350,20 +356,45 @@ def _selection_cell(pick: Pick, metric: str) -> str:
 
 
 def _pick_note(pick: Pick, metric: str, study: Study) -> str:
+    """Per tuned key (the lr first): an edge pick, and a choice won within noise."""
+    case = study.case(pick.case)
+    grids = [case.grid, *(grid for _, grid in case.also)]
     notes = []
-    if pick.edge:
-        grid = study.case(pick.case).grid
-        notes.append(
-            f"{pick.edge} lr tried: bound reached ({grid.describe()})"
-            if pick.bound_reached
-            else f"{pick.edge} lr tried: the grid is still being extended"
-        )
-    if pick.runner_up is not None and pick.close:
-        se = _one(pick.margin_se, metric) if math.isfinite(pick.margin_se) else "unknown"
-        notes.append(
-            f"won by {_one(pick.margin, metric)} < SE {se} over lr {pick.runner_up:g}: within noise"
-        )
+    for axis, grid in zip(pick.axes, grids, strict=True):
+        name = "lr" if axis.key == study.lr_key else axis.key
+        if axis.edge:
+            notes.append(
+                f"{axis.edge} {name} tried: bound reached ({grid.describe()})"
+                if axis.bound_reached
+                else f"{axis.edge} {name} tried: the grid is still being extended"
+            )
+        if axis.runner_up is not None and axis.close:
+            se = _one(axis.margin_se, metric) if math.isfinite(axis.margin_se) else "unknown"
+            notes.append(
+                f"won by {_one(axis.margin, metric)} < SE {se} over {name} "
+                f"{axis.runner_up:g}: within noise"
+            )
     return "; ".join(notes)
+
+
+def _also_values(study: Study, case: str, setting: Sequence[float]) -> dict[str, Any]:
+    """Each `tune_also` key of the study → the setting's value of it (MISSING where the case
+    does not tune it)."""
+    columns = case_columns(study, case)[1:]
+    mine = dict(zip((c.removeprefix("cfg.") for c in columns), setting[1:], strict=True))
+    return {key: mine.get(key, MISSING) for key in study.also_keys}
+
+
+def _setting_label(study: Study, case: str, setting: Sequence[float]) -> str:
+    """`lr 0.1`, or `lr 0.1, outer.optimizer.lr 0.7` (a plot's series)."""
+    also = [f", {k} {v:g}" for k, v in _also_values(study, case, setting).items() if v != MISSING]
+    return f"lr {setting[0]:g}" + "".join(also)
+
+
+def _raw_label(study: Study, raw: dict) -> str:
+    """`_setting_label` of a results.csv row."""
+    also = [f", {k} {raw[k]:g}" for k in study.also_keys if math.isfinite(raw.get(k, math.nan))]
+    return f"lr {raw['lr']:g}" + "".join(also)
 
 
 RESULT_METRICS = ("test/acc", "train/loss")
@@ -394,7 +425,8 @@ def results_frame(report: StudyReport, horizon: Horizon):
         row = {"case": case.name}
         values: dict[str, Any] = {"case": case.name, "horizon": horizon.epochs}
         if pick is None:
-            row.update({_lr_head(study): MISSING, _selection_head(study, metric): MISSING})
+            row.update({_lr_head(study): MISSING, **dict.fromkeys(study.also_keys, MISSING),
+                        _selection_head(study, metric): MISSING})  # fmt: skip
             rows = horizon.runs[horizon.runs["case"] == case.name]
             for m in metrics:
                 row[_metric_head(m, study.labels)] = _failed_text(rows) if len(rows) else "not run"
@@ -404,9 +436,12 @@ def results_frame(report: StudyReport, horizon: Horizon):
             shown.append(row)
             raw.append(values)
             continue
-        rows = _final_runs(report, horizon, case.name, pick.lr)
+        rows = _final_runs(report, horizon, case.name, pick)
         row[_lr_head(study)] = f"{pick.lr:g}"
         values["lr"] = pick.lr
+        for key, value in _also_values(study, case.name, pick.setting).items():
+            row[key] = value if value == MISSING else f"{value:g}"
+            values[key] = math.nan if value == MISSING else value
         row[_selection_head(study, metric)] = (
             _selection_cell(pick, metric) if case.lr_from is None else f"lr of {case.lr_from}"
         )
@@ -442,19 +477,25 @@ def grid_frame(report: StudyReport, horizon: Horizon):
     import pandas as pd
 
     study, metric = report.study, report.selection.metric
-    lr_col, runs = lr_column(study), horizon.runs
+    runs = horizon.runs
     main = study.claim.metric if study.claim else study.target_metric
     rows = []
     for case in study.cases:
         frame = runs[runs["case"] == case.name]
         pick = _pick_for(horizon, study, case.name)
-        for lr in sorted(frame[lr_col].dropna().unique()):
-            at = frame[frame[lr_col] == lr]
+        columns = case_columns(study, case.name)
+        tried = frame[columns].dropna().drop_duplicates()
+        for setting in sorted(setting_of(r, columns) for _, r in tried.iterrows()):
+            at = frame
+            for column, value in zip(columns, setting, strict=True):
+                at = at[at[column] == value]
             tuning = at[at["cfg.seed"].isin(list(study.selection_seeds))]
             final = at[~at["cfg.seed"].isin(list(study.selection_seeds))]
             if case.lr_from is not None:
                 tuning, final = tuning.iloc[:0], at
-            row = {"case": case.name, _lr_head(study): f"{lr:g}"}
+            row = {"case": case.name, _lr_head(study): f"{setting[0]:g}"}
+            for key, value in _also_values(study, case.name, setting).items():
+                row[key] = value if value == MISSING else f"{value:g}"
             for name, part in (("tuning", tuning), ("final", final)):
                 seeds = ",".join(str(int(s)) for s in sorted(part["cfg.seed"]))
                 row[f"{name} seeds"] = seeds or MISSING
@@ -472,7 +513,7 @@ def grid_frame(report: StudyReport, horizon: Horizon):
                     )
                 failed = _statuses(part)
                 row[f"{name}: not usable"] = failed
-            row["selected"] = "✓" if pick is not None and pick.lr == lr else ""
+            row["selected"] = "✓" if pick is not None and pick.setting == setting else ""
             rows.append(row)
     frame = pd.DataFrame(rows)
     for name in ("tuning", "final"):
@@ -487,7 +528,7 @@ def _side(report: StudyReport, horizon: Horizon, case: str, metric: str):
     pick = _pick_for(horizon, report.study, case)
     if pick is None:
         return math.nan, math.nan, 0, "no lr selected"
-    rows = _final_runs(report, horizon, case, pick.lr)
+    rows = _final_runs(report, horizon, case, pick)
     text, mean, std, n = _mean_cell(rows, metric, report.include_failed, str)
     se = standard_error(mean, std, n, examples_behind(horizon.runs, metric))
     return mean, se, n, ("" if n else (text if len(rows) else "not run"))
@@ -649,6 +690,15 @@ def describe(report: StudyReport) -> list[str]:
             "pick is interior or the case's bound is reached, before any final seed runs. A "
             'pick still at an edge says "bound reached".'
         )
+    if study.also_keys:
+        keys = ", ".join(f"`{k}`" for k in study.also_keys)
+        lines.append(
+            f"**Two keys:** the cases that tune {keys} beside the lr do so on a joint grid (every "
+            "lr × every value) and select the best pair; per key, the runner-up is the best pair "
+            'with another value of that key, and "within noise" and "bound reached" are stated '
+            "per key. A key whose pick is at an edge grows past it as the lr does, the new value "
+            "crossed with every value of the other key tried; the final seeds run at the pair."
+        )
     lines += _results_and_bytes(
         report,
         "over the final seeds at the selected lr (`n` runs), never averaged with the tuning seeds",
@@ -665,7 +715,7 @@ def _selection_head(study: Study, metric: str) -> str:
 
 def untuned(study: Study) -> bool:
     """Whether no case of `study` selects an lr (each runs at one lr of its own)."""
-    return all(len(c.lrs) == 1 and c.lr_from is None for c in study.cases)
+    return all(len(c.settings()) == 1 and c.lr_from is None for c in study.cases)
 
 
 def _results_and_bytes(report: StudyReport, averaged: str) -> list[str]:
@@ -756,16 +806,18 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
         pick = _pick_for(horizon, study, case.name)
         if pick is None:
             continue
-        rows = _final_runs(report, horizon, case.name, pick.lr)
+        rows = _final_runs(report, horizon, case.name, pick)
         rows = rows[rows["status"] == FINISHED] if not report.include_failed else rows
         if len(rows):
-            groups[f"{case.name}, lr {pick.lr:g}"] = list(rows["run"])
+            groups[f"{case.name}, {_setting_label(study, case.name, pick.setting)}"] = list(
+                rows["run"]
+            )
     written = []
     _, raw = results_frame(report, horizon)
     main = study.claim.metric if study.claim else study.target_metric
     if "MB_per_epoch" in raw and main in raw:
         points = [
-            (f"{r['case']}, lr {r['lr']:g}", r["MB_per_epoch"], r[main], r[f"{main} std"])
+            (f"{r['case']}, {_raw_label(study, r)}", r["MB_per_epoch"], r[main], r[f"{main} std"])
             for r in raw.to_dict("records")
             if math.isfinite(r.get("MB_per_epoch", math.nan)) and math.isfinite(r[main])
         ]
@@ -853,7 +905,7 @@ def render(report: StudyReport, plots: Sequence[tuple[Path, Any]], command: str)
     lines += published_markdown(published_frame(study))
     failed = report.runs[report.runs["status"] != FINISHED]
     if not failed.empty:
-        cols = [c for c in ("run", "status", "case", lr_column(study), "cfg.seed", "step",
+        cols = [c for c in ("run", "status", "case", *tuned_columns(study), "cfg.seed", "step",
                             "epoch", "train/loss") if c in failed]  # fmt: skip
         frame = failed.copy()
         if "train/loss" in frame:
@@ -896,7 +948,7 @@ def write(report: StudyReport, results: Path, command: str) -> tuple[Path, list]
                                                          if not c.endswith(" std")]))  # fmt: skip
     grid = pd.concat(grids, ignore_index=True)
     (results / "grid.csv").write_text(grid.to_csv(index=False))
-    run_cols = [c for c in ("run", "status", "case", lr_column(report.study), "cfg.seed",
+    run_cols = [c for c in ("run", "status", "case", *tuned_columns(report.study), "cfg.seed",
                             "epoch", "step", *result_metrics(report), "val/acc",
                             "comm/bytes_per_epoch", "time/wall_s") if c in report.runs]  # fmt: skip
     report.runs[list(dict.fromkeys(run_cols))].to_csv(results / "runs.csv", index=False)

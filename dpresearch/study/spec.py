@@ -40,6 +40,23 @@ metric, the claim it tests and where its run data is shipped; expanded into poin
         overrides: [compressor=topk, data.partition=dirichlet]
         lr_from: top-k 1% + EF
 
+A second key tuned per case beside the lr (`tune_also`: e.g. the outer lr or DiLoCo's H) makes
+each case's grid two-dimensional — every lr × every value of that key:
+
+    tune_also: {key: outer.optimizer.lr, values: [0.35, 0.7, 1.4], extend: 3, range: [0.1, 2]}
+    cases:
+      diloco: [algorithm=local_sgd, outer=nesterov]     # tunes both keys
+      sync: {overrides: [], tune_also: null}             # the key does not apply: the lr alone
+      diloco H=100: {overrides: [...], tune_also: {values: [0.5, 1.0]}}   # its own values
+
+A joint grid, not one key after the other: the inner and outer lrs of DiLoCo interact (the
+outer step scales what the inner steps moved), so the best outer lr at a poor inner lr need not
+be the best at the good one, and a staged search can stop at a pick that is interior on each
+key alone but not the joint optimum. Each key grows past its edges as the lr does (one more
+value beyond the edge where the joint pick is the smallest or largest value of that key tried,
+crossed with every value tried of the other key, until the pick is interior on both keys or
+each key's bound is reached); the final seeds run at the joint pick.
+
 `{repo}` (the git repository holding the study file, else the dpresearch checkout) and
 `{study_dir}` (the YAML's folder) are substituted in overrides. A case may not set the lr key
 or `seed` itself (the grid and `seeds` do). Every problem is one `StudyError` line.
@@ -53,6 +70,7 @@ final seeds, never mixing the two.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -66,8 +84,9 @@ from dpresearch import SOURCE_ROOT
 KEYS = {"name", "description", "common", "lrs", "lr_key", "seeds", "tune_seeds", "select",
         "target", "network", "published", "cases", "title", "extend", "lr_range", "claim",
         "run_data", "results", "curves", "metrics", "min_tune_seeds", "labels",
-        "histograms"}  # fmt: skip
-CASE_KEYS = {"overrides", "lrs", "extend", "lr_range", "lr_from"}
+        "histograms", "tune_also"}  # fmt: skip
+CASE_KEYS = {"overrides", "lrs", "extend", "lr_range", "lr_from", "tune_also"}
+ALSO_KEYS = {"key", "values", "extend", "range"}  # a `tune_also` block
 DEFAULT_EXTEND = 3
 LOG_SPACING = 1.25  # neighbouring ratios of a list grid may differ by this factor at most
 
@@ -134,10 +153,15 @@ class Case:
     overrides: tuple[str, ...]
     grid: Grid
     lr_from: str | None = None  # no grid of its own: the lr(s) this case selects
+    also: tuple[tuple[str, Grid], ...] = ()  # the other keys it tunes (`tune_also`), each's grid
 
     @property
     def lrs(self) -> tuple[float, ...]:
         return self.grid.values
+
+    def settings(self) -> list[tuple[float, ...]]:
+        """Every (lr, value of each `also` key) of the initial grid, lr by lr."""
+        return list(itertools.product(self.lrs, *(grid.values for _, grid in self.also)))
 
 
 @dataclass(frozen=True)
@@ -167,20 +191,33 @@ class Claim:
 
 @dataclass(frozen=True)
 class Point:
-    """One run of the study: `dir` is relative to the study's output folder."""
+    """One run of the study: `dir` is relative to the study's output folder. `also`: the
+    value of each other key the case tunes (`tune_also`), as (key, value)."""
 
     case: str
     lr: float
     seed: int
     overrides: tuple[str, ...]
+    also: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def setting(self) -> tuple[float, ...]:
+        """The tuned values: (lr, each `also` key's)."""
+        return (self.lr, *(v for _, v in self.also))
 
     @property
     def dir(self) -> Path:
-        return Path("runs") / slug(self.case) / f"lr{self.lr:g}" / f"seed{self.seed}"
+        tuned = [f"lr{self.lr:g}", *(f"{slug(k)}{v:g}" for k, v in self.also)]
+        return Path("runs", slug(self.case), *tuned, f"seed{self.seed}")
+
+    @property
+    def tuned(self) -> str:
+        """The tuned values as shown: `lr 0.1`, `lr 0.1 | outer.optimizer.lr 0.7`."""
+        return " | ".join([f"lr {self.lr:g}", *(f"{k} {v:g}" for k, v in self.also)])
 
     @property
     def id(self) -> str:
-        return f"{self.case} | lr {self.lr:g} | seed {self.seed}"
+        return f"{self.case} | {self.tuned} | seed {self.seed}"
 
 
 @dataclass(frozen=True)
@@ -229,33 +266,46 @@ class Study:
     def case(self, name: str) -> Case:
         return next(c for c in self.cases if c.name == name)
 
+    @property
+    def also_keys(self) -> tuple[str, ...]:
+        """The keys some case tunes beside the lr (`tune_also`), in the order first given."""
+        return tuple(dict.fromkeys(key for case in self.cases for key, _ in case.also))
+
     def points(self, only: Sequence[str] | None = None) -> list[Point]:
-        """The initial grid: every tuned case, lr by lr, on the selection seeds (`only`:
-        these cases)."""
+        """The initial grid: every tuned case, setting by setting (lr by lr; with `tune_also`
+        every lr × every value of the other key), on the selection seeds (`only`: these
+        cases)."""
         return [
-            self.point(case, lr, seed)
+            self.point(case, setting, seed)
             for case in self._cases(only)
             if case.lr_from is None
-            for lr in case.lrs
+            for setting in case.settings()
             for seed in self.selection_seeds
         ]
 
     def final_points(
-        self, lrs: dict[str, Sequence[float]], only: Sequence[str] | None = None
+        self, lrs: dict[str, Sequence[float | tuple[float, ...]]], only: Sequence[str] | None = None
     ) -> list[Point]:
-        """The final seeds of each case at each of its selected lrs `lrs[case]` (a case
-        reusing another's lr: at that case's); a case missing from `lrs` has none. A study
-        without final seeds runs its lr_from cases on the tuning seeds."""
+        """The final seeds of each case at each of its selected settings `lrs[case]` (an lr,
+        or (lr, each `also` key's value)); a case reusing another's lr: at that case's (its
+        whole setting); a case missing from `lrs` has none. A study without final seeds runs
+        its lr_from cases on the tuning seeds."""
         out = []
         for case in self._cases(only):
             chosen = lrs.get(case.lr_from or case.name, ())
             seeds = self.final_seeds or (self.selection_seeds if case.lr_from else ())
-            out += [self.point(case, lr, seed) for lr in sorted(set(chosen)) for seed in seeds]
+            out += [self.point(case, setting, seed) for setting in sorted(set(chosen))
+                    for seed in seeds]  # fmt: skip
         return out
 
-    def point(self, case: Case, lr: float, seed: int) -> Point:
-        grid = (f"{self.lr_key}={lr!r}", f"seed={seed}")
-        return Point(case.name, lr, seed, (*self.common, *case.overrides, *grid))
+    def point(self, case: Case, setting: float | Sequence[float], seed: int) -> Point:
+        """The point of `case` at `setting` (the lr, or (lr, each `also` key's value): a case
+        reusing another's lr takes that case's keys) and `seed`."""
+        lr, *values = setting if isinstance(setting, Sequence) else (setting,)
+        keys = [key for key, _ in self.case(case.lr_from).also] if case.lr_from else []
+        also = tuple(zip(keys or [key for key, _ in case.also], values, strict=True))
+        grid = (f"{self.lr_key}={lr!r}", *(f"{k}={v!r}" for k, v in also), f"seed={seed}")
+        return Point(case.name, lr, seed, (*self.common, *case.overrides, *grid), also)
 
     def _cases(self, only: Sequence[str] | None) -> list[Case]:
         if only:
@@ -340,25 +390,49 @@ def grid_values(value: Any, what: str) -> tuple[tuple[float, ...], float]:
     return values, (ordered[-1] / ordered[0]) ** (1 / (len(values) - 1))
 
 
-def _grid(body: dict, default: dict, what: str) -> Grid:
-    raw = body.get("lrs", default.get("lrs"))
+def _grid(body: dict, default: dict, what: str, names=("lrs", "extend", "lr_range")) -> Grid:
+    """The grid of `body`'s keys `names` (values, extend, range; those missing from
+    `default`)."""
+    values_key, extend_key, range_key = names
+    raw = body.get(values_key, default.get(values_key))
     if raw is None:
-        raise StudyError(f"{what} has no lrs and the study gives no default lrs")
-    values, ratio = grid_values(raw, f"{what} lrs")
-    extend = body.get("extend", default.get("extend", DEFAULT_EXTEND))
+        raise StudyError(f"{what} has no {values_key} and the study gives no default {values_key}")
+    values, ratio = grid_values(raw, f"{what} {values_key}")
+    extend = body.get(extend_key, default.get(extend_key, DEFAULT_EXTEND))
     if not isinstance(extend, int) or extend < 0:
-        raise StudyError(f"{what}: extend must be an integer ≥ 0, got {extend!r}")
-    bounds = body.get("lr_range", default.get("lr_range"))
+        raise StudyError(f"{what}: {extend_key} must be an integer ≥ 0, got {extend!r}")
+    bounds = body.get(range_key, default.get(range_key))
     if bounds is None:
         bounds = (0.0, math.inf)
     elif not isinstance(bounds, list) or len(bounds) != 2:
-        raise StudyError(f"{what}: lr_range must be [low, high], got {bounds!r}")
+        raise StudyError(f"{what}: {range_key} must be [low, high], got {bounds!r}")
     else:
-        bounds = (_positive(bounds[0], "lr_range"), _positive(bounds[1], "lr_range"))
+        bounds = (_positive(bounds[0], range_key), _positive(bounds[1], range_key))
     return Grid(values, ratio, extend, bounds)
 
 
-def _case(name: str, body: Any, default: dict, lr_key: str, study_dir: Path) -> Case:
+def _also(raw: Any, default: dict, what: str) -> tuple[tuple[str, Grid], ...]:
+    """A case's `tune_also` (its own block over the study's; null: none) as (key, grid)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict) or set(raw) - ALSO_KEYS:
+        raise StudyError(
+            f"{what} tune_also must be a mapping with {', '.join(sorted(ALSO_KEYS))} (or null), "
+            f"got {raw!r}"
+        )
+    body = {**default, **raw}
+    if "key" not in body:
+        raise StudyError(f"{what} tune_also needs the key it tunes, e.g. key: outer.optimizer.lr")
+    study_extend = {"extend": default["study_extend"]} if "study_extend" in default else {}
+    grid = _grid(body, study_extend, f"{what} tune_also", ("values", "extend", "range"))
+    return ((str(body["key"]), grid),)
+
+
+def _case(
+    name: str, body: Any, default: dict, lr_key: str, study_dir: Path, also: dict | None = None
+) -> Case:
+    """One case (`also`: the study's `tune_also` block, which a case's own block overrides
+    key by key, or turns off with null)."""
     if isinstance(body, list) or body is None:
         body = {"overrides": body or []}
     if not isinstance(body, dict) or set(body) - CASE_KEYS:
@@ -367,18 +441,24 @@ def _case(name: str, body: Any, default: dict, lr_key: str, study_dir: Path) -> 
             f"{', '.join(sorted(CASE_KEYS))}"
         )
     overrides = _strings(body.get("overrides"), f"case {name!r} overrides", study_dir)
+    lr_from = body.get("lr_from")
+    tuned = () if lr_from is not None else _also(
+        body.get("tune_also", {}) if also is not None else body.get("tune_also"),
+        {**(also or {}), "study_extend": default.get("extend", DEFAULT_EXTEND)},
+        f"case {name!r}",
+    )  # fmt: skip
     for o in overrides:
         key = o.lstrip("+~").split("=", 1)[0]
-        if key in (lr_key, "seed") or key.startswith("hydra."):
+        if key in (lr_key, "seed", *(k for k, _ in tuned)) or key.startswith("hydra."):
             raise StudyError(
-                f"case {name!r} sets {key}; the study sets it (lrs, seeds, and the run directory)"
+                f"case {name!r} sets {key}; the study sets it (lrs, tune_also, seeds, and the "
+                "run directory)"
             )
-    lr_from = body.get("lr_from")
     if lr_from is not None:
-        if "lrs" in body:
-            raise StudyError(f"case {name!r}: give lrs or lr_from, not both")
+        if "lrs" in body or "tune_also" in body:
+            raise StudyError(f"case {name!r}: give lrs (and tune_also) or lr_from, not both")
         return Case(str(name), overrides, Grid((), 1.0, 0), str(lr_from))
-    return Case(str(name), overrides, _grid(body, default, f"case {name!r}"))
+    return Case(str(name), overrides, _grid(body, default, f"case {name!r}"), also=tuned)
 
 
 def _claim(raw: Any, cases: set[str]) -> Claim | None:
@@ -435,7 +515,19 @@ def load_study(path: str | Path) -> Study:
         raise StudyError(f"{path.name} needs `cases`: a mapping of case name to overrides")
     lr_key = str(raw.get("lr_key", "optimizer.lr"))
     default = {k: raw[k] for k in ("lrs", "extend", "lr_range") if k in raw}
-    cases = tuple(_case(str(n), b, default, lr_key, path.parent) for n, b in cases_raw.items())
+    also = raw.get("tune_also")
+    if also is not None and (
+        not isinstance(also, dict) or "key" not in also or set(also) - ALSO_KEYS
+    ):
+        raise StudyError(
+            f"tune_also must be a mapping of {', '.join(sorted(ALSO_KEYS))} naming its key "
+            f"and values, e.g. {{key: "
+            f"outer.optimizer.lr, values: [0.35, 0.7, 1.4]}}, got {also!r}"
+        )
+    if also is not None and str(also["key"]) in (lr_key, "seed"):
+        raise StudyError(f"tune_also key {also['key']}: the lr and the seed are tuned already")
+    cases = tuple(_case(str(n), b, default, lr_key, path.parent, also)
+                  for n, b in cases_raw.items())  # fmt: skip
     names = {c.name for c in cases}
     slugs: dict[str, str] = {}
     for case in cases:

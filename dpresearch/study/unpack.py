@@ -45,7 +45,8 @@ def _point_record(study: Study, record: dict[str, Any]) -> dict[str, Any]:
     if case is not None and "lr" in point and "seed" in point:
         # The packer drops the overrides (the config holds them); a case the study still has
         # gets them back as the launcher would have written them.
-        point["overrides"] = list(study.point(case, point["lr"], point["seed"]).overrides)
+        setting = (point["lr"], *(point.get("also") or {}).values())
+        point["overrides"] = list(study.point(case, setting, point["seed"]).overrides)
     return point
 
 
