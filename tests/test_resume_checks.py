@@ -166,3 +166,18 @@ def test_trajectory_differences_names_nodes_once_and_skips_bookkeeping():
     assert all(key.startswith("compressor.") for key in differing), differing
     assert trajectory_differences(saved, topk, allowed=["compressor"]) == []
     assert trajectory_differences(saved, compose_config(*RUN, "seed=3")) == ["seed"]
+
+
+def test_a_key_added_since_a_run_was_saved_differs_only_when_it_is_on():
+    """A run saved before `train.grad_clip` and `train.init_from` existed resumes under a
+    configuration that has them off (null); one that turns a new key on is refused."""
+    from helpers import compose_config
+    from omegaconf import OmegaConf
+
+    base = compose_config(*RUN)
+    saved = OmegaConf.to_container(base, resolve=True)
+    assert saved["train"]["grad_clip"] is None and saved["train"]["init_from"] is None
+    del saved["train"]["grad_clip"], saved["train"]["init_from"]
+    assert trajectory_differences(saved, base) == []
+    clipped = compose_config(*RUN, "train.grad_clip=1.0")
+    assert trajectory_differences(saved, clipped) == ["train.grad_clip"]

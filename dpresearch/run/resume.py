@@ -78,7 +78,9 @@ def trajectory_differences(
     """The keys (dotted, sorted) whose values differ between the resolved configuration
     `saved` (a checkpoint's or a run's) and `current`, leaving out `NOT_TRAJECTORY` and
     `allowed` (a key or a whole node: `optimizer`). A key that only mirrors another node
-    (`algorithm.compressor: ${compressor}`) is named by that node."""
+    (`algorithm.compressor: ${compressor}`) is named by that node. A key `saved` lacks whose
+    value is now null is no difference: a key added to the schema since, off (a run made before
+    `train.init_from` existed started from no other weights either)."""
     now = flatten(OmegaConf.to_container(current, resolve=True))
     before = flatten(dict(saved))
     skip = (*NOT_TRAJECTORY, *allowed)
@@ -91,6 +93,8 @@ def trajectory_differences(
     for key in set(now) | set(before):
         if _covered(key, skip) or now.get(key, _ABSENT) == before.get(key, _ABSENT):
             continue
+        if key not in before and now.get(key, _ABSENT) is None:
+            continue  # a key added since with its off value (null): the run saved it as absent
         for mirror, target in mirrors.items():
             if key == mirror or key.startswith(mirror + "."):
                 key = target + key[len(mirror) :]
