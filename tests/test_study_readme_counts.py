@@ -854,7 +854,7 @@ CLAIMS = [
         "async/least_squares/seeds",
         "experiments/async",
         r"Tuned on seeds (\d) and (\d) over log-spaced lr grids grown past every edge pick, the "
-        r"final seeds (\d) and (\d) at the selected lr \(n = (\d)\)",
+        r"final seeds (\d), (\d) and (\d) at the selected lr \(n = (\d)\)",
         lambda: (
             *report("async/least_squares").study.selection_seeds,
             *final_seeds("async/least_squares"),
