@@ -72,6 +72,7 @@ def test_many_agreeing_seeds_show_the_band_only(tmp_path):
 def test_family_and_panels():
     assert family("D-PSGD ring (Dirichlet 0.1), lr 0.32") == "Dirichlet 0.1"
     assert family("top-k 1% + EF") == "top-k"
+    assert family("fp16, lr 0.032") == "fp16"  # a study's lr suffix is not part of the name
     labels = ["base (IID)"] + [f"m{i} (IID)" for i in range(6)] + [f"m{i} (skew)" for i in range(5)]
     got = panels(labels)
     assert got == [labels[:7], [labels[0], *labels[7:]]]  # IID, then skew with the baseline

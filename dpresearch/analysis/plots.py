@@ -127,8 +127,12 @@ def family(label: str) -> str:
     """The family a series belongs to for `panels`: the setting in the label's last
     parentheses ("D-PSGD ring (Dirichlet 0.1), lr 0.32" → "Dirichlet 0.1"), else its first
     word ("top-k 1% + EF" → "top-k")."""
-    match = re.search(r"\(([^()]*)\)(?:, lr [^()]*)?$", label)
-    return match.group(1) if match else label.split()[0] if label.split() else label
+    name = re.sub(r", lr [^,()]*$", "", label)  # a study's ", lr 0.1" suffix
+    match = re.search(r"\(([^()]*)\)$", name)
+    if match:
+        return match.group(1)
+    words = name.split()
+    return words[0].rstrip(",;:") if words else name
 
 
 def panels(labels: Sequence[str]) -> list[list[str]]:
@@ -364,6 +368,8 @@ def finish(fig, ax, xlabel: str, ylabel: str, title: str | None, legend: bool) -
         a.set_xlabel(xlabel)
         a.set_ylabel(ylabel)
         a.grid(alpha=0.3)
+        # panels share x: every one holds its label, drawn once, under the last
+        a.xaxis.label.set_visible(a is axes[-1])
     if title:
         text = "\n".join(textwrap.wrap(title, 110))
         if len(axes) == 1:
