@@ -39,7 +39,6 @@ NOT_TRAJECTORY = (
     "train.log_every",
     "train.eval_every",
     "train.eval_batch_size",
-    "train.eval_bn_stats",
     "train.checkpoint_every",
     "train.checkpoint_keep",
     "train.save_model",
