@@ -36,6 +36,8 @@ BAD = [
     (["optimizer=adam", "optimizer.betas=[0.9]"], "optimizer.betas=[0.9]"),
     (["optimizer=adamw", "optimizer.betas=[0.9,1.0]"], "optimizer.betas=[0.9,1.0]"),
     (["train.eval_batch_size=0"], "train.eval_batch_size=0: must be at least 1"),
+    (["train.eval_bn_stats=avg"], "train.eval_bn_stats=avg; choose one of: consensus, average"),
+    (["train.eval_bn_stats=average"], "add algorithm.buffers=local"),
     (["backend.threads=-1"], "backend.threads=-1: must be at least 1"),
     (["backend.timeout_s=0"], "backend.timeout_s=0.0: must be > 0"),
     (["backend.start_method=fork"], "backend.start_method=fork; choose one of: forkserver, spawn"),

@@ -11,7 +11,10 @@ compressor (or error feedback) each worker's own gradient, before it is encoded.
 buffers follow DDP's default (`broadcast_buffers=True`): before every forward, worker 0's
 buffers are copied to all workers, so the running statistics are worker 0's (recorded as
 "buffers" traffic, charged to worker 0, not as the algorithm's `comm/bytes`); `buffers="local"`
-keeps each worker's own (DDP with `broadcast_buffers=False`) and evaluates with worker 0's.
+keeps each worker's own (DDP with `broadcast_buffers=False`) and evaluates with worker 0's, or
+with the workers' mean under `train.eval_bn_stats=average` (`dpresearch/run/evaluation.py`).
+Running statistics never enter a training-mode forward, so the buffer mode changes evaluation
+only, not the trajectory.
 """
 
 from __future__ import annotations
@@ -100,7 +103,15 @@ class SyncSGD(Algorithm):
     @classmethod
     def check_config(cls, cfg: DictConfig) -> None:
         """The buffer mode, before any worker starts (the compressor: `check_compatibility`)."""
-        check_buffers(cfg.algorithm.get("buffers", "broadcast"))
+        buffers = cfg.algorithm.get("buffers", "broadcast")
+        check_buffers(buffers)
+        if buffers == "broadcast" and cfg.train.get("eval_bn_stats") == "average":
+            # Broadcast before every forward, the workers' statistics are worker 0's but for
+            # the last step's update: their mean would not be the workers' own.
+            raise ValueError(
+                "train.eval_bn_stats=average with algorithm=sync averages worker 0's broadcast "
+                "statistics; add algorithm.buffers=local so each worker keeps its own"
+            )
 
     def before_forward(self, step: int) -> None:
         if self.buffer_mode == "broadcast" and self.replicas.buffers.shape[1] > 0:

@@ -2,20 +2,26 @@
 
 A group's line is the mean over its runs at each logged step, with a band of ± one sample
 standard deviation where the group holds more than one run (seeds); its points are drawn in the
-order of x, so no line runs backwards. Every figure carries a caption saying what its lines,
-bands or bars are (`Figure.dpresearch_caption`, written under the figure in results.md). The
-legend sits below the axes, inside the figure, its long labels wrapped; the figure grows to
-hold it, so nothing is clipped and matplotlib has nothing to warn about. Axes carry units
-(`axis_label`): accuracies in %, bytes in MB, times in seconds; an axis whose positive values
-span more than two decades is logarithmic.
-Up to 20 groups get 20 distinct colours, each with its own marker. Figures are drawn without
-pyplot (no global state, no display needed), saved in the format each path's suffix names
-(`.png`, `.pdf`, `.svg`) without a time stamp (the same data gives the same file), and
-returned so callers and tests can read them.
+order of x, so no line runs backwards. Where a group's seeds may disagree (`seeds_disagree`:
+always from 2 up to `SEED_LINES` runs, where a band says little about so few; beyond, when their
+last values split into clusters) each run is also drawn as a thin line of the group's colour
+beside the mean, so a split (two seeds stalling, three not) is not read as a wide band around a
+value no seed reached. More than `MAX_SERIES` groups are drawn in panels, one or more families
+each (`panels`), the first group (a study's baseline) repeated in every panel. Every figure
+carries a caption saying what its lines, bands or bars are (`Figure.dpresearch_caption`, written
+under the figure in results.md). The legend sits below the axes, inside the figure, its long
+labels wrapped; the figure grows to hold it, so nothing is clipped and matplotlib has nothing to
+warn about. Axes carry units (`axis_label`): accuracies in %, bytes in MB, times in seconds; an
+axis whose positive values span more than two decades is logarithmic. Up to 20 groups get 20
+distinct colours, each with its own marker. Figures are drawn without pyplot (no global state,
+no display needed), saved in the format each path's suffix names (`.png`, `.pdf`, `.svg`)
+without a time stamp (the same data gives the same file), and returned so callers and tests can
+read them.
 """
 
 from __future__ import annotations
 
+import re
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -35,6 +41,10 @@ DECADES = 2.0  # a positive axis spanning more than this many decades is drawn o
 WIDTH, HEIGHT = 9.0, 4.8  # inches: the axes' figure before the legend below is added
 LEGEND_WRAP = 70  # characters per legend line (two columns: half)
 LEGEND_LINE = 0.16  # inches per legend text line at font size 7
+MAX_SERIES = 8  # groups in one panel at most
+SEED_LINES = 5  # groups of up to this many runs always show each run
+PANEL_HEIGHT = 3.6  # inches per panel where a figure has several
+SEED_WIDTH = 0.6  # line width of one run drawn beside its group's mean (the mean's: 1.3)
 
 # metric → (axis label with its unit, factor applied to the values)
 LABELS: dict[str, tuple[str, float]] = {
@@ -99,6 +109,54 @@ def group_curves(metrics, groups: Mapping[str, Sequence[str]], x: str, y: str):
     return curves.reset_index().sort_values(["group", "x", "step"], kind="stable")
 
 
+def seeds_disagree(last: Sequence[float]) -> bool:
+    """Whether a group whose runs ended at `last` shows each run (see the module docstring):
+    2 ≤ n ≤ `SEED_LINES`, or more runs whose sorted last values have a gap wider than their
+    sample standard deviation (separate clusters, the mean between them)."""
+    import numpy as np
+
+    values = np.sort(np.asarray([v for v in last if v == v], dtype=float))
+    if len(values) < 2:
+        return False
+    if len(values) <= SEED_LINES:
+        return True
+    return bool(np.diff(values).max() > values.std(ddof=1))
+
+
+def family(label: str) -> str:
+    """The family a series belongs to for `panels`: the setting in the label's last
+    parentheses ("D-PSGD ring (Dirichlet 0.1), lr 0.32" → "Dirichlet 0.1"), else its first
+    word ("top-k 1% + EF" → "top-k")."""
+    name = re.sub(r", lr [^,()]*$", "", label)  # a study's ", lr 0.1" suffix
+    match = re.search(r"\(([^()]*)\)$", name)
+    if match:
+        return match.group(1)
+    words = name.split()
+    return words[0].rstrip(",;:") if words else name
+
+
+def panels(labels: Sequence[str]) -> list[list[str]]:
+    """`labels` split into panels of at most `MAX_SERIES` (one panel where they fit): whole
+    families in order of their first label, consecutive ones packed together while they fit (a
+    larger family cut into consecutive chunks); the first label leads every panel."""
+    labels = list(labels)
+    if len(labels) <= MAX_SERIES:
+        return [labels]
+    head, rest = labels[0], labels[1:]
+    families: dict[str, list[str]] = {family(head): []}
+    for label in rest:
+        families.setdefault(family(label), []).append(label)
+    room = MAX_SERIES - 1  # beside the first label
+    chunks = [m[i : i + room] for m in families.values() for i in range(0, len(m), room)]
+    out: list[list[str]] = []
+    for chunk in (c for c in chunks if c):
+        if out and len(out[-1]) + len(chunk) <= room:
+            out[-1] += chunk
+        else:
+            out.append(list(chunk))
+    return [[head, *members] for members in out] or [[head]]
+
+
 def _spans_decades(values) -> bool:
     positive = values[values > 0]
     return len(positive) > 1 and positive.max() / positive.min() > 10**DECADES
@@ -137,38 +195,81 @@ def plot_groups(
     curves = group_curves(metrics, groups, x, y)
     x_label, x_scale = axis_label(x, labels)
     y_label, y_scale = axis_label(y, labels)
-    fig = Figure(figsize=(WIDTH, HEIGHT))
-    ax = fig.subplots()
+    drawn = [label for label in groups if (curves["group"] == label).any()]
+    layout = panels(drawn) if drawn else [[]]
+    fig = Figure(figsize=(WIDTH, HEIGHT if len(layout) == 1 else PANEL_HEIGHT * len(layout)))
+    axes = fig.subplots(len(layout), 1, sharex=True, sharey=True, squeeze=False)[:, 0]
     most = int(curves["n"].max()) if len(curves) else 0
-    fig.dpresearch_caption = (
+    index = {label: i for i, label in enumerate(groups)}
+    seeds = {label for label in drawn if seeds_disagree(_last_values(metrics, groups[label], y))}
+    caption = (
         f"Lines: the mean over each case's {over} at each logged step (n in the legend); band: "
         "± one sample standard deviation over them (none where n = 1)."
         if most > 1
         else "Lines: one run each; no band (one run per case)."
     )
-    for i, label in enumerate(groups):
-        c = curves[curves["group"] == label]
-        if c.empty:
-            continue
-        xs, ys = c["x"] * x_scale, c["y"] * y_scale
-        n = int(c["n"].max())
-        look = style(i)
-        ax.plot(xs, ys, markersize=3.5, markevery=max(1, len(c) // 12), linewidth=1.3,
-                label=f"{label} (n={n})" if n > 1 else label, **look)  # fmt: skip
-        if n > 1:
-            spread = c["y_std"].fillna(0.0) * y_scale
-            ax.fill_between(xs, ys - spread, ys + spread, color=look["color"], alpha=0.15,
-                            linewidth=0)  # fmt: skip
-    for v in vlines:
-        ax.axvline(v * x_scale, color="0.5", linestyle=":", linewidth=1)
+    if seeds:
+        caption += (
+            f" Thin lines: each run of a case with 2–{SEED_LINES} runs, or more whose final "
+            "values split (a gap wider than their standard deviation)."
+        )
+    if len(layout) > 1:
+        caption += (
+            f" {len(layout)} panels of at most {MAX_SERIES} cases, by family (the setting in "
+            "parentheses, else the first word), the first case in each; shared axes."
+        )
+    fig.dpresearch_caption = caption
+    for ax, members in zip(axes, layout, strict=True):
+        for label in members:
+            c = curves[curves["group"] == label]
+            xs, ys = c["x"] * x_scale, c["y"] * y_scale
+            n = int(c["n"].max())
+            look = style(index[label])
+            legend = f"{label} (n={n})" if n > 1 else label
+            if ax is not axes[0] and label == layout[0][0]:
+                legend = "_repeat"  # the figure's one legend names the repeated series once
+            ax.plot(xs, ys, markersize=3.5, markevery=max(1, len(c) // 12), linewidth=1.3,
+                    label=legend, **look)  # fmt: skip
+            if n > 1:
+                spread = c["y_std"].fillna(0.0) * y_scale
+                ax.fill_between(xs, ys - spread, ys + spread, color=look["color"], alpha=0.15,
+                                linewidth=0)  # fmt: skip
+            if label in seeds:
+                for run in run_curves(metrics, groups[label], x, y):
+                    ax.plot(run[x] * x_scale, run[y] * y_scale, color=look["color"],
+                            linestyle=look["linestyle"], linewidth=SEED_WIDTH, alpha=0.6,
+                            label="_seed")  # fmt: skip
+        for v in vlines:
+            ax.axvline(v * x_scale, color="0.5", linestyle=":", linewidth=1)
+        if len(layout) > 1:
+            names = dict.fromkeys(family(label) for label in members[1:])
+            ax.set_title(", ".join(names), fontsize=8)
     if logx if logx is not None else _spans_decades(curves["x"]):
-        ax.set_xscale("log")
+        axes[0].set_xscale("log")
     if logy if logy is not None else _spans_decades(curves["y"]):
-        ax.set_yscale("log")
-    finish(fig, ax, xlabel or x_label, ylabel or y_label, title, bool(groups))
+        axes[0].set_yscale("log")
+    finish(fig, list(axes), xlabel or x_label, ylabel or y_label, title, bool(groups))
     for out in outs:
         save(fig, out)
     return fig
+
+
+def _last_values(metrics, runs: Sequence[str], y: str) -> list[float]:
+    """Each of `runs`' last logged value of `y`."""
+    return [float(c[y].iloc[-1]) for c in run_curves(metrics, runs, None, y) if len(c)]
+
+
+def run_curves(metrics, runs: Sequence[str], x: str | None, y: str) -> list:
+    """One frame per run of `runs` (in their order): its logged `x` and `y` (no missing
+    value), ordered by x (by step where x is None)."""
+    names = {str(r) for r in runs}
+    cols = list(dict.fromkeys(["run", "step", *([x] if x else []), y]))
+    rows = metrics.loc[metrics[y].notna() & metrics["run"].astype(str).isin(names), cols]
+    if x:
+        rows = rows[rows[x].notna()]
+    order = [x, "step"] if x else ["step"]
+    by_run = {str(k): g for k, g in rows.groupby(rows["run"].astype(str), sort=False)}
+    return [by_run[str(r)].sort_values(order, kind="stable") for r in runs if str(r) in by_run]
 
 
 def plot_points(
@@ -259,20 +360,35 @@ def plot_histograms(
 def finish(fig, ax, xlabel: str, ylabel: str, title: str | None, legend: bool) -> None:
     """The look every figure shares: axis labels, a small title, a light grid, the legend
     below the axes inside the figure (`legend`: there are labelled series; labels wrapped, one
-    or two columns, the figure made taller to hold it), a constrained layout."""
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    or two columns, the figure made taller to hold it), a constrained layout. `ax`: one axes,
+    or a column of panels (labels on each, the title above the figure, one legend of every
+    panel's series)."""
+    axes = ax if isinstance(ax, list) else [ax]
+    for a in axes:
+        a.set_xlabel(xlabel)
+        a.set_ylabel(ylabel)
+        a.grid(alpha=0.3)
+        # panels share x: every one holds its label, drawn once, under the last
+        a.xaxis.label.set_visible(a is axes[-1])
     if title:
-        ax.set_title("\n".join(textwrap.wrap(title, 110)), fontsize=9)
-    ax.grid(alpha=0.3)
+        text = "\n".join(textwrap.wrap(title, 110))
+        if len(axes) == 1:
+            axes[0].set_title(text, fontsize=9)
+        else:
+            fig.suptitle(text, fontsize=9)
     fig.set_layout_engine("constrained")
-    handles, labels = ax.get_legend_handles_labels()
+    handles, labels = [], []
+    for a in axes:
+        h, lab = a.get_legend_handles_labels()
+        handles += h
+        labels += lab
     if legend and handles:
         cols = 2 if len(labels) > 4 and max(map(len, labels)) <= LEGEND_WRAP else 1
         wrapped = ["\n".join(textwrap.wrap(t, LEGEND_WRAP // cols) or [""]) for t in labels]
         heights = [t.count("\n") + 1 for t in wrapped]
         lines = sum(sorted(heights, reverse=True)[: -(-len(heights) // cols)])
-        fig.set_size_inches(WIDTH, HEIGHT + 0.3 + LEGEND_LINE * 1.25 * lines)
+        height = HEIGHT if len(axes) == 1 else PANEL_HEIGHT * len(axes)
+        fig.set_size_inches(WIDTH, height + 0.3 + LEGEND_LINE * 1.25 * lines)
         fig.legend(handles, wrapped, loc="outside lower center", ncols=cols, fontsize=7,
                    frameon=False)  # fmt: skip
 

@@ -25,6 +25,7 @@ from dpresearch.data.base import Dataset
 from dpresearch.errors import ConfigError
 from dpresearch.launch.environment import check_distributed_environment
 from dpresearch.run.build import algorithm_class, process_count
+from dpresearch.run.evaluation import BN_STATS
 
 BACKENDS = ("simulated", "gloo", "nccl")
 START_METHODS = ("forkserver", "spawn")  # backend.start_method (dpresearch.launch.forkserver)
@@ -152,6 +153,10 @@ def check_train(cfg: DictConfig) -> None:
         )
     if tc.eval_batch_size < 1:
         raise ConfigError(f"train.eval_batch_size={tc.eval_batch_size}: must be at least 1")
+    if tc.get("eval_bn_stats", "consensus") not in BN_STATS:
+        raise ConfigError(
+            f"train.eval_bn_stats={tc.eval_bn_stats}; choose one of: {', '.join(BN_STATS)}"
+        )
     if tc.lr_scaling not in LR_SCALINGS:
         raise ConfigError(
             f"train.lr_scaling={tc.lr_scaling}; choose one of: {', '.join(LR_SCALINGS)}"

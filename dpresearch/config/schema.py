@@ -32,6 +32,10 @@ class TrainConfig:
     `val_size`: training examples held out as a validation split (a count, or a fraction < 1;
     0: none), the same examples in every seed, never trained on, evaluated as `val/loss` and
     `val/acc` beside the test metrics — what a study selects its learning rate on.
+    `eval_bn_stats`: the BatchNorm running statistics the evaluated model carries — `consensus`
+    (the algorithm's: worker 0's for `sync`, the workers' mean for gossip and local methods),
+    `average` (the mean of every worker's) or `recompute` (recomputed on the first
+    `eval_batch_size` training examples); see `dpresearch/run/evaluation.py`.
 
     Checkpoints (`dpresearch/run/checkpoint_files.py`): `checkpoint_every` is a number of steps
     (`500`), of epochs (`1ep`, `0.5ep`) or 0/null (off, the default); `checkpoint_keep` keeps
@@ -71,6 +75,7 @@ class TrainConfig:
     batch_size: int = 32
     eval_every: int | None = None
     eval_batch_size: int = 1000
+    eval_bn_stats: str = "consensus"
     val_size: float = 0.0
     log_every: int = 10
     lr_scaling: str = "none"
