@@ -16,6 +16,7 @@ import pytest
 import torch
 from helpers import compose_config, final_params, run_main, same
 
+from dpresearch.data import token_files
 from dpresearch.data.text import TEXT_PARTITIONS, TextDataset
 from dpresearch.data.token_files import TokenMap
 from dpresearch.train import train
@@ -115,6 +116,39 @@ def test_a_token_map_pickles_as_its_files(tmp_path):
     assert len(blob) < 2_000
     at = torch.tensor([[0, 1], [199_998, 199_999]])
     assert torch.equal(pickle.loads(blob)[at], stream[at])
+
+
+def resident_kb(path: Path) -> int:
+    """KB of `path`'s mapped pages resident in this process (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isdigit() or line[:1] in "abcdef" and "-" in line.split()[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="no /proc/self/smaps")
+@pytest.mark.parametrize("release_mb", [1, 1024])
+def test_pages_read_are_released_so_rss_stays_bounded(tmp_path, monkeypatch, release_mb):
+    """Windows read from every page of a 32 MB train.bin: with `RELEASE_BYTES` at 1 MB the
+    file's pages resident in this process never exceed 1 MB + what one batch maps (64 windows,
+    each up to the kernel's fault-around); without a release (1 GB) they grow to most of the
+    file (the measure sees them)."""
+    monkeypatch.setattr(token_files, "RELEASE_BYTES", release_mb << 20)
+    folder = nanogpt_folder(tmp_path / "nano", n=16 << 20)
+    stream = load(folder).train_inputs
+    file = folder / "train.bin"
+    starts = torch.arange(0, len(stream) - 64, token_files.PAGE // 2)  # a window a page
+    peak = 0
+    for batch in starts.split(64):
+        stream[batch[:, None] + torch.arange(17)]
+        peak = max(peak, resident_kb(file))
+    if release_mb == 1:
+        assert peak <= 1024 + 64 * (token_files.FAULT_AROUND + token_files.PAGE) // 1024
+    else:
+        assert peak >= 0.9 * 32 * 1024
 
 
 # -- llm.c's shards -------------------------------------------------------------------------------

@@ -728,7 +728,7 @@ def _read_bins(folder: Path, vocab_size: int | None, dtype: str, memmap: bool):
     streams: dict[str, TokenMap | np.ndarray] = dict(maps)
     if not memmap:
         for split, stream in maps.items():
-            ids = np.concatenate(stream._maps)
+            ids = stream.whole()
             low, top = int(ids.min()), int(ids.max())
             if top >= vocab.size or low < 0:
                 raise ValueError(

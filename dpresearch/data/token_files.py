@@ -12,10 +12,16 @@ A split is a `TokenMap`: the files' ids as one stream, read where a batch needs 
 gathers the ids at positions `at` into an int64 tensor), never copied whole. An id at or beyond
 the vocabulary is found in the batch that reads it (a `ConfigError` naming the file and the
 byte offset); checking every id at start-up would read the whole corpus in every process.
+
+The pages a process has read stay mapped into it, and count in its RSS, until it drops them:
+after reads that may have touched `RELEASE_BYTES`, the maps' pages are released
+(`madvise(MADV_DONTNEED)`; they stay in the page cache, shared by every process reading the
+file), so a run's RSS stays bounded however long it reads a corpus larger than memory.
 """
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +36,11 @@ HEADER_INTS = 256
 # (magic, version) of llm.c's shard header -> the dtype of its ids
 SHARD_FORMATS = {(20240520, 1): "uint16", (20240801, 7): "uint32"}
 SPLIT_FILES = ("train", "val", "test")
+RELEASE_BYTES = 256 << 20
+PAGE = mmap.PAGESIZE
+# A read fault maps up to this much of the file around the page read (Linux's default
+# fault_around_bytes), so each window read may map as much.
+FAULT_AROUND = 64 << 10
 
 
 class TokenMap:
@@ -52,20 +63,24 @@ class TokenMap:
         self.vocab_size = int(vocab_size)
         self.device = torch.device(device)
         self.bounds = np.cumsum([0] + [n for _, _, n in self.files]).astype(np.int64)
-        self._maps = self._open()
+        self.signed = self.dtype.kind == "i"
+        self._open()
+        self._touched = 0  # bytes of pages the reads since the last release may have mapped
 
-    def _open(self) -> list[np.memmap]:
-        return [
+    def _open(self) -> None:
+        self._maps = [
             np.memmap(path, dtype=self.dtype, mode="r", offset=header, shape=(count,))
             for path, header, count in self.files
         ]
+        # plain views of the maps: indexing them skips np.memmap's subclass bookkeeping
+        self._arrays = [m.view(np.ndarray) for m in self._maps]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "_maps"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_maps", "_arrays")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._maps = self._open()
+        self._open()
 
     def __len__(self) -> int:
         return int(self.bounds[-1])
@@ -88,26 +103,38 @@ class TokenMap:
         if isinstance(at, slice):
             at = torch.from_numpy(np.arange(*at.indices(len(self)), dtype=np.int64))
         flat = at.reshape(-1).cpu().numpy()
-        ids = np.empty(flat.shape, dtype=self.dtype)
-        which = np.searchsorted(self.bounds, flat, side="right") - 1
-        for f in np.unique(which):
-            mask = which == f
-            ids[mask] = self._maps[f][flat[mask] - self.bounds[f]]
-        self._check(ids, flat, which)
+        if len(self._arrays) == 1:
+            which, ids = None, self._arrays[0][flat]
+        else:
+            ids = np.empty(flat.shape, dtype=self.dtype)
+            which = np.searchsorted(self.bounds, flat, side="right") - 1
+            for f in np.unique(which):
+                mask = which == f
+                ids[mask] = self._arrays[f][flat[mask] - self.bounds[f]]
+        if len(ids) and (ids.max() >= self.vocab_size or (self.signed and ids.min() < 0)):
+            self._refuse(ids, flat, which)
+        rows = at.shape[0] if at.dim() > 1 else 1
+        self._touched += flat.size * self.dtype.itemsize + rows * FAULT_AROUND
+        if self._touched > RELEASE_BYTES:
+            self.release()
         return torch.from_numpy(ids.astype(np.int64)).view(at.shape).to(self.device)
 
-    def _check(self, ids: np.ndarray, flat: np.ndarray, which: np.ndarray) -> None:
+    def whole(self) -> np.ndarray:
+        """Every id of the stream, read into memory (the files' dtype)."""
+        return np.concatenate(self._arrays)
+
+    def release(self) -> None:
+        """Drop the maps' pages from this process (the next read maps them again)."""
+        for m in self._maps:
+            m._mmap.madvise(mmap.MADV_DONTNEED)  # (numpy keeps the mmap object it maps)
+        self._touched = 0
+
+    def _refuse(self, ids: np.ndarray, flat: np.ndarray, which: np.ndarray | None) -> None:
         """Raise `ConfigError` naming the first id outside the vocabulary, where it is."""
-        if not len(ids):
-            return
-        bad = ids >= self.vocab_size
-        if self.dtype.kind == "i":
-            bad |= ids < 0
-        if not bad.any():
-            return
-        i = int(np.flatnonzero(bad)[0])
-        path, header, _ = self.files[which[i]]
-        token = int(flat[i] - self.bounds[which[i]])
+        i = int(np.flatnonzero((ids >= self.vocab_size) | (ids < 0))[0])
+        f = 0 if which is None else int(which[i])
+        path, header, _ = self.files[f]
+        token = int(flat[i] - self.bounds[f])
         raise ConfigError(
             f"data.root: {path} holds token id {int(ids[i])} at token {token} (byte "
             f"{header + token * self.dtype.itemsize}), outside the vocabulary of "
