@@ -14,10 +14,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import compose_config, final_params, run_main, same
+from helpers import (
+    compose_config,
+    final_params,
+    kill_9_and_resume,
+    metric_lines,
+    run_main,
+    same,
+    untimed,
+)
 
 from dpresearch.data import token_files
-from dpresearch.data.text import TEXT_PARTITIONS, TextDataset
+from dpresearch.data.text import TEXT_PARTITIONS, DrawnBatches, TextDataset
 from dpresearch.data.token_files import TokenMap
 from dpresearch.train import train
 
@@ -105,6 +113,40 @@ def test_mapped_and_in_memory_bins_train_the_same(tmp_path):
     assert summary["test/loss"] == summary_whole["test/loss"]
     assert summary["train/loss"] == summary_whole["train/loss"]
     assert same(params, params_whole)
+
+
+@pytest.mark.parametrize("folder", ["nano", "shards"])
+def test_batches_drawn_as_read_are_the_epochs_indices(tmp_path, monkeypatch, folder):
+    """A worker's epoch drawn chunk by chunk as the loop reads it (3 batches of 8 a chunk):
+    batch n is `epoch_indices[8n : 8n + 8]`, read in order, from a resumed position on, or
+    again from an earlier one; the last batch of the epoch too."""
+    monkeypatch.setattr(DrawnBatches, "CHUNK_WINDOWS", 24)
+    root = (
+        nanogpt_folder(tmp_path / folder) if folder == "nano" else shard_folder(tmp_path / folder)
+    )
+    part = load(root, partition="iid", piece=700).make_partitioner(2, seed=9)
+    steps = part.samples_per_worker // 8
+    expected = part.epoch_indices(1, 2)[: steps * 8].split(8)
+    for order in (range(steps), range(steps - 7, steps), [5, 1, 9, 9, 2, steps - 1, 0]):
+        batches = part.epoch_batches(1, 2, 8, steps, torch.device("cpu"))
+        assert len(batches) == steps
+        for n in order:
+            assert torch.equal(batches[n], expected[n]), n
+    with pytest.raises(IndexError):
+        batches[steps]
+
+
+def test_kill_9_then_resume_on_mapped_shards_equals_uninterrupted(tmp_path):
+    """A command-line run on llm.c shards SIGKILLed after a checkpoint and resumed ends as an
+    uninterrupted run: parameters bit for bit, metrics line for line."""
+    folder = shard_folder(tmp_path / "shards", train_sizes=(30_000, 10, 40_000))
+    args = [*LM, f"data.root={folder}", f"data.vocab_size={VOCAB}", "train.steps=60",
+            "train.log_every=1", "train.eval_every=30", "train.checkpoint_every=10"]  # fmt: skip
+    run_dir, reference = kill_9_and_resume(args, tmp_path, kill_after=15)
+    assert same(final_params(run_dir), final_params(reference))
+    lines = metric_lines(run_dir)
+    assert [m["step"] for m in lines] == list(range(1, 61))
+    assert [untimed(m) for m in lines] == [untimed(m) for m in metric_lines(reference)]
 
 
 def test_a_token_map_pickles_as_its_files(tmp_path):

@@ -450,11 +450,68 @@ class WindowPartitioner(Partitioner):
         return self.num_examples // self.num_workers
 
     def epoch_indices(self, worker: int, epoch: int) -> Tensor:
+        return self.draw(worker, self.rng(worker, epoch), self.samples_per_worker)
+
+    def rng(self, worker: int, epoch: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed % 2**64, epoch, worker, 0x5458])
+
+    def draw(self, worker: int, rng: np.random.Generator, count: int) -> Tensor:
+        """The next `count` window starts of `worker` from its epoch's `rng`."""
         spans = self.spans[worker]
         rooms = np.maximum(spans[:, 1] - self.block_size, 0)
-        rng = np.random.default_rng([self.seed % 2**64, epoch, worker, 0x5458])
-        draws = rng.integers(0, rooms.sum(), size=self.samples_per_worker)
+        draws = rng.integers(0, rooms.sum(), size=count)
         return torch.from_numpy(_span_starts(draws, spans[:, 0], rooms))
+
+    def epoch_batches(
+        self, worker: int, epoch: int, batch_size: int, steps: int, device: torch.device
+    ) -> Sequence[Tensor]:
+        """`epoch_indices`'s batches drawn as they are read (`DrawnBatches`): an epoch of a
+        large corpus holds millions of windows."""
+        return DrawnBatches(self, worker, epoch, batch_size, steps, device)
+
+
+class DrawnBatches(Sequence[Tensor]):
+    """A worker's epoch of `WindowPartitioner` batches, drawn `CHUNK_WINDOWS` windows at a time
+    as they are read (forward; reading an earlier chunk draws again from the epoch's start).
+    Numpy's bounded draws continue one stream across calls, so batch n is
+    `epoch_indices(worker, epoch)[n * batch_size : (n + 1) * batch_size]`, and a resumed run
+    reads the same batches; an epoch's indices are never held whole."""
+
+    CHUNK_WINDOWS = 1 << 16
+
+    def __init__(
+        self,
+        part: WindowPartitioner,
+        worker: int,
+        epoch: int,
+        batch_size: int,
+        steps: int,
+        device: torch.device,
+    ) -> None:
+        self.part, self.worker, self.epoch = part, worker, epoch
+        self.batch_size, self.steps, self.device = batch_size, steps, device
+        self.per_chunk = max(1, self.CHUNK_WINDOWS // batch_size)  # batches a chunk
+        self._rng: np.random.Generator | None = None
+        self._drawn = 0  # chunks drawn from `_rng`
+        self._chunk, self._batches = -1, ()
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, pos):  # type: ignore[override]
+        if not 0 <= pos < self.steps:
+            raise IndexError(pos)
+        chunk, at = divmod(pos, self.per_chunk)
+        if chunk != self._chunk:
+            if self._rng is None or chunk < self._drawn:
+                self._rng, self._drawn = self.part.rng(self.worker, self.epoch), 0
+            while self._drawn <= chunk:  # (chunks before the one asked for: drawn, dropped)
+                batches = min(self.per_chunk, self.steps - self._drawn * self.per_chunk)
+                starts = self.part.draw(self.worker, self._rng, batches * self.batch_size)
+                self._drawn += 1
+            self._batches = starts.to(self.device).split(self.batch_size)
+            self._chunk = chunk
+        return self._batches[at]
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -23,8 +23,9 @@ with GPT-2's 50,257 entries the logits of the default batches (32 windows of 64;
 1000) and their gradients take GBs — the model's activations, not the corpus's.
 
     python experiments/bench/token_files.py [--gb 2] [--small-mb 64] [--model gpt_tiny]
-        [--steps 3] [--repeats 1] [--gloo 2] [--rounds 5] [--workers 4] [--batch 8]
-        [--tp-steps 40] [--dir DIR] [--json PATH]
+        [--vocab 50257] [--steps 3] [--repeats 1] [--gloo 2] [--rows tiny big small
+        small_memory gloo] [--rounds 5] [--workers 4]
+        [--batch 8] [--tp-steps 40] [--clock cpu|wall] [--dir DIR] [--json PATH]
 """
 
 from __future__ import annotations
@@ -55,17 +56,18 @@ SMALL_EVAL = ["train.eval_batch_size=16", "data.eval_tokens=1024", "data.sample_
 # The command-line runs' batch: 8 windows a worker. (At the default 32, GPT-2's vocabulary makes
 # the logits and their gradients alone some GB: the model's activations, not the corpus.)
 CLI_BATCH = "train.batch_size=8"
+ROWS = ("tiny", "big", "small", "small_memory", "gloo")
 
 
-def write_folder(folder: Path, tokens: int, seed: int = 0) -> Path:
-    """A nanoGPT folder: `tokens` random GPT-2 ids in train.bin, 2^20 in val.bin."""
+def write_folder(folder: Path, tokens: int, vocab: int, seed: int = 0) -> Path:
+    """A nanoGPT folder: `tokens` random ids below `vocab` in train.bin, 2^20 in val.bin."""
     folder.mkdir(parents=True)
     rng = np.random.default_rng(seed)
-    block = rng.integers(0, VOCAB, min(tokens, CHUNK), dtype=np.uint16)
+    block = rng.integers(0, vocab, min(tokens, CHUNK), dtype=np.uint16)
     with open(folder / "train.bin", "wb") as f:
         for at in range(0, tokens, CHUNK):
             # (a shifted copy per chunk: generating GBs of random ids would take minutes)
-            ((block[: min(CHUNK, tokens - at)].astype(np.int64) + at) % VOCAB).astype(
+            ((block[: min(CHUNK, tokens - at)].astype(np.int64) + at) % vocab).astype(
                 np.uint16
             ).tofile(f)
     block[: 1 << 20].tofile(folder / "val.bin")
@@ -100,7 +102,7 @@ def cli_row(name: str, folder: Path, work: Path, args, *extra: str) -> dict[str,
         run_dir = work / f"run-{name.split()[0]}-{len(list(work.iterdir()))}-{i}"
         command = [
             sys.executable, "-m", "dpresearch.train", "data=text", f"data.root={folder}",
-            f"data.vocab_size={VOCAB}", f"model={args.model}", f"train.steps={args.steps}",
+            f"data.vocab_size={args.vocab}", f"model={args.model}", f"train.steps={args.steps}",
             "train.log_every=1", "train.progress=false", "train.save_model=false",
             "backend.threads=1", f"hydra.run.dir={run_dir}", CLI_BATCH, *SMALL_EVAL, *extra,
         ]  # fmt: skip
@@ -112,12 +114,12 @@ def cli_row(name: str, folder: Path, work: Path, args, *extra: str) -> dict[str,
     return row
 
 
-def model_state_mb(model: str) -> float:
+def model_state_mb(model: str, vocab: int) -> float:
     """The model's parameters + gradients + AdamW's two moments, MB (fp32), one worker."""
     from hydra.utils import instantiate
 
     cfg = compose_run("data=text", "data.root=.", f"model={model}")
-    net = instantiate(cfg.model, num_classes=VOCAB, input_shape=(int(cfg.data.block_size),))
+    net = instantiate(cfg.model, num_classes=vocab, input_shape=(int(cfg.data.block_size),))
     return 4 * 4 * sum(p.numel() for p in net.parameters()) / 2**20
 
 
@@ -132,12 +134,12 @@ def throughput(args, small: Path) -> dict[str, list[float]]:
     block, warmup = 10, 10
     steps = bt.logged_steps(warmup, block, max(1, args.tp_steps // block))
     cfg = compose_run(
-        "data=text", f"data.root={small}", f"data.vocab_size={VOCAB}", f"model={args.model}",
+        "data=text", f"data.root={small}", f"data.vocab_size={args.vocab}", f"model={args.model}",
         f"workers={args.workers}", f"train.batch_size={args.batch}", f"train.steps={steps}",
         f"train.log_every={block}", f"train.eval_every={100 * steps}", "train.progress=false",
         "train.save_model=false", "backend.threads=1", *SMALL_EVAL,
     )  # fmt: skip
-    kw = {"block_size": int(cfg.data.block_size), "vocab_size": VOCAB, "eval_tokens": 1024}
+    kw = {"block_size": int(cfg.data.block_size), "vocab_size": args.vocab, "eval_tokens": 1024}
     data = {"mapped": TextDataset.load(small, **kw),
             "memory": TextDataset.load(small, memmap=False, **kw)}  # fmt: skip
     tokens = args.workers * args.batch * int(cfg.data.block_size)
@@ -183,11 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gb", type=float, default=2.0, help="size of the big train.bin")
     parser.add_argument("--small-mb", type=float, default=64.0)
     parser.add_argument("--model", default="gpt_tiny")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="ids drawn below it")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument(
-        "--gloo", type=int, default=2, help="gloo workers on the big file (0: none)"
-    )
+    parser.add_argument("--gloo", type=int, default=2, help="gloo workers on the big file")
+    parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=ROWS,
+                        help="the command-line runs to measure")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
@@ -201,34 +204,34 @@ def main(argv: list[str] | None = None) -> int:
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "read", "dir")}
     results = bt.Results(args.json or bt.default_json("token_files"), "token_files", settings)
     before = bt.load()
-    print(f"token files: {args.gb:g} GB train.bin, model={args.model} (state "
-          f"{model_state_mb(args.model):.0f} MB: parameters, gradients, AdamW), {before}",
-          flush=True)  # fmt: skip
+    state = model_state_mb(args.model, args.vocab)
+    print(f"token files: {args.gb:g} GB train.bin, model={args.model} (state {state:.0f} MB: "
+          f"parameters, gradients, AdamW), {before}", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-token-files-", dir=args.dir) as tmp:
         work = Path(tmp)
         start = time.perf_counter()
-        big = write_folder(work / "big", int(args.gb * 2**30) // 2)
-        small = write_folder(work / "small", int(args.small_mb * 2**20) // 2, seed=1)
-        tiny = write_folder(work / "tiny", 1 << 20, seed=2)
+        big = write_folder(work / "big", int(args.gb * 2**30) // 2, args.vocab)
+        small = write_folder(work / "small", int(args.small_mb * 2**20) // 2, args.vocab, 1)
+        tiny = write_folder(work / "tiny", 1 << 20, args.vocab, 2)
         print(f"wrote the files in {time.perf_counter() - start:.1f} s", flush=True)
         print("| run | peak RSS (MB) | start-up to step 1 (s) | wall (s) |\n|---|---|---|---|")
-        rows = {
-            "tiny (2 MB)": cli_row("tiny (2 MB)", tiny, work, args),
-            f"{args.gb:g} GB mapped": cli_row(f"{args.gb:g} GB mapped", big, work, args),
-            f"{args.small_mb:g} MB mapped": cli_row(
-                f"{args.small_mb:g} MB mapped", small, work, args
-            ),  # fmt: skip
-            f"{args.small_mb:g} MB in memory": cli_row(
-                f"{args.small_mb:g} MB in memory", small, work, args, "data.memmap=false"
-            ),  # fmt: skip
-        }
-        if args.gloo:
-            name = f"{args.gb:g} GB mapped, gloo × {args.gloo}"
-            rows[name] = cli_row(name, big, work, args, "backend=gloo", f"workers={args.gloo}")
-        results.write(rss=rows)
-        base = rows["tiny (2 MB)"]["rss_mb"]
+        cases = {  # row: (label, folder, overrides)
+            "tiny": ("tiny (2 MB)", tiny, ()),
+            "big": (f"{args.gb:g} GB mapped", big, ()),
+            "small": (f"{args.small_mb:g} MB mapped", small, ()),
+            "small_memory": (f"{args.small_mb:g} MB in memory", small, ("data.memmap=false",)),
+            "gloo": (f"{args.gb:g} GB mapped, gloo × {args.gloo}", big,
+                     ("backend=gloo", f"workers={args.gloo}")),
+        }  # fmt: skip
+        rows = {}
+        for row in args.rows:
+            label, folder, extra = cases[row]
+            rows[label] = cli_row(label, folder, work, args, *extra)
+            results.write(rss=rows)
+        base = rows.get("tiny (2 MB)", {}).get("rss_mb")
         for name, row in rows.items():
-            print(f"{name}: RSS beyond the tiny file's {row['rss_mb'] - base:+.0f} MB")
+            if base is not None:
+                print(f"{name}: RSS beyond the tiny file's {row['rss_mb'] - base:+.0f} MB")
         got = throughput(args, small) if args.rounds else {}
     if got:
         ratio = [a / b for a, b in zip(got["mapped"], got["memory"], strict=True)]
