@@ -121,10 +121,10 @@ class TextDataset(Dataset):
         chunk = min(n, UNIGRAM_TOKENS // 64) if n > UNIGRAM_TOKENS else n
         starts = np.linspace(0, n - chunk, 64 if n > UNIGRAM_TOKENS else 1).astype(np.int64)
         counts = sum(
-            torch.bincount(stream[a : a + chunk].long().cpu(), minlength=self.num_classes)
+            np.bincount(stream[a : a + chunk].cpu().numpy(), minlength=self.num_classes)
             for a in starts.tolist()
         )
-        p = counts[counts > 0].double() / counts.sum()
+        p = torch.from_numpy(counts[counts > 0] / counts.sum())
         return float(-(p * p.log2()).sum()) / self.chars_per_token.get("train", 1.0)
 
     def facts(self) -> dict[str, Any]:

@@ -13,10 +13,12 @@ memory — peak RSS, start-up, and training throughput.
    corpus). RSS beyond the tiny file's is what the corpus costs; the goal is the model's state
    + 1 GB at any size.
 2. **Throughput.** The training loop (`Trainer`, in this process, one thread, this thread's
-   CPU time as the loop clock) on the small file mapped and read whole, `--workers` simulated
-   workers × `--batch` windows, sides alternating in `--rounds` rounds; per round mapped ÷ in
-   memory of time per token (median [range]); goal ≤ 1.05. The gather alone (`train_batch` of
-   the K × B windows, the step's share the maps change) is timed beside it.
+   CPU time as the loop clock) on a `--small-mb` file of ids below `--tp-vocab` (256: with
+   GPT-2's vocabulary the output layer dwarfs the gather and the ratio says nothing) mapped
+   and read whole, `--workers` simulated workers × `--batch` windows, sides alternating in
+   `--rounds` rounds; per round mapped ÷ in memory of time per token (median [range]); goal ≤
+   1.05. The gather alone (`train_batch` of the K × B windows, the step's share the maps
+   change) is timed beside it.
 
 Batches are kept small (`train.batch_size=8`, `train.eval_batch_size=16`, `data.eval_tokens`):
 with GPT-2's 50,257 entries the logits of the default batches (32 windows of 64; evaluation's
@@ -25,7 +27,8 @@ with GPT-2's 50,257 entries the logits of the default batches (32 windows of 64;
     python experiments/bench/token_files.py [--gb 2] [--small-mb 64] [--model gpt_tiny]
         [--vocab 50257] [--steps 3] [--repeats 1] [--gloo 2] [--rows tiny big small
         small_memory gloo] [--rounds 5] [--workers 4]
-        [--batch 8] [--tp-steps 40] [--clock cpu|wall] [--dir DIR] [--json PATH]
+        [--batch 8] [--tp-steps 40] [--tp-vocab 256] [--clock cpu|wall] [--dir DIR]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -134,12 +137,13 @@ def throughput(args, small: Path) -> dict[str, list[float]]:
     block, warmup = 10, 10
     steps = bt.logged_steps(warmup, block, max(1, args.tp_steps // block))
     cfg = compose_run(
-        "data=text", f"data.root={small}", f"data.vocab_size={args.vocab}", f"model={args.model}",
+        "data=text", f"data.root={small}", f"data.vocab_size={args.tp_vocab}",
+        f"model={args.model}",
         f"workers={args.workers}", f"train.batch_size={args.batch}", f"train.steps={steps}",
         f"train.log_every={block}", f"train.eval_every={100 * steps}", "train.progress=false",
         "train.save_model=false", "backend.threads=1", *SMALL_EVAL,
     )  # fmt: skip
-    kw = {"block_size": int(cfg.data.block_size), "vocab_size": args.vocab, "eval_tokens": 1024}
+    kw = {"block_size": int(cfg.data.block_size), "vocab_size": args.tp_vocab, "eval_tokens": 1024}
     data = {"mapped": TextDataset.load(small, **kw),
             "memory": TextDataset.load(small, memmap=False, **kw)}  # fmt: skip
     tokens = args.workers * args.batch * int(cfg.data.block_size)
@@ -195,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tp-steps", type=int, default=40, help="timed steps per loop run")
+    parser.add_argument("--tp-vocab", type=int, default=256,
+                        help="ids of the throughput file (a small vocabulary: the gather's "
+                        "share of a step at its largest)")  # fmt: skip
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     parser.add_argument("--dir", type=Path, default=None, help="where the temporary folder goes")
     parser.add_argument("--json", type=Path, default=None)
@@ -232,7 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, row in rows.items():
             if base is not None:
                 print(f"{name}: RSS beyond the tiny file's {row['rss_mb'] - base:+.0f} MB")
-        got = throughput(args, small) if args.rounds else {}
+        if args.rounds:
+            tp = int(args.small_mb * 2**20) // 2
+            got = throughput(args, write_folder(work / "throughput", tp, args.tp_vocab, 3))
+        else:
+            got = {}
     if got:
         ratio = [a / b for a, b in zip(got["mapped"], got["memory"], strict=True)]
         gather = [a / b for a, b in zip(got["gather_mapped"], got["gather_memory"], strict=True)]
