@@ -289,7 +289,8 @@ def test_a_bad_shard_is_one_line_exit_2_before_training(name, tmp_path, monkeypa
 
 
 def test_short_and_mixed_shards_are_one_line(tmp_path):
-    """A file shorter than the header, shards of two token types, no validation shard."""
+    """A file shorter than the header, shards of two token types, no validation shard; and
+    `data.memmap` not a boolean."""
     folder = shard_folder(tmp_path / "short")
     (folder / "corpus_train_000009.bin").write_bytes(b"\x00" * 100)
     with pytest.raises(ValueError, match="holds 100 bytes, shorter than an llm.c shard's header"):
@@ -301,6 +302,8 @@ def test_short_and_mixed_shards_are_one_line(tmp_path):
     folder = shard_folder(tmp_path / "noval", val_sizes=())
     with pytest.raises(FileNotFoundError, match="has train shards but no \\*_val_\\*.bin"):
         load(folder)
+    with pytest.raises(ValueError, match="data.memmap=yes must be true or false"):
+        load(tmp_path / "short", memmap="yes")
 
 
 @pytest.mark.parametrize("backend", ["simulated", "gloo"])

@@ -360,6 +360,8 @@ class TextDataset(Dataset):
         line naming the fix."""
         if dtype not in BIN_DTYPES:
             raise ValueError(f"data.dtype={dtype}; choose one of: {', '.join(BIN_DTYPES)}")
+        if not isinstance(memmap, bool):
+            raise ValueError(f"data.memmap={memmap} must be true or false")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"data.block_size={block_size} must be a positive integer")
         if not isinstance(piece, int) or piece < block_size + 1:
