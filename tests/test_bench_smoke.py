@@ -468,3 +468,25 @@ def test_adpsgd_vs_minimal_tiny(tmp_path, monkeypatch, one_thread):
     monkeypatch.setattr(module, "reference", other_partners)
     with pytest.raises(SystemExit, match="error: ours and the minimal loop end .* apart"):
         module.main([*sizes, "--rounds", "1", "--out", str(out)])
+
+
+def test_token_files_bench_runs_and_deletes_its_files(tmp_path, capsys) -> None:
+    """Issue 42's token-file benchmark at a tiny size (a 2 MB train.bin, 64 ids, one
+    command-line run, one round): the run measured (an RSS, a start-up), the throughput ratio
+    printed, the JSON written, and the generated files gone."""
+    spec = importlib.util.spec_from_file_location("token_files", BENCH / "token_files.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out_json = tmp_path / "r.json"
+    (tmp_path / "tmp").mkdir()
+    args = ["--gb", "0.002", "--small-mb", "1", "--vocab", "64", "--rows", "big", "--rounds",
+            "1", "--tp-steps", "10", "--workers", "2", "--batch", "2", "--dir",
+            str(tmp_path / "tmp"), "--json", str(out_json)]  # fmt: skip
+    assert bench.main(args) == 0
+    result = json.loads(out_json.read_text())
+    assert list(result["rss"]) == ["0.002 GB mapped"]
+    for row in result["rss"].values():
+        assert row["rss_mb"] > 50 and 0 < row["first_step_s"] <= row["total_s"]
+    assert len(result["ratio"]) == 1 and result["ratio"][0] > 0
+    assert "mapped ÷ in memory, time per token:" in capsys.readouterr().out
+    assert list((tmp_path / "tmp").iterdir()) == []

@@ -19,6 +19,7 @@ from hydra.utils import instantiate
 
 from dpresearch.data.text import TEXT_PARTITIONS, TextDataset, WindowPartitioner
 from dpresearch.data.tokenize import Vocabulary, make_vocabulary
+from dpresearch.errors import ConfigError
 
 WORKS = SHARED / "data" / "shakespeare" / "works"
 SUBSET = SHARED / "data" / "cifar10-subset"
@@ -79,12 +80,21 @@ def test_a_single_file_splits_by_its_last_fractions(tmp_path):
 
 
 # -- partitions -------------------------------------------------------------------------------
+def layout_of(data: TextDataset, part: WindowPartitioner) -> np.ndarray | None:
+    """The training stream's position at each position of the partition's layout (None: the
+    stream itself)."""
+    if data._layout_ranges is None:
+        return None
+    offset, length = part.shards[-1]
+    return data._layout_ranges.positions(torch.arange(offset + length)).numpy()
+
+
 def shard_owner(data: TextDataset, part: WindowPartitioner) -> np.ndarray:
     """For every position of the training stream, the worker whose shard holds it (-1: none);
     shards must not overlap."""
     n = int(data.train_inputs.shape[0])
     owner = np.full(n, -1)
-    layout = data._positions.numpy()
+    layout = layout_of(data, part)
     for w, (offset, length) in enumerate(part.shards):
         positions = layout[offset : offset + length]
         assert (owner[positions] == -1).all(), "shards overlap"
@@ -109,7 +119,7 @@ def test_every_worker_draws_its_windows_inside_its_shard(corpus, partition):
     n = int(corpus.train_inputs.shape[0])
     assert part.samples_per_worker == corpus.num_train // K == n // BLOCK // K
     assert n - (K + 1) * BLOCK < part.samples_per_worker * K * BLOCK <= n
-    layout = None if corpus._positions is None else corpus._positions.numpy()
+    layout = layout_of(corpus, part)
     for w, (offset, length) in enumerate(part.shards):
         starts = part.epoch_indices(w, 0).numpy()
         assert len(starts) == part.samples_per_worker
@@ -150,7 +160,7 @@ def test_by_work_gives_each_worker_whole_works_from_the_files(corpus):
     part = corpus.make_partitioner(8, seed=0)
     lengths = [length for _, length in part.shards]
     assert max(lengths) / min(lengths) < 1.5
-    layout = corpus._positions.numpy()
+    layout = layout_of(corpus, part)
     names = [name for name, _, _ in corpus.works]
     seen = []
     for w, (offset, length) in enumerate(part.shards):
@@ -318,9 +328,9 @@ def test_nanogpt_folder_loads_with_its_pickled_vocabulary(tmp_path):
     data = load_bins(folder)
     assert data.vocab.kind == "ids" and data.vocab.size == data.num_classes == len(CHARS)
     assert data.vocab.symbols == tuple(CHARS) and data.vocab.is_characters
-    assert np.array_equal(data.train_inputs.numpy(), train_ids)
-    assert np.array_equal(data.val_inputs.numpy(), val_ids)
-    assert np.array_equal(data.test_inputs.numpy(), val_ids)
+    assert np.array_equal(data.train_inputs[:].numpy(), train_ids)
+    assert np.array_equal(data.val_inputs[:].numpy(), val_ids)
+    assert np.array_equal(data.test_inputs[:].numpy(), val_ids)
     assert data.split_metrics("test", 2.0) == {"test/bpc": pytest.approx(2.0 / np.log(2))}
     assert decode(data, train_ids[:5]) == "".join(CHARS[i] for i in train_ids[:5])
 
@@ -336,7 +346,7 @@ def test_nanogpt_folder_with_a_meta_json_of_its_size_only(tmp_path):
     (folder / "meta.json").write_text(json.dumps({"vocab_size": 50}))
     data = load_bins(folder)
     assert data.vocab.size == 50 and not data.vocab.is_characters
-    assert np.array_equal(data.test_inputs.numpy(), ids[:100])  # test.bin when present
+    assert np.array_equal(data.test_inputs[:].numpy(), ids[:100])  # test.bin when present
     metrics = data.split_metrics("val", 1.0)
     assert set(metrics) == {"val/bpc", "val/bits_per_token", "val/ppl"}
 
@@ -395,8 +405,10 @@ def test_a_meta_pkl_naming_a_callable_is_refused_without_running_it(tmp_path, pa
 
 
 def test_a_bin_of_the_wrong_size_or_with_ids_beyond_the_vocabulary_is_one_line(tmp_path):
-    """A .bin whose size is not a whole number of ids (written with another dtype), and one
-    holding an id >= vocab_size: each a ValueError of one line naming data.dtype."""
+    """A .bin whose size is not a whole number of ids (written with another dtype): a
+    ValueError of one line naming data.dtype at load. One holding an id >= vocab_size: the
+    batch that reads it raises one line naming the file, the id and its byte offset (mapped);
+    read whole (`memmap=False`), the load does."""
     ids = np.arange(200) % len(CHARS)
     odd = write_bins(tmp_path / "odd", {"train": ids, "val": ids}, char_meta())
     with open(odd / "train.bin", "ab") as f:
@@ -404,17 +416,26 @@ def test_a_bin_of_the_wrong_size_or_with_ids_beyond_the_vocabulary_is_one_line(t
     with pytest.raises(ValueError) as info:
         load_bins(odd)
     assert "\n" not in str(info.value) and "not a whole number of uint16 ids" in str(info.value)
-    beyond = ids.copy()
-    beyond[17] = len(CHARS)
+    # (beyond the 200 000 tokens the load reads to count characters per token)
+    beyond = np.arange(300_000) % len(CHARS)
+    beyond[250_017] = len(CHARS)
     big = write_bins(tmp_path / "big", {"train": beyond, "val": ids}, char_meta())
+    data = load_bins(big)
+    data.train_batch(torch.tensor([0, 250_018, 250_000]))  # windows of 9 tokens
+    with pytest.raises(ConfigError) as info:
+        data.train_batch(torch.tensor([0, 250_010]))  # 250 010-250 018 holds token 250 017
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"token id {len(CHARS)} at token 250017 (byte 500034)" in message
+    assert str(big / "train.bin") in message and "data.dtype" in message
     with pytest.raises(ValueError) as info:
-        load_bins(big)
+        load_bins(big, memmap=False)
     message = str(info.value)
     assert "\n" not in message and f"token id {len(CHARS)}, outside the vocabulary" in message
-    assert "data.dtype" in message
 
 
-def test_a_negative_id_is_named_in_its_line(tmp_path):
+@pytest.mark.parametrize("memmap", [True, False])
+def test_a_negative_id_is_named_in_its_line(tmp_path, memmap):
     """A signed .bin (data.dtype=int32) holding -1: the line names the offending id."""
     ids = (np.arange(300) % len(CHARS)).astype(np.int32)
     ids[5] = -1
@@ -424,7 +445,7 @@ def test_a_negative_id_is_named_in_its_line(tmp_path):
     ids.tofile(folder / "val.bin")
     (folder / "meta.pkl").write_bytes(char_meta())
     with pytest.raises(ValueError, match="token id -1"):
-        load_bins(folder, dtype="int32")
+        load_bins(folder, dtype="int32", memmap=memmap).train_batch(torch.tensor([0]))
 
 
 # -- bad input: one `error:` line, exit 2, before any worker starts -----------------------------

@@ -13,6 +13,7 @@ Dirichlet distribution as in the federated and decentralized-learning literature
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -41,6 +42,16 @@ class Partitioner(ABC):
 
     @abstractmethod
     def epoch_indices(self, worker: int, epoch: int) -> Tensor: ...
+
+    def epoch_batches(
+        self, worker: int, epoch: int, batch_size: int, steps: int, device: torch.device
+    ) -> Sequence[Tensor]:
+        """Batch n < `steps` of `worker`'s `epoch`: the first `steps × batch_size` of
+        `epoch_indices` cut into batches of `batch_size`, on `device`. (A partitioner whose
+        epochs are large may draw them as they are read.)"""
+        indices = self.epoch_indices(worker, epoch)[: steps * batch_size]
+        # Cut once per epoch (one slice per batch costs a dispatched op per step).
+        return indices.to(device).split(batch_size)
 
 
 class IIDPartitioner(Partitioner):

@@ -1,12 +1,16 @@
-"""Text corpora for language models: windows of tokens, held whole on the training device.
+"""Text corpora for language models: windows of tokens from a stream of token ids.
 
 Sources (`TextDataset.load`, the `_target_` of `data=shakespeare` and `data=text`):
-- a `.txt` file, or a folder of them (each file one *work*, read in name order);
-- nanoGPT's pre-tokenized layout: a folder with `train.bin` and `val.bin` (token ids, `dtype`
-  uint16 by default, as nanoGPT's `prepare.py` writes them; `test.bin` if present, else the
-  validation ids serve as the test split too) and its vocabulary in `meta.pkl` (read with an
-  unpickler that builds plain containers only) or `meta.json` (`{"vocab_size": N, "itos":
-  {...}}`), or `data.vocab_size` where there is neither.
+- a `.txt` file, or a folder of them (each file one *work*, read in name order), tokenized
+  and held whole on the training device (int32);
+- pre-tokenized files (`token_files.py`), memory-mapped (`memmap`; false: read whole into
+  memory): nanoGPT's layout, a folder with `train.bin` and `val.bin` (token ids, `dtype` uint16
+  by default, as nanoGPT's `prepare.py` writes them; `test.bin` if present, else the validation
+  ids serve as the test split too), or llm.c's shards (`*_train_*.bin`, `*_val_*.bin`: a 256 ×
+  int32 header, then the ids; each shard a *work*, and no window spans two shards). The
+  vocabulary: `meta.pkl` (read with an unpickler that builds plain containers only) or
+  `meta.json` (`{"vocab_size": N, "itos": {...}}`), or `data.vocab_size` where there is
+  neither.
 
 Splits, fixed for every run: the works named in `val_works` / `test_works` are held out whole
 (the shared Shakespeare corpus: two plays each); without named works, the last `test_fraction`
@@ -16,6 +20,8 @@ reads a fixed set of windows of each split: `eval_tokens // block_size` windows 
 Training examples are windows of `block_size + 1` tokens (inputs, and targets one token later).
 Each worker draws its windows at random from its own shard with its own seeded stream
 (`WindowPartitioner`); an epoch is the training tokens once (N // block_size windows in all).
+A shard is a list of ranges of the stream laid back to back (`Layout`); a window may run from
+one range into the next, but never from one segment of the stream (a shard file) into another.
 Partitions (`partition`): `iid` (the stream cut into pieces of `piece` tokens, dealt at random
 to the workers: contiguous text inside, the whole corpus's mix across), `contiguous` (K
 consecutive shards of the stream), `shared` (every worker samples the whole stream, as nanoGPT's
@@ -33,6 +39,7 @@ import pickle
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -43,6 +50,7 @@ from torch import Tensor
 
 from dpresearch.data.base import Dataset
 from dpresearch.data.partition import DirichletPartitioner, Partitioner
+from dpresearch.data.token_files import TokenMap, is_token_folder, open_splits
 from dpresearch.data.tokenize import Vocabulary, make_vocabulary
 
 TEXT_PARTITIONS = ("iid", "contiguous", "shared", "by_work", "by_role", "dirichlet")
@@ -50,14 +58,19 @@ TEXT_PARTITIONS = ("iid", "contiguous", "shared", "by_work", "by_role", "dirichl
 # blank line and the speech: how the Gutenberg plays mark who speaks.
 SPEAKER = re.compile(r"^[A-Z0-9][A-Za-z0-9'\- ]{0,30}\.$")
 BIN_DTYPES = ("uint16", "uint32", "int32", "int64")
+# The unigram entropy of a longer stream is estimated from this many tokens, in 64 chunks
+# spread evenly over it (exact below: every token of the shipped corpora).
+UNIGRAM_TOKENS = 1 << 24
+Stream = Tensor | TokenMap  # a split's token ids: in memory, or memory-mapped files
 
 
 @dataclass
 class TextDataset(Dataset):
     """A tokenized corpus: `train_inputs` / `val_inputs` / `test_inputs` are the token streams
-    (int32) of the three splits; `test_targets` / `val_targets` the start positions of each
-    split's fixed evaluation windows. A model maps token windows `[B, T]` to logits `[B, T, V]`
-    (`num_classes` = the vocabulary's size); the loss is the mean cross-entropy per token.
+    of the three splits (int32 tensors, or `TokenMap`s of token files); `test_targets` /
+    `val_targets` the start positions of each split's fixed evaluation windows. A model maps
+    token windows `[B, T]` to logits `[B, T, V]` (`num_classes` = the vocabulary's size); the
+    loss is the mean cross-entropy per token.
 
     `works`: (name, start, end) of each work in the training stream; `speeches`: rows (role,
     start, end) of every speech, `roles` their names ("work/speaker").
@@ -76,9 +89,9 @@ class TextDataset(Dataset):
     source: str = ""
     # characters per token of each split (1 for a char vocabulary): bits per character
     chars_per_token: dict[str, float] = field(default_factory=dict)
-    # The window layout of the last `make_partitioner`: positions in the training stream of
+    # The window layout of the last `make_partitioner`: the ranges of the training stream of
     # each worker's shard, back to back (None: the stream itself).
-    _positions: Tensor | None = field(default=None, init=False, repr=False)
+    _layout_ranges: Layout | None = field(default=None, init=False, repr=False)
 
     # -- shapes and counts ------------------------------------------------------------------
 
@@ -99,12 +112,19 @@ class TextDataset(Dataset):
     def tokens_per_example(self) -> int:
         return self.block_size
 
-    @property
+    @cached_property
     def unigram_bits(self) -> float:
         """Entropy of the training tokens' unigram distribution, in bits per character: what a
-        model that ignores context achieves at best."""
-        counts = torch.bincount(self.train_inputs.long().cpu(), minlength=self.num_classes)
-        p = counts[counts > 0].double() / counts.sum()
+        model that ignores context achieves at best (over `UNIGRAM_TOKENS` tokens spread over
+        a longer stream)."""
+        stream, n = self.train_inputs, int(self.train_inputs.shape[0])
+        chunk = min(n, UNIGRAM_TOKENS // 64) if n > UNIGRAM_TOKENS else n
+        starts = np.linspace(0, n - chunk, 64 if n > UNIGRAM_TOKENS else 1).astype(np.int64)
+        counts = sum(
+            np.bincount(stream[a : a + chunk].cpu().numpy(), minlength=self.num_classes)
+            for a in starts.tolist()
+        )
+        p = torch.from_numpy(counts[counts > 0] / counts.sum())
         return float(-(p * p.log2()).sum()) / self.chars_per_token.get("train", 1.0)
 
     def facts(self) -> dict[str, Any]:
@@ -124,8 +144,8 @@ class TextDataset(Dataset):
 
     def to(self, device: torch.device | str) -> TextDataset:
         super().to(device)
-        if self._positions is not None:
-            self._positions = self._positions.to(device)
+        if self._layout_ranges is not None:
+            self._layout_ranges = self._layout_ranges.to(device)
         return self
 
     def hold_out(self, size: float, seed: int = 0) -> TextDataset:
@@ -138,12 +158,12 @@ class TextDataset(Dataset):
 
     # -- batches ----------------------------------------------------------------------------
 
-    def windows(self, stream: Tensor, starts: Tensor, layout: Tensor | None) -> Tensor:
+    def windows(self, stream: Stream, starts: Tensor, layout: Layout | None) -> Tensor:
         """`[N, block_size + 1]` token windows of `stream` at `starts` (positions in `layout`,
         or in the stream itself), as int64."""
         at = starts[:, None] + torch.arange(self.block_size + 1, device=starts.device)
         if layout is not None:
-            at = layout[at]
+            at = layout.positions(at)
         return stream[at].long()
 
     def train_batch(
@@ -151,7 +171,7 @@ class TextDataset(Dataset):
     ) -> tuple[Tensor, Tensor]:
         if indices.device != self.train_inputs.device:
             indices = indices.to(self.train_inputs.device)
-        w = self.windows(self.train_inputs, indices, self._positions)
+        w = self.windows(self.train_inputs, indices, self._layout_ranges)
         return w[:, :-1], w[:, 1:]
 
     def train_batches(
@@ -235,38 +255,50 @@ class TextDataset(Dataset):
     def make_partitioner(self, num_workers: int, seed: int) -> WindowPartitioner:
         """The partitioner of `self.partition`; the data set reads its training windows through
         the layout of the partitioner it made last."""
-        layout, shards = self._layout(num_workers, seed)
+        ranges, identity = self._shard_ranges(num_workers, seed)
+        if identity:
+            layout = None
+            shards = [(int(r[0, 0]), int(r[0, 1] - r[0, 0])) for r in ranges]
+        else:
+            layout, shards = _concat(ranges)
+        bounds = np.array([0] + [b for _, b in _segments(self.train_inputs)], dtype=np.int64)
+        spans = [
+            _spans(r, offset, bounds) if len(bounds) > 2 else np.array([[offset, length]])
+            for r, (offset, length) in zip(ranges, shards, strict=True)
+        ]
         need = self.block_size + 1
-        for worker, (_, length) in enumerate(shards):
-            if length < need:
-                raise ValueError(
-                    f"data.partition={self.partition}: worker {worker}'s shard holds {length} "
-                    f"tokens, fewer than one window of data.block_size+1={need}; use fewer "
-                    "workers, a smaller data.block_size or another data.partition"
-                )
+        for worker, ((_, length), s) in enumerate(zip(shards, spans, strict=True)):
+            if (s[:, 1] >= need).any():
+                continue
+            where = " in any one file of the corpus" if len(bounds) > 2 else ""
+            raise ValueError(
+                f"data.partition={self.partition}: worker {worker}'s shard holds {length} "
+                f"tokens, fewer than one window of data.block_size+1={need}{where}; use fewer "
+                "workers, a smaller data.block_size or another data.partition"
+            )
         device = self.train_inputs.device
-        self._positions = None if layout is None else torch.from_numpy(layout).to(device)
-        return WindowPartitioner(self.num_train, num_workers, seed, shards, self.block_size)
+        self._layout_ranges = None if layout is None else layout.to(device)
+        return WindowPartitioner(self.num_train, num_workers, seed, shards, self.block_size, spans)
 
-    def _layout(self, k: int, seed: int) -> tuple[np.ndarray | None, list[tuple[int, int]]]:
-        """(positions of the shards back to back or None for the stream itself, each worker's
-        (offset, length) in them)."""
+    def _shard_ranges(self, k: int, seed: int) -> tuple[list[np.ndarray], bool]:
+        """Each worker's ranges of the training stream (`[M, 2]`: start, end), in the order
+        they are laid out, and whether the layout is the stream itself (each worker one range,
+        at its own position)."""
         n = int(self.train_inputs.shape[0])
         kind = self.partition
         if kind == "shared":
-            return None, [(0, n)] * k
+            return [np.array([[0, n]])] * k, True
         if kind == "contiguous":
-            return None, [(w * n // k, (w + 1) * n // k - w * n // k) for w in range(k)]
+            return [np.array([[w * n // k, (w + 1) * n // k]]) for w in range(k)], True
         if kind == "iid":
-            pieces = _pieces([(0, n)], self.piece)
+            pieces = _pieces(_segments(self.train_inputs), self.piece)
             order = np.random.default_rng([seed % 2**64, 0x4949]).permutation(len(pieces))
             if len(pieces) < k:
                 raise ValueError(
                     f"data.partition=iid: {len(pieces)} pieces of data.piece={self.piece} "
                     f"tokens cannot be dealt to {k} workers; lower data.piece"
                 )
-            groups = [sorted(order[w::k].tolist()) for w in range(k)]
-            return _concat([[pieces[i] for i in g] for g in groups])
+            return [pieces[np.sort(order[w::k])] for w in range(k)], False
         if kind == "by_work":
             sizes = [end - start for _, start, end in self.works]
             if len(sizes) < k:
@@ -275,7 +307,7 @@ class TextDataset(Dataset):
                     "workers; use data.partition=by_role or dirichlet, or fewer workers"
                 )
             groups = _balance(sizes, k)
-            return _concat([[self.works[i][1:] for i in g] for g in groups])
+            return [np.array([self.works[i][1:] for i in g]).reshape(-1, 2) for g in groups], False
         if kind == "by_role":
             sizes_by_role = np.bincount(
                 self.speeches[:, 0], weights=self.speeches[:, 2] - self.speeches[:, 1],
@@ -291,16 +323,14 @@ class TextDataset(Dataset):
             for group in groups:
                 rows = self.speeches[np.isin(self.speeches[:, 0], group)]
                 rows = rows[np.lexsort((rows[:, 1], rows[:, 0]))]  # role by role, in text order
-                shards.append([(int(a), int(b)) for _, a, b in rows])
-            return _concat(shards)
+                shards.append(rows[:, 1:])
+            return shards, False
         if kind == "dirichlet":
-            pieces, labels = [], []
-            for w, (_, start, end) in enumerate(self.works):
-                cut = _pieces([(start, end)], self.piece)
-                pieces += cut
-                labels += [w] * len(cut)
-            split = DirichletPartitioner(torch.tensor(labels), k, seed, self.alpha)
-            return _concat([[pieces[i] for i in shard.tolist()] for shard in split.shards])
+            cuts = [_pieces([(start, end)], self.piece) for _, start, end in self.works]
+            pieces = np.concatenate(cuts)
+            labels = np.repeat(np.arange(len(cuts)), [len(c) for c in cuts])
+            split = DirichletPartitioner(torch.from_numpy(labels), k, seed, self.alpha)
+            return [pieces[shard.numpy()] for shard in split.shards], False
         raise ValueError(f"data.partition={kind}; choose one of: {', '.join(TEXT_PARTITIONS)}")
 
     # -- loading ----------------------------------------------------------------------------
@@ -322,6 +352,7 @@ class TextDataset(Dataset):
         sample_tokens: int = 500,
         vocab_size: int | None = None,
         dtype: str = "uint16",
+        memmap: bool = True,
         device: str | torch.device = "cpu",
     ) -> TextDataset:
         """Read the corpus at `root` (see the module docstring) and place it on `device`.
@@ -329,6 +360,8 @@ class TextDataset(Dataset):
         line naming the fix."""
         if dtype not in BIN_DTYPES:
             raise ValueError(f"data.dtype={dtype}; choose one of: {', '.join(BIN_DTYPES)}")
+        if not isinstance(memmap, bool):
+            raise ValueError(f"data.memmap={memmap} must be true or false")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"data.block_size={block_size} must be a positive integer")
         if not isinstance(piece, int) or piece < block_size + 1:
@@ -348,21 +381,25 @@ class TextDataset(Dataset):
                 f"data.root={root} does not exist; point data.root at a .txt file, a folder of "
                 ".txt files or a nanoGPT folder with train.bin and val.bin"
             )
-        if path.is_dir() and (path / "train.bin").is_file():
-            parts = _read_bins(path, vocab_size, dtype)
+        if is_token_folder(path):
+            parts = _read_bins(path, vocab_size, dtype, memmap)
         else:
             parts = _read_texts(path, tokenizer, val_works, test_works, val_fraction, test_fraction)
         vocab, streams, works, speeches, roles, cpt = parts
-        tensors = {}
+        tensors: dict[str, Stream] = {}
         for split, ids in streams.items():
-            if len(ids) < block_size + 2:
+            longest = max(b - a for a, b in _segments(ids))
+            if longest < block_size + 2:
                 raise ValueError(
-                    f"data.block_size={block_size}: the {split} split holds only {len(ids)} "
-                    "tokens, fewer than one window; lower data.block_size or give more text"
+                    f"data.block_size={block_size}: the {split} split holds only {longest} "
+                    "tokens (in any one file), fewer than one window; lower data.block_size or "
+                    "give more text"
                 )
-            tensors[split] = torch.from_numpy(ids.astype(np.int32))
+            tensors[split] = (
+                ids if isinstance(ids, TokenMap) else torch.from_numpy(ids.astype(np.int32))
+            )
         starts = {
-            s: _eval_starts(len(streams[s]), block_size, eval_tokens) for s in ("val", "test")
+            s: _eval_starts(_segments(streams[s]), block_size, eval_tokens) for s in ("val", "test")
         }
         return cls(
             train_inputs=tensors["train"],
@@ -390,7 +427,11 @@ class WindowPartitioner(Partitioner):
     """Random windows from each worker's shard: in epoch e, worker w draws
     `samples_per_worker` window starts uniformly in its shard (offset, length), from numpy's
     generator seeded (seed, e, w) — a pure function, the same in every process.
-    `samples_per_worker` is N // K (N windows in an epoch), whatever the shard's size."""
+    `samples_per_worker` is N // K (N windows in an epoch), whatever the shard's size.
+
+    `spans[w]` (`[S, 2]`: offset, length): the parts of worker w's shard a window may not leave
+    (one per file of the corpus it holds); a start is drawn uniformly among the starts of whole
+    windows inside one span. By default each shard is one span (the same draw)."""
 
     def __init__(
         self,
@@ -399,28 +440,123 @@ class WindowPartitioner(Partitioner):
         seed: int,
         shards: Sequence[tuple[int, int]],
         block_size: int,
+        spans: Sequence[np.ndarray] | None = None,
     ) -> None:
         super().__init__(num_examples, num_workers, seed)
         self.shards = list(shards)
         self.block_size = block_size
+        self.spans = list(spans) if spans is not None else [np.array([s]) for s in shards]
 
     @property
     def samples_per_worker(self) -> int:
         return self.num_examples // self.num_workers
 
     def epoch_indices(self, worker: int, epoch: int) -> Tensor:
-        offset, length = self.shards[worker]
-        rng = np.random.default_rng([self.seed % 2**64, epoch, worker, 0x5458])
-        starts = rng.integers(0, length - self.block_size, size=self.samples_per_worker)
-        return torch.from_numpy(starts + offset)
+        return self.draw(worker, self.rng(worker, epoch), self.samples_per_worker)
+
+    def rng(self, worker: int, epoch: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed % 2**64, epoch, worker, 0x5458])
+
+    def draw(self, worker: int, rng: np.random.Generator, count: int) -> Tensor:
+        """The next `count` window starts of `worker` from its epoch's `rng`."""
+        spans = self.spans[worker]
+        rooms = np.maximum(spans[:, 1] - self.block_size, 0)
+        draws = rng.integers(0, rooms.sum(), size=count)
+        return torch.from_numpy(_span_starts(draws, spans[:, 0], rooms))
+
+    def epoch_batches(
+        self, worker: int, epoch: int, batch_size: int, steps: int, device: torch.device
+    ) -> Sequence[Tensor]:
+        """`epoch_indices`'s batches drawn as they are read (`DrawnBatches`): an epoch of a
+        large corpus holds millions of windows."""
+        return DrawnBatches(self, worker, epoch, batch_size, steps, device)
+
+
+class DrawnBatches(Sequence[Tensor]):
+    """A worker's epoch of `WindowPartitioner` batches, drawn `CHUNK_WINDOWS` windows at a time
+    as they are read (forward; reading an earlier chunk draws again from the epoch's start).
+    Numpy's bounded draws continue one stream across calls, so batch n is
+    `epoch_indices(worker, epoch)[n * batch_size : (n + 1) * batch_size]`, and a resumed run
+    reads the same batches; an epoch's indices are never held whole."""
+
+    CHUNK_WINDOWS = 1 << 16
+
+    def __init__(
+        self,
+        part: WindowPartitioner,
+        worker: int,
+        epoch: int,
+        batch_size: int,
+        steps: int,
+        device: torch.device,
+    ) -> None:
+        self.part, self.worker, self.epoch = part, worker, epoch
+        self.batch_size, self.steps, self.device = batch_size, steps, device
+        self.per_chunk = max(1, self.CHUNK_WINDOWS // batch_size)  # batches a chunk
+        self._rng: np.random.Generator | None = None
+        self._drawn = 0  # chunks drawn from `_rng`
+        self._chunk, self._batches = -1, ()
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, pos):  # type: ignore[override]
+        if not 0 <= pos < self.steps:
+            raise IndexError(pos)
+        chunk, at = divmod(pos, self.per_chunk)
+        if chunk != self._chunk:
+            if self._rng is None or chunk < self._drawn:
+                self._rng, self._drawn = self.part.rng(self.worker, self.epoch), 0
+            while self._drawn <= chunk:  # (chunks before the one asked for: drawn, dropped)
+                batches = min(self.per_chunk, self.steps - self._drawn * self.per_chunk)
+                starts = self.part.draw(self.worker, self._rng, batches * self.batch_size)
+                self._drawn += 1
+            self._batches = starts.to(self.device).split(self.batch_size)
+            self._chunk = chunk
+        return self._batches[at]
 
 
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def _pieces(ranges: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:
-    """`ranges` cut into consecutive pieces of at most `size` tokens."""
-    return [(a, min(a + size, end)) for start, end in ranges for a in range(start, end, size)]
+@dataclass
+class Layout:
+    """Ranges of the training stream laid back to back: range i starts at layout position
+    `offsets[i]` and stream position `starts[i]` (no empty range), and runs to the next."""
+
+    offsets: Tensor
+    starts: Tensor
+
+    def positions(self, at: Tensor) -> Tensor:
+        """The stream positions of layout positions `at` (any shape)."""
+        i = torch.searchsorted(self.offsets, at, right=True) - 1
+        return self.starts[i] + (at - self.offsets[i])
+
+    def to(self, device: torch.device | str) -> Layout:
+        return Layout(self.offsets.to(device), self.starts.to(device))
+
+
+def _segments(stream: Stream | np.ndarray) -> list[tuple[int, int]]:
+    """The (start, end) ranges of `stream` no window may span: its files (one range for a
+    stream in memory)."""
+    return stream.segments if isinstance(stream, TokenMap) else [(0, len(stream))]
+
+
+def _span_starts(draws: np.ndarray, offsets: np.ndarray, rooms: np.ndarray) -> np.ndarray:
+    """Window starts of `draws`, indices into the spans' starts (`rooms[j]` starts from
+    `offsets[j]` on), span after span."""
+    if len(rooms) == 1:
+        return draws + offsets[0]
+    ends = np.cumsum(rooms)
+    j = np.searchsorted(ends, draws, side="right")
+    return offsets[j] + draws - (ends[j] - rooms[j])
+
+
+def _pieces(ranges: Sequence[tuple[int, int]], size: int) -> np.ndarray:
+    """`ranges` cut into consecutive pieces of at most `size` tokens (`[M, 2]`: start, end)."""
+    cuts = [np.arange(start, end, size, dtype=np.int64) for start, end in ranges]
+    ends = [np.minimum(a + size, end) for a, (_, end) in zip(cuts, ranges, strict=True)]
+    return np.stack([np.concatenate(cuts), np.concatenate(ends)], 1)
 
 
 def _balance(sizes: Sequence[float], k: int) -> list[list[int]]:
@@ -435,28 +571,46 @@ def _balance(sizes: Sequence[float], k: int) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
-def _concat(
-    shards: Sequence[Sequence[tuple[int, int]]],
-) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """Positions of each shard's ranges, back to back, and each shard's (offset, length)."""
-    parts, spans, offset = [], [], 0
-    for ranges in shards:
-        positions = (
-            np.concatenate([np.arange(a, b) for a, b in ranges])
-            if ranges
-            else np.zeros(0, dtype=np.int64)
-        )
-        parts.append(positions)
-        spans.append((offset, len(positions)))
-        offset += len(positions)
-    return np.concatenate(parts).astype(np.int64), spans
+def _concat(shards: Sequence[np.ndarray]) -> tuple[Layout, list[tuple[int, int]]]:
+    """The layout of each shard's ranges (`[M, 2]`), back to back, and each shard's (offset,
+    length) in it."""
+    ranges = np.concatenate([r.reshape(-1, 2) for r in shards]).astype(np.int64)
+    lengths = ranges[:, 1] - ranges[:, 0]
+    offsets = np.cumsum(lengths) - lengths
+    totals = [int((r[:, 1] - r[:, 0]).sum()) for r in shards]
+    firsts = np.cumsum(totals) - totals
+    keep = lengths > 0  # an empty range would share its successor's offset
+    layout = Layout(torch.from_numpy(offsets[keep]), torch.from_numpy(ranges[keep, 0]))
+    return layout, [(int(a), t) for a, t in zip(firsts, totals, strict=True)]
 
 
-def _eval_starts(n: int, block_size: int, eval_tokens: int) -> Tensor:
+def _spans(ranges: np.ndarray, offset: int, bounds: np.ndarray) -> np.ndarray:
+    """The spans (`[S, 2]`: layout offset, length) of a shard whose `ranges` are laid back to
+    back from layout position `offset`: the ranges cut at the segment `bounds` (0, the end of
+    each segment), consecutive pieces of one segment joined."""
+    pieces = []
+    for a, b in ranges.reshape(-1, 2).tolist():
+        inner = bounds[(bounds > a) & (bounds < b)].tolist()
+        pieces += list(zip([a, *inner], [*inner, b], strict=True))
+    cut = np.array(pieces, dtype=np.int64).reshape(-1, 2)
+    cut = cut[cut[:, 1] > cut[:, 0]]
+    lengths = cut[:, 1] - cut[:, 0]
+    segment = np.searchsorted(bounds, cut[:, 0], side="right")
+    first = np.flatnonzero(np.r_[True, segment[1:] != segment[:-1]])
+    starts = offset + np.cumsum(lengths) - lengths
+    return np.stack([starts[first], np.add.reduceat(lengths, first)], 1)
+
+
+def _eval_starts(segments: Sequence[tuple[int, int]], block_size: int, eval_tokens: int) -> Tensor:
     """Start positions of a split's evaluation windows: as many as `eval_tokens` allow (at
-    most the non-overlapping ones), spread evenly over the split."""
+    most the non-overlapping ones), spread evenly over the starts of whole windows inside one
+    segment (a file) of the split."""
+    n = segments[-1][1]
     count = max(1, min(eval_tokens // block_size, (n - 1) // block_size))
-    return torch.linspace(0, n - block_size - 1, count, dtype=torch.float64).round().long()
+    offsets = np.array([a for a, _ in segments], dtype=np.int64)
+    rooms = np.array([max(b - a - block_size, 0) for a, b in segments], dtype=np.int64)
+    draws = torch.linspace(0, rooms.sum() - 1, count, dtype=torch.float64).round().long()
+    return torch.from_numpy(_span_starts(draws.numpy(), offsets, rooms))
 
 
 def _read_text(file: Path) -> str:
@@ -624,33 +778,28 @@ def _read_meta(folder: Path, vocab_size: int | None) -> Vocabulary:
     return Vocabulary("ids", size, symbols)
 
 
-def _read_bins(folder: Path, vocab_size: int | None, dtype: str):
-    """The splits of a nanoGPT folder (train.bin, val.bin, test.bin if present)."""
+def _read_bins(folder: Path, vocab_size: int | None, dtype: str, memmap: bool):
+    """The splits of a token folder (`token_files.py`): memory-mapped, or with `memmap` false
+    read whole (int32 in memory, every id checked here). Each file of the training split is a
+    work (and its one speech)."""
     vocab = _read_meta(folder, vocab_size)
-    if not (folder / "val.bin").is_file():
-        raise FileNotFoundError(f"data.root={folder} has train.bin but no val.bin; add it")
-    streams = {}
-    for split in ("train", "val", "test"):
-        file = folder / f"{split}.bin"
-        if not file.is_file():
-            file = folder / "val.bin"  # nanoGPT's layout has no test split
-        size = file.stat().st_size
-        item = np.dtype(dtype).itemsize
-        if size == 0 or size % item:
-            raise ValueError(
-                f"data.root: {file} holds {size} bytes, not a whole number of {dtype} ids; "
-                "set data.dtype to the type it was written with"
-            )
-        ids = np.fromfile(file, dtype=dtype)
-        low, top = int(ids.min()), int(ids.max())
-        if top >= vocab.size or low < 0:
-            raise ValueError(
-                f"data.root: {file} holds token id {low if low < 0 else top}, outside the "
-                f"vocabulary of {vocab.size}; check data.dtype and data.vocab_size"
-            )
-        streams[split] = ids.astype(np.int64)
-    n = len(streams["train"])
-    works = [("train.bin", 0, n)]
-    speeches = np.array([[0, 0, n]], dtype=np.int64)
+    maps = open_splits(folder, dtype, vocab.size)
+    streams: dict[str, TokenMap | np.ndarray] = dict(maps)
+    if not memmap:
+        for split, stream in maps.items():
+            ids = stream.whole()
+            low, top = int(ids.min()), int(ids.max())
+            if top >= vocab.size or low < 0:
+                raise ValueError(
+                    f"data.root: {folder} ({split}) holds token id {low if low < 0 else top}, "
+                    f"outside the vocabulary of {vocab.size}; check data.dtype and "
+                    "data.vocab_size"
+                )
+            streams[split] = ids
+    train = maps["train"]
+    names = [path.name for path, _, _ in train.files]
+    works = [(name, a, b) for name, (a, b) in zip(names, train.segments, strict=True)]
+    speeches = np.array([[i, a, b] for i, (_, a, b) in enumerate(works)], dtype=np.int64)
+    roles = [f"{name}/" for name, _, _ in works]
     cpt = {s: vocab.chars_per_token(ids[:200_000]) for s, ids in streams.items()}
-    return vocab, streams, works, speeches, ["train.bin/"], cpt
+    return vocab, streams, works, speeches.reshape(-1, 3), roles, cpt

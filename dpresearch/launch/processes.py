@@ -219,8 +219,23 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
             if watchdog is not None and watchdog.frozen is not None:
                 who = "worker" if processes == cfg.workers else "rank"  # ranks are workers?
                 raise WorkerFrozen(watchdog.frozen.message(heartbeat_s, who)) from exc
-            raise every_failure(exc, processes) from None
+            failure = every_failure(exc, processes)
+            raise worker_config_error(failure) or failure from None
     return results[0]
+
+
+def worker_config_error(exc: Any) -> ConfigError | None:
+    """The `ConfigError` that failed the job's first failed worker (e.g. a token id beyond the
+    vocabulary in the batch it read), for the entry point's one line; None for another
+    failure (its traceback is the report)."""
+    _, first = exc.get_first_failure()
+    message = first.message.get("message", "") if isinstance(first.message, dict) else ""
+    name = f"{ConfigError.__name__}: "
+    return (
+        ConfigError(message.removeprefix(name).splitlines()[0])
+        if message.startswith(name)
+        else None
+    )
 
 
 def every_failure(exc: Any, processes: int) -> Any:

@@ -107,7 +107,7 @@ class WorkerCompute:
         self._dropout = draws_worker_stream(replicas.models[0])
         self._epochs = [-1] * len(self.workers)
         # Per row: its current epoch's batches of indices, on the data's device.
-        self._batches: list[tuple[Tensor, ...]] = [()] * len(self.workers)
+        self._batches: list[Sequence[Tensor]] = [()] * len(self.workers)
         # Batches not yet reduced, in order, detached: (row, loss, outputs [B, ...], targets
         # [B]) for one row's batch, (rows, losses [S], outputs [S, B, ...], targets [S, B]) for
         # a batched call of S rows (one entry: no per-row work per step); and their outputs'
@@ -166,10 +166,10 @@ class WorkerCompute:
         epoch, pos = divmod(self.cursors[row], self.steps_per_epoch)
         self.cursors[row] += 1
         if self._epochs[row] != epoch:
-            indices = self.partitioner.epoch_indices(self.workers[row], epoch)
-            indices = indices[: self.steps_per_epoch * self.batch_size]
-            # Cut once per epoch (one slice per batch costs a dispatched op per step).
-            self._batches[row] = indices.to(self.data.train_targets.device).split(self.batch_size)
+            self._batches[row] = self.partitioner.epoch_batches(
+                self.workers[row], epoch, self.batch_size, self.steps_per_epoch,
+                self.data.train_targets.device,
+            )  # fmt: skip
             self._epochs[row] = epoch
         return self._batches[row][pos]
 
