@@ -48,6 +48,7 @@ NOT_TRAJECTORY = (
     "logger",
     "debug",
     "data.root",
+    "data.memmap",  # token files mapped or read whole: the same windows (tests/test_token_files.py)
     "data.download",
     "data.verify",
     "data.download_timeout_s",
