@@ -43,6 +43,7 @@ from dpresearch.analysis.tables import (
     MISSING,
     latex_table,
     markdown_table,
+    mean_std,
     megabytes,
     percent,
     significant,
@@ -313,11 +314,7 @@ def _mean_cell(rows, metric: str, include_failed: bool, fmt) -> tuple[str, float
         return (_failed_text(rows) if len(rows) else MISSING), math.nan, math.nan, 0
     mean = float(values.mean())
     std = float(values.std(ddof=1)) if len(values) > 1 else math.nan
-    if fmt is None:
-        text = with_spread(mean, std)
-    else:
-        text = fmt(mean) + (f" ± {fmt(std)}" if math.isfinite(std) else "")
-    return text, mean, std, len(values)
+    return mean_std(mean, std, fmt), mean, std, len(values)
 
 
 def _fmt_for(metric: str):
