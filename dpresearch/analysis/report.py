@@ -110,6 +110,8 @@ def _tuned_keys(runs, by: list[str], tune: Sequence[str] | None) -> list[str]:
 def selected_on_seeds(runs, grid, by, tune, selection, seed_key, seeds, include_failed):
     """`grid`'s rows whose setting is best per case on the runs of `seeds` alone (a boolean
     Series aligned with `grid`)."""
+    import pandas as pd
+
     basis = runs[runs[seed_key].isin(list(seeds))]
     if basis.empty:
         return grid["selected"] & False
@@ -121,8 +123,6 @@ def selected_on_seeds(runs, grid, by, tune, selection, seed_key, seeds, include_
     )
     keys = [*by, *tune]
     picked = set(key_texts(chosen[chosen["selected"]], keys))
-    import pandas as pd
-
     return pd.Series([key in picked for key in key_texts(grid, keys)], index=grid.index)
 
 
