@@ -1,6 +1,7 @@
 """Checks that run before any worker starts; each failure is one line naming the fix.
 
-`validate` runs, in order: the schema's keys (`check_schema_keys`), every typed node's own
+`validate` runs, in order: the schema's keys (`check_schema_keys`), the mandatory values a
+config leaves to the user (`check_required_values`: `???`), every typed node's own
 check (`checks.NODE_CHECKS`), the run length against the command line (`check_run_length`),
 every plug-in's `_target_` and keys (`check_target`), and every plug-in node's own check
 (`checks.PLUGIN_CHECKS`, the algorithm's among them), and that no node is set for an
