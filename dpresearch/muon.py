@@ -72,6 +72,11 @@ class MuonAdamW(torch.optim.Optimizer):
         betas = tuple(float(b) for b in adamw_betas)
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"optimizer.adamw_betas={list(adamw_betas)}: two numbers in [0, 1)")
+        if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
+            raise ValueError(
+                f"optimizer.ns_steps={ns_steps}: must be an integer >= 1 (Newton–Schulz "
+                "iterations that orthogonalise the update; 5 is usual, 0 would apply it raw)"
+            )
         if len(ns_coefficients) != 3:
             raise ValueError(f"optimizer.ns_coefficients={list(ns_coefficients)}: three numbers")
         # read by add_param_group, which torch's constructor calls for every group

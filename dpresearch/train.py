@@ -215,8 +215,18 @@ def _crash_line(exc: BaseException) -> str:
     """Print what there is to read about a crash (the failed worker's own traceback; the
     launcher's frames add nothing), and return the one line that ends the run."""
     if _is_worker_failure(exc):
-        print(exc.format_msg(), file=sys.stderr)
-        return f"error: worker process failed; the job was stopped ({exc.name})"
+        from dpresearch.launch.console import log_only
+        from dpresearch.launch.processes import root_failure
+
+        rank, failure = root_failure(exc)
+        if failure.exitcode < 0:  # killed by a signal: torch's block holds no traceback of ours
+            where = "train.log" if log_only(exc.format_msg()) else "above"
+            return (
+                f"error: worker process failed: rank {rank} (pid {failure.pid}) was killed by "
+                f"{failure.signal_name()}; the job was stopped (torch's report: {where})"
+            )
+        print(exc.format_msg(), file=sys.stderr)  # the worker's own traceback
+        return f"error: worker process failed: rank {rank}; the job was stopped ({exc.name})"
     traceback.print_exception(exc)
     lines = str(exc).strip().splitlines()
     return f"error: {type(exc).__name__}: {lines[0] if lines else ''}"

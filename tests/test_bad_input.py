@@ -8,6 +8,9 @@ rows also go through the real command line in a subprocess, gloo included.
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 import torch
 from helpers import SHARED, SMALL, SYNTHETIC_SMALL, compose_config, run_cli, run_main
@@ -238,6 +241,26 @@ BAD = [
     ([*TEXT, "schedule.warmup_steps=-1"], "schedule.warmup_steps=-1: must be an integer >= 0"),
     (["train.grad_clip=-1"], "train.grad_clip=-1.0: must be a positive number"),
 ]
+# Issue 43, item 7: each tried by hand, each a traceback, silently accepted or printed over
+# several lines before.
+FIRST_HOUR = [
+    (["data=text"], "data.root must be given (this config has no default); pass data.root=<"),
+    (["data=text", "data.root=play.txt", "data.val_fraction=half"], "data.val_fraction=half"),
+    ([*TEXT, "data.sample_tokens=-5"], "data.sample_tokens=-5 must be an integer >= 0"),
+    (["optimizer=muon", "optimizer.ns_steps=0"], "optimizer.ns_steps=0: must be an integer >= 1"),
+    (["optimizer.momentum=1.5"], "optimizer.momentum=1.5: must be in [0, 1)"),
+    (
+        ["optimizer.exclude_bn_bias_from_weight_decay=maybe"],
+        "optimizer.exclude_bn_bias_from_weight_decay=maybe: must be true or false",
+    ),
+    (
+        ["optimizer=demo", "algorithm.topk=5000", "algorithm.chunk=64"],
+        "algorithm.topk=5000 keeps every coefficient: a block holds at most chunk² = 4096",
+    ),
+    (["algorithm._target_=nowhere.Algo"], "algorithm._target_=nowhere.Algo cannot be imported"),
+    (["model._target_=dpresearch.models.Nope"], "'Nope' is importable from module"),
+]
+BAD += FIRST_HOUR
 # Keys the source names in a `key=...` message that are not constraints of the user's:
 # overrides the study launcher writes itself.
 NOT_CONSTRAINTS = {"logger.group", "logger.name", "logger.tags", "train.progress"}
@@ -493,3 +516,65 @@ def test_bad_outer_input_is_one_line_before_any_worker(args, fragment, tmp_path,
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert fragment in lines[0], lines[0]
     assert not run_dir.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_study_dry_run_refuses_a_case_train_refuses(tmp_path, monkeypatch, capsys):
+    """`study run --dry-run` runs the checks `train` runs before any worker (issue 43): a case
+    whose model is shorter than its data's windows is one line naming the case, exit 2."""
+    from dpresearch.study.__main__ import main
+
+    path = tmp_path / "study.yaml"
+    path.write_text(
+        "name: s\ncommon: [" + ", ".join(TEXT) + "]\nlrs: [0.001]\nseeds: [0]\n"
+        "cases:\n  short: [model.block_size=16, data.block_size=32]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", str(path), "--dry-run"]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert lines == [
+        "error: case 'short': model.block_size=16 is shorter than the data's windows of 32; "
+        "raise model.block_size or lower data.block_size"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["study.yaml"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_killed_worker_is_one_line_naming_its_rank_and_the_signal(tmp_path):
+    """A gloo worker SIGKILLed mid-run: the console's last line names its rank and the
+    signal; torch's report of it (its 15-line block) is in train.log only (issue 43)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import cli_env, load_scaled, worker_processes
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dpresearch.train", "backend=gloo", "workers=2",
+         "train.steps=1000000", "train.log_every=1", *SYNTHETIC_SMALL, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=cli_env(WANDB_MODE="disabled", OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + load_scaled(120)
+        while not (run_dir / "metrics.jsonl").is_file() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        workers = worker_processes(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=load_scaled(60))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert proc.returncode != 0
+    assert re.fullmatch(
+        r"error: worker process failed: rank [01] \(pid \d+\) was killed by SIGKILL; the job "
+        r"was stopped \(torch's report: train.log\)",
+        lines[-1],
+    ), err
+    assert "Root Cause" not in err and "=====" not in err
+    log = (run_dir / "train.log").read_text()
+    assert "Root Cause (first observed failure)" in log and "SIGKILL" in log

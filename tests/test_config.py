@@ -16,6 +16,8 @@ SELECTED_BY = {
     ("algorithm", "zero_one_adam"): ["optimizer=zero_one_adam"],
     ("algorithm", "demo"): ["optimizer=demo"],
 }
+# Options with a mandatory value (`???`): composed with one (validate reads no data).
+REQUIRED = {("data", "text"): ["data.root=corpus.txt"]}
 
 
 def options(group: str) -> list[str]:
@@ -26,7 +28,8 @@ def options(group: str) -> list[str]:
     "group,option", [(g, o) for g in GROUPS for o in options(g) if (g, o) not in NEEDS_GPU]
 )
 def test_every_option_composes_and_validates(group, option):
-    cfg = compose_config(*SELECTED_BY.get((group, option), []), f"{group}={option}")
+    extra = [*SELECTED_BY.get((group, option), []), *REQUIRED.get((group, option), [])]
+    cfg = compose_config(*extra, f"{group}={option}")
     validate(cfg)
 
 

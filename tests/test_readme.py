@@ -454,7 +454,7 @@ def fixture_runs(root: Path) -> None:
             write_run(root / "runs" / "my_study" / case / f"s{seed}", lr=0.1, seed=seed,
                       case=case, accs=ramp(0.7), final_loss=1.0)  # fmt: skip
     for i, compressor in enumerate(["identity", "topk"]):
-        for folder in ("multirun", "outputs"):
+        for folder in ("multirun", "outputs", "multirun/first"):
             run = write_run(root / folder / f"{i}", lr=0.1, seed=0, accs=ramp(0.6),
                             final_loss=1.0)  # fmt: skip
             config = yaml.safe_load((run / "config.yaml").read_text())
@@ -477,7 +477,40 @@ def test_readme_analysis_command_runs(command, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(command.args) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
-    assert "cfg.optimizer.lr" in out.split() if "--keys" in command.args else "test/acc" in out
+    assert "cfg.optimizer.lr" in out.split() if "--keys" in command.args else "test accuracy" in out
+
+
+def test_readme_first_comparison_gives_two_cases_with_bands_in_every_plot(tmp_path, monkeypatch):
+    """The README's first sweep + analysis (issue 43, item 4), run as written: two cases of two
+    seeds each (the seed, copied into `algorithm.seed` by one method, splits nothing), each in
+    every plot with a ± std band."""
+    import dpresearch.analysis.plots as plots
+    from dpresearch.analysis.__main__ import main
+
+    sweep, analysis = next(
+        (c, d)
+        for c, d in zip(commands(), commands()[1:], strict=False)
+        if c.kind == "train" and "hydra.sweep.dir=multirun/first" in c.args and d.kind == "analysis"
+    )
+    env = cli_env(WANDB_MODE="disabled", OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
+    out = subprocess.run([sys.executable, "-m", sweep.module, *sweep.args], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=load_scaled(300))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    drawn, real = [], plots.plot_groups
+    monkeypatch.setattr(
+        plots, "plot_groups", lambda *a, **k: drawn.append(real(*a, **k)) or drawn[-1]
+    )
+    monkeypatch.chdir(tmp_path)
+    assert main(analysis.args) == 0
+    table = (tmp_path / "results" / "first" / "table.csv").read_text().splitlines()
+    assert [row.split(",")[:2] for row in table[1:]] == [["sync", "2"], ["local_sgd(8)", "2"]]
+    assert len(drawn) >= 6
+    for fig in drawn:
+        legend = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert legend == ["sync (n=2)", "local_sgd(8) (n=2)"], legend
+        assert len(fig.axes[0].collections) == 2  # a band per case
+        for line in fig.axes[0].get_lines():
+            assert len(line.get_xdata()) >= 4  # a curve (evaluated every 10 of 40 steps)
 
 
 def ddp_hook_block() -> Block:

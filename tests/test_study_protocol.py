@@ -244,3 +244,51 @@ def test_modeled_time_is_repriced_on_every_network_the_study_names(tmp_path):
     assert priced[2] > 0.1  # 14 latency rounds of 10 ms are not hidden behind 10 ms of compute
     with pytest.raises(StudyError, match="network must be a preset name or a list"):
         stub_study(tmp_path, {"a": []}, lrs=[0.1], network={"name": "1gbe"})
+
+
+def test_a_verdict_on_one_final_seed_says_so(tmp_path):
+    """Seeds 0, 1 tune and seed 2 alone is final: each side's SE holds no seed-to-seed spread
+    (issue 43), so the verdict carries "one final seed"; with two final seeds it does not."""
+    for seeds, marked in (([0, 1, 2], True), ([0, 1, 2, 3], False)):
+        folder = tmp_path / str(len(seeds))
+        folder.mkdir()
+        study = stub_study(
+            folder,
+            {name: {"overrides": [], "lrs": [0.032, 0.1, 0.32]} for name in ("a", "b")},
+            seeds=seeds,
+            claim={
+                "statement": "a beats b",
+                "horizons": [4],
+                "expect": [{"better": "a", "than": "b"}],
+            },
+        )
+        runner = stub_runner(lambda c, lr, s: peak_at(0.1)(c, lr, s) - 0.2 * (c == "b"), [])
+        run_study(study, folder / "out", launcher=runner, log=lambda line: None)
+        text = report_study(study, folder / "out", folder / "results").read_text()
+        claim = text.split("## Claim")[1].split("##")[0]
+        row = next(line for line in claim.splitlines() if line.startswith("| a > b"))
+        assert row.split(" | ")[1].startswith("holds (+20.0"), row
+        assert ("one final seed" in row) == marked, row
+
+
+def test_a_bound_that_drops_its_nearest_grid_value_warns_and_the_dry_run_shows_lrs(
+    tmp_path, capsys
+):
+    """`{from: 0.03, to: 0.3, per_decade: 2}` is 0.032, 0.1: 0.32, nearest to `to`, is left
+    out, and the loader says so; 0.032 (nearest to `from`) is in, so `from` is not named. The
+    dry run lists each case's lrs (issue 43)."""
+    grid = {"from": 0.03, "to": 0.3, "per_decade": 2}
+    cases = {"a": {"overrides": [], "lrs": grid}, "b": {"overrides": [], "lrs": [0.01, 0.1]}}
+    study = stub_study(tmp_path, cases, seeds=[0, 1], tune_seeds=[0, 1])
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "warning: case 'a' lrs: to: 0.3 is not a grid value (10^(k/2)); the nearest, 0.32, lies "
+        "above it and is left out: write to: 0.32 to try it"
+    ]
+    assert study.case("a").grid.values == (0.032, 0.1)
+    run_study(study, tmp_path / "out", launcher=stub_runner(peak_at(0.1), []), dry_run=True,
+              log=print)  # fmt: skip
+    out = capsys.readouterr().out
+    assert "   a: 4 missing (lrs 0.032, 0.1)" in out and "   b: 4 missing (lrs 0.01, 0.1)" in out
+    stub_study(tmp_path, {"a": {"overrides": [], "lrs": {**grid, "to": 0.32}}})
+    assert capsys.readouterr().err == ""  # 0.32 is a grid value: nothing dropped

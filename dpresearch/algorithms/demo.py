@@ -108,6 +108,12 @@ def check_options(beta: Any, topk: Any, chunk: Any, average: Any, buffers: Any,
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"algorithm.chunk={chunk}: must be an integer >= 1 (the DCT block "
                          "side; the paper's 64)")  # fmt: skip
+    if topk >= chunk * chunk:
+        raise ValueError(
+            f"algorithm.topk={topk} keeps every coefficient: a block holds at most chunk² = "
+            f"{chunk * chunk} (algorithm.chunk={chunk}), so every block would be sent whole, "
+            f"indices included; use algorithm.topk < {chunk * chunk} (the paper's 32 of 64²)"
+        )
     if isinstance(beta, bool) or not isinstance(beta, int | float) or not 0 <= beta < 1:
         raise ValueError(f"algorithm.beta={beta}: the momentum decay must be in [0, 1) (the "
                          "paper's 0.999)")  # fmt: skip

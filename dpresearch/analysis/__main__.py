@@ -26,7 +26,7 @@ def parser() -> argparse.ArgumentParser:
         "--by",
         nargs="+",
         help="keys defining a case (default: the study's cases, else what differs between "
-        "the runs' configs but the seed)",
+        "the runs' configs but the seed and keys copying it; a run without a key reads –)",
     )
     p.add_argument(
         "--tune",

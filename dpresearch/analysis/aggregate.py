@@ -69,6 +69,24 @@ def choose_selection(columns: Sequence[str], metric: str | None = None) -> Selec
     )
 
 
+def key_texts(frame, keys: Sequence[str]) -> list[tuple[str, ...]]:
+    """Each row's values of `keys` as text, a missing one as "–": rows of runs and of tables
+    compare by it, and a case without some key (NaN, which equals nothing, and which pandas
+    keeps missing through `astype(str)`) still finds its runs."""
+    import numbers
+
+    from dpresearch.analysis.tables import MISSING
+
+    def text(value) -> str:
+        if value is None or value != value:
+            return MISSING
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return repr(float(value))  # 8 and 8.0 (a column NaN made float) are one value
+        return str(value)
+
+    return [tuple(map(text, row)) for row in frame[list(keys)].itertuples(index=False)]
+
+
 def _excluded_text(statuses) -> str:
     counts = statuses[statuses != FINISHED].value_counts().to_dict()
     order = sorted(counts, key=lambda s: (STATUSES.index(s) if s in STATUSES else 99, s))

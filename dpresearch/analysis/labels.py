@@ -1,14 +1,14 @@
 """Short case labels for runs a study did not name, from what differs between their configs.
 
-`varying_keys` lists the config keys (`cfg.*`) and config-group choices (`choice.*`) whose
-value differs between runs — the sweep's overrides — leaving out the seed (and what follows
-it), bookkeeping (logger, paths, progress), copies the algorithm node holds of other groups,
-and a key whose values repeat an earlier one's in every run (`model.block_size` beside
-`data.block_size`). `case_labels` turns each run's values of those keys into a label such as
-`sync`, `topk(0.01)+ef14` or `dpsgd, topology=ring, lr=0.1`: the algorithm, compressor and
-error feedback by their config-group names (the compressor with its main parameter), other
-groups as `group=choice`, everything else as `key=value`. A label holds only what applies to
-its run:
+`varying_keys` lists the config keys (`cfg.*`) and config-group choices (`choice.*`) whose value
+differs between runs — the sweep's overrides — leaving out the seed (and any key equal to the
+seed in every run that has it: `algorithm.seed`, `outer.seed` copy it), bookkeeping (logger,
+paths, progress), copies the algorithm node holds of other groups, and a key whose values repeat
+an earlier one's in every run (`model.block_size` beside `data.block_size`). `case_labels` turns
+each run's values of those keys into a label such as `sync`, `topk(0.01)+ef14` or `dpsgd,
+topology=ring, lr=0.1`: the algorithm, compressor and error feedback by their config-group names
+(the compressor with its main parameter), other groups as `group=choice`, everything else as
+`key=value`. A label holds only what applies to its run:
 
 - a key the run does not have (`optimizer.momentum` of an AdamW run) or a group the run's
   algorithm does not embed (`topology` of a synchronous run, `protocol` and `async` of any run
@@ -53,7 +53,19 @@ def _missing(value: Any) -> bool:
 
 
 def _seedlike(runs, column: str, seed_key: str) -> bool:
-    return seed_key in runs and runs[column].astype(str).equals(runs[seed_key].astype(str))
+    """Whether `column` copies the seed: it equals the seed in every run that has it
+    (`algorithm.seed: ${seed}` of a synchronous run; a local-SGD run has no such key). Such a
+    key never tells cases apart, also when the runs mix methods that have it and that do not."""
+    import pandas as pd
+
+    if seed_key not in runs:
+        return False
+    held = runs[column].notna()
+    if not held.any():
+        return False
+    values = pd.to_numeric(runs.loc[held, column], errors="coerce")
+    seeds = pd.to_numeric(runs.loc[held, seed_key], errors="coerce")
+    return bool(values.notna().all() and (values == seeds).all())
 
 
 def varying_keys(runs, seed_key: str = "cfg.seed") -> list[str]:
@@ -147,7 +159,7 @@ def _within_choice(runs, key: str) -> bool:
     return bool((counts > 1).any())
 
 
-def _names(keys: list[str]) -> dict[str, str]:
+def key_names(keys: list[str]) -> dict[str, str]:
     """The shortest dotted suffix naming each key uniquely (`lr`, `data.block_size`); a group
     choice or a group's `_target_` by the group (`optimizer`)."""
     full = {}
@@ -184,7 +196,7 @@ def label_parts(runs, keys: list[str]):
         if not _within_choice(runs, key):
             continue  # what the shown choice of its group already says
         rest.append(key)
-    names = _names(rest)
+    names = key_names(rest)
     labels, used = [], set()
     for i, row in enumerate(runs.to_dict("records")):
         applies = {g: bool(flags.iloc[i]) for g, flags in embedded.items()}

@@ -22,6 +22,7 @@ from dpresearch.analysis.aggregate import (
     aggregate,
     choose_selection,
     duplicate_seed_notes,
+    key_texts,
     select_best,
 )
 from dpresearch.analysis.errors import AnalysisError, require_columns
@@ -109,6 +110,8 @@ def _tuned_keys(runs, by: list[str], tune: Sequence[str] | None) -> list[str]:
 def selected_on_seeds(runs, grid, by, tune, selection, seed_key, seeds, include_failed):
     """`grid`'s rows whose setting is best per case on the runs of `seeds` alone (a boolean
     Series aligned with `grid`)."""
+    import pandas as pd
+
     basis = runs[runs[seed_key].isin(list(seeds))]
     if basis.empty:
         return grid["selected"] & False
@@ -119,8 +122,8 @@ def selected_on_seeds(runs, grid, by, tune, selection, seed_key, seeds, include_
         selection,
     )
     keys = [*by, *tune]
-    picked = set(map(tuple, chosen.loc[chosen["selected"], keys].astype(str).to_numpy()))
-    return grid[keys].astype(str).apply(tuple, axis=1).isin(picked)
+    picked = set(key_texts(chosen[chosen["selected"]], keys))
+    return pd.Series([key in picked for key in key_texts(grid, keys)], index=grid.index)
 
 
 def grid_edge_notes(grid, by: Sequence[str], tune: Sequence[str]) -> list[str]:
@@ -299,28 +302,27 @@ def _with_last_step(runs, metrics):
     return runs
 
 
-def _label(values: Sequence[Any]) -> str:
-    return " / ".join(str(v) for v in values)
-
-
 def _plot_groups(runs, table, by, tune, include_failed: bool) -> dict[str, list[str]]:
+    """Plot label → the runs averaged in each row of `table`, every row (a case without a
+    `--by` key included: its value reads "–" in its label as in the table). A label names the
+    row's case values as the table prints them, then its tuned values (`lr=0.1`)."""
+    from dpresearch.analysis.tables import display_frame
+
     keys = [*by, *tune]
     usable = runs if include_failed else runs[runs["status"] == FINISHED]
-    chosen = {tuple(row) for row in table[keys].astype(str).itertuples(index=False)}
+    members: dict[tuple[str, ...], list[str]] = {}
+    for key, run in zip(key_texts(usable, keys), usable["run"], strict=True):
+        members.setdefault(key, []).append(run)
+    shown = display_frame(table, keys, FORMATS)
     groups: dict[str, list[str]] = {}
-    for key, frame in usable.groupby(keys, dropna=False, sort=False):
-        key = key if isinstance(key, tuple) else (key,)
-        if tuple(map(str, key)) not in chosen:
-            continue
-        label = _label(key[: len(by)]) + (
-            ", "
-            + ", ".join(
-                f"{k.split('.')[-1]}={v}" for k, v in zip(tune, key[len(by) :], strict=True)
+    for key, cells in zip(key_texts(table, keys), shown.itertuples(index=False), strict=True):
+        label = " / ".join(cells[: len(by)])
+        if tune:
+            label += ", " + ", ".join(
+                f"{k.split('.')[-1]}={v}" for k, v in zip(tune, cells[len(by) :], strict=True)
             )
-            if tune
-            else ""
-        )
-        groups[label] = list(frame["run"])
+        if members.get(key):  # (a case none of whose runs finished has no curve)
+            groups[label] = members[key]
     return groups
 
 
@@ -355,9 +357,36 @@ FORMATS = {"MB/epoch": "MB", "MB": "MB", "tta/MB": "MB", "n": "d", "test/acc": "
            "tta/wall_s": ".3g", "tta/simulated_s": ".3g"}  # fmt: skip
 
 
+# Shown names of the columns the report derives (metrics are named by `plots.axis_label`).
+HEADS = {
+    "MB/epoch": "MB sent per worker per epoch",
+    "MB": "MB sent per worker",
+    "tta/MB": "MB sent per worker to the target",
+    "tta/epoch": "epochs to the target",
+    "tta/wall_s": "measured wall time to the target (s)",
+    "tta/simulated_s": "simulated time to the target (s)",
+    "reached": "seeds reaching it",
+}
+
+
 def headers(columns: Sequence[str]) -> dict[str, str]:
-    """Shown names: config keys without their `cfg.` prefix."""
-    return {c: c.removeprefix("cfg.") for c in columns}
+    """Shown names, as a study's report heads its columns: a metric by its label with its unit
+    (`test accuracy (%)`, `training loss, log window (nats)`, `test loss (bits per
+    character)`), a config key by its shortest unambiguous name (`algorithm`, `period`, `lr`),
+    anything else as it is."""
+    from dpresearch.analysis.labels import key_names
+    from dpresearch.analysis.plots import LABELS, axis_label
+
+    keys = [c for c in columns if c.startswith(("cfg.", "choice."))]
+    out = {c: c for c in columns} | key_names(keys)
+    for c in columns:
+        if c in HEADS:
+            out[c] = HEADS[c]
+        elif c in LABELS or c.endswith("/acc"):
+            out[c] = axis_label(c)[0]
+        elif c.startswith("tta/modeled_s"):
+            out[c] = axis_label(c.removeprefix("tta/"))[0].replace(" (s)", " to the target (s)")
+    return out
 
 
 def relative_path(path: str) -> str:

@@ -1,7 +1,9 @@
 """Tables as text: markdown, LaTeX (booktabs) and CSV.
 
 A metric column `m` that has a partner `m std` (as `aggregate` writes) is shown as
-"mean ± std" in markdown and LaTeX, and as two numeric columns in CSV, so the CSV stays
+"mean ± std" in markdown and LaTeX — as a study's report shows it (`mean_std`): three
+significant figures with the spread to the same decimal place, accuracies in % with one
+decimal, bytes as the mean alone — and as two numeric columns in CSV, so the CSV stays
 machine-readable. Missing values are shown as "–". Besides Python format specs, a column's
 format may be "%" (a fraction shown as a percentage with one decimal) or "MB" (an amount in
 MB shown with three significant figures, in GB from 1000 MB).
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dpresearch.analysis.errors import require_columns
@@ -49,6 +51,16 @@ def with_spread(mean: Any, std: Any, digits: int = 3) -> str:
     return f"{text} ± {float(std):.{decimals_of(text)}f}"
 
 
+def mean_std(mean: Any, std: Any, fmt: Callable[[Any], str] | None = None) -> str:
+    """A mean and its spread as every report prints them: with `fmt` (e.g. `percent`) both in
+    that format, else `with_spread` (three significant figures, the spread to the same decimal
+    place); the mean alone where the spread is not finite (one run)."""
+    if fmt is None:
+        return with_spread(mean, std)
+    text = fmt(mean)
+    return text + (f" ± {fmt(std)}" if _finite(std) and text != MISSING else "")
+
+
 def megabytes(value: Any) -> str:
     """An amount in MB (10⁶ bytes) with three significant figures, in GB from 1000 MB."""
     if not _finite(value):
@@ -80,6 +92,16 @@ def _cell(value: Any, fmt: str) -> str:
     return str(value)
 
 
+def _spread_cell(mean: Any, std: Any, fmt: str) -> str:
+    """A metric with its spread, as a study's report prints it (`mean_std`): "%" both in %,
+    "MB" the mean alone (as the study's bytes column), anything else `with_spread`."""
+    if not _finite(mean):
+        return _cell(mean, fmt)
+    if fmt == "MB":
+        return megabytes(mean)
+    return mean_std(mean, std, percent if fmt == "%" else None)
+
+
 def display_frame(df, columns: Sequence[str], formats: dict[str, str] | None = None):
     """`columns` of `df` as strings, metric columns merged with their `std` partner."""
     import pandas as pd
@@ -89,15 +111,12 @@ def display_frame(df, columns: Sequence[str], formats: dict[str, str] | None = N
     out = pd.DataFrame(index=df.index)
     for c in columns:
         fmt = formats.get(c, DEFAULT_FORMAT if pd.api.types.is_float_dtype(df[c]) else "")
-        cells = df[c].map(lambda v, f=fmt: _cell(v, f))
         std = f"{c} std"
         if std in df:
-            spread = df[std].map(lambda v, f=fmt: _cell(v, f))
-            cells = [
-                m if s == MISSING or m == MISSING else f"{m} ± {s}"
-                for m, s in zip(cells, spread, strict=True)
-            ]
-        out[c] = list(cells)
+            cells = [_spread_cell(m, s, fmt) for m, s in zip(df[c], df[std], strict=True)]
+        else:
+            cells = list(df[c].map(lambda v, f=fmt: _cell(v, f)))
+        out[c] = cells
     return out
 
 

@@ -354,6 +354,19 @@ def check_optimizer_values(node: DictConfig, where: str) -> None:
     for key in NON_NEGATIVE_OPTIMIZER_KEYS:
         if key in node and (not _is_number(node[key]) or node[key] < 0):
             raise ConfigError(f"{where}.{key}={_show(node[key])}: must be a number >= 0")
+    # (issue 43) accepted silently before: a momentum of 1 or more never forgets a gradient,
+    # and `if "maybe"` reads as true
+    momentum = node.get("momentum")
+    if _is_number(momentum) and momentum >= 1:
+        raise ConfigError(
+            f"{where}.momentum={_show(momentum)}: must be in [0, 1) (at 1 or more every past "
+            "gradient keeps its full weight and the steps grow without bound; 0.9 is usual)"
+        )
+    own = node.get("exclude_bn_bias_from_weight_decay", False)
+    if not isinstance(own, bool):
+        raise ConfigError(
+            f"{where}.exclude_bn_bias_from_weight_decay={_show(own)}: must be true or false"
+        )
     if "betas" in node:
         betas = node.betas
         values = list(betas) if isinstance(betas, ListConfig) else None

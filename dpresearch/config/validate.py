@@ -1,6 +1,7 @@
 """Checks that run before any worker starts; each failure is one line naming the fix.
 
-`validate` runs, in order: the schema's keys (`check_schema_keys`), every typed node's own
+`validate` runs, in order: the schema's keys (`check_schema_keys`), the mandatory values a
+config leaves to the user (`check_required_values`: `???`), every typed node's own
 check (`checks.NODE_CHECKS`), the run length against the command line (`check_run_length`),
 every plug-in's `_target_` and keys (`check_target`), and every plug-in node's own check
 (`checks.PLUGIN_CHECKS`, the algorithm's among them), and that no node is set for an
@@ -10,11 +11,13 @@ set once.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
+import logging
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from hydra.utils import get_object
@@ -55,7 +58,9 @@ def check_target(group: str, node: Any) -> None:
     try:
         obj = get_object(target)
     except Exception as exc:
-        raise ConfigError(f"{group}._target_={target} cannot be imported ({exc})") from None
+        lines = str(exc).splitlines()  # hydra's: "Error loading ...", the cause, a question
+        detail = "; ".join(line.strip() for line in lines[1:] if line.strip()) or lines[0]
+        raise ConfigError(f"{group}._target_={target} cannot be imported: {detail}") from None
     keys = [k for k in node if not str(k).startswith("_") and k not in OWN_KEYS.get(group, ())]
     try:
         signature = inspect.signature(obj)
@@ -155,17 +160,47 @@ def validate(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
     `key=value` strings); they tell which keys the user set (see `check_run_length`). Runs
     every node's own check (`checks.NODE_CHECKS`, `checks.PLUGIN_CHECKS`); needs no data and
     builds nothing; `preflight.preflight` adds the checks that do."""
-    check_schema_keys(cfg)
-    for check in NODE_CHECKS.values():
-        check(cfg)
-    check_run_length(cfg, overrides)
-    for group in RUNTIME_ARGS:
-        if group != "outer" or cfg.get("outer"):  # outer=none: no node
-            check_target(group, cfg[group])
-    for check in PLUGIN_CHECKS.values():
-        check(cfg)
-    check_unused_nodes(cfg, overrides)
-    OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg)))
+    with quiet_lookups():
+        check_schema_keys(cfg)
+        check_required_values(cfg)
+        for check in NODE_CHECKS.values():
+            check(cfg)
+        check_run_length(cfg, overrides)
+        for group in RUNTIME_ARGS:
+            if group != "outer" or cfg.get("outer"):  # outer=none: no node
+                check_target(group, cfg[group])
+        for check in PLUGIN_CHECKS.values():
+            check(cfg)
+        check_unused_nodes(cfg, overrides)
+        OmegaConf.resolve(OmegaConf.create(OmegaConf.to_container(cfg)))
+
+
+@contextlib.contextmanager
+def quiet_lookups() -> Iterator[None]:
+    """Hydra's `get_object` logs every failed lookup before it raises; a check reports the
+    failure itself, once, in one line (a bad `_target_` printed twice over six lines before)."""
+    logger = logging.getLogger("hydra.utils")
+    before = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = before
+
+
+# What to pass for a mandatory value (`???`) a config leaves to the user.
+REQUIRED_HINTS = {
+    "data.root": "a .txt file, a folder of .txt files or a nanoGPT folder (train.bin, val.bin)",
+}
+
+
+def check_required_values(cfg: DictConfig) -> None:
+    """Every mandatory value (`???` in a config: `data.root` of `data=text`) is given."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        key = missing[0]
+        value = REQUIRED_HINTS.get(key, "value")
+        raise ConfigError(f"{key} must be given (this config has no default); pass {key}=<{value}>")
 
 
 # Keys that became nodes of their own: what to pass instead.

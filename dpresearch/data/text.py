@@ -373,8 +373,17 @@ class TextDataset(Dataset):
                 f"data.eval_tokens={eval_tokens} must be an integer >= data.block_size"
             )
         for key, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
-            if not 0 < value < 0.5:
-                raise ValueError(f"data.{key}={value} must be in (0, 0.5)")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 0.5:
+                raise ValueError(f"data.{key}={value} must be a number in (0, 0.5), e.g. 0.05")
+        if (
+            isinstance(sample_tokens, bool)
+            or not isinstance(sample_tokens, int)
+            or sample_tokens < 0
+        ):
+            raise ValueError(
+                f"data.sample_tokens={sample_tokens} must be an integer >= 0 (tokens generated "
+                "into sample.txt at the end; 0: none)"
+            )
         path = Path(root).expanduser()
         if not path.exists():
             raise FileNotFoundError(

@@ -8,7 +8,8 @@ it do the same (`worker_output`): the settings travel in the environment they in
 
 `torch_logs_to_file()` (around a launch of local worker processes) sends torch's own log
 records — the elastic agent's, which print a failed worker's whole traceback, ~50 lines,
-before our one line says what happened — to that log file instead of the console.
+before our one line says what happened — to that log file instead of the console;
+`log_only(text)` does the same for a text of ours (torch's report of a worker a signal killed).
 """
 
 from __future__ import annotations
@@ -129,6 +130,25 @@ def torch_logs_to_file() -> Iterator[None]:
             logger.removeHandler(to_file)
             to_file.close()
             logger.addHandler(handler)
+
+
+def log_only(text: str) -> bool:
+    """Append `text` to the job's log file (`LOG_ENV`) and not to the console: what a reader
+    may want later but not on the terminal (torch's report of a worker killed by a signal).
+    Without a log file (or when it cannot be written) it goes to stderr; returns whether the
+    log file took it."""
+    log = os.environ.get(LOG_ENV)
+    if log:
+        sys.stdout.flush()
+        sys.stderr.flush()  # (the tee's lines first, in order)
+        try:
+            with open(log, "a", encoding="utf-8") as f:
+                f.write(text if text.endswith("\n") else text + "\n")
+            return True
+        except OSError:
+            pass
+    print(text, file=sys.stderr)
+    return False
 
 
 def worker_output() -> contextlib.AbstractContextManager[None]:

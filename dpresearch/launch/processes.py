@@ -238,6 +238,14 @@ def worker_config_error(exc: Any) -> ConfigError | None:
     )
 
 
+def root_failure(exc: Any) -> tuple[int, Any]:
+    """(rank, torch's `ProcessFailure`) of the worker whose failure ended the job: one killed
+    by a signal where there is one (its peers then fail on the broken connection, each with an
+    error file of its own and often an earlier time stamp), else torch's first failure."""
+    killed = [(rank, f) for rank, f in exc.failures.items() if f.exitcode < 0]
+    return killed[0] if killed else exc.get_first_failure()
+
+
 def every_failure(exc: Any, processes: int) -> Any:
     """`exc` (torch's `ChildFailedError`) with every worker's recorded failure, earliest first.
 

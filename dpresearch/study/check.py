@@ -1,7 +1,9 @@
 """A study checked whole before any point runs (a dry run included): every problem is one
 `StudyError` line naming the case and the fix.
 
-- Each case's configuration composes and passes the configuration checks (`validate`), with
+- Each case's configuration composes and passes the checks `train` makes before any worker
+  (`preflight`: the configuration, the data set loaded, the model built for it; `common`
+  alone the configuration checks only), with
   the study's `common` overrides, the case's own, the lr key at the case's first lr and the
   first seed: a typo in `common`, a bad override inside a case and a misspelt `lr_key` are
   all caught here, not by a failed point (the rest of a case's grid only changes the lr, the
@@ -114,6 +116,7 @@ def _compose(
     names them in the error."""
     from dpresearch import CONF_DIR
     from dpresearch.config.cli_check import compose_command_line, parse_command_line, task_config
+    from dpresearch.config.preflight import preflight
     from dpresearch.config.schema import register_configs
     from dpresearch.config.validate import ConfigError, validate
 
@@ -123,7 +126,10 @@ def _compose(
     args = [*study.common, *overrides, *lr_arg, f"seed={study.seeds[0]}"]
     try:
         cfg = task_config(compose_command_line(parse_command_line(args), CONF_DIR))
-        validate(cfg, args)
+        if with_lr:  # a case: what `train` checks, so a case it would refuse fails here
+            preflight(cfg, args)
+        else:  # `common` alone: the cases may choose the model its data needs
+            validate(cfg, args)
     except ConfigError as exc:
         named = str(exc).split(" ", 1)[0].split("=", 1)[0]
         if named == study.lr_key:

@@ -371,11 +371,15 @@ def _run_points(
     if dry_run:
         log(f"== study {study.name}: {len(states)} points")
         by_case: dict[str, dict[str, int]] = {}
+        lrs: dict[str, set[float]] = {}
         for point, state in states:
             counts = by_case.setdefault(point.case, {})
             counts[state] = counts.get(state, 0) + 1
+            lrs.setdefault(point.case, set()).add(point.lr)
         for case, counts in by_case.items():
-            log(f"   {case}: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+            tried = ", ".join(f"{lr:g}" for lr in sorted(lrs[case]))
+            log(f"   {case}: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+                + f" (lrs {tried})")  # fmt: skip
         return {p.id: {"case": p.case, "lr": p.lr, "seed": p.seed, "status": state}
                 for p, state in states}  # fmt: skip
     (out / "runs").mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,8 @@ What a report states (one rule for every study):
   whose runs diverged or did not train prints that instead of a number.
 - **Claim**: each expectation judged at each horizon on the final seeds: holds where the
   difference exceeds twice its standard error, the opposite holds where it is below minus
-  twice, unresolved otherwise. Nothing is concluded beyond the last horizon.
+  twice, unresolved otherwise. Nothing is concluded beyond the last horizon. A verdict whose
+  side has one final seed says "one final seed": its SE holds no seed-to-seed spread.
 - **Published numbers** in a table of their own, with their set-up and source, never in a
   column beside ours; a row measured in another setting than the case it names (its `differs`
   column) or naming no case goes to a second table, "published, other setting", naming what
@@ -43,6 +44,7 @@ from dpresearch.analysis.tables import (
     MISSING,
     latex_table,
     markdown_table,
+    mean_std,
     megabytes,
     percent,
     significant,
@@ -319,11 +321,7 @@ def _mean_cell(rows, metric: str, include_failed: bool, fmt) -> tuple[str, float
         return (_failed_text(rows) if len(rows) else MISSING), math.nan, math.nan, 0
     mean = float(values.mean())
     std = float(values.std(ddof=1)) if len(values) > 1 else math.nan
-    if fmt is None:
-        text = with_spread(mean, std)
-    else:
-        text = fmt(mean) + (f" ± {fmt(std)}" if math.isfinite(std) else "")
-    return text, mean, std, len(values)
+    return mean_std(mean, std, fmt), mean, std, len(values)
 
 
 def _fmt_for(metric: str):
@@ -556,6 +554,8 @@ def verdict(report: StudyReport, horizon: Horizon, expectation) -> str:
         text = f"{diff:+.3g} ± {se:.2g}" if math.isfinite(se) else f"{diff:+.3g}"
     if not math.isfinite(se):
         text += ", SE unknown"
+    if min(n_a, n_b) == 1:  # the SE holds no seed-to-seed spread: the verdict says so
+        text += ", one final seed"
     if not math.isfinite(se):
         return f"unresolved ({text})"
     low = -expectation.within if expectation.within is not None else 0.0

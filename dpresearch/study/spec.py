@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -373,6 +374,8 @@ def grid_values(value: Any, what: str) -> tuple[tuple[float, ...], float]:
         values = tuple(v for v in written if lo <= v <= hi)
         if not values:
             raise StudyError(f"{what}: no grid value lies in [{lo:g}, {hi:g}]")
+        for line in dropped_by_bounds(lo, hi, n, what):
+            print(f"warning: {line}", file=sys.stderr)
         return values, 10 ** (1 / n)
     if not isinstance(value, list) or not value:
         raise StudyError(f"{what} must be a non-empty list of numbers, got {value!r}")
@@ -388,6 +391,22 @@ def grid_values(value: Any, what: str) -> tuple[tuple[float, ...], float]:
             f"to: {ordered[-1]:g}, per_decade: 2}}"
         )
     return values, (ordered[-1] / ordered[0]) ** (1 / (len(values) - 1))
+
+
+def dropped_by_bounds(lo: float, hi: float, per_decade: int, what: str) -> list[str]:
+    """A line per bound of `{from: lo, to: hi, per_decade}` whose nearest grid value (as
+    written, two digits) lies outside [lo, hi] and is so left out: `to: 0.3` drops 0.32, which
+    its writer likely meant to try."""
+    lines = []
+    for bound, name, outside in ((lo, "from", lambda v: v < lo), (hi, "to", lambda v: v > hi)):
+        nearest = round_lr(10 ** (round(math.log10(bound) * per_decade) / per_decade))
+        if outside(nearest):
+            lines.append(
+                f"{what}: {name}: {bound:g} is not a grid value (10^(k/{per_decade})); the "
+                f"nearest, {nearest:g}, lies {'below' if name == 'from' else 'above'} it and is "
+                f"left out: write {name}: {nearest:g} to try it"
+            )
+    return lines
 
 
 def _grid(body: dict, default: dict, what: str, names=("lrs", "extend", "lr_range")) -> Grid:
