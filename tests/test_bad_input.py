@@ -247,6 +247,7 @@ FIRST_HOUR = [
     (["data=text"], "data.root must be given (this config has no default); pass data.root=<"),
     (["data=text", "data.root=play.txt", "data.val_fraction=half"], "data.val_fraction=half"),
     ([*TEXT, "data.sample_tokens=-5"], "data.sample_tokens=-5 must be an integer >= 0"),
+    (["data=text", "data.root=play.txt", "data.memmap=maybe"], "data.memmap=maybe: must be true"),
     (["optimizer=muon", "optimizer.ns_steps=0"], "optimizer.ns_steps=0: must be an integer >= 1"),
     (["optimizer.momentum=1.5"], "optimizer.momentum=1.5: must be in [0, 1)"),
     (
