@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dpresearch.analysis.fast_yaml import load_config
+import yaml
 
 STATUSES = ("finished", "diverged", "did not train", "interrupted", "unfinished")
 FINISHED = "finished"
@@ -31,6 +31,8 @@ POINT_FILE = "study_point.json"
 # Folders that hold a `config.yaml` but are not runs (Hydra's copy, W&B's files).
 _NOT_RUNS = {".hydra", "wandb", "files", "__pycache__"}
 _RUN_FILES = ("summary.json", "metrics.jsonl", "config.yaml")
+# libyaml's loader (`yaml.safe_load`'s result, built in C) where PyYAML has it
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def find_runs(roots: Iterable[str | Path], include_unfinished: bool = True) -> list[Path]:
@@ -129,7 +131,7 @@ def run_row(
 def read_run(run: Path) -> tuple[dict, dict | None, dict, dict[str, str]]:
     """(config, summary or None, study point, choices) as the run directory holds them."""
     config_path = run / "config.yaml"
-    config = load_config(config_path.read_text()) if config_path.exists() else {}
+    config = yaml.load(config_path.read_text(), _YAML_LOADER) if config_path.exists() else {}
     return (config or {}, _read_json(run / "summary.json"), _read_json(run / POINT_FILE) or {},
             read_choices(run))  # fmt: skip
 

@@ -24,7 +24,7 @@ class TrainConfig:
     smoke run is just `train.steps=6`); to train by epochs where a config sets `steps`, pass
     `train.steps=null train.epochs=E`. Giving both `train.steps` and `train.epochs` on one command
     line, or `train.epochs` while `steps` is set, is rejected. `eval_every` is in steps (null: at
-    every epoch end);
+    every epoch end; the language-model data presets set 50);
     `lr_scaling`: "linear" multiplies the optimizer's lr by the number of workers (Goyal et al.),
     "none" leaves it. `channels_last`: NHWC inputs and conv weights (faster convolutions on
     GPUs). `autocast`: null, "bf16" or "fp16" mixed-precision forward/backward; fp16 multiplies

@@ -402,6 +402,14 @@ class WorkerCompute:
         window.copy_(torch.tensor(rows, dtype=torch.float64))
         self._sums = [[0.0, 0.0, 0] for _ in self.workers]
 
+    def running_loss(self) -> float:
+        """The mean batch loss of this process's rows since the last `drain` (nan before any
+        batch), the sums left to `drain` (a progress line between logged rows: folding early
+        adds the same batches in the same order)."""
+        self._fold()
+        count = sum(s[2] for s in self._sums)
+        return sum(s[0] for s in self._sums) / count if count else math.nan
+
     def _fold(self) -> None:
         """Reduce the pending batches into their rows' sums (float64, batch after batch)."""
         pending = self._pending

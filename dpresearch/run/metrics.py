@@ -7,6 +7,7 @@ worker sent, per purpose."""
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from dpresearch.run.build import Run
 from dpresearch.run.evaluation import Evaluator
 from dpresearch.run.logger import NullLogger, RunLogger
 from dpresearch.run.loop import Hook, LoopState
-from dpresearch.run.progress import format_progress
+from dpresearch.run.progress import Pacer, format_progress
 
 
 def bytes_per_worker(run: Run) -> dict[str, float]:
@@ -88,6 +89,7 @@ class MetricsLog(Hook):
         self.log_every = tc.log_every
         self.eval_every = tc.eval_every or run.steps_per_epoch
         self.progress = progress and run.comm.is_main_process
+        self.pacer = Pacer() if self.progress else None
         self.counts_skipped = tc.on_nonfinite == "skip_step"
         # per local row: summed loss, accuracy, batches; with clipping, summed pre-clip
         # gradient norms and their count (`grad_clip.GradClip`): one allreduce for all
@@ -96,11 +98,34 @@ class MetricsLog(Hook):
             run.comm.num_local, columns, dtype=torch.float64, device=run.device
         )
 
+    def _between_rows(self, done: int) -> dict[str, Any]:
+        """What a progress line between logged rows shows, read without a collective or a
+        logged byte: the training loss of this process's workers since the last row, lr,
+        modeled comm time, wall time and throughput."""
+        run = self.run
+        samples = done * run.gradients_per_step * run.cfg.train.batch_size
+        row = {
+            "step": done,
+            "epoch": done / run.steps_per_epoch,
+            "samples": samples,
+            "train/loss": run.compute.running_loss(),
+            "lr": run.base_lr * run.schedule(done - 1),
+            "comm/modeled_s": run.ledger.modeled_s,
+            "time/wall_s": time.perf_counter() - self.state.clock.start,
+        }
+        if run.data.tokens_per_example:
+            row["tokens"] = samples * run.data.tokens_per_example
+        return row
+
     def after_step(self, done: int, verdict: Verdict) -> None:
+        run = self.run
         evaluates = done % self.eval_every == 0 or verdict.finished
         if not (evaluates or done % self.log_every == 0):
+            if self.pacer is not None and self.pacer.due():
+                print(format_progress(self._between_rows(done), run.total_steps), flush=True)
+                self.pacer.printed()
             return
-        run, state = self.run, self.state
+        state = self.state
         clips = run.clip.active
         run.compute.drain(self.window[:, :3] if clips else self.window)
         if clips:
@@ -135,5 +160,6 @@ class MetricsLog(Hook):
                 state.best_acc = max(state.best_acc, row["test/acc"])
         state.last = row
         self.logger.log(row)
-        if self.progress:
+        if self.pacer is not None:
             print(format_progress(row, run.total_steps), flush=True)
+            self.pacer.printed()

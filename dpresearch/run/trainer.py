@@ -35,7 +35,7 @@ from dpresearch.run.io_errors import RunIOError, writing
 from dpresearch.run.logger import NullLogger, RunLogger
 from dpresearch.run.loop import Hook, LoopState, Outcome, run_loop
 from dpresearch.run.metrics import MetricsLog, bytes_per_worker
-from dpresearch.run.progress import format_setup
+from dpresearch.run.progress import format_setup, format_start
 
 
 def train(
@@ -100,6 +100,10 @@ class Trainer:
         if resumed_at and comm.is_main_process and tc.progress:
             print(f"resumed from step {resumed_at} of {run.total_steps}", flush=True)
         self.metrics = MetricsLog(run, self.state, logger, tc.progress)
+        if comm.is_main_process and tc.progress:
+            text = bool(run.data.tokens_per_example)
+            every = (tc.log_every, self.metrics.eval_every)
+            print(format_start(run.total_steps, run.steps_per_epoch, *every, text), flush=True)
         self.hooks: list[Hook] = [FaultInjection(run), self.checkpoints]
         if run.lockstep or comm.is_main_process:  # (asynchronous: the main process reports)
             self.hooks.insert(1, self.metrics)

@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
             from dpresearch.study.unpack import unpack_study
 
             print(f"unpacked {unpack_study(study, out)} runs into {out / 'runs'}")
-        if args.action in ("run", "status"):
+        if args.action == "status" and _shipped_status(study, out, args.study):
+            pass
+        elif args.action in ("run", "status"):
             from dpresearch.study.launcher import run_study, summarize
 
             records = run_study(
@@ -87,7 +89,16 @@ def main(argv: list[str] | None = None) -> int:
                 dry_run=args.dry_run or args.action == "status",
                 log=lambda line: print(line, flush=True),
             )
-            print(f"== points: {summarize(records)} (status in {out / 'status.json'})")
+            book = out / "status.json"
+            print(
+                f"== points: {summarize(records)}"
+                + (f" (status in {book})" if book.exists() else f" (runs go to {out / 'runs'})")
+            )
+            if args.action == "status":
+                from dpresearch.study.status import describe, directory_points, tally
+
+                print("== runs on disk, by part of the protocol:")
+                print("\n".join(describe(tally(study, directory_points(out)))))
             failed = [point for point, r in records.items() if r.get("status") == "failed"]
         if args.action == "report" or args.report:
             from dpresearch.study.report import report_study
@@ -105,6 +116,24 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     return 0
+
+
+def _shipped_status(study, out: Path, study_file: Path) -> bool:
+    """`status` of a study with no run directories under `out` but shipped run data: print
+    what the run data holds and how to add runs; False (nothing printed) otherwise."""
+    from dpresearch.analysis.runs import find_runs
+    from dpresearch.study.status import describe, packed_points, tally
+
+    if not study.data_path.exists() or ((out / "runs").is_dir() and find_runs([out / "runs"])):
+        return False
+    points = packed_points(study)
+    print(f"== study {study.name}: no runs under {out / 'runs'}; its shipped run data "
+          f"({study.data_path.name}) holds {len(points)} runs:")  # fmt: skip
+    print("\n".join(describe(tally(study, points))))
+    print(f"== to add runs (more seeds, a grown grid): python -m dpresearch.study unpack "
+          f"{study_file} --out {out}, then `run {study_file} --out {out}` runs only what is "
+          "missing")  # fmt: skip
+    return True
 
 
 if __name__ == "__main__":
