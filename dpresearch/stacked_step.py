@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,16 +79,17 @@ def stackable(optimizers: Sequence[torch.optim.Optimizer]) -> type | None:
     if kind not in _KINDS:
         return None
     groups = first.param_groups
+    hyper = [[k for k in group if k not in _NOT_HYPER] for group in groups]
     for opt in optimizers:
         if type(opt) is not kind or len(opt.param_groups) != len(groups):
             return None
         if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
             return None
-        for group, reference in zip(opt.param_groups, groups, strict=True):
-            if any(group.get(flag) for flag in _UNSUPPORTED) or isinstance(group["lr"], Tensor):
+        for group, reference, keys in zip(opt.param_groups, groups, hyper, strict=True):
+            if any(map(group.get, _UNSUPPORTED)) or isinstance(group["lr"], Tensor):
                 return None
             if opt is not first and any(
-                group[k] != reference[k] for k in reference if k not in _NOT_HYPER
+                map(operator.ne, map(group.get, keys), map(reference.get, keys))
             ):
                 return None
     return kind
@@ -136,7 +138,8 @@ def _sgd_lists(optimizers: Sequence[torch.optim.Optimizer]) -> None:
 @dataclass
 class Span:
     """One parameter group of all W optimizers on the rows: its column `runs` (`(start, end)`
-    within a row, the same in every row; maximal, so one group alone is one run `(0, D)`),
+    within a row, the same in every row; maximal, so one group alone on an accelerator is one
+    run `(0, D)`, on a CPU cut into cache-sized pieces),
     `pairs` (optimizer, parameter, its gradient, row, column) over all rows, the group's
     packed state (`state[key]`: `[W, n]`, the runs side by side) and step counters."""
 
@@ -204,9 +207,16 @@ class FlatRows:
         # torch's own default: multi-tensor on an accelerator, per tensor on a CPU (where the
         # multi-tensor kernels fall back to the same per-tensor ops after grouping them)
         self._foreach = params.device.type != "cpu"
+        # On a CPU the per-tensor kernels pass over a tensor once per operation (Adam: eight),
+        # so runs are cut into pieces of at most this many elements (all rows together) that
+        # stay in cache across them: ~3x faster than whole rows for a 1.8 M-parameter model
+        # (pieces of 2**15 to 2**22 elements measured: 2**18 fastest). Elementwise: the same
+        # numbers.
+        self._piece = CPU_PIECE if params.device.type == "cpu" else 0
         self._for: tuple[int, ...] = ()  # the optimizers the check below was made for
         self.spans: list[Span] = []
-        self._pairs: list[tuple[Tensor, Tensor]] = []  # every (parameter, gradient) checked
+        self._params: list[Tensor] = []  # every parameter checked, and its gradient
+        self._grads: list[Tensor] = []
 
     @classmethod
     def of_row(cls, params: Tensor, grads: Tensor, row: int) -> FlatRows:
@@ -249,8 +259,10 @@ class FlatRows:
         key = tuple(id(opt) for opt in optimizers)
         if key != self._for:
             self._for, self.spans = key, self._check(optimizers)
-            self._pairs = [(p, g) for s in self.spans for _, p, g, _, _ in s.pairs]
-        return bool(self.spans) and all(p.grad is g for p, g in self._pairs)
+            self._params = [p for s in self.spans for _, p, _, _, _ in s.pairs]
+            self._grads = [g for s in self.spans for _, _, g, _, _ in s.pairs]
+        # (per step, K·P identity checks: in C, map over operator.is_, not a Python loop)
+        return bool(self.spans) and _same(list(map(_GRAD, self._params)), self._grads)
 
     def _check(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[Span]:
         params, grads = self.params, self.grads
@@ -290,9 +302,19 @@ class FlatRows:
                     runs.append((col, col + numel))
             if not runs:
                 return []
+            if self._piece:
+                runs = _pieces(runs, max(1, self._piece // len(params)))
             spans.append(Span(runs, pairs, [params[:, a:b] for a, b in runs],
                               [grads[:, a:b] for a, b in runs]))  # fmt: skip
         return spans
+
+
+CPU_PIECE = 2**18
+
+
+def _pieces(runs: list[tuple[int, int]], width: int) -> list[tuple[int, int]]:
+    """`runs` cut into consecutive pieces of at most `width` columns."""
+    return [(a, min(a + width, end)) for start, end in runs for a in range(start, end, width)]
 
 
 def _span(t: Tensor) -> int:
@@ -365,7 +387,11 @@ def _ready(span: Span, kind: type, group: dict[str, Any]) -> bool:
 
 
 def _same(found: list[Any], bound: list[Tensor]) -> bool:
-    return len(found) == len(bound) and all(a is b for a, b in zip(found, bound, strict=True))
+    """Whether `found` holds exactly the objects `bound` does, in order."""
+    return len(found) == len(bound) and all(map(operator.is_, found, bound))
+
+
+_GRAD = operator.attrgetter("grad")
 
 
 def _bind(span: Span, key: str, packed: Tensor, views: list[Tensor] | None = None) -> None:
@@ -460,7 +486,10 @@ def _muon_adamw_step(rows: FlatRows, span: Span, group: dict[str, Any]) -> None:
         for p in span.params:
             p.mul_(1 - lr * decay)
     for shape, (targets, sources) in span.matrices(rows.params, update).items():
-        stacked = torch.stack(sources).to(torch.bfloat16).flatten(0, 1)  # as torch's Muon
+        stacked = sources[0].new_empty((len(sources), *sources[0].shape), dtype=torch.bfloat16)
+        for into, source in zip(stacked, sources, strict=True):
+            into.copy_(source)  # cast as torch's Muon casts, in one pass
+        stacked = stacked.flatten(0, 1)
         ortho = newton_schulz(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"])
         ortho = ortho.view(len(targets), -1, *shape)
         step = -_adjust_lr(lr, group["adjust_lr_fn"], torch.Size(shape))

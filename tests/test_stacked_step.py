@@ -18,6 +18,7 @@ import copy
 
 import pytest
 import torch
+from helpers import SHARED, compose_config, final_state64, max_diff, same
 from omegaconf import OmegaConf
 from torch.optim._muon import _zeropower_via_newtonschulz
 
@@ -30,7 +31,6 @@ from dpresearch.muon import newton_schulz
 from dpresearch.optim import make_optimizer
 from dpresearch.replicas import Replicas
 from dpresearch.stacked_step import FlatRows, stackable, step_together
-from tests.helpers import SHARED, compose_config, final_state64, max_diff, same
 
 K = 4
 WORKS = SHARED / "data" / "shakespeare" / "works"
