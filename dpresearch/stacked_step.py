@@ -372,8 +372,8 @@ def _ready(span: Span, kind: type, group: dict[str, Any]) -> bool:
     ):
         return False
     if counted:
-        steps = torch.stack([torch.as_tensor(s["step"]).to("cpu", _get_scalar_dtype())  # type: ignore[index]
-                             for s in states])  # fmt: skip
+        # the counters' own dtype (torch's scalar dtype when they were made), on the CPU
+        steps = torch.stack([torch.as_tensor(s["step"]).cpu() for s in states])  # type: ignore[index]
         if not bool((steps == steps[0]).all()):
             return False
     for key in keys:
