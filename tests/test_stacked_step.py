@@ -124,6 +124,31 @@ def test_adam_on_the_rows_is_bit_identical_to_each_step(name, model, dtype):
     step_both(8)
 
 
+@pytest.mark.parametrize("target", ["torch.optim.AdamW", "torch.optim.SGD"])
+def test_multi_tensor_kernels_on_whole_runs_are_each_step(target):
+    """The accelerator's path on a CPU: optimizers asking for torch's multi-tensor (`foreach`)
+    kernels, the rows not cut into pieces (as on a GPU) — the stacked call on whole runs is
+    bit for bit each optimizer's own multi-tensor step, state included."""
+    node = {"_target_": target, "lr": 0.01, "weight_decay": 0.1, "foreach": True,
+            "exclude_bn_bias_from_weight_decay": True}  # fmt: skip
+    if target.endswith("SGD"):
+        node |= {"momentum": 0.9, "nesterov": True}
+    (a, opts_a), (b, opts_b) = build(node, "gpt", torch.float32), build(node, "gpt", torch.float32)
+    rows = FlatRows(b.params, b.grads)
+    rows._piece = 0  # whole runs, as on an accelerator
+    for step in range(3):
+        grads = torch.randn(a.grads.shape, generator=torch.Generator().manual_seed(step))
+        a.grads.copy_(grads)
+        b.grads.copy_(grads)
+        for opt in opts_a:
+            opt.step()
+        assert rows.step(opts_b)
+        assert rows.foreach(opts_b[0].param_groups[0])
+        assert torch.equal(a.params, b.params), step
+        states_equal(opts_a, opts_b)
+    assert max(len(span.runs) for span in rows.spans) < len(opts_b[0].param_groups[0]["params"])
+
+
 def test_adam_with_unequal_counters_steps_one_by_one():
     """Where one parameter's counter differs from the others' (its state reset earlier), the
     group cannot share a bias correction: the rows decline and each optimizer steps alone."""
