@@ -151,7 +151,8 @@ class Span:
     views: dict[str, list[Tensor]] = field(default_factory=dict)  # per pair, per key
     steps: Tensor | None = None  # `[W, P]` float32 on the CPU: each parameter's counter
     step_views: list[Tensor] = field(default_factory=list)
-    run_steps: list[Tensor] = field(default_factory=list)  # the functional's, one per run
+    run_counts: Tensor | None = None  # the functional's counters, one per run
+    run_steps: list[Tensor] = field(default_factory=list)  # ... as 0-d views
 
     @property
     def width(self) -> int:
@@ -356,8 +357,9 @@ def _ready(span: Span, kind: type, group: dict[str, Any]) -> bool:
         and all(_same(found[k], span.views[k]) for k in keys)
         and (_same(steps_found, span.step_views))
     ):
-        return True
-    span.state, span.views, span.steps, span.step_views, span.run_steps = {}, {}, None, [], []
+        # a step taken one by one meanwhile advanced the bound counters in place: equal still?
+        return not counted or bool((span.steps == span.steps.view(-1)[0]).all())  # type: ignore[union-attr]
+    span.state, span.views, span.steps, span.step_views = {}, {}, None, []
     rows, width = span.params[0].shape[0], span.width
     new = span.params[0].new_zeros
     if all(not s for s in states):
@@ -402,15 +404,15 @@ def _bind(span: Span, key: str, packed: Tensor, views: list[Tensor] | None = Non
 
 
 def _bind_steps(span: Span, steps: Tensor) -> None:
-    """Bind `[W, P]` counters (equal) as each parameter's `step`; one private counter per run
-    for the functional update, which increments its own."""
+    """Bind `[W, P]` counters (equal) as each parameter's `step`; the functional update gets
+    one counter per run of its own (it increments them), set from these before each step."""
     span.steps = steps
     flat = steps.view(-1)
     span.step_views = [flat[i] for i in range(flat.numel())]
     for (opt, p, _, _, _), view in zip(span.pairs, span.step_views, strict=True):
         opt.state[p]["step"] = view
-    count = flat[0] if flat.numel() else torch.zeros((), dtype=steps.dtype)
-    span.run_steps = [count.clone() for _ in span.runs]
+    span.run_counts = steps.new_empty(len(span.runs))
+    span.run_steps = list(span.run_counts)
 
 
 # -- the updates ----------------------------------------------------------------------------------
@@ -450,6 +452,8 @@ def _adam_step(rows: FlatRows, span: Span, group: dict[str, Any]) -> None:
     per-parameter counters advance with the functional's per-run ones."""
     from torch.optim.adam import adam
 
+    assert span.steps is not None and span.run_counts is not None
+    span.run_counts.copy_(span.steps.view(-1)[0])  # the count every bound counter holds
     muon = "adamw_betas" in group  # a MuonAdamW group without Muon: its AdamW keys
     beta1, beta2 = group["adamw_betas"] if muon else group["betas"]
     adam(span.params, span.grads, span.state_runs("exp_avg"), span.state_runs("exp_avg_sq"),
@@ -458,7 +462,6 @@ def _adam_step(rows: FlatRows, span: Span, group: dict[str, Any]) -> None:
          eps=group["adamw_eps"] if muon else group["eps"], maximize=group.get("maximize", False),
          decoupled_weight_decay=muon or group.get("decoupled_weight_decay", False),
          has_complex=False)  # fmt: skip
-    assert span.steps is not None
     span.steps.add_(1)
 
 

@@ -176,6 +176,42 @@ def test_adam_with_unequal_counters_steps_one_by_one():
     states_equal(opts_a, opts_b)
 
 
+def test_counters_advanced_by_a_step_one_by_one_are_followed():
+    """A step taken per optimizer (one group's state partly reset) advances the other group's
+    bound counters in place; once the rows take the step again, that group's bias correction
+    follows its counters (not a count of the rows' own steps): bit for bit each step."""
+    (a, opts_a), (b, opts_b) = (
+        build(ADAM["adamw"], "gpt", torch.float64),
+        build(ADAM["adamw"], "gpt", torch.float64),
+    )
+    rows = FlatRows(b.params, b.grads)
+
+    def step_both(seed: int, on_rows: bool) -> None:
+        grads = torch.randn(a.grads.shape, generator=torch.Generator().manual_seed(seed))
+        a.grads.copy_(grads)
+        b.grads.copy_(grads)
+        for opt in opts_a:
+            opt.step()
+        assert rows.step(opts_b) is on_rows, seed
+        if not on_rows:
+            step_together(opts_b, rows)
+        assert torch.equal(a.params, b.params), seed
+        states_equal(opts_a, opts_b)
+
+    step_both(0, True)
+    step_both(1, True)
+    for opts in (opts_a, opts_b):  # group 0 partly reset: this step one by one
+        for opt in opts:
+            opt.state.pop(opt.param_groups[0]["params"][0])
+    step_both(2, False)
+    for opts in (opts_a, opts_b):  # group 0 wholly reset; group 1's counters stand at 3
+        for opt in opts:
+            for p in opt.param_groups[0]["params"]:
+                opt.state.pop(p)
+    step_both(3, True)
+    step_both(4, True)
+
+
 def test_workers_with_other_hyper_parameters_step_one_by_one():
     _, opts = build(ADAM["adamw"], "gpt", torch.float32)
     assert stackable(opts) is torch.optim.AdamW
