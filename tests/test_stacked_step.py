@@ -67,6 +67,22 @@ def states_equal(opts_a: list, opts_b: list, exact: bool = True) -> None:
                     assert sa[key].stride() == sb[key].stride(), key
 
 
+def stepped_alike(a, opts_a, b, opts_b, rows: FlatRows, seed: int, on_rows: bool) -> None:
+    """Seeded gradients into both replicas; `opts_a` each step alone, `opts_b` on the rows
+    (which must take it, or decline it when `on_rows` is False: then `step_together`); the
+    parameters and every state entry bit for bit the same."""
+    grads = torch.randn(a.grads.shape, generator=torch.Generator().manual_seed(seed))
+    a.grads.copy_(grads.to(a.grads.dtype))
+    b.grads.copy_(grads.to(b.grads.dtype))
+    for opt in opts_a:
+        opt.step()
+    assert rows.step(opts_b) is on_rows, seed
+    if not on_rows:
+        step_together(opts_b, rows)
+    assert torch.equal(a.params, b.params), seed
+    states_equal(opts_a, opts_b)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("model", ["gpt", "resnet"])
 @pytest.mark.parametrize("name", list(ADAM))
@@ -78,16 +94,7 @@ def test_adam_on_the_rows_is_bit_identical_to_each_step(name, model, dtype):
     comm = SimulatedCommunicator(K, NetworkModel.preset("1gbe"))
 
     def step_both(seed: int, on_rows: bool = True) -> None:
-        grads = torch.randn(a.grads.shape, generator=torch.Generator().manual_seed(seed))
-        a.grads.copy_(grads.to(dtype))
-        b.grads.copy_(grads.to(dtype))
-        for opt in opts_a:
-            opt.step()
-        assert rows.step(opts_b) is on_rows, seed
-        if not on_rows:
-            step_together(opts_b, rows)
-        assert torch.equal(a.params, b.params), seed
-        states_equal(opts_a, opts_b)
+        stepped_alike(a, opts_a, b, opts_b, rows, seed, on_rows)
 
     for step in range(3):
         step_both(step)
@@ -187,16 +194,7 @@ def test_counters_advanced_by_a_step_one_by_one_are_followed():
     rows = FlatRows(b.params, b.grads)
 
     def step_both(seed: int, on_rows: bool) -> None:
-        grads = torch.randn(a.grads.shape, generator=torch.Generator().manual_seed(seed))
-        a.grads.copy_(grads)
-        b.grads.copy_(grads)
-        for opt in opts_a:
-            opt.step()
-        assert rows.step(opts_b) is on_rows, seed
-        if not on_rows:
-            step_together(opts_b, rows)
-        assert torch.equal(a.params, b.params), seed
-        states_equal(opts_a, opts_b)
+        stepped_alike(a, opts_a, b, opts_b, rows, seed, on_rows)
 
     step_both(0, True)
     step_both(1, True)
