@@ -180,6 +180,28 @@ class MuonAdamW(torch.optim.Optimizer):
               has_complex=False)  # fmt: skip
 
 
+def newton_schulz(x: Tensor, coefficients: Sequence[float], steps: int, eps: float) -> Tensor:
+    """torch's Muon orthogonalisation (`torch.optim._muon._zeropower_via_newtonschulz`) of a
+    batch of same-shape matrices `x` (`[B, m, n]`) at once, in `x`'s dtype (torch's Muon casts
+    to bfloat16 first; so does `stacked_step`): each matrix transposed when m > n, divided by
+    its Frobenius norm (at least `eps`), then `steps` quintic iterations X <- a·X + (b·A + c·A²)·X
+    with A = X·Xᵀ — torch's per-matrix sequence with `bmm`/`baddbmm` for `mm`/`addmm`. A
+    batched product may sum in another order than the per-matrix one, so a matrix's result
+    equals torch's to the rounding of the dtype (stated and tested in
+    tests/test_stacked_step.py)."""
+    if x.dim() != 3:
+        raise ValueError(f"newton_schulz takes [B, m, n] matrices, got shape {list(x.shape)}")
+    a, b, c = coefficients
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = torch.bmm(x, x.mT)
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
 def split_param_groups(
     groups: list[dict[str, Any]], module: nn.Module | None
 ) -> list[dict[str, Any]]:

@@ -503,6 +503,11 @@ CHECKPOINT_CASES = {
     "adpsgd": ["algorithm=adpsgd", "async.speed=exponential", "optimizer.momentum=0.9"],
     "adpsgd_topk": ["algorithm=adpsgd", "compressor=topk", "compressor.ratio=0.25",
                     "algorithm.gamma=0.5", "async.speed=exponential"],  # + the edges' copies
+    # stacked optimizer state (issue 42): AdamW's packed moments and counters under DiLoCo's
+    # outer Nesterov (its momentum packed on the anchor's row); MuonAdamW's Muon momentum
+    "diloco_adamw": ["optimizer=adamw", "optimizer.lr=0.01", "algorithm=local_sgd",
+                     "algorithm.period=4", "outer=nesterov"],
+    "muon": ["optimizer=muon", "optimizer.lr=0.01"],
 }  # fmt: skip
 
 

@@ -490,3 +490,29 @@ def test_token_files_bench_runs_and_deletes_its_files(tmp_path, capsys) -> None:
     assert len(result["ratio"]) == 1 and result["ratio"][0] > 0
     assert "mapped ÷ in memory, time per token:" in capsys.readouterr().out
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+@pytest.mark.skipif(not SHAKESPEARE.is_dir(), reason=f"no Shakespeare corpus at {SHAKESPEARE}")
+def test_gpu_table_script_runs_on_the_cpu(tmp_path):
+    """Issue 42's GPU table in its CPU smoke mode (`--tiny`): every row's benchmark runs (the
+    GPT simulated three ways against the minimal loop, ResNet-20 stacked / one by one / one
+    process, the optimizer step stacked and per worker), writes its JSON, and the table's
+    rows are printed; the optimizer benchmark skips cleanly without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        done = bench("stacked_optimizer.py", "--device", "cuda")
+        assert done.stdout.strip().startswith("stacked_optimizer: skipped: no CUDA GPU")
+    done = subprocess.run(
+        ["bash", str(BENCH / "gpu_table.sh"), str(tmp_path / "out"), "--tiny", sys.executable],
+        cwd=REPO, env=cli_env(DPRESEARCH_SHAKESPEARE=str(SHAKESPEARE)), capture_output=True,
+        text=True, timeout=load_scaled(600),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    assert names == {"lm_sync.json", "lm_diloco.json", "lm_sparseloco.json", "resnet.json",
+                     "optimizer.json"}  # fmt: skip
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    table = rows[rows.index("| row (CPU) | ratio, median [range] | goal |") :]
+    assert len(table) == 1 + 3 + 2 + 2, table
+    assert all(re.search(r"\| \d+\.\d\d \[", row) for row in table[1:]), table

@@ -1,4 +1,4 @@
-"""`optim.step_together`: K workers' SGD steps as one multi-tensor call give exactly (bit for
+"""`stacked_step.step_together`: K workers' SGD steps as one multi-tensor call give exactly (bit for
 bit) what each optimizer's own `step()` gives — parameters and momentum buffers, from the first
 step (buffers created) on, with weight decay, Nesterov, dampening and two parameter groups —
 and anything else falls back to one step per optimizer."""
@@ -12,8 +12,9 @@ import torch
 from omegaconf import OmegaConf
 
 from dpresearch.models.mlp import MLP
-from dpresearch.optim import _same_plain_sgd, make_optimizer, step_together
+from dpresearch.optim import make_optimizer
 from dpresearch.replicas import Replicas
+from dpresearch.stacked_step import stackable, step_together
 
 SETTINGS = {
     "plain": {"momentum": 0.0},
@@ -38,7 +39,7 @@ def replicas_and_optimizers(node: dict, k: int = 4):
 def test_stepping_together_is_bit_identical_to_each_step(name):
     node = {"_target_": "torch.optim.SGD", "lr": 0.1, **SETTINGS[name]}
     (a, opts_a), (b, opts_b) = replicas_and_optimizers(node), replicas_and_optimizers(node)
-    assert _same_plain_sgd(opts_b)
+    assert stackable(opts_b)
     for step in range(4):
         grads = torch.randn(a.grads.shape, generator=torch.Generator().manual_seed(step))
         a.grads.copy_(grads)
@@ -61,9 +62,9 @@ def test_stepping_together_is_bit_identical_to_each_step(name):
 
 
 def test_anything_else_steps_one_by_one():
-    adam = {"_target_": "torch.optim.Adam", "lr": 0.01}
-    (a, opts_a), (b, opts_b) = replicas_and_optimizers(adam), replicas_and_optimizers(adam)
-    assert not _same_plain_sgd(opts_b)
+    rmsprop = {"_target_": "torch.optim.RMSprop", "lr": 0.01}
+    (a, opts_a), (b, opts_b) = replicas_and_optimizers(rmsprop), replicas_and_optimizers(rmsprop)
+    assert not stackable(opts_b)
     a.grads.fill_(0.5)
     b.grads.fill_(0.5)
     for opt in opts_a:
@@ -73,20 +74,20 @@ def test_anything_else_steps_one_by_one():
     sgd = {"_target_": "torch.optim.SGD", "lr": 0.1}
     _, opts = replicas_and_optimizers(sgd)
     opts[2].param_groups[0]["lr"] = 0.2  # a worker with another lr
-    assert not _same_plain_sgd(opts)
+    assert not stackable(opts)
     opts[2].param_groups[0]["lr"] = 0.1
     opts[1].register_step_post_hook(lambda *a: None)
-    assert not _same_plain_sgd(opts)
+    assert not stackable(opts)
     # one optimizer alone too, and torch's global hooks (which its own step would call)
-    assert _same_plain_sgd(opts[:1]) and not _same_plain_sgd(opts[1:2])
+    assert stackable(opts[:1]) and not stackable(opts[1:2])
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     handle = register_optimizer_step_pre_hook(lambda *a: None)
     try:
-        assert not _same_plain_sgd(opts[:1])
+        assert not stackable(opts[:1])
     finally:
         handle.remove()
-    assert _same_plain_sgd(opts[:1])
+    assert stackable(opts[:1])
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
@@ -96,12 +97,12 @@ def test_stepping_on_the_flat_rows_is_bit_identical_to_each_step(name, channels_
     bit for bit each optimizer's own step, from the first step (buffers created) on; through a
     state-dict round trip (buffers copied back into flat rows), a reset of some parameters'
     buffers (that step per tensor) and an in-place average of the buffers. Two parameter
-    groups do not tile the rows: they step per tensor, still identically."""
+    groups (interleaved in the rows) step as one call each on their column runs."""
     from dpresearch.algorithms.local_sgd import average_optimizer_state
     from dpresearch.comm.network import NetworkModel
     from dpresearch.comm.simulated import SimulatedCommunicator
     from dpresearch.models.resnet_cifar import ResNetCifar
-    from dpresearch.optim import FlatRows
+    from dpresearch.stacked_step import FlatRows
 
     node = {"_target_": "torch.optim.SGD", "lr": 0.1, **SETTINGS[name]}
 
@@ -114,7 +115,7 @@ def test_stepping_on_the_flat_rows_is_bit_identical_to_each_step(name, channels_
 
     (a, opts_a), (b, opts_b) = build(), build()
     rows = FlatRows(b.params, b.grads)
-    flat = name != "two_groups"
+    flat = True
     momentum = SETTINGS[name]["momentum"] != 0
 
     def step_both(seed):
@@ -138,10 +139,11 @@ def test_stepping_on_the_flat_rows_is_bit_identical_to_each_step(name, channels_
     partial = False
     for step in range(3):
         step_both(step)
-    if flat and momentum:  # the buffers are views of one flat buffer
+    if flat and momentum:  # the buffers are views of one packed buffer per group
         assert rows.momentum is not None
-        assert all(s["momentum_buffer"].untyped_storage().data_ptr()
-                   == rows.momentum.untyped_storage().data_ptr()
+        packed = {s.state["momentum_buffer"].untyped_storage().data_ptr() for s in rows.spans}
+        assert len(packed) == len(opts_b[1].param_groups)
+        assert all(s["momentum_buffer"].untyped_storage().data_ptr() in packed
                    for s in opts_b[1].state.values())  # fmt: skip
     for oa, ob in zip(opts_a, opts_b, strict=True):  # a resumed run: state read from a file
         ob.load_state_dict(copy.deepcopy(oa.state_dict()))
@@ -165,10 +167,10 @@ def test_stepping_on_the_flat_rows_is_bit_identical_to_each_step(name, channels_
 def test_one_optimizer_stepping_alone_is_bit_identical_to_its_step(name, dtype):
     """An asynchronous event's update (`Algorithm.step_optimizer`): one worker's optimizer
     through `step_together([opt], FlatRows.of_row(...))` — one functional SGD call on its row
-    where its one group tiles it, per tensor otherwise (two groups) — gives bit for bit its own
+    (one call per group: two interleaved groups too) — gives bit for bit its own
     `step()`: parameters and momentum buffers, from the first step (buffers created) on,
     through a state-dict round trip, with the other rows untouched; and without rows too."""
-    from dpresearch.optim import FlatRows
+    from dpresearch.stacked_step import FlatRows
 
     node = {"_target_": "torch.optim.SGD", "lr": 0.1, **SETTINGS[name]}
 
@@ -181,7 +183,6 @@ def test_one_optimizer_stepping_alone_is_bit_identical_to_its_step(name, dtype):
     (a, opts_a), (b, opts_b), (c, opts_c) = build(), build(), build()
     assert b.params.dtype == dtype
     rows = {w: FlatRows.of_row(b.params, b.grads, w) for w in range(4)}
-    flat = name != "two_groups"
     for event, w in enumerate([2, 0, 2, 3, 2, 1, 0]):
         grads = torch.randn(a.grads.shape, generator=torch.Generator().manual_seed(event))
         for reps in (a, b, c):
@@ -192,7 +193,7 @@ def test_one_optimizer_stepping_alone_is_bit_identical_to_its_step(name, dtype):
         opts_a[w].step()
         step_together([opts_b[w]], rows[w])
         step_together([opts_c[w]])
-        assert rows[w]._pairs if flat else not rows[w]._pairs  # the row path took it
+        assert rows[w].spans  # the row path took it
         for reps, opts in ((b, opts_b), (c, opts_c)):
             assert torch.equal(a.params, reps.params), (event, w)
             for oa, ob in zip(opts_a, opts, strict=True):

@@ -30,8 +30,9 @@ from torch import Tensor, nn
 from dpresearch.comm.base import Communicator
 from dpresearch.compress.pairing import ChannelNeeds
 from dpresearch.grad_clip import GradClip
-from dpresearch.optim import FlatRows, set_lr, step_together
+from dpresearch.optim import set_lr
 from dpresearch.replicas import Replicas
+from dpresearch.stacked_step import FlatRows, step_together
 
 
 @dataclass(frozen=True)
@@ -194,18 +195,18 @@ class Algorithm(ABC):
             self.grad_clip(self.replicas.grads, row)
 
     def step_optimizers(self, clip: bool = True) -> None:
-        """Every local worker's optimizer steps (in one multi-tensor call where they are all
-        the same plain SGD, over the flat rows where they can, `optim.step_together`; the same
-        result as one by one), after clipping each worker's gradient (`clip_gradients`; not
-        with `clip=False`: the caller has)."""
+        """Every local worker's optimizer steps: one functional call per parameter group over
+        the flat rows where they are the same SGD, Adam(W) or MuonAdamW
+        (`stacked_step.step_together`; the same result as one by one), after clipping each
+        worker's gradient (`clip_gradients`; not with `clip=False`: the caller has)."""
         if clip:
             self.clip_gradients()
         step_together(self.optimizers, self._rows)
 
     def step_optimizer(self, row: int) -> None:
         """Local row `row`'s optimizer steps alone (an asynchronous event's update), after
-        clipping its gradient (`clip_gradients`): plain SGD as one functional call on its row
-        of the flat rows (`optim.step_together`), without the optimizer's wrapper; the same
+        clipping its gradient (`clip_gradients`): one functional call per group on its row of
+        the flat rows (`stacked_step.step_together`), without the optimizer's wrapper; the same
         result as its own `step()`."""
         self.clip_gradients(row)
         rows = self._row_steps.get(row)

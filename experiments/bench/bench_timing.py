@@ -63,6 +63,19 @@ def pin_threads(threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
+def device_clock(args: Any, script: str) -> bool:
+    """For a benchmark with `--device` and `--clock`: False, having printed one `skipped:` line,
+    where `--device cuda` finds no GPU; else `args.clock` resolved (default: the wall clock on
+    a GPU, this thread's CPU time on a CPU), `args.read` its reader, one intra-op thread."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"{script}: skipped: no CUDA GPU is visible (use --device cpu)")
+        return False
+    args.clock = args.clock or ("wall" if args.device == "cuda" else "cpu")
+    args.read = CLOCKS[args.clock]
+    pin_threads(1)
+    return True
+
+
 def logged_block_times(metrics: Path, block: int, warmup: int) -> list[float]:
     """Mean step time of each block of `block` steps after the first `warmup` steps, from a
     run's metrics.jsonl logged every `block` steps (step regions only: compute + exposed

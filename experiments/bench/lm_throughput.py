@@ -24,6 +24,12 @@ line and exits 0.
     python experiments/bench/lm_throughput.py [--model gpt] [--workers 8] [--batch 16]
         [--rounds 5] [--block 10] [--blocks 3] [--warmup 5] [--device cpu|cuda]
         [--autocast bf16] [--sides simulated ours minimal minimal_global]
+        [--algorithm sync|diloco|sparseloco] [--period 50]
+
+`--algorithm diloco|sparseloco` makes the simulated side that method with outer steps every
+`--period` steps (the minimal loop stays plain AdamW: the ratio is what simulating the method's
+K workers costs over one process's AdamW); choose `--block` a multiple of the period so that
+every timed block holds its share of outer steps.
 """
 
 from __future__ import annotations
@@ -52,6 +58,13 @@ CORPUS = Path(
     )
 )
 SIDES = ("simulated", "ours", "minimal", "minimal_global")
+# The simulated side's method (`--algorithm`; `--period` H): synchronous AdamW, DiLoCo (inner
+# AdamW, outer Nesterov every H steps), SparseLoCo (its outer step, compressed, every H steps).
+ALGORITHMS = {
+    "sync": [],
+    "diloco": ["algorithm=local_sgd", "algorithm.period={H}", "outer=nesterov"],
+    "sparseloco": ["algorithm=local_sgd", "algorithm.period={H}", "outer=sparseloco"],
+}
 
 
 def compose(args, workers: int):
@@ -65,6 +78,7 @@ def compose(args, workers: int):
         f"train.device={args.device}", f"train.batched_workers={args.batched}",
         *([f"train.autocast={args.autocast}"] if args.autocast else []), "backend.threads=1",
         *([f"model.dropout={args.dropout}"] if args.dropout is not None else []),
+        *(o.format(H=args.period) for o in ALGORITHMS[args.algorithm]),
     ]  # fmt: skip
     return compose_run(*overrides)
 
@@ -145,14 +159,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dropout", type=float, default=None,
                         help="model.dropout (stacked: on the worker stream)")  # fmt: skip
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
+    parser.add_argument(
+        "--algorithm",
+        default="sync",
+        choices=list(ALGORITHMS),
+        help="the simulated side's method (the minimal loop: plain AdamW)",
+    )
+    parser.add_argument("--period", type=int, default=50, help="H of diloco / sparseloco")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("lm_throughput: skipped: no CUDA GPU is visible (use --device cpu)")
+    if not bt.device_clock(args, "lm_throughput"):
         return 0
-    clock = args.clock or ("wall" if args.device == "cuda" else "cpu")
-    args.read = bt.CLOCKS[clock]
-    bt.pin_threads(1)
+    clock = args.clock
     from dpresearch.data.text import TextDataset
 
     cfg = compose(args, 1)
@@ -166,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = {"simulated": args.workers * args.batch, "ours": args.batch,
               "minimal": args.batch, "minimal_global": args.workers * args.batch}  # fmt: skip
     tokens = {s: n * data.block_size for s, n in tokens.items()}
-    print(f"GPT model={args.model}, K={args.workers} × {args.batch} windows of "
+    print(f"GPT model={args.model}, {args.algorithm}, K={args.workers} × {args.batch} windows of "
           f"{data.block_size} on {name}, {clock} clock; {bt.load()}", flush=True)  # fmt: skip
     steps: dict[str, list[float]] = {s: [] for s in args.sides}
     took = ""

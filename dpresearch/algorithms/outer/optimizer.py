@@ -97,6 +97,7 @@ from dpresearch.compress.layout import ParamLayout
 from dpresearch.grad_clip import GradClip
 from dpresearch.optim import build_optimizer
 from dpresearch.replicas import Replicas
+from dpresearch.stacked_step import FlatRows, step_together
 
 INNER_STATES = ("keep", "reset", "average")
 BUFFER_MODES = ("average", "local")
@@ -177,6 +178,9 @@ class OuterOptimizer(Algorithm):
             for f in self.fragments
         ]
         self.outer_lrs = [[g["lr"] for g in opt.param_groups] for opt in self.outer]
+        # each fragment's outer step as one functional call per group on its columns of the
+        # anchor's row (`stacked_step`), its momentum packed there
+        self._outer_rows = [FlatRows(self.anchor.params, self.anchor.grads) for _ in self.outer]
         self._worker_params = [
             [p for p in m.parameters() if p.requires_grad] for m in replicas.models
         ]
@@ -373,7 +377,7 @@ class OuterOptimizer(Algorithm):
                 group["lr"] = base_lr * gamma
         else:
             put(grad, frag.params, mean)
-        opt.step()
+        step_together([opt], self._outer_rows[f])
         self._restart(frag, flight.buffers)
         self._inner_state(frag)
         self.merges += 1
