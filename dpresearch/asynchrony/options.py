@@ -14,6 +14,10 @@ from typing import Any
 ORDERS = ("arrival", "seeded")
 SPEEDS = ("constant", "exponential", "lognormal", "uniform")
 LR_POLICIES = ("constant", "inverse", "delay_adaptive", "drop")
+# the speed model's keys: read by every family's modeled clock (`run/modeled_clock.py`)
+SPEED_KEYS = frozenset(
+    {"speed", "compute_s", "cv", "slow_workers", "slowdown", "straggler_prob", "straggler_factor"}
+)
 
 
 @dataclass
