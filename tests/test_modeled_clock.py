@@ -13,6 +13,9 @@ from helpers import (
     train_on_gloo,
 )
 
+from dpresearch.analysis.plots import axis_label
+from dpresearch.analysis.runs import load_metrics_many
+from dpresearch.analysis.timing import time_to_accuracy
 from dpresearch.config.validate import ConfigError, validate
 from dpresearch.run.trainer import InjectedFailure
 from dpresearch.train import train
@@ -47,6 +50,10 @@ def test_diloco_round_ends_when_the_slowest_worker_arrives(tmp_path):
     expected = {5: round_s, 8: round_s + 3 * SLOW * C, 10: 2 * round_s}
     assert modeled(tmp_path, *DILOCO) == {s: pytest.approx(t, rel=1e-12)
                                           for s, t in expected.items()}  # fmt: skip
+    # an analysis time axis: time to a target on the modeled clock
+    tta = time_to_accuracy(load_metrics_many([tmp_path]), "step", 8)
+    assert tta["tta/modeled_s"].tolist() == [pytest.approx(expected[8], rel=1e-12)]
+    assert axis_label("time/modeled_s", {})[0].startswith("modeled wall-clock time")
 
 
 def test_speed_keys_are_every_familys_and_checked():
