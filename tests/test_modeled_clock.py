@@ -79,11 +79,15 @@ def test_resume_continues_the_same_clock(tmp_path):
 
 @pytest.mark.slow
 def test_gloo_ranks_keep_the_simulated_clock(tmp_path):
+    """The clock and DiLoCo's diagnostics (`test_diagnostics.py`) on real ranks."""
     args = [*SMALL_512, "workers=2", "async.speed=lognormal", "async.straggler_prob=0.3",
             "async.slow_workers=[1]", "async.slowdown=2", "train.steps=9", "train.log_every=1",
             "algorithm=local_sgd", "algorithm.period=3", "outer=nesterov"]  # fmt: skip
     train(compose_config(*args), tmp_path / "simulated")
     train_on_gloo(2, [(compose_config(*args, "backend=gloo"), tmp_path / "gloo")])
-    clocks = [[m["time/modeled_s"] for m in metric_lines(tmp_path / name)]
-              for name in ("simulated", "gloo")]  # fmt: skip
-    assert clocks[0] == clocks[1] and len(clocks[0]) == 9
+    keys = ("time/modeled_s", "outer/pseudo_grad_cosine", "outer/pseudo_grad_cosine_min",
+            "outer/drift", "outer/momentum_norm", "comm/bytes_metrics")  # fmt: skip
+    simulated, gloo = ([[m.get(k) for k in keys] for m in metric_lines(tmp_path / name)]
+                       for name in ("simulated", "gloo"))  # fmt: skip
+    assert simulated == gloo and len(gloo) == 9
+    assert all(v is not None for v in gloo[-1])  # DiLoCo's diagnostics too (one pair: K = 2)
