@@ -2,20 +2,21 @@
 
 Outer methods (`OuterDiagnostics`, logged by every outer optimizer), from the Gram matrix
 G = Δ Δᵀ of the workers' pseudo-gradients Δ_k = θ − x_k at a sync point (before the outer
-step; the rows the base algorithm averages: SGP's push-sum numerators), in float64:
+step; the rows the base algorithm averages: SGP's push-sum numerators):
 
 - `outer/pseudo_grad_cosine`, `outer/pseudo_grad_cosine_min`: the mean and the min over worker
   pairs k < j of cos(Δ_k, Δ_j) = G_kj / √(G_kk·G_jj) (0 where a Δ is 0);
 - `outer/drift`: the mean over workers of the Euclidean (L2) distance of x_k from the workers'
-  average x̄, over all trained parameters: x_k − x̄ = Δ̄ − Δ_k, so
-  ‖x_k − x̄‖² = G_kk − (2/K)·Σ_j G_kj + (1/K²)·Σ_ij G_ij.
+  average x̄, over all trained parameters: x_k − x̄ = Δ̄ − Δ_k.
 
-With Streaming DiLoCo's fragments each fragment's Gram is taken when it is sent and the logged
-figures use the sum of every fragment's latest one (the whole model, each part at its own sync
-point; with one fragment: the last outer step's). Every worker's row is needed for the pairs:
-on real ranks one allgather of the Δ rows at each sync (purpose "metrics": in `comm/bytes_metrics`,
-never in `comm/modeled_s`); the simulator makes the same call, so both log the same bytes and the
-same Gram.
+The rows are centered first (C = Δ − Δ̄, so the drift is ‖C_k‖ with no cancellation) and G is
+rebuilt from C Cᵀ, C Δ̄ and ‖Δ̄‖²: two products over D in the rows' dtype, the rest K × K in
+float64. With Streaming DiLoCo's fragments each fragment's parts are taken when it is sent and
+the logged figures use the sum of every fragment's latest ones (the whole model, each part at
+its own sync point; with one fragment: the last outer step's). Every worker's row is needed for
+the pairs (no allgather of norms or dots gives Δ_k·Δ_j): on real ranks one allgather of the Δ
+rows at each sync (purpose "metrics": in `comm/bytes_metrics`, never in `comm/modeled_s` or
+`time/modeled_s`); the simulator makes the same call, so both log the same bytes and figures.
 
 `outer_momentum_norm`: the L2 norm of the outer optimizer's momentum over the whole anchor
 (SGD's `momentum_buffer`, Adam's `exp_avg`; 0 without one) — `outer/momentum_norm`.
@@ -39,43 +40,53 @@ from dpresearch.compress.error_feedback import ErrorFeedback
 MOMENTUM_KEYS = ("momentum_buffer", "exp_avg")  # torch SGD's, Adam(W)'s
 
 
-def gram_metrics(gram: Tensor) -> dict[str, float]:
-    """The cosine and drift figures of the module docstring from a `[K, K]` float64 Gram."""
-    k = gram.shape[0]
+def gram_metrics(centered: Tensor, to_mean: Tensor, mean_sq: Tensor) -> dict[str, float]:
+    """The cosine and drift figures of the module docstring from the Gram of the centered rows
+    C = Δ − Δ̄ (`[K, K]`), the dots C_k·Δ̄ (`[K]`) and ‖Δ̄‖², all float64: the Gram of Δ is
+    G_kj = C_kj + (C_k + C_j)·Δ̄ + ‖Δ̄‖², and ‖x_k − x̄‖ = ‖C_k‖ (no cancellation)."""
+    k = centered.shape[0]
+    gram = centered + to_mean[:, None] + to_mean[None, :] + mean_sq
     norms = gram.diagonal().clamp_min(0).sqrt()
     scale = norms[:, None] * norms[None, :]
     cos = torch.where(scale > 0, gram / scale, torch.zeros_like(gram))
     pairs = cos[torch.triu_indices(k, k, 1).unbind()]
-    row_mean = gram.mean(1)
-    drift_sq = gram.diagonal() - 2 * row_mean + gram.mean()
     return {
         "outer/pseudo_grad_cosine": pairs.mean().item() if k > 1 else float("nan"),
         "outer/pseudo_grad_cosine_min": pairs.min().item() if k > 1 else float("nan"),
-        "outer/drift": drift_sq.clamp_min(0).sqrt().mean().item(),
+        "outer/drift": centered.diagonal().clamp_min(0).sqrt().mean().item(),
     }
 
 
 class OuterDiagnostics:
-    """The latest Gram of each of `fragments` fragments' pseudo-gradient rows."""
+    """Per fragment, the latest sync's Gram parts (see `gram_metrics`)."""
 
     def __init__(self, fragments: int) -> None:
-        self.grams: list[Tensor | None] = [None] * fragments
+        self.parts: list[tuple[Tensor, Tensor, Tensor] | None] = [None] * fragments
 
     def observe(self, fragment: int, delta: Tensor, comm: Communicator) -> None:
         """Fragment `fragment`'s local Δ rows `[W, n]`, before they are averaged."""
-        rows = comm.all_gather(delta, record=METRICS).to(torch.float64)  # [K, n]
-        self.grams[fragment] = rows @ rows.T
+        rows = comm.all_gather(delta, record=METRICS)  # [K, n], a fresh tensor: centered in place
+        mean = rows.mean(0)
+        rows.sub_(mean)
+        # two products over n in the rows' dtype; everything after is K × K, in float64
+        self.parts[fragment] = (
+            (rows @ rows.T).double(),
+            (rows @ mean).double(),
+            torch.linalg.vector_norm(mean, dtype=torch.float64).square(),
+        )
 
     def metrics(self) -> dict[str, float]:
-        seen = [g for g in self.grams if g is not None]
-        return gram_metrics(torch.stack(seen).sum(0)) if seen else {}
+        seen = [p for p in self.parts if p is not None]
+        if not seen:
+            return {}
+        return gram_metrics(*(sum(parts) for parts in zip(*seen, strict=True)))
 
     def state_dict(self) -> dict:
-        return {"grams": list(self.grams)}
+        return {"parts": list(self.parts)}
 
     def load_state_dict(self, state: dict | None) -> None:
         if state is not None:  # (None: a checkpoint from before the diagnostics)
-            self.grams = list(state["grams"])
+            self.parts = [None if p is None else tuple(p) for p in state["parts"]]
 
 
 def outer_momentum_norm(optimizers: Iterable[torch.optim.Optimizer]) -> float:
@@ -85,7 +96,7 @@ def outer_momentum_norm(optimizers: Iterable[torch.optim.Optimizer]) -> float:
         for state in opt.state.values():
             buffer = next((state[k] for k in MOMENTUM_KEYS if state.get(k) is not None), None)
             if buffer is not None:
-                total += float(buffer.double().square().sum())
+                total += float(torch.linalg.vector_norm(buffer)) ** 2  # (a cast costs more)
     return total**0.5
 
 
@@ -95,6 +106,7 @@ def memory_norm(memories: Sequence[ErrorFeedback], comm: Communicator) -> dict[s
     held = [m.memory for m in memories if m.memory is not None]
     if not held:
         return {}
-    local = sum(m.double().square().sum(1) for m in held)  # [W]: each local worker's ‖e‖²
+    # [W]: each local worker's ‖e‖² over all its memories
+    local = sum(torch.linalg.vector_norm(m, dim=1).double().square() for m in held)
     every = comm.all_gather(local.unsqueeze(1), record=METRICS)  # [K, 1]
     return {"ef/memory_norm": every.sqrt().mean().item()}
