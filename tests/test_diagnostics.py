@@ -59,3 +59,24 @@ def test_memory_norm_is_the_mean_of_each_workers_norm(overrides):
 def test_no_memory_no_metric():
     trainer, _ = run64()
     assert "ef/memory_norm" not in trainer.state.last
+
+
+def test_gram_over_column_blocks_equals_the_pairs(monkeypatch):
+    """Blocks of columns (here 3 of 10) give the cosines and drift of the whole rows."""
+    from dpresearch.algorithms import diagnostics
+    from dpresearch.comm.network import NetworkModel
+    from dpresearch.comm.simulated import SimulatedCommunicator
+
+    monkeypatch.setattr(diagnostics, "CHUNK", 3)
+    rows = torch.randn(K, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    probe = diagnostics.OuterDiagnostics(1)
+    comm = SimulatedCommunicator(K, NetworkModel.preset("1gbe"))
+    probe.observe(0, rows, comm)
+    cosines = [float(torch.dot(a, b) / (a.norm() * b.norm()))
+               for a, b in itertools.combinations(rows, 2)]  # fmt: skip
+    drift = float((rows - rows.mean(0)).norm(dim=1).mean())
+    got = probe.metrics()
+    assert got["outer/pseudo_grad_cosine"] == pytest.approx(sum(cosines) / len(cosines), 1e-12)
+    assert got["outer/pseudo_grad_cosine_min"] == pytest.approx(min(cosines), rel=1e-12)
+    assert got["outer/drift"] == pytest.approx(drift, rel=1e-12)
+    assert comm.ledger.bytes_of("metrics") == [10 * 8] * K  # the allgather it stands for

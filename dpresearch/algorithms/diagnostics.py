@@ -38,6 +38,7 @@ from dpresearch.comm.ledger import METRICS
 from dpresearch.compress.error_feedback import ErrorFeedback
 
 MOMENTUM_KEYS = ("momentum_buffer", "exp_avg")  # torch SGD's, Adam(W)'s
+CHUNK = 1 << 16  # columns centered at a time: a [K, CHUNK] block stays in cache
 
 
 def gram_metrics(centered: Tensor, to_mean: Tensor, mean_sq: Tensor) -> dict[str, float]:
@@ -65,13 +66,20 @@ class OuterDiagnostics:
 
     def observe(self, fragment: int, delta: Tensor, comm: Communicator) -> None:
         """Fragment `fragment`'s local Δ rows `[W, n]`, before they are averaged."""
-        rows = comm.all_gather(delta, record=METRICS)  # [K, n], a fresh tensor: centered in place
+        rows = comm.all_gather_read(delta, record=METRICS)  # [K, n]: read, never written
         mean = rows.mean(0)
-        rows.sub_(mean)
-        # two products over n in the rows' dtype; everything after is K × K, in float64
+        k = rows.shape[0]
+        gram, to_mean = rows.new_zeros(k, k), rows.new_zeros(k)
+        # centered a block of columns at a time (no [K, n] copy); two products over n in the
+        # rows' dtype, everything after K × K in float64
+        for start in range(0, rows.shape[1], CHUNK):
+            part = mean[start : start + CHUNK]
+            centered = rows[:, start : start + CHUNK] - part
+            gram.addmm_(centered, centered.T)
+            to_mean.addmv_(centered, part)
         self.parts[fragment] = (
-            (rows @ rows.T).double(),
-            (rows @ mean).double(),
+            gram.double(),
+            to_mean.double(),
             torch.linalg.vector_norm(mean, dtype=torch.float64).square(),
         )
 
