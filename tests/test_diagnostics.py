@@ -43,14 +43,18 @@ def test_outer_diagnostics_equal_the_hand_computation():
 @pytest.mark.parametrize(
     "overrides",
     [["compressor=topk", "error_feedback=ef14"],
-     ["algorithm=local_sgd", "algorithm.period=2", "outer=sparseloco"]],
-    ids=["sync_topk_ef14", "sparseloco"],
+     ["algorithm=local_sgd", "algorithm.period=2", "outer=sparseloco"],
+     ["algorithm=async_sgd", "compressor=topk", "error_feedback=ef14", "train.steps=12"]],
+    ids=["sync_topk_ef14", "sparseloco", "async_topk_ef14"],
 )  # fmt: skip
 def test_memory_norm_is_the_mean_of_each_workers_norm(overrides):
     trainer, _ = run64(*overrides)
     algorithm = trainer.built.algorithm
-    reducers = getattr(algorithm, "reducers", None) or [algorithm.reducer]
-    memories = [r.memory.memory for r in reducers]
+    if hasattr(algorithm, "link"):  # asynchronous SGD's push channel
+        memories = [algorithm.link.memory.memory]
+    else:
+        reducers = getattr(algorithm, "reducers", None) or [algorithm.reducer]
+        memories = [r.memory.memory for r in reducers]
     norms = [sum(float(m[k].square().sum()) for m in memories) ** 0.5 for k in range(K)]
     assert min(norms) > 0
     assert trainer.state.last["ef/memory_norm"] == pytest.approx(sum(norms) / K, rel=1e-12)

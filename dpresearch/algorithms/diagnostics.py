@@ -23,7 +23,9 @@ rows at each sync (purpose "metrics": in `comm/bytes_metrics`, never in `comm/mo
 
 `memory_norm`: `ef/memory_norm`, the mean over all K workers of the L2 norm of each worker's
 error-feedback memory (EF14's e_w; EF21's state h_w), every memory it holds together (all
-fragments or buckets); one allgather of a scalar per worker (purpose "metrics").
+fragments or buckets); one allgather of a scalar per worker (purpose "metrics"). Logged by
+synchronous SGD, every outer method with compressed Δ and asynchronous SGD in the simulator (on
+real ranks each worker's push memory lives on its own process, which logs nothing).
 """
 
 from __future__ import annotations
