@@ -91,3 +91,11 @@ def test_gloo_ranks_keep_the_simulated_clock(tmp_path):
                        for name in ("simulated", "gloo"))  # fmt: skip
     assert simulated == gloo and len(gloo) == 9
     assert all(v is not None for v in gloo[-1])  # DiLoCo's diagnostics too (one pair: K = 2)
+
+
+def test_event_simulated_algorithms_report_their_own_clock(tmp_path):
+    # asynchronous SGD already prices each worker's compute and every transfer per push
+    train(compose_config(*SMALL_512, *STRAGGLER, "algorithm=async_sgd", "train.steps=8"), tmp_path)
+    rows = metric_lines(tmp_path)
+    assert [m["time/modeled_s"] for m in rows] == [m["time/simulated_s"] for m in rows]
+    assert rows[-1]["time/modeled_s"] > 0
