@@ -31,6 +31,7 @@ real ranks each worker's push memory lives on its own process, which logs nothin
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -120,3 +121,15 @@ def memory_norm(memories: Sequence[ErrorFeedback], comm: Communicator) -> dict[s
     local = sum(torch.linalg.vector_norm(m, dim=1).double().square() for m in held)
     every = comm.all_gather(local.unsqueeze(1), record=METRICS)  # [K, 1]
     return {"ef/memory_norm": every.sqrt().mean().item()}
+
+
+def reducers_memory_norm(reducers: Sequence[Any]) -> dict[str, float]:
+    """`memory_norm` of synchronous reducers' memories (`CompressedReducer`s, each over its
+    own communicator). On a two-level cluster (`HierarchicalReducer`) the memory is the node
+    leaders', over the inter-node communicator: the mean is over nodes, and a process that
+    leads no node logs nothing."""
+    holders = [getattr(r, "inner", r) for r in reducers]
+    holders = [h for h in holders if h is not None]
+    if not holders:
+        return {}
+    return memory_norm([h.memory for h in holders], holders[0].comm)

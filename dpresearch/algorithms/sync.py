@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from dpresearch.algorithms.base import Algorithm
-from dpresearch.algorithms.diagnostics import memory_norm
+from dpresearch.algorithms.diagnostics import reducers_memory_norm
 from dpresearch.algorithms.overlap import OverlappedGradientAverage
 from dpresearch.comm.base import Communicator
 from dpresearch.comm.hierarchy import INTER, INTRA
@@ -131,7 +131,7 @@ class SyncSGD(Algorithm):
         """On a two-level cluster: `comm/bytes_intra` and `comm/bytes_inter`, the algorithm's
         bytes each worker sent inside its node and between nodes (means over all K workers;
         they add up to `comm/bytes`); with an error-feedback memory, `ef/memory_norm`."""
-        ef = memory_norm([self.reducer.memory], self.comm)
+        ef = reducers_memory_norm([self.reducer])
         if self.comm.tiers is None:
             return ef
         return {**tier_bytes(self.comm, self.replicas.grads.device), **ef}

@@ -79,7 +79,11 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from dpresearch.algorithms.base import Algorithm, StepPlan, Verdict
-from dpresearch.algorithms.diagnostics import OuterDiagnostics, memory_norm, outer_momentum_norm
+from dpresearch.algorithms.diagnostics import (
+    OuterDiagnostics,
+    outer_momentum_norm,
+    reducers_memory_norm,
+)
 from dpresearch.algorithms.local_sgd import average_optimizer_state
 from dpresearch.algorithms.outer.fragments import (
     PATTERNS,
@@ -426,7 +430,7 @@ class OuterOptimizer(Algorithm):
             "outer/delta_norm": self.last_delta_norm,
             **self.diagnostics.metrics(),
             "outer/momentum_norm": outer_momentum_norm(self.outer),
-            **memory_norm([r.memory for r in self.reducers or []], self.comm),
+            **reducers_memory_norm(self.reducers or []),
         }
 
     def describe(self) -> dict[str, Any]:
