@@ -79,18 +79,26 @@ def test_resume_continues_the_same_clock(tmp_path):
 
 @pytest.mark.slow
 def test_gloo_ranks_keep_the_simulated_clock(tmp_path):
-    """The clock and DiLoCo's diagnostics (`test_diagnostics.py`) on real ranks."""
-    args = [*SMALL_512, "workers=2", "async.speed=lognormal", "async.straggler_prob=0.3",
-            "async.slow_workers=[1]", "async.slowdown=2", "train.steps=9", "train.log_every=1",
-            "algorithm=local_sgd", "algorithm.period=3", "outer=nesterov"]  # fmt: skip
-    train(compose_config(*args), tmp_path / "simulated")
-    train_on_gloo(2, [(compose_config(*args, "backend=gloo"), tmp_path / "gloo")])
-    keys = ("time/modeled_s", "outer/pseudo_grad_cosine", "outer/pseudo_grad_cosine_min",
-            "outer/drift", "outer/momentum_norm", "comm/bytes_metrics")  # fmt: skip
-    simulated, gloo = ([[m.get(k) for k in keys] for m in metric_lines(tmp_path / name)]
-                       for name in ("simulated", "gloo"))  # fmt: skip
-    assert simulated == gloo and len(gloo) == 9
-    assert all(v is not None for v in gloo[-1])  # DiLoCo's diagnostics too (one pair: K = 2)
+    """The clock, DiLoCo's diagnostics and sync's `ef/memory_norm` (`test_diagnostics.py`) on
+    real ranks."""
+    common = [*SMALL_512, "workers=2", "async.speed=lognormal", "async.straggler_prob=0.3",
+              "async.slow_workers=[1]", "async.slowdown=2", "train.steps=9",
+              "train.log_every=1"]  # fmt: skip
+    cases = {"diloco": ["algorithm=local_sgd", "algorithm.period=3", "outer=nesterov"],
+             "sync_ef": ["compressor=topk", "error_feedback=ef14"]}  # fmt: skip
+    for name, args in cases.items():
+        train(compose_config(*common, *args), tmp_path / name)
+    train_on_gloo(2, [(compose_config(*common, *args, "backend=gloo"), tmp_path / f"{name}_gloo")
+                      for name, args in cases.items()])  # fmt: skip
+    logged = {"diloco": ["outer/pseudo_grad_cosine", "outer/pseudo_grad_cosine_min",
+                         "outer/drift", "outer/momentum_norm"],
+              "sync_ef": ["ef/memory_norm"]}  # fmt: skip
+    for name, own in logged.items():
+        keys = ["time/modeled_s", "comm/bytes_metrics", *own]
+        simulated, gloo = ([[m.get(k) for k in keys] for m in metric_lines(d)]
+                           for d in (tmp_path / name, tmp_path / f"{name}_gloo"))  # fmt: skip
+        assert simulated == gloo and len(gloo) == 9, name
+        assert all(v is not None for v in gloo[-1]), name  # (DiLoCo: one pair, K = 2)
 
 
 def test_event_simulated_algorithms_report_their_own_clock(tmp_path):
