@@ -146,8 +146,10 @@ BAD = [
     (["algorithm=adpsgd", "topology=exponential"], "its graph must be undirected and static"),
     (["algorithm=adpsgd", "backend=gloo"], "add async.order=seeded"),
     # Issue 21: silently accepted, or a traceback with a run directory left behind.
-    (["async.speed=exponential"], "async.speed is set but SyncSGD does not use the async"),
-    (["async.compute_s=2"], "async.compute_s is set but SyncSGD does not use the async"),
+    (["async.lr_policy=inverse"], "async.lr_policy is set but SyncSGD does not use the async"),
+    (["async.tau_max=2"], "async.tau_max is set but SyncSGD does not use the async"),
+    # the speed keys are every family's (`time/modeled_s`, issue 41): checked for sync too
+    (["async.compute_s=0"], "async.compute_s=0.0: the mean compute time must be > 0"),
     (["topology=torus"], "topology is set but SyncSGD does not use the topology options"),
     (["algorithm=local_sgd", "algorithm.period=0"], "algorithm.period=0: average every N >= 1"),
     (["algorithm=local_sgd", "algorithm.period=-3"], "algorithm.period=-3"),

@@ -54,6 +54,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from dpresearch.algorithms.base import Algorithm, StepPlan, Traits, Verdict
+from dpresearch.algorithms.diagnostics import memory_norm
 from dpresearch.algorithms.outer.optimizer import compresses
 from dpresearch.asynchrony.clock import EventClock, transfer_seconds
 from dpresearch.asynchrony.options import AsyncOptions, check_options
@@ -159,6 +160,7 @@ class AsyncSGD(Algorithm):
         link = open_channel(self.channel, replicas.models[0], replicas.params,
                             comm.local_workers, compressor, error_feedback, seed, granularity,
                             bucket_mb)  # fmt: skip
+        self.link = link
         params, buffers = replicas.params, replicas.buffers
         buffer_bytes = buffers.shape[1] * buffers.element_size()
         self.push_bytes = 8 * HEADER + link.wire_bytes + buffer_bytes
@@ -329,6 +331,8 @@ class AsyncSGD(Algorithm):
         simulated = self.simulated_s
         if not math.isnan(simulated):  # (real ranks in arrival order: no clock)
             out["time/simulated_s"] = simulated
+        if self.comm.num_local == self.comm.world_size:  # (real ranks: each worker's own)
+            out.update(memory_norm([self.link.memory], self.comm))
         return out
 
     def summary(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from dpresearch.algorithms.base import Algorithm
+from dpresearch.algorithms.diagnostics import reducers_memory_norm
 from dpresearch.algorithms.overlap import OverlappedGradientAverage
 from dpresearch.comm.base import Communicator
 from dpresearch.comm.hierarchy import INTER, INTRA
@@ -140,10 +141,11 @@ class SyncSGD(Algorithm):
     def metrics(self) -> dict[str, float]:
         """On a two-level cluster: `comm/bytes_intra` and `comm/bytes_inter`, the algorithm's
         bytes each worker sent inside its node and between nodes (means over all K workers;
-        they add up to `comm/bytes`)."""
+        they add up to `comm/bytes`); with an error-feedback memory, `ef/memory_norm`."""
+        ef = reducers_memory_norm([self.reducer])
         if self.comm.tiers is None:
-            return {}
-        return tier_bytes(self.comm, self.replicas.grads.device)
+            return ef
+        return {**tier_bytes(self.comm, self.replicas.grads.device), **ef}
 
     def state_dict(self) -> dict:
         return {"reducer": self.reducer.state_dict()}

@@ -57,6 +57,7 @@ LABELS: dict[str, tuple[str, float]] = {
     "comm/bytes": ("data sent per worker (MB)", 1e-6),
     "comm/modeled_s": ("modeled communication time (s)", 1.0),
     "time/simulated_s": ("simulated time (s)", 1.0),
+    "time/modeled_s": ("modeled wall-clock time: compute and communication (s)", 1.0),
     "time/wall_s": ("measured wall time (s)", 1.0),
     "test/acc": ("test accuracy (%)", 100.0),
     "val/acc": ("validation accuracy (%)", 100.0),

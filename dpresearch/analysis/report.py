@@ -354,7 +354,8 @@ def load_report(
 FORMATS = {"MB/epoch": "MB", "MB": "MB", "tta/MB": "MB", "n": "d", "test/acc": "%",
            "best/test_acc": "%", "val/acc": "%", "train/acc": "%", "test/acc_local_mean": "%",
            "test/acc_local_min": "%", "train/loss": ".3g", "tta/epoch": ".3g",
-           "tta/wall_s": ".3g", "tta/simulated_s": ".3g"}  # fmt: skip
+           "tta/wall_s": ".3g", "tta/simulated_s": ".3g",
+           "tta/modeled_s": ".3g"}  # fmt: skip
 
 
 # Shown names of the columns the report derives (metrics are named by `plots.axis_label`).

@@ -34,7 +34,7 @@ from dpresearch.analysis.runs import load_metrics_many, read_run, run_row
 FORMAT = "dpresearch-rundata/1"
 CURVES = ("step", "epoch", "lr", "train/loss", "train/acc", "test/loss", "test/acc", "val/loss",
           "val/acc", "comm/bytes", "comm/modeled_s", "time/wall_s", "time/simulated_s",
-          "tokens", "test/bpc", "val/bpc")  # fmt: skip
+          "time/modeled_s", "tokens", "test/bpc", "val/bpc")  # fmt: skip
 DIGITS = 7
 
 

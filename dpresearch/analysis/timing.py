@@ -10,8 +10,9 @@ onto its own network.
 
 Time-to-accuracy: the first logged step at which `metric ≥ target` (or ≤ for a loss metric);
 the columns give its epoch, bytes per worker (`comm/bytes`), modeled seconds, measured seconds
-(`time/wall_s`) and simulated seconds (`time/simulated_s`, where the run logs it). Runs that
-never reach the target have NaN there and `tta/reached` = 0.
+(`time/wall_s`), simulated seconds (`time/simulated_s`, where the run logs it) and modeled
+wall-clock seconds (`time/modeled_s`: compute and communication, `run/modeled_clock.py`). Runs
+that never reach the target have NaN there and `tta/reached` = 0.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ TTA_SOURCES = {
     "comm/bytes": "tta/bytes",
     "time/wall_s": "tta/wall_s",
     "time/simulated_s": "tta/simulated_s",
+    "time/modeled_s": "tta/modeled_s",
 }
 
 

@@ -14,6 +14,10 @@ from typing import Any
 ORDERS = ("arrival", "seeded")
 SPEEDS = ("constant", "exponential", "lognormal", "uniform")
 LR_POLICIES = ("constant", "inverse", "delay_adaptive", "drop")
+# the speed model's keys: read by every family's modeled clock (`run/modeled_clock.py`)
+SPEED_KEYS = frozenset(
+    {"speed", "compute_s", "cv", "slow_workers", "slowdown", "straggler_prob", "straggler_factor"}
+)
 
 
 @dataclass
@@ -27,7 +31,8 @@ class AsyncOptions:
     speed: compute-time model, mean `compute_s` seconds per gradient: "constant",
     "exponential", "lognormal" (coefficient of variation `cv`) or "uniform" (mean 1, `cv`);
     times `slowdown` on the workers in `slow_workers`, and times `straggler_factor` with
-    probability `straggler_prob` on any one gradient.
+    probability `straggler_prob` on any one gradient. These speed keys (`SPEED_KEYS`) are also
+    every other algorithm's compute model for `time/modeled_s` (`run/modeled_clock.py`).
     lr_policy: "constant", "inverse" (η/max(1, τ), Zhang et al. 2016), "delay_adaptive"
     (η·K/max(K, τ), Mishchenko et al. 2022) or "drop" (gradients with τ > `tau_max` are
     discarded); `delay_compensation` = λ > 0 adds DC-ASGD's λ·g⊙g⊙(x_now − x_read)

@@ -223,6 +223,14 @@ class Communicator(ABC):
         with self._timed(record, "allgather", x, charge=charge):
             return self._all_gather(x)
 
+    def all_gather_read(self, x: Tensor, record: bool | str = True) -> Tensor:
+        """`all_gather(x)`, recorded the same, for a caller that only reads the result: where
+        this process holds every worker, `x` itself (no copy of the `[K, ...]` rows)."""
+        if self.num_local < self.world_size:
+            return self.all_gather(x, record)
+        with self._timed(record, "allgather", x):
+            return x
+
     def broadcast(self, x: Tensor, src: int = 0, record: bool | str = True) -> None:
         """In place: every row becomes worker `src`'s row. Bytes: charged to `src` alone (a
         tree: the payload handed in), or, priced as a ring (`rooted_algorithm`), to every

@@ -534,7 +534,7 @@ REFERENCED_NODES = ("async", "topology")
 def check_unused_nodes(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
     """A `REFERENCED_NODES` node that the algorithm's node does not reference is left as it
     is: its schema defaults (`async`) and no override of it on the command line."""
-    from dpresearch.asynchrony.options import AsyncOptions
+    from dpresearch.asynchrony.options import SPEED_KEYS, AsyncOptions, check_options
 
     used = json.dumps(OmegaConf.to_container(cfg.algorithm, resolve=False))
     name = cfg.algorithm._target_.rsplit(".", 1)[-1]
@@ -547,6 +547,10 @@ def check_unused_nodes(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
             defaults = OmegaConf.to_container(OmegaConf.structured(AsyncOptions))
             now = OmegaConf.to_container(cfg[node], resolve=True)
             changed += [f"async.{k}" for k, v in now.items() if v != defaults.get(k, v)]
+            # the speed model is every family's (`time/modeled_s`, `run/modeled_clock.py`)
+            changed = [k for k in changed if k.removeprefix("async.") not in SPEED_KEYS]
+            opts = AsyncOptions.from_node(now)
+            _as_config_error(lambda opts=opts: check_options(opts, cfg.workers))
         if changed:
             raise ConfigError(
                 f"{changed[0]} is set but {name} does not use the {node} options (only an "

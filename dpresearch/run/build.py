@@ -53,6 +53,7 @@ from dpresearch.replicas import Replicas
 from dpresearch.run import init_from
 from dpresearch.run.checkpoint_files import checkpoint_interval
 from dpresearch.run.compute import WorkerCompute
+from dpresearch.run.modeled_clock import ModeledClock
 
 
 def algorithm_class(cfg: DictConfig) -> type[Algorithm] | None:
@@ -232,12 +233,14 @@ class Run:
     setup: dict[str, Any]  # the algorithm's and the compute's description of the set-up
     rng: GlobalRandom
     clip: GradClip  # `train.grad_clip` and the pre-clip norms since the last metrics row
+    modeled: ModeledClock  # `time/modeled_s`: every worker's modeled compute and communication
 
     # The parts whose state is the run's state, each with state_dict / load_state_dict.
     STATEFUL: ClassVar[tuple[str, ...]] = (
-        "replicas", "optimizers", "algorithm", "compute", "ledger", "rng", "clip",
+        "replicas", "optimizers", "algorithm", "compute", "ledger", "rng", "clip", "modeled",
     )  # fmt: skip
-    ADDED: ClassVar[tuple[str, ...]] = ("clip",)  # parts a checkpoint made before them lacks
+    # parts a checkpoint made before them lacks
+    ADDED: ClassVar[tuple[str, ...]] = ("clip", "modeled")
 
     @property
     def ledger(self):
@@ -333,6 +336,7 @@ def build_run(
         compute=compute, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
         checkpoint_every=checkpoint_interval(tc.checkpoint_every, steps_per_epoch),
         gradients_per_step=per_step, rng=GlobalRandom(), clip=clip,
+        modeled=ModeledClock.for_run(cfg, algorithm, comm.ledger, comm.num_workers),
         setup={**started, **algorithm.describe(), **compute.describe()},
     )  # fmt: skip
     comm.ledger.reset()  # the set-up's traffic is not the run's

@@ -114,6 +114,7 @@ def run_loop(run: Run, state: LoopState, hooks: Sequence[Hook], on_nonfinite: st
         plan = algorithm.plan(step)
         algorithm.set_lr(run.schedule(step))
         clock.step_begins()
+        run.modeled.step_begins()
         algorithm.before_forward(step)
         rows.prepare(plan)
         compute.run(plan.workers, plan.ahead, plan.models)
@@ -136,6 +137,7 @@ def run_loop(run: Run, state: LoopState, hooks: Sequence[Hook], on_nonfinite: st
         else:
             algorithm.after_backward(step)
         clock.step_ends()
+        run.modeled.step_ends()
         done = state.step = step + 1
         for hook in hooks:
             try:

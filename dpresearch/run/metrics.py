@@ -154,6 +154,7 @@ class MetricsLog(Hook):
             row["train/skipped_steps"] = state.skipped
         state.algorithm_metrics = run.algorithm.metrics()
         row.update(state.algorithm_metrics)
+        row["time/modeled_s"] = run.modeled.seconds(state.algorithm_metrics)
         if evaluates:
             row.update(self.evaluate())
             if "test/acc" in row:

@@ -851,7 +851,7 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
             written.append((path, fig))
     # tokens: the x axis of a language model (logged by text data), beside epochs
     xs = ["epoch", "tokens", "comm/bytes", *(modeled_column(n) for n in study.networks or [None])]
-    xs.append("time/simulated_s")
+    xs += ["time/simulated_s", "time/modeled_s"]
     ys = [m for m in dict.fromkeys([*result_metrics(report), *study.curves])
           if m in metrics and m not in xs]  # fmt: skip
     # curves only against epochs, but the selection metric (validation) against every x

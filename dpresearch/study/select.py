@@ -92,7 +92,8 @@ class Pick:
         return any(a.bound_reached for a in self.axes)
 
 
-HORIZON_UNITS = {"epoch": "epochs", "time/simulated_s": "simulated s", "step": "steps"}
+HORIZON_UNITS = {"epoch": "epochs", "time/simulated_s": "simulated s", "step": "steps",
+                 "time/modeled_s": "modeled s"}  # fmt: skip
 
 
 @dataclass

@@ -22,7 +22,8 @@ metric, the claim it tests and where its run data is shipped; expanded into poin
       statement: error feedback recovers top-k's accuracy
       metric: test/acc
       horizons: [3, 10, 30]              # epochs; the runs' own length when omitted
-      horizon_key: epoch                 # or time/simulated_s: horizons in simulated seconds
+      horizon_key: epoch                 # or time/simulated_s, time/modeled_s: horizons in
+                                         # simulated / modeled wall-clock seconds
       window: 0.2                        # metrics: mean over the last fifth of each horizon
       expect:
         - {better: top-k 1% + EF, than: top-k 1% (no EF)}

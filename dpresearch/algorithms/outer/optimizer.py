@@ -79,6 +79,11 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from dpresearch.algorithms.base import Algorithm, StepPlan, Verdict
+from dpresearch.algorithms.diagnostics import (
+    OuterDiagnostics,
+    outer_momentum_norm,
+    reducers_memory_norm,
+)
 from dpresearch.algorithms.local_sgd import average_optimizer_state
 from dpresearch.algorithms.outer.fragments import (
     PATTERNS,
@@ -203,6 +208,7 @@ class OuterOptimizer(Algorithm):
         self.peak_step_bytes = 0  # the most the outer optimizer sent in one step
         self.outer_bytes, self.outer_modeled_s = 0, 0.0  # its traffic so far
         self.last_delta_norm = 0.0
+        self.diagnostics = OuterDiagnostics(len(self.fragments))
 
     # -- configuration checks ----------------------------------------------------------------------
     @classmethod
@@ -322,6 +328,7 @@ class OuterOptimizer(Algorithm):
         frag, delta = self.fragments[f], self._deltas[f]
         anchor = take(self.anchor.params[0], frag.params)
         torch.sub(anchor.unsqueeze(0), take(self.base.model_rows(), frag.params), out=delta)
+        self.diagnostics.observe(f, delta, self.comm)  # before averaging overwrites the rows
         flight = InFlight(merge_at=step + 1 + self.schedule.overlap)
         with self.comm.ledger.hidden_behind(self.schedule.overlap):
             flight.finish = self._average(f, delta, step // self.schedule.period)
@@ -425,6 +432,9 @@ class OuterOptimizer(Algorithm):
             "outer/bytes_per_round": self.outer_bytes / rounds if rounds else 0.0,
             "outer/modeled_s_per_round": self.outer_modeled_s / rounds if rounds else 0.0,
             "outer/delta_norm": self.last_delta_norm,
+            **self.diagnostics.metrics(),
+            "outer/momentum_norm": outer_momentum_norm(self.outer),
+            **reducers_memory_norm(self.reducers or []),
         }
 
     def describe(self) -> dict[str, Any]:
@@ -456,6 +466,7 @@ class OuterOptimizer(Algorithm):
             "outer_modeled_s": self.outer_modeled_s,
             "last_delta_norm": self.last_delta_norm,
             "reducers": [r.state_dict() for r in self.reducers or []],
+            "diagnostics": self.diagnostics.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -480,6 +491,7 @@ class OuterOptimizer(Algorithm):
         self.last_delta_norm = float(state["last_delta_norm"])
         for reducer, saved in zip(self.reducers or [], state.get("reducers", []), strict=True):
             reducer.load_state_dict(saved)
+        self.diagnostics.load_state_dict(state.get("diagnostics"))
 
 
 PERIOD_MESSAGE = (
