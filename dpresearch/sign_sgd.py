@@ -13,6 +13,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
+
+
+def decoupled_step(p: Tensor, direction: Tensor, lr: float, decay: float | Tensor) -> None:
+    """p ← p·(1 − lr·decay) − lr·direction, in place (`decay`: a float, or a tensor
+    broadcasting against `p`, e.g. one rate per column of DeMo's flat rows)."""
+    if isinstance(decay, Tensor) or decay:
+        p.mul_(1 - lr * decay)
+    p.sub_(direction, alpha=lr)
 
 
 class SignSGD(torch.optim.Optimizer):
@@ -31,11 +40,7 @@ class SignSGD(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, decay = group["lr"], group["weight_decay"]
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if decay:
-                    p.mul_(1 - lr * decay)
-                p.sub_(torch.sign(p.grad), alpha=lr)
+                if p.grad is not None:
+                    decoupled_step(p, torch.sign(p.grad), group["lr"], group["weight_decay"])
         return loss

@@ -8,7 +8,7 @@ paper's; "demo.py:N": line N of the reference code, bloc97/DeMo's demo.py at com
 
     m_i ← β·m_i + g_i                    (paper, Algorithm 1 line 2; `lr_in_momentum=true`:
                                           m_i ← β·m_i + η·g_i, the reference, demo.py:128-132)
-    c_i = DCT(m_i)                        chunk by chunk (below)
+    c_i = DCT(m_i)                        chunk by chunk (compress/dct.py)
     q_i = the `topk` largest |c_i| of every chunk: (indices, values)      (line 3)
     m_i ← m_i − IDCT(q_i)                 (line 4; the reference subtracts the decoded q_i too)
     all-gather every worker's (indices, values)                           (line 5)
@@ -36,25 +36,17 @@ decay 0 in `optimizer=demo` (the same files). With a constant lr `lr_in_momentum
 nothing but rounding under `sign=true` (top-k and sign are scale-free); under a schedule it
 re-weights old gradients against new ones, as the reference does.
 
-Chunks (the reference's `TransformDCT`). A tensor is seen as a matrix: a 2-D one as it is, a
-1-D one of n entries as 1 × n, a scalar as 1 × 1, and a tensor of more dimensions as
-shape[0] × (the product of the others), in the flat row's order (under `train.channels_last`
-a convolution's trailing order is (kh, kw, in)) — the reference handles 1-D and 2-D tensors
-only. Each dimension of n entries is cut into blocks of s = the largest divisor of n that is
-at most `chunk` (n itself when n ≤ chunk; 1 for a prime n > chunk), the reference's
-`_get_smaller_split`; so a 768 × 3072 matrix is tiled by 64 × 64 blocks, a 65-entry dimension
-by 13s, a 1-D tensor by 1 × s blocks. Each h × w block gets the separable orthonormal DCT-II
-(C_h · block · C_wᵀ, C[u, j] = α_u·cos(π(2j + 1)u / 2n), α_0 = √(1/n), α_u = √(2/n): an
-orthonormal basis, so IDCT = Cᵀ · coefficients · C), computed as matrix products. Its h·w
-coefficients are ranked by |value| and the top min(topk, h·w) kept (k below 1 is refused);
-their index inside the block (row-major, u·w + v) and value are sent.
-
-Bytes. One all-gather per step of one byte message per worker: the values in the parameters'
-dtype, then the indices in the narrowest integer that holds every block's largest index: one
-byte (uint8) where every block has at most 256 coefficients, two (int16) up to 32768 (so 64 ×
-64 blocks cost two), else four (int32). Per worker and step: Σ_tensors blocks·k·(value bytes +
-index bytes), no header, no padding (the shapes are fixed by the model). The reference
-all-gathers torch.topk's int64 indices (eight bytes each) and the values in two collectives.
+The parts are the shared ones (issue 43): the chunks, the DCT, the top-k and the bytes are the
+`dct_topk` compressor's (`compress/dct.py`: blocks of each dimension's largest divisor ≤
+`chunk`, the narrowest index integer for the model's largest block, values then indices in one
+all-gathered byte row, no header), whose codec this class encodes, decodes and gathers through;
+the momentum is EF14's memory with decay β (`compress/error_feedback.py`); the step is
+`sign_sgd.decoupled_step`. So `algorithm=sync compressor=dct_topk error_feedback=ef14
+error_feedback.decay=β optimizer=sign_sgd` (or `optimizer=sgd` for `sign=false`) is this
+algorithm bit for bit (tests/test_dct_topk.py). What stays here is DeMo's own: `average=senders`
+(each coefficient's mean over the workers that sent it, which no compressor's mean sees),
+`lr_in_momentum`, and one node for all its options. The reference all-gathers torch.topk's int64
+indices (eight bytes each) and the values in two collectives.
 
 The algorithm owns the optimizer step (as `compressed_adam`): the user selects it with
 `optimizer=demo`, whose node (`DeMo`: lr, weight decay per parameter group, so
@@ -82,8 +74,10 @@ from dpresearch.algorithms.sync import BUFFER_MODES
 from dpresearch.comm.base import Communicator
 from dpresearch.compress.chunks import Chunk
 from dpresearch.compress.dct import ChunkedDCT, DCTTopK, DCTTopKCodec, block_side
+from dpresearch.compress.error_feedback import ErrorFeedback
 from dpresearch.compress.layout import param_layout
 from dpresearch.replicas import Replicas
+from dpresearch.sign_sgd import decoupled_step
 
 AVERAGES = ("all", "senders")
 __all__ = ["AVERAGES", "ChunkedDCT", "DeMo", "DeMoAlgorithm", "block_side", "check_options"]
@@ -179,7 +173,9 @@ class DeMoAlgorithm(Algorithm):
         self.value_bytes = params.element_size()
         self.index_bytes = torch.empty((), dtype=self.index_dtype).element_size()
         self.decay = column_decay(replicas, self.hyper)
-        self.m = torch.zeros_like(params)
+        # the momentum is EF14's memory with decay β: m ← β·m + g, then m ← m − (what was sent)
+        self.memory = ErrorFeedback("ef14", decay=self.beta).bind(*params.shape, params.dtype,
+                                                                  params.device)  # fmt: skip
         self.sent = torch.empty_like(params)
 
     @classmethod
@@ -226,19 +222,15 @@ class DeMoAlgorithm(Algorithm):
         # is compressed and exchanged), as a compressed synchronous exchange clips
         self.clip_gradients()
         lr = self._lr()
-        params, m = self.replicas.params, self.m
-        m.mul_(self.beta).add_(self.replicas.grads, alpha=lr if self.lr_in_momentum else 1.0)
-        # the momentum is the error feedback: what is sent, as receivers decode it, leaves it
+        scale = lr if self.lr_in_momentum else 1.0
+        m = self.memory.compensate(self.replicas.grads, step, scale=scale)
         wire = self.codec.encode(m, step)
-        self.codec.decode(wire, step, self.sent)
-        m.sub_(self.sent)
+        self.codec.decode(wire, step, self.sent)  # as the receivers decode it
+        self.memory.update(m, self.sent)
         update = self._synchronize(wire)
-        if self.sign:
-            update.sign_()
-        decay = self.decay
-        if isinstance(decay, Tensor) or decay:
-            params.mul_(1 - lr * decay)  # decoupled, before the step (the reference's order)
-        params.sub_(update, alpha=lr)
+        # decoupled decay before the step (the reference's order)
+        decoupled_step(self.replicas.params, update.sign_() if self.sign else update, lr,
+                       self.decay)  # fmt: skip
 
     def _synchronize(self, wire: Tensor) -> Tensor:
         """All-gather every worker's message; decode the average Q (`[D]`, the same on every
@@ -263,6 +255,11 @@ class DeMoAlgorithm(Algorithm):
         buffers = self.replicas.buffers.clone()
         self.comm.broadcast(buffers, src=0, record="eval")
         return self.replicas.params[0].clone(), buffers[0]
+
+    @property
+    def m(self) -> Tensor:
+        """Every local worker's momentum `[W, D]` (the memory's live state)."""
+        return self.memory.memory  # type: ignore[return-value]
 
     def state_dict(self) -> dict:
         return {"m": self.m}
