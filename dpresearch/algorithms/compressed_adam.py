@@ -291,7 +291,7 @@ class CompressedAdam(Algorithm):
         self.hyper: OwnedOptimizer = optimizers[0]  # type: ignore[assignment]
         params = replicas.params
         w, d = params.shape
-        self.decay = self._column_decay(replicas, self.hyper, params)
+        self.decay = column_decay(replicas, self.hyper)
         self.m = torch.zeros(w, d, dtype=params.dtype, device=params.device)
         self.v = torch.zeros(d, dtype=params.dtype, device=params.device)
         self.onebit: OneBitAllreduce | PerParameterOneBitAllreduce
@@ -308,19 +308,6 @@ class CompressedAdam(Algorithm):
         else:
             self.onebit.worker_error.zero_()
             self.onebit.server_error.zero_()
-
-    @staticmethod
-    def _column_decay(replicas: Replicas, hyper: OwnedOptimizer, params: Tensor) -> Tensor | float:
-        """Weight decay per column of the flat row (a float when all groups agree)."""
-        rates = {g["weight_decay"] for g in hyper.param_groups}
-        if len(rates) == 1:
-            return float(rates.pop())
-        of_param = {id(p): g["weight_decay"] for g in hyper.param_groups for p in g["params"]}
-        decay, offset = torch.zeros(params.shape[1], dtype=params.dtype), 0
-        for p in (p for p in replicas.models[0].parameters() if p.requires_grad):
-            decay[offset : offset + p.numel()] = of_param[id(p)]
-            offset += p.numel()
-        return decay.to(params.device)
 
     @classmethod
     def check_config(cls, cfg: Any) -> None:
@@ -538,3 +525,18 @@ class ZeroOneAdamAlgorithm(CompressedAdam):
         self.u.copy_(state["u"])
         self.anchor.copy_(state["anchor"])
         self.lr_sum = float(state["lr_sum"])
+
+
+def column_decay(replicas: Replicas, hyper: torch.optim.Optimizer) -> Tensor | float:
+    """The weight decay of every column of the flat row, read from `hyper`'s parameter groups
+    (a float where all groups agree): what an algorithm that owns the optimizer step decays."""
+    rates = {g["weight_decay"] for g in hyper.param_groups}
+    if len(rates) == 1:
+        return float(rates.pop())
+    of_param = {id(p): g["weight_decay"] for g in hyper.param_groups for p in g["params"]}
+    params = replicas.params
+    decay, offset = torch.zeros(params.shape[1], dtype=params.dtype), 0
+    for p in (p for p in replicas.models[0].parameters() if p.requires_grad):
+        decay[offset : offset + p.numel()] = of_param[id(p)]
+        offset += p.numel()
+    return decay.to(params.device)

@@ -8,7 +8,7 @@ paper's; "demo.py:N": line N of the reference code, bloc97/DeMo's demo.py at com
 
     m_i ← β·m_i + g_i                    (paper, Algorithm 1 line 2; `lr_in_momentum=true`:
                                           m_i ← β·m_i + η·g_i, the reference, demo.py:128-132)
-    c_i = DCT(m_i)                        chunk by chunk (below)
+    c_i = DCT(m_i)                        chunk by chunk (compress/dct.py)
     q_i = the `topk` largest |c_i| of every chunk: (indices, values)      (line 3)
     m_i ← m_i − IDCT(q_i)                 (line 4; the reference subtracts the decoded q_i too)
     all-gather every worker's (indices, values)                           (line 5)
@@ -36,25 +36,17 @@ decay 0 in `optimizer=demo` (the same files). With a constant lr `lr_in_momentum
 nothing but rounding under `sign=true` (top-k and sign are scale-free); under a schedule it
 re-weights old gradients against new ones, as the reference does.
 
-Chunks (the reference's `TransformDCT`). A tensor is seen as a matrix: a 2-D one as it is, a
-1-D one of n entries as 1 × n, a scalar as 1 × 1, and a tensor of more dimensions as
-shape[0] × (the product of the others), in the flat row's order (under `train.channels_last`
-a convolution's trailing order is (kh, kw, in)) — the reference handles 1-D and 2-D tensors
-only. Each dimension of n entries is cut into blocks of s = the largest divisor of n that is
-at most `chunk` (n itself when n ≤ chunk; 1 for a prime n > chunk), the reference's
-`_get_smaller_split`; so a 768 × 3072 matrix is tiled by 64 × 64 blocks, a 65-entry dimension
-by 13s, a 1-D tensor by 1 × s blocks. Each h × w block gets the separable orthonormal DCT-II
-(C_h · block · C_wᵀ, C[u, j] = α_u·cos(π(2j + 1)u / 2n), α_0 = √(1/n), α_u = √(2/n): an
-orthonormal basis, so IDCT = Cᵀ · coefficients · C), computed as matrix products. Its h·w
-coefficients are ranked by |value| and the top min(topk, h·w) kept (k below 1 is refused);
-their index inside the block (row-major, u·w + v) and value are sent.
-
-Bytes. One all-gather per step of one byte message per worker: the values in the parameters'
-dtype, then the indices in the narrowest integer that holds every block's largest index: one
-byte (uint8) where every block has at most 256 coefficients, two (int16) up to 32768 (so 64 ×
-64 blocks cost two), else four (int32). Per worker and step: Σ_tensors blocks·k·(value bytes +
-index bytes), no header, no padding (the shapes are fixed by the model). The reference
-all-gathers torch.topk's int64 indices (eight bytes each) and the values in two collectives.
+The parts are the shared ones (issue 43): the chunks, the DCT, the top-k and the bytes are the
+`dct_topk` compressor's (`compress/dct.py`: blocks of each dimension's largest divisor ≤
+`chunk`, the narrowest index integer for the model's largest block, values then indices in one
+all-gathered byte row, no header), whose codec this class encodes, decodes and gathers through;
+the momentum is EF14's memory with decay β (`compress/error_feedback.py`); the step is
+`sign_sgd.decoupled_step`. So `algorithm=sync compressor=dct_topk error_feedback=ef14
+error_feedback.decay=β optimizer=sign_sgd` (or `optimizer=sgd` for `sign=false`) is this
+algorithm bit for bit (tests/test_dct_topk.py). What stays here is DeMo's own: `average=senders`
+(each coefficient's mean over the workers that sent it, which no compressor's mean sees),
+`lr_in_momentum`, and one node for all its options. The reference all-gathers torch.topk's int64
+indices (eight bytes each) and the values in two collectives.
 
 The algorithm owns the optimizer step (as `compressed_adam`): the user selects it with
 `optimizer=demo`, whose node (`DeMo`: lr, weight decay per parameter group, so
@@ -67,20 +59,28 @@ own).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from dpresearch.algorithms.base import Algorithm, Traits
-from dpresearch.algorithms.compressed_adam import OwnedOptimizer, require_owned_optimizer
+from dpresearch.algorithms.compressed_adam import (
+    OwnedOptimizer,
+    column_decay,
+    require_owned_optimizer,
+)
 from dpresearch.algorithms.sync import BUFFER_MODES
 from dpresearch.comm.base import Communicator
-from dpresearch.compress.layout import ParamLayout, param_layout
+from dpresearch.compress.chunks import Chunk
+from dpresearch.compress.dct import ChunkedDCT, DCTTopK, DCTTopKCodec, block_side
+from dpresearch.compress.error_feedback import ErrorFeedback
+from dpresearch.compress.layout import param_layout
 from dpresearch.replicas import Replicas
+from dpresearch.sign_sgd import decoupled_step
 
 AVERAGES = ("all", "senders")
+__all__ = ["AVERAGES", "ChunkedDCT", "DeMo", "DeMoAlgorithm", "block_side", "check_options"]
 
 
 class DeMo(OwnedOptimizer):
@@ -126,109 +126,6 @@ def check_options(beta: Any, topk: Any, chunk: Any, average: Any, buffers: Any,
             raise ValueError(f"algorithm.{name}={value}: must be true or false")
 
 
-# -- the chunked DCT ----------------------------------------------------------------------------
-
-
-def dct_matrix(n: int, dtype: torch.dtype = torch.float64, device: Any = "cpu") -> Tensor:
-    """The orthonormal DCT-II matrix C (`[n, n]`): C[u, j] = α_u·cos(π(2j + 1)u / 2n),
-    α_0 = √(1/n), α_u = √(2/n); C·x are x's coefficients, Cᵀ·c inverts. Built in float64."""
-    j = torch.arange(n, dtype=torch.float64)
-    u = j[:, None]
-    c = torch.cos(math.pi * (2 * j[None, :] + 1) * u / (2 * n)) * math.sqrt(2 / n)
-    c[0] /= math.sqrt(2)
-    return c.to(dtype=dtype, device=device)
-
-
-def block_side(n: int, chunk: int) -> int:
-    """The largest divisor of n that is at most `chunk` (the reference's `_get_smaller_split`)."""
-    return max(d for d in range(1, min(n, chunk) + 1) if n % d == 0)
-
-
-def as_matrix(shape: tuple[int, ...]) -> tuple[int, int]:
-    """(rows, cols) a tensor of `shape` is chunked as (see the module docstring)."""
-    if len(shape) == 0:
-        return 1, 1
-    if len(shape) == 1:
-        return 1, shape[0]
-    return shape[0], math.prod(shape[1:])
-
-
-@dataclass(frozen=True)
-class TensorChunks:
-    """How one tensor is chunked: columns [offset, offset + rows·cols) of the flat row, seen as
-    a rows × cols matrix tiled by h × w blocks, k coefficients kept per block, its entries at
-    [start, start + blocks·k) of the message."""
-
-    offset: int
-    rows: int
-    cols: int
-    h: int
-    w: int
-    k: int
-    start: int
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.cols
-
-    @property
-    def blocks(self) -> int:
-        return (self.rows // self.h) * (self.cols // self.w)
-
-    @property
-    def entries(self) -> int:
-        return self.blocks * self.k
-
-
-class ChunkedDCT:
-    """The chunked DCT of flat rows laid out as `layout` (see the module docstring), keeping
-    `topk` coefficients per block. `encode` / `decode` work on one tensor's columns of `[R, D]`
-    rows at once."""
-
-    def __init__(
-        self, layout: ParamLayout, chunk: int, topk: int, dtype: torch.dtype, device: Any
-    ) -> None:
-        tensors, start = [], 0
-        for offset, shape in layout:
-            rows, cols = as_matrix(tuple(shape))
-            if rows * cols == 0:
-                continue
-            h, w = block_side(rows, chunk), block_side(cols, chunk)
-            t = TensorChunks(offset, rows, cols, h, w, min(topk, h * w), start)
-            tensors.append(t)
-            start += t.entries
-        self.tensors: list[TensorChunks] = tensors
-        self.entries = start  # coefficients one worker sends per step
-        self.largest_block = max((t.h * t.w for t in tensors), default=1)
-        self._bases = {
-            n: dct_matrix(n, dtype, device) for t in tensors for n in (t.h, t.w)
-        }  # fmt: skip
-
-    def encode(self, t: TensorChunks, x: Tensor) -> Tensor:
-        """`x` `[R, rows·cols]` (one tensor's columns of R rows) → its blocks' coefficients
-        `[R, blocks, h·w]` (block-row-major; a block's coefficients row-major)."""
-        r = x.shape[0]
-        blocks = x.reshape(r, t.rows // t.h, t.h, t.cols // t.w, t.w)
-        coeffs = torch.einsum("aihjw,uh,vw->aijuv", blocks, self._bases[t.h], self._bases[t.w])
-        return coeffs.reshape(r, t.blocks, t.h * t.w)
-
-    def decode(self, t: TensorChunks, coeffs: Tensor) -> Tensor:
-        """The inverse of `encode`: `[R, blocks, h·w]` → `[R, rows·cols]`."""
-        r = coeffs.shape[0]
-        c = coeffs.reshape(r, t.rows // t.h, t.cols // t.w, t.h, t.w)
-        x = torch.einsum("aijuv,uh,vw->aihjw", c, self._bases[t.h], self._bases[t.w])
-        return x.reshape(r, t.numel)
-
-
-def index_dtype(largest_block: int) -> torch.dtype:
-    """The narrowest integer type holding every index below `largest_block`."""
-    if largest_block <= 256:
-        return torch.uint8
-    if largest_block <= 2**15:
-        return torch.int16
-    return torch.int32
-
-
 # -- the algorithm ------------------------------------------------------------------------------
 
 
@@ -266,14 +163,20 @@ class DeMoAlgorithm(Algorithm):
         self.buffer_mode = buffers
         self.hyper: DeMo = optimizers[0]  # type: ignore[assignment]
         params = replicas.params
-        self.dct = ChunkedDCT(
-            param_layout(replicas.models[0]), self.chunk, self.topk, params.dtype, params.device
+        layout = param_layout(replicas.models[0])
+        chunks = [Chunk(str(i), o, math.prod(s), tuple(s)) for i, (o, s) in enumerate(layout)]
+        self.codec: DCTTopKCodec = DCTTopK(self.topk, self.chunk).codec(  # type: ignore[assignment]
+            chunks, params.dtype, params.device, comm.local_workers, linear=False
         )
-        self.index_dtype = index_dtype(self.dct.largest_block)
+        self.dct = self.codec.dct
+        self.index_dtype = self.codec.index
         self.value_bytes = params.element_size()
         self.index_bytes = torch.empty((), dtype=self.index_dtype).element_size()
         self.decay = column_decay(replicas, self.hyper)
-        self.m = torch.zeros_like(params)
+        # the momentum is EF14's memory with decay β: m ← β·m + g, then m ← m − (what was sent)
+        self.memory = ErrorFeedback("ef14", decay=self.beta).bind(*params.shape, params.dtype,
+                                                                  params.device)  # fmt: skip
+        self.sent = torch.empty_like(params)
 
     @classmethod
     def check_config(cls, cfg: Any) -> None:
@@ -319,58 +222,31 @@ class DeMoAlgorithm(Algorithm):
         # is compressed and exchanged), as a compressed synchronous exchange clips
         self.clip_gradients()
         lr = self._lr()
-        params, m = self.replicas.params, self.m
-        m.mul_(self.beta).add_(self.replicas.grads, alpha=lr if self.lr_in_momentum else 1.0)
-        values, indices = self._extract(m)
-        update = self._synchronize(values, indices)
-        if self.sign:
-            update.sign_()
-        decay = self.decay
-        if isinstance(decay, Tensor) or decay:
-            params.mul_(1 - lr * decay)  # decoupled, before the step (the reference's order)
-        params.sub_(update, alpha=lr)
+        scale = lr if self.lr_in_momentum else 1.0
+        m = self.memory.compensate(self.replicas.grads, step, scale=scale)
+        wire = self.codec.encode(m, step)
+        self.codec.decode(wire, step, self.sent)  # as the receivers decode it
+        self.memory.update(m, self.sent)
+        update = self._synchronize(wire)
+        # decoupled decay before the step (the reference's order)
+        decoupled_step(self.replicas.params, update.sign_() if self.sign else update, lr,
+                       self.decay)  # fmt: skip
 
-    def _extract(self, m: Tensor) -> tuple[Tensor, Tensor]:
-        """Every worker's top-k coefficients per block (`[W, entries]` values and indices,
-        tensor after tensor), removed from its momentum."""
-        rows = m.shape[0]
-        values = m.new_empty(rows, self.dct.entries)
-        indices = torch.empty(rows, self.dct.entries, dtype=torch.long, device=m.device)
-        for t in self.dct.tensors:
-            x = m[:, t.offset : t.offset + t.numel]
-            coeffs = self.dct.encode(t, x)
-            top = coeffs.abs().topk(t.k, dim=-1, sorted=False).indices
-            kept = coeffs.gather(-1, top)
-            x.sub_(self.dct.decode(t, torch.zeros_like(coeffs).scatter_(-1, top, kept)))
-            values[:, t.start : t.start + t.entries] = kept.reshape(rows, -1)
-            indices[:, t.start : t.start + t.entries] = top.reshape(rows, -1)
-        return values, indices
-
-    def _synchronize(self, values: Tensor, indices: Tensor) -> Tensor:
-        """All-gather every worker's (values, indices) as one byte message; decode the
-        average Q (`[D]`, the same on every worker)."""
-        rows, n = values.shape
-        split = n * self.value_bytes
-        wire = torch.empty(rows, split + n * self.index_bytes, dtype=torch.uint8,
-                           device=values.device)  # fmt: skip
-        wire[:, :split] = values.view(torch.uint8)
-        wire[:, split:] = indices.to(self.index_dtype).view(torch.uint8)
+    def _synchronize(self, wire: Tensor) -> Tensor:
+        """All-gather every worker's message; decode the average Q (`[D]`, the same on every
+        worker): coefficients summed over the K workers, divided, then one IDCT per tensor."""
         gathered = self.comm.all_gather(wire)  # [K, bytes]
         k = gathered.shape[0]
-        all_values = gathered[:, :split].contiguous().view(values.dtype)
-        all_indices = gathered[:, split:].contiguous().view(self.index_dtype).long()
-        update = values.new_zeros(self.replicas.params.shape[1])
-        for t in self.dct.tensors:
-            part = slice(t.start, t.start + t.entries)
-            where = all_indices[:, part].reshape(k, t.blocks, t.k)
-            dense = values.new_zeros(k, t.blocks, t.h * t.w)
-            total = dense.scatter_(-1, where, all_values[:, part].reshape(k, t.blocks, t.k))
-            total = total.sum(0, keepdim=True)
+        coefficients = self.codec.coefficients(gathered)
+        if self.average == "senders":
+            counts = self.codec.coefficients(gathered, ones=True)
+        update = self.replicas.params.new_zeros(self.replicas.params.shape[1])
+        for i, (t, dense) in enumerate(zip(self.dct.tensors, coefficients, strict=True)):
+            total = dense.sum(0, keepdim=True)
             if self.average == "all":
                 total.div_(k)
             else:
-                senders = values.new_zeros(k, t.blocks, t.h * t.w).scatter_(-1, where, 1.0)
-                total.div_(senders.sum(0, keepdim=True).clamp_(min=1))
+                total.div_(counts[i].sum(0, keepdim=True).clamp_(min=1))
             update[t.offset : t.offset + t.numel] = self.dct.decode(t, total)[0]
         return update
 
@@ -380,22 +256,13 @@ class DeMoAlgorithm(Algorithm):
         self.comm.broadcast(buffers, src=0, record="eval")
         return self.replicas.params[0].clone(), buffers[0]
 
+    @property
+    def m(self) -> Tensor:
+        """Every local worker's momentum `[W, D]` (the memory's live state)."""
+        return self.memory.memory  # type: ignore[return-value]
+
     def state_dict(self) -> dict:
         return {"m": self.m}
 
     def load_state_dict(self, state: dict) -> None:
         self.m.copy_(state["m"])
-
-
-def column_decay(replicas: Replicas, hyper: torch.optim.Optimizer) -> Tensor | float:
-    """The weight decay of every column of the flat row (a float where all groups agree)."""
-    rates = {g["weight_decay"] for g in hyper.param_groups}
-    if len(rates) == 1:
-        return float(rates.pop())
-    of_param = {id(p): g["weight_decay"] for g in hyper.param_groups for p in g["params"]}
-    params = replicas.params
-    decay, offset = torch.zeros(params.shape[1], dtype=params.dtype), 0
-    for p in (p for p in replicas.models[0].parameters() if p.requires_grad):
-        decay[offset : offset + p.numel()] = of_param[id(p)]
-        offset += p.numel()
-    return decay.to(params.device)

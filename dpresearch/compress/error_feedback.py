@@ -113,10 +113,15 @@ class ErrorFeedback:
         return step < self.start_after_steps
 
     # -- the protocol -----------------------------------------------------------------------
-    def compensate(self, g: Tensor, step: int, rows: slice = ALL, cols: Columns = ALL) -> Tensor:
+    def compensate(
+        self, g: Tensor, step: int, rows: slice = ALL, cols: Columns = ALL, scale: float = 1.0
+    ) -> Tensor:
         """p for the gradients `g` `[r, n]` of rows `rows`, columns `cols` of the state (see the
         class docstring). During warm-up: g (or u_w) itself. p may be a view of the state:
-        pass it unchanged to `update` (or `warm`) before the next call."""
+        pass it unchanged to `update` (or `warm`) before the next call. scale: EF14 without
+        momentum correction only, p = β·e + scale·g in one fused add (DeMo's lr_in_momentum)."""
+        if scale != 1.0 and (self.mode != "ef14" or self.velocity is not None):
+            raise ValueError("compensate: scale is for EF14 without momentum correction")
         u = g
         if self.velocity is not None:
             u = _take(self.velocity, rows, cols)
@@ -128,7 +133,7 @@ class ErrorFeedback:
         if self.mode == "ef14":
             if self.decay != 1.0:
                 memory.mul_(self.decay)
-            return memory.add_(u)  # stored back by `update`
+            return memory.add_(u, alpha=scale)  # stored back by `update`
         delta = self.ws.get("delta", tuple(u.shape), u.dtype, u.device)
         return torch.sub(u, memory, out=delta)
 
