@@ -55,9 +55,15 @@ class MuonAdamW(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
     ) -> None:
-        for key, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay),
-                           ("eps", eps), ("adamw_lr", adamw_lr), ("adamw_eps", adamw_eps),
-                           ("adamw_weight_decay", adamw_weight_decay)):  # fmt: skip
+        for key, value in (
+            ("lr", lr),
+            ("momentum", momentum),
+            ("weight_decay", weight_decay),
+            ("eps", eps),
+            ("adamw_lr", adamw_lr),
+            ("adamw_eps", adamw_eps),
+            ("adamw_weight_decay", adamw_weight_decay),
+        ):
             if not value >= 0:
                 raise ValueError(f"optimizer.{key}={value}: must be >= 0")
         if adjust_lr_fn not in ADJUST_LR_FNS:

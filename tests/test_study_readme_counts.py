@@ -696,7 +696,7 @@ CLAIMS = [
             for one, two in (
                 ("DiLoCo H=16", "DiLoCo H=16 β=0.9"),
                 ("SlowMo over SGP", "SlowMo over SGP β=0.7"),
-            )  # fmt: skip
+            )
         ),
     ),
     # -- lm_shakespeare/README.md -----------------------------------------------------------
@@ -957,9 +957,12 @@ def test_results_md_counts_its_own_picks(study):
     )
     assert picks(study) == counted
     where = "" if len(r.horizons) == 1 else f" over the {len(r.horizons)} horizons"
-    stated = re.search(rf"^- picks{where}: (\d+) of (\d+) interior, (\d+) at an edge of the lrs "
-                       rf"tried \((\d+) with the bound reached\); (\d+) of \d+ won within noise",
-                       text, re.M)  # fmt: skip
+    stated = re.search(
+        rf"^- picks{where}: (\d+) of (\d+) interior, (\d+) at an edge of the lrs "
+        rf"tried \((\d+) with the bound reached\); (\d+) of \d+ won within noise",
+        text,
+        re.M,
+    )
     assert stated, f"{study}: results.md states no pick counts"
     assert tuple(map(int, stated.groups())) == (
         counted.interior,
@@ -968,6 +971,7 @@ def test_results_md_counts_its_own_picks(study):
         counted.bound,
         counted.close,
     )
-    roles_stated = re.search(r"^- runs by role: (\d+) on .*?, (\d+) on .*?, (\d+) final", text,
-                             re.M)  # fmt: skip
+    roles_stated = re.search(
+        r"^- runs by role: (\d+) on .*?, (\d+) on .*?, (\d+) final", text, re.M
+    )
     assert roles_stated and sum(map(int, roles_stated.groups())) == len(r.runs)

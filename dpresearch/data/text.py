@@ -303,9 +303,10 @@ class TextDataset(Dataset):
             return [np.array([self.works[i][1:] for i in g]).reshape(-1, 2) for g in groups], False
         if kind == "by_role":
             sizes_by_role = np.bincount(
-                self.speeches[:, 0], weights=self.speeches[:, 2] - self.speeches[:, 1],
+                self.speeches[:, 0],
+                weights=self.speeches[:, 2] - self.speeches[:, 1],
                 minlength=len(self.roles),
-            )  # fmt: skip
+            )
             if len(self.roles) < k:
                 raise ValueError(
                     f"data.partition=by_role: {len(self.roles)} speaking roles cannot go to {k} "

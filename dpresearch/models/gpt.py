@@ -144,8 +144,13 @@ class GPT(nn.Module):
             )
         window = int(input_shape[0])
         block_size = window if block_size is None else block_size
-        for key, value in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd),
-                           ("block_size", block_size), ("num_classes", num_classes)):  # fmt: skip
+        for key, value in (
+            ("n_layer", n_layer),
+            ("n_head", n_head),
+            ("n_embd", n_embd),
+            ("block_size", block_size),
+            ("num_classes", num_classes),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"model.{key}={value}: must be an integer >= 1")
         if n_embd % n_head != 0:

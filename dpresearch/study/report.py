@@ -150,7 +150,7 @@ def build(study: Study, header: dict, runs, metrics, include_failed: bool = Fals
                 if final
                 else "; no final seeds: the results tables "
                 "show the tuning seeds' own values, which the selection favours"
-            )  # fmt: skip
+            )
         )
     if len(study.selection_seeds) < 2:
         report.notes.append(
@@ -204,8 +204,10 @@ def run_counts(study: Study, runs) -> dict[str, int]:
     tuning = runs[runs["cfg.seed"].isin(list(study.selection_seeds))]
     own = {c.name: set(c.settings()) for c in study.cases if c.lr_from is None}
     tuned = tuning[tuning["case"].isin(own)]
-    grid = sum(setting_of(row, case_columns(study, row["case"])) in own[row["case"]]
-               for _, row in tuned.iterrows())  # fmt: skip
+    grid = sum(
+        setting_of(row, case_columns(study, row["case"])) in own[row["case"]]
+        for _, row in tuned.iterrows()
+    )
     return {"grid": grid, "extensions": len(tuned) - grid, "final": len(runs) - len(tuned)}
 
 
@@ -261,8 +263,9 @@ def summary_sentences(report: StudyReport) -> list[str]:
     counts = [pick_counts(study, h) for h in report.horizons]
     if len(counts) == 1:
         return [*lines, _picks_sentence(counts[0], "")]
-    lines += [_picks_sentence(c, f" at {h.label}") for c, h in zip(counts, report.horizons,
-                                                                   strict=True)]  # fmt: skip
+    lines += [
+        _picks_sentence(c, f" at {h.label}") for c, h in zip(counts, report.horizons, strict=True)
+    ]
     total = sum(counts[1:], counts[0])
     lines.append(_picks_sentence(total, f" over the {len(counts)} horizons"))
     return lines
@@ -423,8 +426,13 @@ def results_frame(report: StudyReport, horizon: Horizon):
         row = {"case": case.name}
         values: dict[str, Any] = {"case": case.name, "horizon": horizon.epochs}
         if pick is None:
-            row.update({_lr_head(study): MISSING, **dict.fromkeys(study.also_keys, MISSING),
-                        _selection_head(study, metric): MISSING})  # fmt: skip
+            row.update(
+                {
+                    _lr_head(study): MISSING,
+                    **dict.fromkeys(study.also_keys, MISSING),
+                    _selection_head(study, metric): MISSING,
+                }
+            )
             rows = horizon.runs[horizon.runs["case"] == case.name]
             for m in metrics:
                 row[_metric_head(m, study.labels)] = _failed_text(rows) if len(rows) else "not run"
@@ -452,8 +460,9 @@ def results_frame(report: StudyReport, horizon: Horizon):
             n = max(n, n_m)
         per_epoch = "comm/bytes_per_epoch"
         if per_epoch in rows:
-            text, mean, _, _ = _mean_cell(rows, per_epoch, report.include_failed,
-                                          lambda v: megabytes(v / MB))  # fmt: skip
+            text, mean, _, _ = _mean_cell(
+                rows, per_epoch, report.include_failed, lambda v: megabytes(v / MB)
+            )
             row["MB sent per worker per epoch"] = text.split(" ± ")[0]
             values["MB_per_epoch"] = mean / MB if math.isfinite(mean) else math.nan
         row["n"] = f"{n}/{len(rows)}" if n != len(rows) else str(n)
@@ -497,8 +506,9 @@ def grid_frame(report: StudyReport, horizon: Horizon):
             for name, part in (("tuning", tuning), ("final", final)):
                 seeds = ",".join(str(int(s)) for s in sorted(part["cfg.seed"]))
                 row[f"{name} seeds"] = seeds or MISSING
-                text, mean, std, n = _mean_cell(part, metric, report.include_failed,
-                                                _fmt_for(metric))  # fmt: skip
+                text, mean, std, n = _mean_cell(
+                    part, metric, report.include_failed, _fmt_for(metric)
+                )
                 if name == "tuning" and n:
                     se = standard_error(mean, std, n, examples_behind(runs, metric))
                     text = f"{_pm(mean, se, metric)} (SE)" if math.isfinite(se) else text
@@ -507,7 +517,7 @@ def grid_frame(report: StudyReport, horizon: Horizon):
                     row[f"{name}: {main}"] = (
                         _mean_cell(part, main, report.include_failed, _fmt_for(main))[0]
                         if len(part)
-                        else MISSING  # fmt: skip
+                        else MISSING
                     )
                 failed = _statuses(part)
                 row[f"{name}: not usable"] = failed
@@ -598,8 +608,10 @@ def published_frame(study: Study):
     frame = pd.read_csv(path, dtype=str, keep_default_na=False)
     missing = [c for c in PUBLISHED_REQUIRED if c not in frame]
     if missing:
-        raise StudyError(f"{path.name} needs the columns {', '.join(PUBLISHED_REQUIRED)}; "
-                         f"missing {', '.join(missing)}")  # fmt: skip
+        raise StudyError(
+            f"{path.name} needs the columns {', '.join(PUBLISHED_REQUIRED)}; "
+            f"missing {', '.join(missing)}"
+        )
     for i, row in frame.iterrows():
         empty = [c for c in PUBLISHED_REQUIRED if not str(row[c]).strip()]
         if empty:
@@ -616,7 +628,8 @@ def _horizon_sentence(report: StudyReport) -> str:
     epochs = runs["epoch"].dropna() if "epoch" in runs else []
     steps = runs["total_steps"].dropna() if "total_steps" in runs else []
     length = (f"{float(max(epochs)):g} epochs" if len(epochs) else "their own length") + (
-        f" ({int(max(steps))} steps)" if len(steps) else "")  # fmt: skip
+        f" ({int(max(steps))} steps)" if len(steps) else ""
+    )
     if study.claim and study.claim.horizons:
         from dpresearch.study.select import HORIZON_UNITS
 
@@ -663,7 +676,10 @@ def describe(report: StudyReport) -> list[str]:
     se_rule = "the seeds' spread s/√n" + (
         f" combined with the binomial error √(p(1−p)/N) of the {int(examples)}-example split "
         "it is measured on (the same split in every seed, so averaging seeds cannot remove "
-        "it)" if examples else "")  # fmt: skip
+        "it)"
+        if examples
+        else ""
+    )
     if untuned(study):
         lines.append(
             "**Selection:** none: every case runs at one lr (no grid), so no run is chosen over "
@@ -732,7 +748,7 @@ def _results_and_bytes(report: StudyReport, averaged: str) -> list[str]:
             " (here diverged and unfinished runs are included: --include-failed.)"
             if report.include_failed
             else ""
-        )  # fmt: skip
+        )
     ]
     if "comm/bytes_per_epoch" in report.runs:
         lines.append(
@@ -825,9 +841,20 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
             stem = f"{main}_vs_MB_per_epoch".replace("/", "_")
             path = out / f"{stem}.png"
             suffix = "" if len(report.horizons) == 1 else f", at {horizon.label}"
-            written.append((path, plot_points(points, "MB_per_epoch", main, path,
-                                               study.title + suffix, study.labels,
-                                               over=FINAL_RUNS)))  # fmt: skip
+            written.append(
+                (
+                    path,
+                    plot_points(
+                        points,
+                        "MB_per_epoch",
+                        main,
+                        path,
+                        study.title + suffix,
+                        study.labels,
+                        over=FINAL_RUNS,
+                    ),
+                )
+            )
     for name in study.histograms:
         series = {}
         for label, runs in groups.items():
@@ -845,15 +872,23 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
 
             path = out / f"{name.replace('/', '_')}.png"
             xlabel, _ = axis_label(name, study.labels)
-            fig = plot_histograms(series, xlabel, "gradients (count, summed over the runs)",
-                                  path, study.title, what="gradients applied at each staleness, "
-                                  "summed over the case's final-seed runs")  # fmt: skip
+            fig = plot_histograms(
+                series,
+                xlabel,
+                "gradients (count, summed over the runs)",
+                path,
+                study.title,
+                what="gradients applied at each staleness, summed over the case's final-seed runs",
+            )
             written.append((path, fig))
     # tokens: the x axis of a language model (logged by text data), beside epochs
     xs = ["epoch", "tokens", "comm/bytes", *(modeled_column(n) for n in study.networks or [None])]
     xs += ["time/simulated_s", "time/modeled_s"]
-    ys = [m for m in dict.fromkeys([*result_metrics(report), *study.curves])
-          if m in metrics and m not in xs]  # fmt: skip
+    ys = [
+        m
+        for m in dict.fromkeys([*result_metrics(report), *study.curves])
+        if m in metrics and m not in xs
+    ]
     # curves only against epochs, but the selection metric (validation) against every x
     selection = report.selection.metric
     vlines = list(study.claim.horizons) if study.claim and study.claim.horizons else []
@@ -867,9 +902,17 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
                 continue
             stem = f"{y}_vs_{x}".replace("/", "_").replace("@", "_")
             path = out / f"{stem}.png"
-            fig = plot_groups(metrics, groups, x, y, [path], title=study.title,
-                              vlines=vlines if x == horizon_key else (),
-                              labels=study.labels, over=FINAL_RUNS)  # fmt: skip
+            fig = plot_groups(
+                metrics,
+                groups,
+                x,
+                y,
+                [path],
+                title=study.title,
+                vlines=vlines if x == horizon_key else (),
+                labels=study.labels,
+                over=FINAL_RUNS,
+            )
             written.append((path, fig))
     return written
 
@@ -888,8 +931,12 @@ def render(report: StudyReport, plots: Sequence[tuple[Path, Any]], command: str)
         lines += [line, ""]
     if study.claim and study.claim.expect:
         frame = claim_frame(report)
-        lines += ["## Claim: which result holds at which horizon", "",
-                  markdown_table(frame, list(frame.columns)), ""]  # fmt: skip
+        lines += [
+            "## Claim: which result holds at which horizon",
+            "",
+            markdown_table(frame, list(frame.columns)),
+            "",
+        ]
     for horizon in report.horizons:
         shown, _ = results_frame(report, horizon)
         grid = grid_frame(report, horizon)
@@ -905,15 +952,36 @@ def render(report: StudyReport, plots: Sequence[tuple[Path, Any]], command: str)
     lines += published_markdown(published_frame(study))
     failed = report.runs[report.runs["status"] != FINISHED]
     if not failed.empty:
-        cols = [c for c in ("run", "status", "case", *tuned_columns(study), "cfg.seed", "step",
-                            "epoch", "train/loss") if c in failed]  # fmt: skip
+        cols = [
+            c
+            for c in (
+                "run",
+                "status",
+                "case",
+                *tuned_columns(study),
+                "cfg.seed",
+                "step",
+                "epoch",
+                "train/loss",
+            )
+            if c in failed
+        ]
         frame = failed.copy()
         if "train/loss" in frame:
             frame["train/loss"] = frame["train/loss"].map(
-                lambda v: f"{v:.4g}" if isinstance(v, float) else str(v))  # fmt: skip
-        lines += ["## Runs that did not finish or did not train", "",
-                  markdown_table(frame, cols, {"step": ".0f", "epoch": "g"},
-                                 {c: c.removeprefix("cfg.") for c in cols}), ""]  # fmt: skip
+                lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+            )
+        lines += [
+            "## Runs that did not finish or did not train",
+            "",
+            markdown_table(
+                frame,
+                cols,
+                {"step": ".0f", "epoch": "g"},
+                {c: c.removeprefix("cfg.") for c in cols},
+            ),
+            "",
+        ]
     lines += ["## Notes", "", *(f"- {n}" for n in report.notes), ""]
     if plots:
         from dpresearch.analysis.report import figure_lines
@@ -942,15 +1010,31 @@ def write(report: StudyReport, results: Path, command: str) -> tuple[Path, list]
         (results / f"{stem}.md").write_text(markdown_table(shown, list(shown.columns)) + "\n")
         caption = f"{report.study.title} — {horizon.label}"
         (results / f"{stem}.tex").write_text(
-            latex_table(shown, list(shown.columns), caption=caption) + "\n")  # fmt: skip
+            latex_table(shown, list(shown.columns), caption=caption) + "\n"
+        )
     raw = pd.concat(raws, ignore_index=True)
-    (results / "results.csv").write_text(csv_table(raw, [c for c in raw.columns
-                                                         if not c.endswith(" std")]))  # fmt: skip
+    (results / "results.csv").write_text(
+        csv_table(raw, [c for c in raw.columns if not c.endswith(" std")])
+    )
     grid = pd.concat(grids, ignore_index=True)
     (results / "grid.csv").write_text(grid.to_csv(index=False))
-    run_cols = [c for c in ("run", "status", "case", *tuned_columns(report.study), "cfg.seed",
-                            "epoch", "step", *result_metrics(report), "val/acc",
-                            "comm/bytes_per_epoch", "time/wall_s") if c in report.runs]  # fmt: skip
+    run_cols = [
+        c
+        for c in (
+            "run",
+            "status",
+            "case",
+            *tuned_columns(report.study),
+            "cfg.seed",
+            "epoch",
+            "step",
+            *result_metrics(report),
+            "val/acc",
+            "comm/bytes_per_epoch",
+            "time/wall_s",
+        )
+        if c in report.runs
+    ]
     report.runs[list(dict.fromkeys(run_cols))].to_csv(results / "runs.csv", index=False)
     plots = plot_files(report, results)
     path = results / "results.md"
