@@ -4,7 +4,7 @@ and claims are generated, not typed).
 One case per claim: a regex finds the claim's words in the README (so rewording it breaks the
 case), its captured counts are read as numbers ("five" → 5; "every", "all", "both", "each" → "all"),
 and they must equal what the study's run data say, read through the harness's own loaders and
-the report's counting (`report.run_counts`, `grown_grids`, `pick_counts`: the counts results.md
+the report's counting (`counts.run_counts`, `grown_grids`, `pick_counts`: the counts results.md
 states in its notes). A count changed on either side fails its case; the fix is the README.
 """
 
@@ -22,17 +22,9 @@ from helpers import REPO
 
 from dpresearch.analysis.runs import FINISHED
 from dpresearch.study import load_study
-from dpresearch.study.report import (
-    PickCounts,
-    StudyReport,
-    build,
-    grown_grids,
-    load_data,
-    pick_counts,
-    run_counts,
-    untuned,
-)
-from dpresearch.study.select import lr_column
+from dpresearch.study.counts import PickCounts, grown_grids, pick_counts, run_counts
+from dpresearch.study.report import StudyReport, build, load_data
+from dpresearch.study.select import lr_column, untuned
 
 NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve"
 WORDS = {w: i for i, w in enumerate(NUMBERS.split())}

@@ -308,3 +308,8 @@ def unpickable(study: Study, horizon: Horizon) -> dict[str, float | None]:
         else:
             out[str(case)] = None
     return out
+
+
+def untuned(study: Study) -> bool:
+    """Whether no case of `study` selects an lr (each runs at one lr of its own)."""
+    return all(len(c.settings()) == 1 and c.lr_from is None for c in study.cases)
