@@ -400,7 +400,7 @@ def write_readme_study(folder: Path, tiny: bool) -> Path:
     if tiny:
         raw["common"] = [*raw["common"], *TINY["train"]]
     (folder / "my_study.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    from dpresearch.study.report import PUBLISHED_REQUIRED
+    from dpresearch.study.tables import PUBLISHED_REQUIRED
 
     header = ",".join(["case", *PUBLISHED_REQUIRED])  # value, unit, source
     rows = [f"{case},90.0,top-1 test accuracy (%),a paper" for case in raw["cases"]]

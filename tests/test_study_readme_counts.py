@@ -108,7 +108,7 @@ def total_steps(study: str) -> set[int]:
 
 def final_means(study: str, metric: str) -> dict[str, float]:
     """Each case's mean of `metric` over its results row's finished runs (last horizon)."""
-    from dpresearch.study.report import results_frame
+    from dpresearch.study.tables import results_frame
 
     r = report(study)
     _, raw = results_frame(r, r.last)
