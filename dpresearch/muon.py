@@ -3,11 +3,10 @@
 Muon (Keller Jordan 2024, https://kellerjordan.github.io/posts/muon/) orthogonalises the
 momentum of a 2-D weight matrix by Newton–Schulz iterations; its authors prescribe it for the
 hidden layers only, and AdamW for the embeddings, the output head, gains and biases. `MuonAdamW`
-is that pair as one `torch.optim.Optimizer`: its groups are tagged `use_muon`, its step calls
-torch's own functional implementations (`torch.optim._muon.muon`, `torch.optim.adamw.adamw`)
-group by group, so `param_groups`, `state[p]`, `state_dict`/`load_state_dict`, `zero_grad` and
-the schedule's `set_lr` (every group's lr rescaled from its base lr) work as for any torch
-optimizer.
+is that pair as one `torch.optim.Optimizer`: its groups are tagged `use_muon`, its step runs
+torch's own `torch.optim.Muon` and `torch.optim.AdamW` group by group over its state, so
+`param_groups`, `state[p]`, `state_dict`/`load_state_dict`, `zero_grad` and the schedule's
+`set_lr` (every group's lr rescaled from its base lr) work as for any torch optimizer.
 
 Which parameters are hidden matrices needs the model: `split_param_groups(groups, module)`
 (the hook `optim.build_optimizer` calls) tags every 2-D parameter that is not an
@@ -21,9 +20,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.optim._muon import muon
-from torch.optim.adamw import adamw
-from torch.optim.optimizer import _get_scalar_dtype
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
@@ -59,9 +55,15 @@ class MuonAdamW(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
     ) -> None:
-        for key, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay),
-                           ("eps", eps), ("adamw_lr", adamw_lr), ("adamw_eps", adamw_eps),
-                           ("adamw_weight_decay", adamw_weight_decay)):  # fmt: skip
+        for key, value in (
+            ("lr", lr),
+            ("momentum", momentum),
+            ("weight_decay", weight_decay),
+            ("eps", eps),
+            ("adamw_lr", adamw_lr),
+            ("adamw_eps", adamw_eps),
+            ("adamw_weight_decay", adamw_weight_decay),
+        ):
             if not value >= 0:
                 raise ValueError(f"optimizer.{key}={value}: must be >= 0")
         if adjust_lr_fn not in ADJUST_LR_FNS:
@@ -151,33 +153,25 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        buffers = []
-        for p in params:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad)
-            buffers.append(state["momentum_buffer"])
-        muon(params, [p.grad for p in params], buffers, lr=group["lr"],
-             weight_decay=group["weight_decay"], momentum=group["momentum"],
-             nesterov=group["nesterov"], ns_coefficients=tuple(group["ns_coefficients"]),
-             ns_steps=group["ns_steps"], eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"],
-             has_complex=False)  # fmt: skip
+        keys = ("lr", "weight_decay", "momentum", "nesterov", "eps", "ns_steps", "adjust_lr_fn")
+        hyper = {key: group[key] for key in keys}
+        hyper["ns_coefficients"] = tuple(group["ns_coefficients"])
+        self._torch_step(torch.optim.Muon, params, **hyper)
 
     def _adamw_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        for p in params:
-            state = self.state[p]
-            if not state:
-                # torch AdamW's lazy state, the step counter on the CPU as it keeps it
-                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        states = [self.state[p] for p in params]
-        beta1, beta2 = group["adamw_betas"]
-        adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-              [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
-              amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-              weight_decay=group["weight_decay"], eps=group["adamw_eps"], maximize=False,
-              has_complex=False)  # fmt: skip
+        hyper = {"betas": group["adamw_betas"], "eps": group["adamw_eps"]}
+        hyper |= {"lr": group["lr"], "weight_decay": group["weight_decay"]}
+        self._torch_step(torch.optim.AdamW, params, **hyper)
+
+    def _torch_step(
+        self, optimizer: type[torch.optim.Optimizer], params: list[Tensor], **hyper: Any
+    ) -> None:
+        """One step of torch's own `optimizer` with the hyperparameters `hyper` on `params`,
+        over this optimizer's `state` (each parameter's state created by torch, lazily, as
+        that optimizer keeps it): the update is torch's, through its public classes."""
+        torch_optimizer = optimizer(params, **hyper)
+        torch_optimizer.state = self.state
+        torch_optimizer.step()
 
 
 def newton_schulz(x: Tensor, coefficients: Sequence[float], steps: int, eps: float) -> Tensor:

@@ -124,9 +124,18 @@ def _sgd_lists(optimizers: Sequence[torch.optim.Optimizer]) -> None:
                         states.append(state)
                     else:
                         buffers.append(None)
-            sgd(params, grads, buffers, foreach=True, weight_decay=first["weight_decay"],
-                momentum=first["momentum"], lr=first["lr"], dampening=first["dampening"],
-                nesterov=first["nesterov"], maximize=first["maximize"])  # fmt: skip
+            sgd(
+                params,
+                grads,
+                buffers,
+                foreach=True,
+                weight_decay=first["weight_decay"],
+                momentum=first["momentum"],
+                lr=first["lr"],
+                dampening=first["dampening"],
+                nesterov=first["nesterov"],
+                maximize=first["maximize"],
+            )
             if first["momentum"] != 0:
                 for state, buffer in zip(states, buffers, strict=True):
                     state["momentum_buffer"] = buffer
@@ -176,8 +185,10 @@ class Span:
         """Each pair's view of a packed `[W, n]` tensor: its parameter's shape and strides at
         the parameter's place in its run."""
         base, width = packed.storage_offset(), packed.stride(0)
-        return [packed.as_strided(p.shape, p.stride(), base + row * width + self.packed_column(col))
-                for _, p, _, row, col in self.pairs]  # fmt: skip
+        return [
+            packed.as_strided(p.shape, p.stride(), base + row * width + self.packed_column(col))
+            for _, p, _, row, col in self.pairs
+        ]
 
     def matrices(self, params: Tensor, packed: Tensor) -> dict[tuple[int, ...], tuple[list, list]]:
         """Per matrix shape: (the `[W, m, n]` views of the parameter rows `params`, the same
@@ -267,8 +278,12 @@ class FlatRows:
 
     def _check(self, optimizers: Sequence[torch.optim.Optimizer]) -> list[Span]:
         params, grads = self.params, self.grads
-        if (params.dim() != 2 or params.shape != grads.shape or len(optimizers) != len(params)
-                or not (params.is_contiguous() and grads.is_contiguous())):  # fmt: skip
+        if (
+            params.dim() != 2
+            or params.shape != grads.shape
+            or len(optimizers) != len(params)
+            or not (params.is_contiguous() and grads.is_contiguous())
+        ):
             return []
         width, base, grad_base = params.shape[1], params.storage_offset(), grads.storage_offset()
         p_store, g_store = params.untyped_storage().data_ptr(), grads.untyped_storage().data_ptr()
@@ -279,11 +294,15 @@ class FlatRows:
                 layout = []
                 for p in opt.param_groups[g_index]["params"]:
                     g = p.grad
-                    if (g is None or p.untyped_storage().data_ptr() != p_store
-                            or g.untyped_storage().data_ptr() != g_store
-                            or p.stride() != g.stride() or p.shape != g.shape
-                            or p.storage_offset() - base != g.storage_offset() - grad_base
-                            or _span(p) != p.numel()):  # fmt: skip
+                    if (
+                        g is None
+                        or p.untyped_storage().data_ptr() != p_store
+                        or g.untyped_storage().data_ptr() != g_store
+                        or p.stride() != g.stride()
+                        or p.shape != g.shape
+                        or p.storage_offset() - base != g.storage_offset() - grad_base
+                        or _span(p) != p.numel()
+                    ):
                         return []
                     col = p.storage_offset() - base - w * width
                     if not 0 <= col <= width - p.numel():
@@ -305,8 +324,11 @@ class FlatRows:
                 return []
             if self._piece:
                 runs = _pieces(runs, max(1, self._piece // len(params)))
-            spans.append(Span(runs, pairs, [params[:, a:b] for a, b in runs],
-                              [grads[:, a:b] for a, b in runs]))  # fmt: skip
+            spans.append(
+                Span(
+                    runs, pairs, [params[:, a:b] for a, b in runs], [grads[:, a:b] for a, b in runs]
+                )
+            )
         return spans
 
 
@@ -434,10 +456,19 @@ def _sgd_step(rows: FlatRows, span: Span, group: dict[str, Any]) -> None:
     fresh = momentum != 0 and "momentum_buffer" not in span.state
     buffers: list[Tensor | None] = (
         [None] * len(span.runs) if momentum == 0 or fresh else span.state_runs("momentum_buffer")
-    )  # fmt: skip
-    sgd(span.params, span.grads, buffers, foreach=foreach, weight_decay=group["weight_decay"],
-        momentum=momentum, lr=lr, dampening=group["dampening"], nesterov=group["nesterov"],
-        maximize=group["maximize"])  # fmt: skip
+    )
+    sgd(
+        span.params,
+        span.grads,
+        buffers,
+        foreach=foreach,
+        weight_decay=group["weight_decay"],
+        momentum=momentum,
+        lr=lr,
+        dampening=group["dampening"],
+        nesterov=group["nesterov"],
+        maximize=group["maximize"],
+    )
     if fresh:
         packed = span.params[0].new_empty(span.params[0].shape[0], span.width)
         if len(buffers) == 1:
@@ -456,12 +487,24 @@ def _adam_step(rows: FlatRows, span: Span, group: dict[str, Any]) -> None:
     span.run_counts.copy_(span.steps.view(-1)[0])  # the count every bound counter holds
     muon = "adamw_betas" in group  # a MuonAdamW group without Muon: its AdamW keys
     beta1, beta2 = group["adamw_betas"] if muon else group["betas"]
-    adam(span.params, span.grads, span.state_runs("exp_avg"), span.state_runs("exp_avg_sq"),
-         [], span.run_steps, foreach=rows.foreach(group), amsgrad=False, beta1=beta1,
-         beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-         eps=group["adamw_eps"] if muon else group["eps"], maximize=group.get("maximize", False),
-         decoupled_weight_decay=muon or group.get("decoupled_weight_decay", False),
-         has_complex=False)  # fmt: skip
+    adam(
+        span.params,
+        span.grads,
+        span.state_runs("exp_avg"),
+        span.state_runs("exp_avg_sq"),
+        [],
+        span.run_steps,
+        foreach=rows.foreach(group),
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["adamw_eps"] if muon else group["eps"],
+        maximize=group.get("maximize", False),
+        decoupled_weight_decay=muon or group.get("decoupled_weight_decay", False),
+        has_complex=False,
+    )
     span.steps.add_(1)
 
 

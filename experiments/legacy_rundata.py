@@ -25,8 +25,12 @@ from pathlib import Path
 from dpresearch.analysis.rundata import write_rundata
 from dpresearch.study.spec import load_study
 
-SUBSET = {"data/classes": 10, "data/train_examples": 4577, "data/val_examples": 508,
-          "data/test_examples": 1017}  # fmt: skip
+SUBSET = {
+    "data/classes": 10,
+    "data/train_examples": 4577,
+    "data/val_examples": 508,
+    "data/test_examples": 1017,
+}
 DERIVED = ("tta/", "MB")  # columns the old report computed; the new one recomputes what it can
 KEYS = ("run", "status", "study", "case", "point")
 
@@ -50,8 +54,11 @@ def records(runs_csv: Path) -> list[dict]:
             point = row["point"]  # "case | lr 0.1 | seed 0"
             lr = float(point.split("| lr ")[1].split(" |")[0])
             seed = int(point.rsplit("seed ", 1)[1])
-            summary = {k: _value(v) for k, v in row.items()
-                       if k not in KEYS and not k.startswith(DERIVED) and v != ""}  # fmt: skip
+            summary = {
+                k: _value(v)
+                for k, v in row.items()
+                if k not in KEYS and not k.startswith(DERIVED) and v != ""
+            }
             summary.update(SUBSET, status=row["status"])
             out.append(
                 {
@@ -72,8 +79,11 @@ def main() -> None:
     parser.add_argument("runs_csv", type=Path)
     args = parser.parse_args()
     study = load_study(args.study)
-    header = {"study": study.name, "source": "results/runs.csv of commit 282f1d4 (final "
-              "metrics only; the run directories were not kept)"}  # fmt: skip
+    header = {
+        "study": study.name,
+        "source": "results/runs.csv of commit 282f1d4 (final "
+        "metrics only; the run directories were not kept)",
+    }
     path = write_rundata(records(args.runs_csv), study.data_path, header)
     print(f"wrote {path}")
 

@@ -64,15 +64,20 @@ def pytest_collection_modifyitems(config, items):
 # unlike wall time on a shared machine (the processes a test starts are counted once they end).
 def pytest_addoption(parser):
     parser.addoption(
-        "--cpu-durations", type=int, default=None, metavar="N",
+        "--cpu-durations",
+        type=int,
+        default=None,
+        metavar="N",
         help="list the N tests that used the most CPU seconds (this process and the processes "
         "it started; 0: all)",
-    )  # fmt: skip
+    )
     parser.addoption(
-        "--cpu-log", default=None, metavar="FILE",
+        "--cpu-log",
+        default=None,
+        metavar="FILE",
         help="append each test's CPU and wall seconds to FILE as it ends (a long run's figures "
         "so far)",
-    )  # fmt: skip
+    )
 
 
 def _cpu_seconds() -> float:
@@ -82,8 +87,9 @@ def _cpu_seconds() -> float:
     import resource
     from multiprocessing import forkserver
 
-    own, children = (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
-                                                       resource.RUSAGE_CHILDREN))  # fmt: skip
+    own, children = (
+        resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
     total = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
     server = forkserver._forkserver._forkserver_pid
     if server is not None:
@@ -112,8 +118,9 @@ def pytest_runtest_protocol(item, nextitem):
     if log is not None:
         with open(log, "a") as f:
             load = os.getloadavg()[0]
-            f.write(f"{_CPU[item.nodeid][0]:.2f} {_CPU[item.nodeid][1]:.2f} {load:.1f} "
-                    f"{item.nodeid}\n")  # fmt: skip
+            f.write(
+                f"{_CPU[item.nodeid][0]:.2f} {_CPU[item.nodeid][1]:.2f} {load:.1f} {item.nodeid}\n"
+            )
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

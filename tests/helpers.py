@@ -278,9 +278,13 @@ def train_rank(rank: int, world: int, cfg: dict, run_dir: str, port: int) -> Non
     from dpresearch.launch.processes import run_as_worker
 
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     run_as_worker(OmegaConf.create(cfg), Path(run_dir) if rank == 0 else None)
 
 
@@ -662,17 +666,26 @@ def stop_and_resume(
     assert not (run_dir / "model_final.pt").exists()
     out = subprocess.run(
         [sys.executable, *words[1:]],  # the printed command, run as printed
-        cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"), capture_output=True, text=True,
+        cwd=tmp_path,
+        env=cli_env(WANDB_MODE="disabled"),
+        capture_output=True,
+        text=True,
         timeout=load_scaled(300),
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
     return run_dir, err
 
 
 # -- batched runs -------------------------------------------------------------------------------
-MLP_RUN = [*SMALL, "workers=4", "train.batch_size=8", "train.steps=20",
-           "model.batch_norm=true", "backend.threads=1"]  # fmt: skip
+MLP_RUN = [
+    *SMALL,
+    "workers=4",
+    "train.batch_size=8",
+    "train.steps=20",
+    "model.batch_norm=true",
+    "backend.threads=1",
+]
 RESNET_RUN = [
     "data=cifar10", f"data.root={SUBSET}", "data.subset=512",
     "model=resnet20", "model.width=4", "workers=3", "train.batch_size=4", "train.steps=20",
@@ -865,8 +878,11 @@ def stub_runner(
     def run(point, run_dir, overrides):
         ran.append(point.id)
         acc = objective(point.case, point.setting if point.also else point.lr, point.seed)
-        config = {"seed": point.seed, "train": {"epochs": STUB_STEPS},
-                  "schedule": {"_target_": "dpresearch.schedules.Constant"}}  # fmt: skip
+        config = {
+            "seed": point.seed,
+            "train": {"epochs": STUB_STEPS},
+            "schedule": {"_target_": "dpresearch.schedules.Constant"},
+        }
         for dotted, value in ((lr_key, point.lr), *point.also):
             *parents, leaf = dotted.split(".")
             node = config
@@ -874,17 +890,29 @@ def stub_runner(
                 node = node.setdefault(key, {})
             node[leaf] = value
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
-        curves = {s: curve(acc, s) if callable(curve) else curve[point.case](acc, s)
-                  for s in range(1, STUB_STEPS + 1)}  # fmt: skip
-        lines = [
-            {"step": s, "epoch": float(s), "train/loss": 2.0 - 0.3 * s,
-             "val/acc": curves[s], "test/acc": curves[s] - 0.01}
+        curves = {
+            s: curve(acc, s) if callable(curve) else curve[point.case](acc, s)
             for s in range(1, STUB_STEPS + 1)
-        ]  # fmt: skip
+        }
+        lines = [
+            {
+                "step": s,
+                "epoch": float(s),
+                "train/loss": 2.0 - 0.3 * s,
+                "val/acc": curves[s],
+                "test/acc": curves[s] - 0.01,
+            }
+            for s in range(1, STUB_STEPS + 1)
+        ]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-        summary = {**lines[-1], "status": "finished", "data/classes": 10,
-                   "data/val_examples": STUB_VAL_EXAMPLES, "data/test_examples": 1000,
-                   "total_steps": STUB_STEPS}  # fmt: skip
+        summary = {
+            **lines[-1],
+            "status": "finished",
+            "data/classes": 10,
+            "data/val_examples": STUB_VAL_EXAMPLES,
+            "data/test_examples": 1000,
+            "total_steps": STUB_STEPS,
+        }
         (run_dir / "summary.json").write_text(json.dumps(summary))
         return 0
 
@@ -931,8 +959,14 @@ def layout_of(shapes):
 
 
 def four_worker_config(*overrides: str) -> DictConfig:
-    return compose_config(*SMALL, "workers=4", "train.steps=20", "train.batch_size=16",
-                          "backend.threads=1", *overrides)  # fmt: skip
+    return compose_config(
+        *SMALL,
+        "workers=4",
+        "train.steps=20",
+        "train.batch_size=16",
+        "backend.threads=1",
+        *overrides,
+    )
 
 
 def trained_four_workers(tmp_path, name: str, *overrides: str) -> dict:

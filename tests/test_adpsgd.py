@@ -96,10 +96,15 @@ def test_complete_graph_equal_speeds_equals_the_reference(small_config, one_thre
     float32 their rounding differs by CPU's kernels)."""
     workers, events = 4, 50
     cfg = small_config(
-        f"seed={SEED}", f"optimizer.lr={LR}", f"train.batch_size={BATCH}", ADPSGD,
-        f"workers={workers}", "topology=complete", "async.speed=constant",
+        f"seed={SEED}",
+        f"optimizer.lr={LR}",
+        f"train.batch_size={BATCH}",
+        ADPSGD,
+        f"workers={workers}",
+        "topology=complete",
+        "async.speed=constant",
         f"train.steps={events}",
-    )  # fmt: skip
+    )
     comm = SimulatedCommunicator(workers, NetworkModel.preset("1gbe"))
     trainer = build_trainer(cfg, comm, torch.float64)
     summary = trainer.run()
@@ -122,12 +127,32 @@ def test_ring_of_8_exponential_speeds_keeps_consensus_and_matches_dpsgd(
     """Same gradients (K·S), same lr: AD-PSGD on a ring of 8 with exponential speeds ends as
     accurate as D-PSGD, and its consensus distance never grows past its early level."""
     workers, rounds = 8, 40
-    common = ["workers=8", "topology=ring", "train.batch_size=16", "train.log_every=40",
-              "optimizer.lr=0.1", f"train.eval_every={workers * rounds}"]  # fmt: skip
-    run_ours(small_config, tmp_path, "ad", *common, ADPSGD, "async.speed=exponential",
-             f"train.steps={workers * rounds}")  # fmt: skip
-    run_ours(small_config, tmp_path, "d", *common, "algorithm=dpsgd", f"train.steps={rounds}",
-             f"train.eval_every={rounds}")  # fmt: skip
+    common = [
+        "workers=8",
+        "topology=ring",
+        "train.batch_size=16",
+        "train.log_every=40",
+        "optimizer.lr=0.1",
+        f"train.eval_every={workers * rounds}",
+    ]
+    run_ours(
+        small_config,
+        tmp_path,
+        "ad",
+        *common,
+        ADPSGD,
+        "async.speed=exponential",
+        f"train.steps={workers * rounds}",
+    )
+    run_ours(
+        small_config,
+        tmp_path,
+        "d",
+        *common,
+        "algorithm=dpsgd",
+        f"train.steps={rounds}",
+        f"train.eval_every={rounds}",
+    )
     ad_sum = json.loads((tmp_path / "ad" / "summary.json").read_text())
     d_sum = json.loads((tmp_path / "d" / "summary.json").read_text())
     assert ad_sum["samples"] == d_sum["samples"] == workers * rounds * 16  # same gradients
@@ -141,8 +166,15 @@ def test_ring_of_8_exponential_speeds_keeps_consensus_and_matches_dpsgd(
     assert ad_sum["adpsgd/staleness_mean_run"] > 0  # stale: neighbours averaged meanwhile
 
 
-SEEDED = ["workers=4", ADPSGD, "topology=ring", "async.speed=exponential", "async.order=seeded",
-          "backend.threads=1", "train.steps=40"]  # fmt: skip
+SEEDED = [
+    "workers=4",
+    ADPSGD,
+    "topology=ring",
+    "async.speed=exponential",
+    "async.order=seeded",
+    "backend.threads=1",
+    "train.steps=40",
+]
 EXCHANGES = {
     "average": [],
     # CHOCO-gossip on each pair: both ends keep the edges' copies
@@ -158,8 +190,13 @@ def real_runs(tmp_path_factory) -> dict:
 
     folder = tmp_path_factory.mktemp("adpsgd-gloo")
     common = [*SMALL, f"seed={SEED}", f"optimizer.lr={LR}", f"train.batch_size={BATCH}"]
-    train_on_gloo(4, [(compose_config(*common, *SEEDED, *args, "backend=gloo"), folder / name)
-                      for name, args in EXCHANGES.items()])  # fmt: skip
+    train_on_gloo(
+        4,
+        [
+            (compose_config(*common, *SEEDED, *args, "backend=gloo"), folder / name)
+            for name, args in EXCHANGES.items()
+        ],
+    )
     return {name: folder / name for name in EXCHANGES}
 
 
@@ -192,8 +229,13 @@ def test_bipartite_rule_pairs_active_with_passive_workers():
 
 
 def test_bipartite_ring_trains_with_only_active_workers_averaging(small_config, one_thread):
-    cfg = small_config(ADPSGD, "workers=4", "algorithm.pairing=bipartite",
-                       "async.speed=exponential", "train.steps=80")  # fmt: skip
+    cfg = small_config(
+        ADPSGD,
+        "workers=4",
+        "algorithm.pairing=bipartite",
+        "async.speed=exponential",
+        "train.steps=80",
+    )
     trainer = Trainer(cfg, SimulatedCommunicator(4, NetworkModel.preset("1gbe")), CPU, None)
     summary = trainer.run()
     active = [w for w in range(4) if trainer.algorithm.pairing.active[w]]
@@ -226,8 +268,14 @@ def test_compressed_pair_exchange_keeps_the_sum_and_contracts_by_gamma(small_con
     """CHOCO-gossip on the pair with the identity codec: the copies become the models, so
     x_i − x_j shrinks by (1 − γ) and x_i + x_j is kept (lr 0: only the exchange moves them).
     In float64, against the formulas: one step's rounding is ~1e-16, so 1e-12."""
-    cfg = small_config(ADPSGD, "workers=2", "topology=complete", "algorithm.gamma=0.5",
-                       "optimizer.lr=0", "train.steps=1")  # fmt: skip
+    cfg = small_config(
+        ADPSGD,
+        "workers=2",
+        "topology=complete",
+        "algorithm.gamma=0.5",
+        "optimizer.lr=0",
+        "train.steps=1",
+    )
     comm = SimulatedCommunicator(2, NetworkModel.preset("1gbe"))
     trainer = build_trainer(cfg, comm, torch.float64)
     assert trainer.algorithm.codec is not None
@@ -241,9 +289,17 @@ def test_compressed_pair_exchange_keeps_the_sum_and_contracts_by_gamma(small_con
 
 
 def test_compressed_adpsgd_trains_with_compressed_bytes(small_config, one_thread):
-    cfg = small_config(ADPSGD, "workers=8", "topology=ring", "compressor=topk",
-                       "compressor.ratio=0.25", "algorithm.gamma=0.5", "async.speed=exponential",
-                       "train.steps=400", "train.batch_size=16")  # fmt: skip
+    cfg = small_config(
+        ADPSGD,
+        "workers=8",
+        "topology=ring",
+        "compressor=topk",
+        "compressor.ratio=0.25",
+        "algorithm.gamma=0.5",
+        "async.speed=exponential",
+        "train.steps=400",
+        "train.batch_size=16",
+    )
     trainer = Trainer(cfg, SimulatedCommunicator(8, NetworkModel.preset("1gbe")), CPU, None)
     summary = trainer.run()
     wire = trainer.algorithm.codec.wire_bytes
@@ -260,9 +316,16 @@ def test_paper_delay_beside_our_staleness_on_a_schedule_by_hand(small_config, on
     0 1 0 1 2 0 1 0 1 2 0 1 0 1 0 1 2. An event k of worker i whose previous event was r (−1:
     none, it read the initial model) has T = k − r − 1:
     0 1 1 1 4 2 2 1 1 4 2 2 1 1 1 1 6."""
-    cfg = small_config(ADPSGD, "workers=3", "topology=complete", "async.speed=constant",
-                       "async.compute_s=1.0", "async.slow_workers=[2]", "async.slowdown=2.5",
-                       "train.steps=17")  # fmt: skip
+    cfg = small_config(
+        ADPSGD,
+        "workers=3",
+        "topology=complete",
+        "async.speed=constant",
+        "async.compute_s=1.0",
+        "async.slow_workers=[2]",
+        "async.slowdown=2.5",
+        "train.steps=17",
+    )
     trainer = Trainer(cfg, SimulatedCommunicator(3, NetworkModel.preset("1gbe")), CPU, None)
     clock, order = trainer.algorithm.clock, []
     arrival = clock.next_arrival
@@ -308,8 +371,10 @@ def test_a_module_on_the_reads_computes_as_copying_the_read_into_the_row(channel
             live = replicas.params.clone()
             if in_place:
                 twin = replicas.models_on(bank)[1]
-                assert all(p.untyped_storage().data_ptr() == bank.untyped_storage().data_ptr()
-                           for p in twin.parameters())  # fmt: skip
+                assert all(
+                    p.untyped_storage().data_ptr() == bank.untyped_storage().data_ptr()
+                    for p in twin.parameters()
+                )
             else:
                 replicas.params[1].copy_(bank[1])
                 twin = replicas.models[1]

@@ -286,10 +286,18 @@ def test_a_run_did_not_train_by_its_loss_or_its_chance_accuracy():
     from dpresearch.analysis.quality import UNTRAINED, mark_untrained
 
     def run(name, train, test, acc):
-        summary = {"run": name, "status": "finished", "train/loss": train[-1], "test/acc": acc,
-                   "data/classes": 10, "data/test_examples": 1000}  # fmt: skip
-        steps = [{"run": name, "step": i, "train/loss": t, "test/loss": e}
-                 for i, (t, e) in enumerate(zip(train, test, strict=True))]  # fmt: skip
+        summary = {
+            "run": name,
+            "status": "finished",
+            "train/loss": train[-1],
+            "test/acc": acc,
+            "data/classes": 10,
+            "data/test_examples": 1000,
+        }
+        steps = [
+            {"run": name, "step": i, "train/loss": t, "test/loss": e}
+            for i, (t, e) in enumerate(zip(train, test, strict=True))
+        ]
         return summary, steps
 
     cases = {

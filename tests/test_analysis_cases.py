@@ -43,9 +43,13 @@ def final_loss(name: str, seed: int) -> float:
 def write_mixed(root, methods=METHODS):
     for name, (choice, node, copies, outer) in methods.items():
         for seed in SEEDS:
-            run = write_run(root / f"{name}-s{seed}", lr=0.1, seed=seed,
-                            accs=ramp(final_acc(name, seed)),
-                            final_loss=final_loss(name, seed))  # fmt: skip
+            run = write_run(
+                root / f"{name}-s{seed}",
+                lr=0.1,
+                seed=seed,
+                accs=ramp(final_acc(name, seed)),
+                final_loss=final_loss(name, seed),
+            )
             config = yaml.safe_load((run / "config.yaml").read_text())
             config["algorithm"] = {**node, **({"seed": seed} if copies else {})}
             config["data"] = {"_target_": "x.make_synthetic", "seed": seed}  # copies it too
@@ -125,9 +129,11 @@ def test_tables_read_as_the_study_report(tmp_path):
     report = load_report([write_mixed(tmp_path / "runs")], ReportSpec())
     shown = markdown_table(report.table, report.columns, FORMATS, headers(report.columns))
     head = shown.splitlines()[0]
-    assert head == ("| case | n | test accuracy (%) | best test accuracy (%) | test loss (bits per "
-                    "character) | training loss, log window (nats) | MB sent per worker per "
-                    "epoch | excluded |")  # fmt: skip
+    assert head == (
+        "| case | n | test accuracy (%) | best test accuracy (%) | test loss (bits per "
+        "character) | training loss, log window (nats) | MB sent per worker per "
+        "epoch | excluded |"
+    )
     row = next(line for line in shown.splitlines() if line.startswith("| sync |"))
     accs = [final_acc("sync", s) for s in SEEDS]
     losses = [final_loss("sync", s) for s in SEEDS]
@@ -139,10 +145,15 @@ def test_tables_read_as_the_study_report(tmp_path):
     assert not any(h.startswith(("cfg.", "choice.")) for h in headers(grid).values())
 
 
-@pytest.mark.parametrize("column,head", [
-    ("cfg.optimizer.lr", "lr"), ("choice.compressor", "compressor"),
-    ("val/bpc", "validation loss (bits per character)"), ("test/loss", "test loss (nats)"),
-    ("tta/modeled_s@1gbe", "modeled communication time on 1 GbE to the target (s)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "column,head",
+    [
+        ("cfg.optimizer.lr", "lr"),
+        ("choice.compressor", "compressor"),
+        ("val/bpc", "validation loss (bits per character)"),
+        ("test/loss", "test loss (nats)"),
+        ("tta/modeled_s@1gbe", "modeled communication time on 1 GbE to the target (s)"),
+    ],
+)
 def test_headers_name_units_and_short_keys(column, head):
     assert headers([column, "n"]) == {column: head, "n": "n"}

@@ -24,8 +24,13 @@ SWEEP = {  # (compressor choice, ratio, error feedback) → final accuracy
 def write_sweep(root):
     for (compressor, ratio, ef), acc in SWEEP.items():
         for seed in (0, 1):
-            run = write_run(root / f"{compressor}-{ef}-s{seed}", lr=0.1, seed=seed,
-                            accs=ramp(acc + seed / 100), final_loss=0.5)  # fmt: skip
+            run = write_run(
+                root / f"{compressor}-{ef}-s{seed}",
+                lr=0.1,
+                seed=seed,
+                accs=ramp(acc + seed / 100),
+                final_loss=0.5,
+            )
             config = yaml.safe_load((run / "config.yaml").read_text())
             config["compressor"] = {
                 "_target_": f"x.{compressor}",
@@ -36,8 +41,14 @@ def write_sweep(root):
             config["logger"] = {"name": f"run-{seed}"}  # bookkeeping: never a case key
             (run / "config.yaml").write_text(yaml.safe_dump(config))
             (run / ".hydra").mkdir()
-            choices = {"algorithm": "sync", "compressor": compressor, "error_feedback": ef,
-                       "model": "mlp", "data": "synthetic", "hydra/launcher": "basic"}  # fmt: skip
+            choices = {
+                "algorithm": "sync",
+                "compressor": compressor,
+                "error_feedback": ef,
+                "model": "mlp",
+                "data": "synthetic",
+                "hydra/launcher": "basic",
+            }
             (run / ".hydra" / "hydra.yaml").write_text(
                 yaml.safe_dump({"hydra": {"runtime": {"choices": choices}}}, sort_keys=False)
             )
@@ -69,8 +80,16 @@ def test_cli_prints_the_labelled_table(tmp_path, capsys):
 
 def test_study_points_are_named_by_what_the_study_varies(tmp_path):
     path = tmp_path / "study.yaml"
-    path.write_text(json.dumps({"name": "s", "lrs": [0.1], "seeds": [3], "cases": {
-        "top-k 1% + EF": ["compressor=topk"]}}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "name": "s",
+                "lrs": [0.1],
+                "seeds": [3],
+                "cases": {"top-k 1% + EF": ["compressor=topk"]},
+            }
+        )
+    )
     study = load_study(path)
     overrides = _point_overrides(study, study.points()[0])
     assert "logger.name='top-k 1% + EF | lr=0.1 | seed=3'" in overrides

@@ -53,23 +53,38 @@ def write_mixed(root):
                 node["protocol"] = {"_target_": f"x.{protocol.upper()}"}
             if "topology" in node:
                 node["topology"] = {"_target_": f"x.{topology.title()}"}
-            config.update(workers=workers, algorithm=node, optimizer=opt_node,
-                          compressor=IDENTITY, error_feedback=NO_EF,
-                          topology={"_target_": f"x.{topology.title()}"},
-                          protocol={"_target_": f"x.{protocol.upper()}"},
-                          **{"async": ASYNC})  # fmt: skip
+            config.update(
+                workers=workers,
+                algorithm=node,
+                optimizer=opt_node,
+                compressor=IDENTITY,
+                error_feedback=NO_EF,
+                topology={"_target_": f"x.{topology.title()}"},
+                protocol={"_target_": f"x.{protocol.upper()}"},
+                **{"async": ASYNC},
+            )
             (run / "config.yaml").write_text(yaml.safe_dump(config))
             (run / ".hydra").mkdir()
-            choices = {"algorithm": algorithm, "optimizer": optimizer, "compressor": "identity",
-                       "error_feedback": "none", "topology": topology, "protocol": protocol,
-                       "model": "mlp", "data": "synthetic", "outer": "none"}  # fmt: skip
+            choices = {
+                "algorithm": algorithm,
+                "optimizer": optimizer,
+                "compressor": "identity",
+                "error_feedback": "none",
+                "topology": topology,
+                "protocol": protocol,
+                "model": "mlp",
+                "data": "synthetic",
+                "outer": "none",
+            }
             (run / ".hydra" / "hydra.yaml").write_text(
                 yaml.safe_dump({"hydra": {"runtime": {"choices": choices}}}, sort_keys=False)
             )
             lines = (run / "metrics.jsonl").read_text().splitlines()
             # a language model's curves as well: the analysis plots them against tokens
-            extra = [line[:-1] + f', "tokens": {1000 * (i + 1)}, "test/bpc": {3 - i / 10}}}'
-                     for i, line in enumerate(lines)]  # fmt: skip
+            extra = [
+                line[:-1] + f', "tokens": {1000 * (i + 1)}, "test/bpc": {3 - i / 10}}}'
+                for i, line in enumerate(lines)
+            ]
             (run / "metrics.jsonl").write_text("\n".join(extra) + "\n")
     return root
 
@@ -105,16 +120,29 @@ def test_figures_hold_their_legend_say_their_band_and_raise_no_warning(tmp_path,
             assert f"![{stem}]({stem}.png)\n*Lines: the mean over each case's runs" in text
         assert "band: ± one sample standard deviation" in text
 
-        long = {f"{label}, " + ", ".join(f"setting_{i}=value_{i}" for i in range(12)): runs
-                for label, runs in report.groups.items()}  # fmt: skip
-        fig = plot_groups(report.metrics, long, "epoch", "test/acc", [tmp_path / "long.png"],
-                          title=report.spec.title)  # fmt: skip
+        long = {
+            f"{label}, " + ", ".join(f"setting_{i}=value_{i}" for i in range(12)): runs
+            for label, runs in report.groups.items()
+        }
+        fig = plot_groups(
+            report.metrics,
+            long,
+            "epoch",
+            "test/acc",
+            [tmp_path / "long.png"],
+            title=report.spec.title,
+        )
         FigureCanvasAgg(fig).draw()  # laid out as saved
         inside(fig, [fig.legends[0], *(ax.title for ax in fig.axes)])
 
         series = {f"case {i}": [10.0 * (i + 1), 5.0, 1.0] for i in range(6)}
-        hist = plot_histograms(series, "staleness τ (server updates)", "gradients (count)",
-                               tmp_path / "hist.png", "six cases")  # fmt: skip
+        hist = plot_histograms(
+            series,
+            "staleness τ (server updates)",
+            "gradients (count)",
+            tmp_path / "hist.png",
+            "six cases",
+        )
     assert len([ax for ax in hist.axes if ax.get_visible()]) == 6  # one series per panel
     assert all(len(ax.patches) == 1 for ax in hist.axes)
     assert "bars:" in hist.dpresearch_caption

@@ -176,8 +176,9 @@ def distributed_calls(path: Path) -> list[int]:
     modules_, functions = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            modules_.update(a.asname or a.name for a in node.names
-                            if a.name.startswith("torch.distributed"))  # fmt: skip
+            modules_.update(
+                a.asname or a.name for a in node.names if a.name.startswith("torch.distributed")
+            )
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
             "torch.distributed"
         ):
@@ -221,8 +222,11 @@ def test_the_distributed_call_finder_finds_calls(tmp_path):
 def test_traits_are_declared_once_and_never_looked_up_by_name():
     """No `getattr(<something>, "<trait>")` anywhere: traits are `Algorithm.traits`."""
     names = {f.name for f in Traits.__dataclass_fields__.values()} | {
-        "run_process", "num_processes", "check_config", "traits",
-    }  # fmt: skip
+        "run_process",
+        "num_processes",
+        "check_config",
+        "traits",
+    }
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

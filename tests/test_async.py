@@ -53,9 +53,14 @@ CPU = torch.device("cpu")
 def test_one_worker_async_is_plain_sgd_exactly(small_config, tmp_path, one_thread):
     plain = run_ours(small_config, tmp_path, "sync", "workers=1", "optimizer.momentum=0.9")
     one = run_ours(
-        small_config, tmp_path, "async", "workers=1", ASYNC, "async.speed=exponential",
+        small_config,
+        tmp_path,
+        "async",
+        "workers=1",
+        ASYNC,
+        "async.speed=exponential",
         "optimizer.momentum=0.9",
-    )  # fmt: skip
+    )
     initial = run_ours(small_config, tmp_path, "init", "workers=1", "train.steps=1")
     assert max_diff(plain, initial) > 1e-3  # it really trained
     assert all(torch.equal(plain[k], one[k]) for k in plain)
@@ -67,9 +72,15 @@ def test_sync_protocol_is_synchronous_sgd(small_config, one_thread):
     same mean: float64, to 1e-9 (issue 33: in float32 they differ by CPU)."""
     sync, _ = run_ours64(small_config, "workers=4", "optimizer.momentum=0.9")
     barrier_args = [
-        "workers=4", ASYNC, "protocol=sync", "async.speed=exponential", "async.slow_workers=[1]",
-        "async.slowdown=4", "optimizer.momentum=0.9", f"train.steps={4 * STEPS}",
-    ]  # fmt: skip
+        "workers=4",
+        ASYNC,
+        "protocol=sync",
+        "async.speed=exponential",
+        "async.slow_workers=[1]",
+        "async.slowdown=4",
+        "optimizer.momentum=0.9",
+        f"train.steps={4 * STEPS}",
+    ]
     barrier, summary = run_ours64(small_config, *barrier_args)
     assert max_diff(sync, barrier) <= TOL64
     initial, _ = run_ours64(small_config, "workers=4", "train.steps=1")
@@ -243,9 +254,13 @@ def test_compressed_push_keeps_error_feedback_memory():
     model = MLP(10, (16,), hidden=[8])
     params = torch.zeros(2, sum(p.numel() for p in model.parameters()))
     codec = open_channel(
-        ChannelNeeds.push(), model, params, [0, 1],
-        {"_target_": "dpresearch.compress.topk.TopK", "ratio": 0.1}, {"mode": "ef14"},
-    )  # fmt: skip
+        ChannelNeeds.push(),
+        model,
+        params,
+        [0, 1],
+        {"_target_": "dpresearch.compress.topk.TopK", "ratio": 0.1},
+        {"mode": "ef14"},
+    )
     g = torch.randn(params.shape[1])
     wire, sent = codec.encode(1, g, step=0)
     memory = codec.memory.memory  # [2, D]: each local worker's e_w
@@ -261,9 +276,15 @@ def test_compressed_push_keeps_error_feedback_memory():
 
 def test_compressed_async_training_learns(small_config, one_thread):
     cfg = small_config(
-        "workers=4", ASYNC, "compressor=topk", "compressor.ratio=0.1", "error_feedback=ef14",
-        "async.speed=exponential", "train.steps=200", "train.batch_size=16",
-    )  # fmt: skip
+        "workers=4",
+        ASYNC,
+        "compressor=topk",
+        "compressor.ratio=0.1",
+        "error_feedback=ef14",
+        "async.speed=exponential",
+        "train.steps=200",
+        "train.batch_size=16",
+    )
     trainer = Trainer(cfg, SimulatedCommunicator(4, NetworkModel.preset("1gbe")), CPU, None)
     summary = trainer.run()
     assert summary["test/acc"] > 0.5
@@ -329,9 +350,14 @@ def test_same_seed_same_events_and_parameters(small_config, one_thread):
 # -- metrics and bad input ------------------------------------------------------------------------
 def test_metrics_and_summary(small_config, tmp_path, one_thread):
     run_ours(
-        small_config, tmp_path, "run", "workers=3", ASYNC, "async.speed=exponential",
+        small_config,
+        tmp_path,
+        "run",
+        "workers=3",
+        ASYNC,
+        "async.speed=exponential",
         "train.log_every=10",
-    )  # fmt: skip
+    )
     rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all("async/staleness_mean" in r and "time/simulated_s" in r for r in rows)
     times = [r["time/simulated_s"] for r in rows]
@@ -406,14 +432,28 @@ def test_simulator_vs_minimal_loop_benchmark_runs(tmp_path, one_thread):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "vs.json"
-    args = ["--rounds", "1", "--updates", "150", "--workers", "8", "--features", "32",
-            "--batch", "8", "--sides", "ahead", "one", "minimal", "ideal"]  # fmt: skip
+    args = [
+        "--rounds",
+        "1",
+        "--updates",
+        "150",
+        "--workers",
+        "8",
+        "--features",
+        "32",
+        "--batch",
+        "8",
+        "--sides",
+        "ahead",
+        "one",
+        "minimal",
+        "ideal",
+    ]
     assert bench.main([*args, "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert set(result["ratio_median"]) == {"ahead", "one", "ideal"}
     assert all(r > 0 for r in result["ratio_median"].values())
-    namespace = bench.argparse.Namespace(workers=8, batch=8, features=32, updates=150,
-                                         clock="cpu")  # fmt: skip
+    namespace = bench.argparse.Namespace(workers=8, batch=8, features=32, updates=150, clock="cpu")
     _, reference = bench.minimal(namespace)
     _, ideal = bench.ideal(namespace)
     # The bench's two float32 loops (experiments/bench: no float64 switch) are different

@@ -49,7 +49,7 @@ CASES = {
         "async.lr_policy=inverse",
         "async.slow_workers=[0]",
         "async.slowdown=4",
-    ],  # fmt: skip
+    ],
 }
 
 
@@ -122,9 +122,17 @@ def test_computed_ahead_equals_one_push_at_a_time(case):
 
 
 # The benchmark's model (experiments/bench/async_vs_minimal.py), small: logistic regression
-LOGREG_RUN = ["data.num_train=1024", "data.num_test=256", "data.num_features=16", "model=logreg",
-              "workers=8", "train.batch_size=8", "train.progress=false", "train.log_every=5",
-              "backend.threads=1"]  # fmt: skip
+LOGREG_RUN = [
+    "data.num_train=1024",
+    "data.num_test=256",
+    "data.num_features=16",
+    "model=logreg",
+    "workers=8",
+    "train.batch_size=8",
+    "train.progress=false",
+    "train.log_every=5",
+    "backend.threads=1",
+]
 
 
 @pytest.mark.parametrize("case", ["asgd", "ssp", "inverse_lr_straggler", "delay_compensation"])
@@ -134,8 +142,9 @@ def test_logistic_regression_stacked_ahead_equals_one_push_at_a_time(case):
     the same events and τ, the same rows and server as one push at a time."""
     trainer = trainer_for(*LOGREG_RUN, *ASYNC, mode="true")
     assert "stacked" in trainer.built.setup["workers_compute"]
-    assert_same_run(*LOGREG_RUN, *ASYNC, "train.steps=60", *CASES[case], tol=TOL64,
-                    dtype=torch.float64)  # fmt: skip
+    assert_same_run(
+        *LOGREG_RUN, *ASYNC, "train.steps=60", *CASES[case], tol=TOL64, dtype=torch.float64
+    )
 
 
 @needs_subset
@@ -187,8 +196,14 @@ def test_divergence_stops_at_the_same_push(tmp_path, one_thread):
 def test_computed_ahead_killed_and_resumed_equals_uninterrupted(case, tmp_path, one_thread):
     """The checkpoint holds the gradients computed but not yet pushed (and their batches'
     statistics): resumed, the run continues bit for bit, metrics line for line."""
-    args = [*QUICK, "workers=4", *ASYNC, "model.batch_norm=true", "train.batched_workers=true",
-            *CASES[case]]  # fmt: skip
+    args = [
+        *QUICK,
+        "workers=4",
+        *ASYNC,
+        "model.batch_norm=true",
+        "train.batched_workers=true",
+        *CASES[case],
+    ]
     check_resumed(tmp_path, args, InjectedFailure)
 
 

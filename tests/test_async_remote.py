@@ -45,10 +45,19 @@ ASYNC = "algorithm=async_sgd"
 def test_four_gloo_workers_train_with_staleness_k_minus_one(small_config, tmp_path):
     steps, k = 160, 4
     run_ours(
-        small_config, tmp_path, "real", f"workers={k}", ASYNC, "backend=gloo",
-        "backend.threads=1", "async.inject_delay=0.03", "compressor=topk",
-        "compressor.ratio=0.1", "error_feedback=ef14", f"train.steps={steps}",
-    )  # fmt: skip
+        small_config,
+        tmp_path,
+        "real",
+        f"workers={k}",
+        ASYNC,
+        "backend=gloo",
+        "backend.threads=1",
+        "async.inject_delay=0.03",
+        "compressor=topk",
+        "compressor.ratio=0.1",
+        "error_feedback=ef14",
+        f"train.steps={steps}",
+    )
     summary = json.loads((tmp_path / "real" / "summary.json").read_text())
     histogram = summary["async/tau_histogram"]
     mean = sum(t * n for t, n in enumerate(histogram)) / sum(histogram)
@@ -72,12 +81,24 @@ def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
     run = subprocess.Popen(
         [
-            sys.executable, "-m", "dpresearch.train", ASYNC, "backend=gloo", "workers=4",
-            "async.inject_delay=0.05", "train.steps=1000000", "train.log_every=1",
-            *SMALL[:-1], *extra,
+            sys.executable,
+            "-m",
+            "dpresearch.train",
+            ASYNC,
+            "backend=gloo",
+            "workers=4",
+            "async.inject_delay=0.05",
+            "train.steps=1000000",
+            "train.log_every=1",
+            *SMALL[:-1],
+            *extra,
         ],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + load_scaled(180)
     while time.monotonic() < deadline:
         found = list(tmp_path.rglob("metrics.jsonl"))
@@ -133,18 +154,31 @@ def test_hung_worker_is_named_by_the_server(tmp_path):
 
 # -- issue 17: the real mode through the communicator, checkpoints and exact resume ------------
 SEEDED = [
-    *SMALL[:-1], "train.progress=false", ASYNC, "workers=4", "backend.threads=1",
-    "async.speed=exponential", "async.order=seeded", "data.num_train=512", "data.num_test=64",
-    "train.batch_size=16", "optimizer.momentum=0.9",
-]  # fmt: skip
+    *SMALL[:-1],
+    "train.progress=false",
+    ASYNC,
+    "workers=4",
+    "backend.threads=1",
+    "async.speed=exponential",
+    "async.order=seeded",
+    "data.num_train=512",
+    "data.num_test=64",
+    "train.batch_size=16",
+    "optimizer.momentum=0.9",
+]
 
 
 @pytest.mark.distributed
 def test_seeded_real_run_equals_the_simulator(tmp_path):
     """With the event clock's order driving the server, 4 gloo workers and a server compute
     exactly what the event simulator computes (same pushes, same order, same arithmetic)."""
-    args = [*SEEDED, "train.steps=40", "compressor=topk", "compressor.ratio=0.2",
-            "error_feedback=ef14"]  # fmt: skip
+    args = [
+        *SEEDED,
+        "train.steps=40",
+        "compressor=topk",
+        "compressor.ratio=0.2",
+        "error_feedback=ef14",
+    ]
     simulated = train(compose_config(*args), tmp_path / "sim")
     real = train(compose_config(*args, "backend=gloo"), tmp_path / "real")
     assert same(final_params(tmp_path / "sim"), final_params(tmp_path / "real"))
@@ -165,8 +199,7 @@ def _resume_state(rank: int, port: int, args: list[str], out: str) -> None:
     from dpresearch.run.trainer import Trainer
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=5)  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=5)
     cfg = compose_config(*args)
     comm = DistributedCommunicator(network_model(cfg), messages=True, first_worker=1)
     trainer = Trainer(cfg, comm, torch.device("cpu"), None)
@@ -185,8 +218,15 @@ def test_real_async_kill_9_then_resume_continues_exactly(tmp_path):
     order the resumed run ends as an uninterrupted one."""
     steps = 1200
     run_dir = tmp_path / "run"
-    args = [*SEEDED, "backend=gloo", f"train.steps={steps}", "train.checkpoint_every=20",
-            "train.log_every=1", "train.eval_every=600", "async.inject_delay=0.02"]  # fmt: skip
+    args = [
+        *SEEDED,
+        "backend=gloo",
+        f"train.steps={steps}",
+        "train.checkpoint_every=20",
+        "train.log_every=1",
+        "train.eval_every=600",
+        "async.inject_delay=0.02",
+    ]
     proc = start_cli([*args, f"hydra.run.dir={run_dir}"], tmp_path)
     try:
         wait_for_step(run_dir, proc, 45, timeout=300)
@@ -208,17 +248,21 @@ def test_real_async_kill_9_then_resume_continues_exactly(tmp_path):
     resumed = torch.load(tmp_path / "resumed.pt")
     for key in ("params", "buffers", "total"):
         assert torch.equal(resumed["server"][key], server["server"][key])
-    assert resumed["server"]["optimizer"]["state"].keys() == server["server"]["optimizer"][
-        "state"].keys()  # fmt: skip
+    assert (
+        resumed["server"]["optimizer"]["state"].keys()
+        == server["server"]["optimizer"]["state"].keys()
+    )
     for k, v in server["server"]["optimizer"]["state"].items():
-        assert torch.equal(resumed["server"]["optimizer"]["state"][k]["momentum_buffer"],
-                           v["momentum_buffer"])  # fmt: skip
+        assert torch.equal(
+            resumed["server"]["optimizer"]["state"][k]["momentum_buffer"], v["momentum_buffer"]
+        )
     assert resumed["server"]["stats"] == server["server"]["stats"]
     assert resumed["server"]["version"] == saved["step"] == server["steps"]
     held = server["transport"]["held"]
     assert len(held) == 4 and sorted(p[0] for p in held) == [0, 1, 2, 3]  # asgd: all 4 in flight
-    out = run_cli([*args, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=tmp_path,
-                  timeout=600)  # fmt: skip
+    out = run_cli(
+        [*args, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=tmp_path, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished"
@@ -237,8 +281,14 @@ def test_real_async_sigterm_checkpoints_and_resumes_exactly(tmp_path):
     checkpoint holding the pushes in flight and `status: interrupted`; the resumed run ends as
     the simulator's."""
     steps = 600
-    args = [*SEEDED, "backend=gloo", f"train.steps={steps}", "train.log_every=1",
-            "train.eval_every=300", "async.inject_delay=0.02"]  # fmt: skip
+    args = [
+        *SEEDED,
+        "backend=gloo",
+        f"train.steps={steps}",
+        "train.log_every=1",
+        "train.eval_every=300",
+        "async.inject_delay=0.02",
+    ]
     run_dir, _ = stop_and_resume(tmp_path, args, signal.SIGTERM, bound_s=60)
     reference = tmp_path / "reference"
     train(compose_config(*[a for a in args if a != "backend=gloo"]), reference)

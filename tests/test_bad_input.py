@@ -231,7 +231,7 @@ BAD = [
             "model.dropout=0.1",
             "model.dropout_stream=global",
             "train.batched_workers=stacked",
-        ],  # fmt: skip
+        ],
         "(model.dropout_stream=global), which stacked rows would draw differently; "
         "model.dropout_stream=worker runs stacked",
     ),
@@ -283,9 +283,25 @@ def test_every_constrained_key_has_a_row() -> None:
 
     from helpers import REPO
 
-    nodes = "|".join(("train", "backend", "network", "comm", "logger", "debug", "data", "model",
-                      "optimizer", "schedule", "algorithm", "compressor", "error_feedback",
-                      "topology", "async"))  # fmt: skip
+    nodes = "|".join(
+        (
+            "train",
+            "backend",
+            "network",
+            "comm",
+            "logger",
+            "debug",
+            "data",
+            "model",
+            "optimizer",
+            "schedule",
+            "algorithm",
+            "compressor",
+            "error_feedback",
+            "topology",
+            "async",
+        )
+    )
     named = re.compile(rf'f?"((?:{nodes})\.[a-z_]+)[=:]')
     constrained = {
         match.group(1)
@@ -330,11 +346,22 @@ def test_real_mode_resume_of_another_world_size_is_one_line(tmp_path):
     from dpresearch.train import train
 
     checkpoint = tmp_path / "step_10.pt"
-    header = {"format": FORMAT, "step": 10, "workers": 4, "processes": 5,
-              "algorithm": "dpresearch.algorithms.async_sgd.AsyncSGD", "num_params": 1}  # fmt: skip
+    header = {
+        "format": FORMAT,
+        "step": 10,
+        "workers": 4,
+        "processes": 5,
+        "algorithm": "dpresearch.algorithms.async_sgd.AsyncSGD",
+        "num_params": 1,
+    }
     torch.save({**header, "loop": {}, "states": []}, checkpoint)
-    cfg = compose_config(*SYNTHETIC_SMALL, "algorithm=async_sgd", "backend=gloo", "workers=3",
-                         f"train.resume={checkpoint}")  # fmt: skip
+    cfg = compose_config(
+        *SYNTHETIC_SMALL,
+        "algorithm=async_sgd",
+        "backend=gloo",
+        "workers=3",
+        f"train.resume={checkpoint}",
+    )
     with pytest.raises(ConfigError) as err:
         train(cfg, tmp_path / "run")
     assert "was written with workers=4, this run has workers=3" in str(err.value)
@@ -443,10 +470,17 @@ def test_peers_that_never_come_are_one_line_after_the_timeout(tmp_path):
 
     env = {**STALE, "MASTER_PORT": str(free_port())}
     out = run_cli(
-        [*SYNTHETIC_SMALL, "backend=gloo", "workers=2", "backend.timeout_s=2",
-         f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path, timeout=180, env=env,
-    )  # fmt: skip
+        [
+            *SYNTHETIC_SMALL,
+            "backend=gloo",
+            "workers=2",
+            "backend.timeout_s=2",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        timeout=180,
+        env=env,
+    )
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
     assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
     assert "rank 0 could not join the other processes at 127.0.0.1:" in errors[0]
@@ -509,8 +543,9 @@ OUTER_BAD = [
 
 
 @pytest.mark.parametrize("args,fragment", OUTER_BAD, ids=[" ".join(a) for a, _ in OUTER_BAD])
-def test_bad_outer_input_is_one_line_before_any_worker(args, fragment, tmp_path, monkeypatch,
-                                                       capsys):  # fmt: skip
+def test_bad_outer_input_is_one_line_before_any_worker(
+    args, fragment, tmp_path, monkeypatch, capsys
+):
     run_dir = tmp_path / "run"
     args = [*SYNTHETIC_SMALL, *args, f"hydra.run.dir={run_dir}"]
     code, out, err = run_main(args, tmp_path, monkeypatch, capsys)
@@ -555,11 +590,23 @@ def test_a_killed_worker_is_one_line_naming_its_rank_and_the_signal(tmp_path):
 
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dpresearch.train", "backend=gloo", "workers=2",
-         "train.steps=1000000", "train.log_every=1", *SYNTHETIC_SMALL, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=cli_env(WANDB_MODE="disabled", OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dpresearch.train",
+            "backend=gloo",
+            "workers=2",
+            "train.steps=1000000",
+            "train.log_every=1",
+            *SYNTHETIC_SMALL,
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env=cli_env(WANDB_MODE="disabled", OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + load_scaled(120)
         while not (run_dir / "metrics.jsonl").is_file() and time.monotonic() < deadline:

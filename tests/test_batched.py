@@ -130,8 +130,9 @@ FLOAT32_ONLY: dict[str, float] = {}
 @pytest.mark.parametrize("name", list(COMPRESSORS))
 def test_mlp_batched_equals_loop_for_every_compressor(name, way):
     if name in FLOAT32_ONLY:
-        assert_same_rows(*MLP_RUN, *COMPRESSORS[name], tol=FLOAT32_ONLY[name],
-                         dtype=torch.float32, way=way)  # fmt: skip
+        assert_same_rows(
+            *MLP_RUN, *COMPRESSORS[name], tol=FLOAT32_ONLY[name], dtype=torch.float32, way=way
+        )
     else:
         assert_same_rows(*MLP_RUN, *COMPRESSORS[name], way=way)
 
@@ -142,8 +143,9 @@ def test_signum_votes_the_same_signs_batched_as_in_the_loop(way):
     flip its vote and send the two runs apart. Without BatchNorm (whose preceding biases have
     gradients of pure rounding noise, whose signs are a coin toss) over the first 10 steps no
     such entry comes up: the same to 1e-9 in float64 (the batched sums are in another order)."""
-    assert_same_rows(*MLP_RUN, "compressor=signum", "model.batch_norm=false", "train.steps=10",
-                     way=way)  # fmt: skip
+    assert_same_rows(
+        *MLP_RUN, "compressor=signum", "model.batch_norm=false", "train.steps=10", way=way
+    )
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -165,9 +167,14 @@ def test_asynchronous_sgd_computes_each_push_as_the_loop(way):
 # every algorithm batched ≡ loop on the MLP above; on ResNet-20 the default suite keeps an
 # allreduce and a gossip one (the others slow)
 @pytest.mark.parametrize(
-    "name", ["sync", *(pytest.param(n, marks=pytest.mark.slow) for n in ("local_sgd",)),
-             "dpsgd", *(pytest.param(n, marks=pytest.mark.slow) for n in ("choco", "sgp"))],
-)  # fmt: skip
+    "name",
+    [
+        "sync",
+        *(pytest.param(n, marks=pytest.mark.slow) for n in ("local_sgd",)),
+        "dpsgd",
+        *(pytest.param(n, marks=pytest.mark.slow) for n in ("choco", "sgp")),
+    ],
+)
 @pytest.mark.parametrize("way", WAYS)
 def test_resnet20_with_batchnorm_batched_equals_loop(name, way):
     """In float64. ResNet-20 with BatchNorm at batch 4 is chaotic: in float32 the loop against
@@ -181,8 +188,9 @@ def test_resnet20_with_batchnorm_batched_equals_loop(name, way):
 @needs_subset
 @pytest.mark.parametrize("way", WAYS)
 def test_resnet20_channels_last_batched_equals_loop(way):
-    assert_same_rows(*RESNET_RUN, "train.channels_last=true", "train.steps=8", tol=RESNET_TOL64,
-                     way=way)  # fmt: skip
+    assert_same_rows(
+        *RESNET_RUN, "train.channels_last=true", "train.steps=8", tol=RESNET_TOL64, way=way
+    )
 
 
 @needs_subset
@@ -212,8 +220,14 @@ def test_bf16_autocast_batched_equals_loop(way):
     float32 (autocast leaves float64 alone): bf16's unit roundoff is 2^-8 ≈ 4e-3, so one
     reordered product can move a step by that much; 2e-2 is a few bf16 ulps of a parameter of
     size ~1 after 20 steps."""
-    assert_same_rows(*MLP_RUN, "model.batch_norm=false", "train.autocast=bf16", tol=2e-2,
-                     dtype=torch.float32, way=way)  # fmt: skip
+    assert_same_rows(
+        *MLP_RUN,
+        "model.batch_norm=false",
+        "train.autocast=bf16",
+        tol=2e-2,
+        dtype=torch.float32,
+        way=way,
+    )
 
 
 def test_bf16_with_batchnorm_on_the_cpu_runs_stacked_and_vmap_is_refused():
@@ -256,8 +270,9 @@ def test_any_subset_of_rows_computes_as_the_loop_and_leaves_the_others(rows, way
     losses, out = CLASSES[way](batched).run(rows, x, y)
     assert losses.shape == (len(rows),) and out.shape == (len(rows), 8, 5)
     for what in ("grads", "params", "buffers", "int_buffers"):
-        assert torch.allclose(getattr(loop, what).double(), getattr(batched, what).double(),
-                              atol=TOL64, rtol=0), what  # fmt: skip
+        assert torch.allclose(
+            getattr(loop, what).double(), getattr(batched, what).double(), atol=TOL64, rtol=0
+        ), what
     others = [w for w in range(4) if w not in rows]
     assert all((batched.grads[w] == 3.0).all() for w in others)
     assert batched.int_buffers[rows].min() == 1 and (batched.int_buffers[others] == 0).all()
@@ -278,8 +293,19 @@ def test_fp16_loss_scaling_batched_equals_loop(one_thread):
     for batched in (None, *WAYS):
         torch.manual_seed(0)
         reps = _replicas(MLP(5, (6,), hidden=[7]), 4)
-        compute = WorkerCompute(data, part, reps, range(4), 8, 8, 0, torch.device("cpu"),
-                                autocast="fp16", loss_scale=1024.0, batched=batched)  # fmt: skip
+        compute = WorkerCompute(
+            data,
+            part,
+            reps,
+            range(4),
+            8,
+            8,
+            0,
+            torch.device("cpu"),
+            autocast="fp16",
+            loss_scale=1024.0,
+            batched=batched,
+        )
         compute.run([0, 1, 2, 3])
         grads[batched] = reps.grads.clone()
     assert grads[None].abs().max() > 1e-3
@@ -290,15 +316,26 @@ def test_fp16_loss_scaling_batched_equals_loop(one_thread):
 def test_divergence_and_skipped_steps_are_the_loops(tmp_path):
     """A huge lr: `skip_step` drops the same steps batched as in the loop; `stop` stops at the
     same step."""
-    quick = [*SMALL, "workers=4", "data.num_train=256", "data.num_test=64", "train.log_every=1",
-             "train.steps=30", "optimizer.lr=1e6", "backend.threads=1"]  # fmt: skip
+    quick = [
+        *SMALL,
+        "workers=4",
+        "data.num_train=256",
+        "data.num_test=64",
+        "train.log_every=1",
+        "train.steps=30",
+        "optimizer.lr=1e6",
+        "backend.threads=1",
+    ]
     summaries = {}
     for mode in ("false", "true"):
         for nonfinite in ("skip_step", "stop"):
             run_dir = tmp_path / f"{mode}-{nonfinite}"
-            summaries[mode, nonfinite] = train(compose_config(
-                *quick, f"train.on_nonfinite={nonfinite}", f"train.batched_workers={mode}"),
-                run_dir)  # fmt: skip
+            summaries[mode, nonfinite] = train(
+                compose_config(
+                    *quick, f"train.on_nonfinite={nonfinite}", f"train.batched_workers={mode}"
+                ),
+                run_dir,
+            )
     skipped = summaries["false", "skip_step"]["train/skipped_steps"]
     assert skipped > 0
     assert summaries["true", "skip_step"]["train/skipped_steps"] == skipped
@@ -310,9 +347,9 @@ def test_divergence_and_skipped_steps_are_the_loops(tmp_path):
 
 
 @pytest.mark.parametrize(  # one in the default suite; the others slow
-    "case", ["sync_qsgd_ef14", *(pytest.param(c, marks=pytest.mark.slow) for c in
-                                 ("local_sgd", "choco"))],
-)  # fmt: skip
+    "case",
+    ["sync_qsgd_ef14", *(pytest.param(c, marks=pytest.mark.slow) for c in ("local_sgd", "choco"))],
+)
 def test_batched_run_killed_and_resumed_equals_uninterrupted(case, tmp_path, one_thread):
     """Killed after a checkpoint and resumed, a batched run continues bit for bit (cursors,
     generators, the stacked integer buffers), metrics line for line
@@ -342,8 +379,13 @@ def test_auto_batches_small_workers_on_the_cpu_and_says_so(capsys):
     assert way == "vmap" and "stacked: the model (PlainMLP) has no stacked counterpart" in line
     way, line = decide(compose_config(*SMALL, odd, "workers=4"), data, 4, cpu)
     assert way is None and "from 8 workers" in line
-    wide = compose_config("model=logreg", "workers=64", "data.num_features=3072",
-                          "data.num_train=4096", "train.batch_size=64")  # fmt: skip
+    wide = compose_config(
+        "model=logreg",
+        "workers=64",
+        "data.num_features=3072",
+        "data.num_train=4096",
+        "train.batch_size=64",
+    )
     way, line = decide(wide, preflight(wide), 64, cpu)
     assert way is None and "48.0 MiB" in line
     # and the run prints its choice once at the start
@@ -357,8 +399,9 @@ class PlainMLP(nn.Module):
 
     def __init__(self, num_classes: int, input_shape, hidden=(8,), batch_norm=False) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), 8), nn.ReLU(),
-                                 nn.Linear(8, num_classes))  # fmt: skip
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(math.prod(input_shape), 8), nn.ReLU(), nn.Linear(8, num_classes)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -369,8 +412,9 @@ class DropoutMLP(nn.Module):
 
     def __init__(self, num_classes: int, input_shape, hidden=(8,), batch_norm=False) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], 8), nn.Dropout(0.5),
-                                 nn.Linear(8, num_classes))  # fmt: skip
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(input_shape[0], 8), nn.Dropout(0.5), nn.Linear(8, num_classes)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -399,8 +443,10 @@ def test_bad_value_is_one_line():
         preflight(compose_config(*SMALL, "train.batched_workers=sometimes"))
 
 
-SHIPPED = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "dpresearch" / "conf"
-                                  / "model").glob("*.yaml"))  # fmt: skip
+SHIPPED = sorted(
+    p.stem
+    for p in (Path(__file__).resolve().parents[1] / "dpresearch" / "conf" / "model").glob("*.yaml")
+)
 FAST = {"mlp", "logreg", "resnet20"}
 
 
@@ -420,9 +466,14 @@ def test_every_shipped_model_batches_or_says_why(name):
     if name.startswith("gpt"):
         from dpresearch.data.text import TextDataset
 
-        data = TextDataset(torch.zeros(64, dtype=torch.int32), torch.zeros(1),
-                           torch.zeros(64, dtype=torch.int32), torch.zeros(1, dtype=torch.long),
-                           classes, block_size=8)  # fmt: skip
+        data = TextDataset(
+            torch.zeros(64, dtype=torch.int32),
+            torch.zeros(1),
+            torch.zeros(64, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.long),
+            classes,
+            block_size=8,
+        )
         shape = data.input_shape
     for way in WAYS:
         reason = probe_config(node, shape, classes, data=data, way=way)
@@ -468,8 +519,9 @@ def test_cuda_batched_equals_loop_on_the_mlp(extra):
 @needs_subset
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_cuda_resnet20_batched_equals_loop(channels_last):
-    assert_same_rows(*RESNET_RUN, "train.device=cuda", f"train.channels_last={channels_last}",
-                     tol=RESNET_TOL64)  # fmt: skip
+    assert_same_rows(
+        *RESNET_RUN, "train.device=cuda", f"train.channels_last={channels_last}", tol=RESNET_TOL64
+    )
 
 
 @needs_cuda

@@ -84,9 +84,21 @@ def test_skips_when_namespaces_fail(monkeypatch, capsys) -> None:
 )
 def test_tiny_run_leaves_no_namespace() -> None:
     cmd = [
-        sys.executable, str(SCRIPT), "--model", "mlp", "--rates", "100mbit", "--floor-rate", "",
-        "--steps", "4", "--warmup", "2", "--compressors", "identity",
-    ]  # fmt: skip
+        sys.executable,
+        str(SCRIPT),
+        "--model",
+        "mlp",
+        "--rates",
+        "100mbit",
+        "--floor-rate",
+        "",
+        "--steps",
+        "4",
+        "--warmup",
+        "2",
+        "--compressors",
+        "identity",
+    ]
     done = subprocess.run(
         cmd, capture_output=True, text=True, timeout=load_scaled(120), cwd=REPO, env=cli_env()
     )  # this checkout's package in every rank, whatever the editable install points at
@@ -157,10 +169,15 @@ def test_fit_recovers_the_gloo_terms_together() -> None:
 def test_step_figures_and_ops_per_step() -> None:
     fit = _load_fit()
     rows = [
-        {"time/comm_s": 0.1 * s, "time/comm_overlapped_s": 0.05 * s, "time/compute_s": s,
-         "comm/modeled_s": 0.2 * s, "comm/bytes": 10 * s}
+        {
+            "time/comm_s": 0.1 * s,
+            "time/comm_overlapped_s": 0.05 * s,
+            "time/compute_s": s,
+            "comm/modeled_s": 0.2 * s,
+            "comm/bytes": 10 * s,
+        }
         for s in range(1, 5)
-    ]  # fmt: skip
+    ]
     figures = fit.step_figures(rows, 2, 4)
     assert len(figures) == 2
     assert figures[0]["busy"] == pytest.approx(0.15)
@@ -175,10 +192,16 @@ def test_step_figures_and_ops_per_step() -> None:
 def test_peer_wait_is_the_union_of_waits() -> None:
     fit = _load_fit()
     # one step, three calls: two overlapping background waits, one synchronous call on time
-    mine = [["allreduce", 4, 0, 0, 1.0, 1.0], ["allreduce", 4, 0, 0, 1.5, 1.5],
-            ["broadcast", 4, 0.1, 0, 3.0, 3.1]]  # fmt: skip
-    peer = [["allreduce", 4, 0, 0, 2.0, 2.0], ["allreduce", 4, 0, 0, 2.5, 2.5],
-            ["broadcast", 4, 0.1, 0, 2.9, 3.1]]  # fmt: skip
+    mine = [
+        ["allreduce", 4, 0, 0, 1.0, 1.0],
+        ["allreduce", 4, 0, 0, 1.5, 1.5],
+        ["broadcast", 4, 0.1, 0, 3.0, 3.1],
+    ]
+    peer = [
+        ["allreduce", 4, 0, 0, 2.0, 2.0],
+        ["allreduce", 4, 0, 0, 2.5, 2.5],
+        ["broadcast", 4, 0.1, 0, 2.9, 3.1],
+    ]
     assert fit.peer_wait(mine, peer, 0, 1) == [pytest.approx(1.5)]  # [1, 2] ∪ [1.5, 2.5]
     with pytest.raises(ValueError, match="different collectives"):
         fit.peer_wait(mine, peer[:2], 0, 1)
@@ -213,8 +236,11 @@ def test_codecs_vs_minimal_bench_runs_and_both_sides_agree(tmp_path, capsys) -> 
     out = tmp_path / "codecs.json"
     rows = bench.main(["--workers", "2", "--rounds", "1", "--steps", "1", "--json", str(out)])
     assert [(r["case"], r["workers"]) for r in rows] == [
-        ("natural", 2), ("sign", 2), ("onebit", 2), ("onebit_adam", 2)
-    ]  # fmt: skip
+        ("natural", 2),
+        ("sign", 2),
+        ("onebit", 2),
+        ("onebit_adam", 2),
+    ]
     assert all(r["identical"] and r["ratio"] > 0 for r in rows)
     assert len(json.loads(out.read_text())["measurements"]) == 4
     printed = capsys.readouterr().out
@@ -225,8 +251,12 @@ def test_codecs_vs_minimal_bench_runs_and_both_sides_agree(tmp_path, capsys) -> 
 def bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     done = subprocess.run(
         [sys.executable, str(BENCH / script), *args],
-        capture_output=True, text=True, timeout=load_scaled(timeout), cwd=REPO, env=cli_env(),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=load_scaled(timeout),
+        cwd=REPO,
+        env=cli_env(),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -241,9 +271,28 @@ def load(name: str):
 @pytest.mark.slow
 def test_batched_vs_ensemble_tiny(tmp_path):
     out = tmp_path / "ens.json"
-    done = bench("batched_vs_ensemble.py", "--models", "logreg", "--workers", "2",
-                 "--modes", "false", "stacked", "vmap", "--rounds", "1", "--block", "2",
-                 "--blocks", "1", "--warmup", "1", "--floor", "--json", str(out))  # fmt: skip
+    done = bench(
+        "batched_vs_ensemble.py",
+        "--models",
+        "logreg",
+        "--workers",
+        "2",
+        "--modes",
+        "false",
+        "stacked",
+        "vmap",
+        "--rounds",
+        "1",
+        "--block",
+        "2",
+        "--blocks",
+        "1",
+        "--warmup",
+        "1",
+        "--floor",
+        "--json",
+        str(out),
+    )
     stacked = r"\| logreg \| 2 \| stacked \| 2 workers stacked.*\| \d+\.\d+ \["
     assert re.search(stacked, done.stdout)
     assert re.search(r"\| logreg \| 2 \| vmap \| 2 workers batched.*\| \d+\.\d+ \[", done.stdout)
@@ -258,8 +307,23 @@ def test_batched_vs_ensemble_tiny(tmp_path):
 @pytest.mark.slow
 def test_consensus_metric_cost_tiny(tmp_path):
     out = tmp_path / "cm.json"
-    done = bench("consensus_metric_cost.py", "--workers", "2", "--rounds", "1", "--block", "2",
-                 "--blocks", "1", "--warmup", "1", "--calls", "1", "--json", str(out))  # fmt: skip
+    done = bench(
+        "consensus_metric_cost.py",
+        "--workers",
+        "2",
+        "--rounds",
+        "1",
+        "--block",
+        "2",
+        "--blocks",
+        "1",
+        "--warmup",
+        "1",
+        "--calls",
+        "1",
+        "--json",
+        str(out),
+    )
     assert "consensus distance at log_every=10, K=2 MLP D-PSGD:" in done.stdout
     data = json.loads(out.read_text())
     assert 0 < data["share_median"] < data["old_share_median"]  # cheaper than before
@@ -274,10 +338,29 @@ def test_gpu_benchmark_skips_cleanly_without_a_gpu_and_runs_on_the_cpu(tmp_path)
         done = bench("gpu_batched.py")
         assert done.stdout.strip().startswith("gpu_batched: skipped: no CUDA GPU")
     out = tmp_path / "gpu.json"
-    done = bench("gpu_batched.py", "--device", "cpu", "--workers", "2", "--batch", "2",
-                 "--rounds", "1", "--block", "1", "--blocks", "1", "--warmup", "1",
-                 "--random-images", "--gpt", "--gpt-model", "gpt_tiny",
-                 "--json", str(out))  # fmt: skip
+    done = bench(
+        "gpu_batched.py",
+        "--device",
+        "cpu",
+        "--workers",
+        "2",
+        "--batch",
+        "2",
+        "--rounds",
+        "1",
+        "--block",
+        "1",
+        "--blocks",
+        "1",
+        "--warmup",
+        "1",
+        "--random-images",
+        "--gpt",
+        "--gpt-model",
+        "gpt_tiny",
+        "--json",
+        str(out),
+    )
     for row in ("| loop ÷ stacked |", "| stacked ÷ single |", "| vmap ÷ stacked |"):
         assert row in done.stdout, row
     assert "stacked side: 2 workers stacked" in done.stdout
@@ -290,8 +373,23 @@ def test_gpu_benchmark_skips_cleanly_without_a_gpu_and_runs_on_the_cpu(tmp_path)
 @pytest.mark.skipif(not SUBSET.is_dir(), reason=f"no CIFAR subset at {SUBSET}")
 def test_checkpoint_cost_tiny(tmp_path):
     out = tmp_path / "ckpt.json"
-    done = bench("checkpoint_cost.py", "--model", "resnet20", "--workers", "2", "--batch", "4",
-                 "--warmup", "2", "--steps", "1", "--repeats", "2", "--json", str(out))  # fmt: skip
+    done = bench(
+        "checkpoint_cost.py",
+        "--model",
+        "resnet20",
+        "--workers",
+        "2",
+        "--batch",
+        "4",
+        "--warmup",
+        "2",
+        "--steps",
+        "1",
+        "--repeats",
+        "2",
+        "--json",
+        str(out),
+    )
     assert "vs torch.save + fsync" in done.stdout and "(target <= 1.5)" in done.stdout
     assert json.loads(out.read_text())["checkpoint_over_torch_save_fsync"] > 0
 
@@ -312,9 +410,24 @@ def test_threads_benchmark_stops_its_competitors():
 @pytest.mark.slow
 def test_threads_under_load_tiny(tmp_path):
     out = tmp_path / "threads.json"
-    done = bench("threads_under_load.py", "--cases", "choco_mlp", "--rounds", "1",
-                 "--competitors", "1", "--block", "2", "--blocks", "1", "--warmup", "1",
-                 "--json", str(out), timeout=600)  # fmt: skip
+    done = bench(
+        "threads_under_load.py",
+        "--cases",
+        "choco_mlp",
+        "--rounds",
+        "1",
+        "--competitors",
+        "1",
+        "--block",
+        "2",
+        "--blocks",
+        "1",
+        "--warmup",
+        "1",
+        "--json",
+        str(out),
+        timeout=600,
+    )
     assert re.search(r"\| choco_mlp \| \d+\.\d+ \[.*\| ≤ 1\.2 \| threads: 1 \(", done.stdout)
 
 
@@ -322,8 +435,9 @@ def test_threads_under_load_tiny(tmp_path):
 @pytest.mark.skipif(not SUBSET.is_dir(), reason=f"no CIFAR subset at {SUBSET}")
 def test_study_point_time_tiny(tmp_path):
     out = tmp_path / "point.json"
-    done = bench("study_point_time.py", "--steps", "2", "--rounds", "1", "--json", str(out),
-                 timeout=900)  # fmt: skip
+    done = bench(
+        "study_point_time.py", "--steps", "2", "--rounds", "1", "--json", str(out), timeout=900
+    )
     assert "old ÷ new wall time:" in done.stdout
     assert len(json.loads(out.read_text())["ratios"]) == 1
 
@@ -355,8 +469,22 @@ def test_async_real_pushes_tiny(tmp_path):
 def test_async_real_cpu_tiny():
     """The CPU-per-push companion of benchmark E at tiny size (this code on both sides, run at
     once): every rank's CPU time is read per window and the ratios are printed."""
-    done = bench("async_real_cpu.py", "--before", str(REPO), "--windows", "2", "--seconds", "2",
-                 "--warmup", "100", "--hidden", "16", "--features", "16", timeout=900)  # fmt: skip
+    done = bench(
+        "async_real_cpu.py",
+        "--before",
+        str(REPO),
+        "--windows",
+        "2",
+        "--seconds",
+        "2",
+        "--warmup",
+        "100",
+        "--hidden",
+        "16",
+        "--features",
+        "16",
+        timeout=900,
+    )
     assert "after / before: server CPU per push" in done.stdout
     lines = [line for line in done.stdout.splitlines() if "ms CPU per push" in line]
     assert [line.split(":")[0] for line in lines] == ["before", "after"]
@@ -385,9 +513,25 @@ def test_lm_throughput_tiny(tmp_path):
         done = bench("lm_throughput.py", "--device", "cuda")
         assert done.stdout.strip().startswith("lm_throughput: skipped: no CUDA GPU")
     out = tmp_path / "lm.json"
-    done = bench("lm_throughput.py", "--model", "gpt_tiny", "--workers", "2", "--batch", "2",
-                 "--rounds", "1", "--block", "1", "--blocks", "1", "--warmup", "1",
-                 "--json", str(out))  # fmt: skip
+    done = bench(
+        "lm_throughput.py",
+        "--model",
+        "gpt_tiny",
+        "--workers",
+        "2",
+        "--batch",
+        "2",
+        "--rounds",
+        "1",
+        "--block",
+        "1",
+        "--blocks",
+        "1",
+        "--warmup",
+        "1",
+        "--json",
+        str(out),
+    )
     assert "| simulated ÷ minimal_global |" in done.stdout and "| ours ÷ minimal |" in done.stdout
     summary = json.loads(out.read_text())["summary"]
     assert summary["simulated_over_minimal_global"][0] > 0 and summary["ours_over_minimal"][0] > 0
@@ -399,17 +543,28 @@ def test_gpu_lm_script_runs_on_the_cpu(tmp_path):
     """The GPU script's CPU smoke mode (4 steps, gpt_tiny): the benchmark's JSON and both runs'
     metrics, summaries and samples land in OUT, and its last lines compare the two runs."""
     done = subprocess.run(
-        ["bash", str(BENCH / "gpu_lm.sh"), str(tmp_path / "out"), "4", "cpu", "gpt_tiny",
-         sys.executable],
-        cwd=REPO, env=cli_env(DPRESEARCH_SHAKESPEARE=str(SHAKESPEARE)), capture_output=True,
-        text=True, timeout=load_scaled(600),
-    )  # fmt: skip
+        [
+            "bash",
+            str(BENCH / "gpu_lm.sh"),
+            str(tmp_path / "out"),
+            "4",
+            "cpu",
+            "gpt_tiny",
+            sys.executable,
+        ],
+        cwd=REPO,
+        env=cli_env(DPRESEARCH_SHAKESPEARE=str(SHAKESPEARE)),
+        capture_output=True,
+        text=True,
+        timeout=load_scaled(600),
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     names = {p.name for p in (tmp_path / "out").iterdir()}
     assert names == {"lm_throughput.json"} | {
-        f"{case}_{f}" for case in ("sync", "diloco")
+        f"{case}_{f}"
+        for case in ("sync", "diloco")
         for f in ("metrics.jsonl", "summary.json", "sample.txt")
-    }  # fmt: skip
+    }
     assert re.search(r"^diloco: val/bpc \d", done.stdout, re.M), done.stdout[-1000:]
 
 
@@ -423,14 +578,27 @@ def test_lm_study_gpu_script_runs_on_the_cpu(tmp_path):
 
     out = tmp_path / "out"
     done = subprocess.run(
-        ["bash", str(REPO / "experiments" / "lm_shakespeare" / "gpu.sh"), str(out), "0", "cpu",
-         sys.executable],
-        cwd=REPO, env=cli_env(DPRESEARCH_SHAKESPEARE=str(SHAKESPEARE)), capture_output=True,
-        text=True, timeout=load_scaled(900),
-    )  # fmt: skip
+        [
+            "bash",
+            str(REPO / "experiments" / "lm_shakespeare" / "gpu.sh"),
+            str(out),
+            "0",
+            "cpu",
+            sys.executable,
+        ],
+        cwd=REPO,
+        env=cli_env(DPRESEARCH_SHAKESPEARE=str(SHAKESPEARE)),
+        capture_output=True,
+        text=True,
+        timeout=load_scaled(900),
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert {p.name for p in out.iterdir()} == {
-        "lm_throughput.json", "gpu.yaml", "study.log", "runs.tgz"}  # fmt: skip
+        "lm_throughput.json",
+        "gpu.yaml",
+        "study.log",
+        "runs.tgz",
+    }
     assert "  - train.steps=4\n" in (out / "gpu.yaml").read_text()
     with tarfile.open(out / "runs.tgz") as tar:
         summaries = [n for n in tar.getnames() if n.endswith("summary.json")]
@@ -452,8 +620,9 @@ def test_adpsgd_vs_minimal_tiny(tmp_path, monkeypatch, one_thread):
     assert 0 < lo <= result["ratio_median"] <= hi and len(result["seconds"]["ours"]) == 2
     assert len(result["load"]) == 2
     assert result["log_every"] == 100  # the default: ours logs as a run does
-    namespace = module.argparse.Namespace(workers=4, features=32, batch=8, updates=120,
-                                          clock="cpu", log_every=100)  # fmt: skip
+    namespace = module.argparse.Namespace(
+        workers=4, features=32, batch=8, updates=120, clock="cpu", log_every=100
+    )
     _, rows = module.minimal(namespace)
     initial = module.reference(namespace)["row"]
     assert (rows - initial).abs().max() > 1e-3  # it trained
@@ -479,9 +648,28 @@ def test_token_files_bench_runs_and_deletes_its_files(tmp_path, capsys) -> None:
     spec.loader.exec_module(bench)
     out_json = tmp_path / "r.json"
     (tmp_path / "tmp").mkdir()
-    args = ["--gb", "0.002", "--small-mb", "1", "--vocab", "64", "--rows", "big", "--rounds",
-            "1", "--tp-steps", "10", "--workers", "2", "--batch", "2", "--dir",
-            str(tmp_path / "tmp"), "--json", str(out_json)]  # fmt: skip
+    args = [
+        "--gb",
+        "0.002",
+        "--small-mb",
+        "1",
+        "--vocab",
+        "64",
+        "--rows",
+        "big",
+        "--rounds",
+        "1",
+        "--tp-steps",
+        "10",
+        "--workers",
+        "2",
+        "--batch",
+        "2",
+        "--dir",
+        str(tmp_path / "tmp"),
+        "--json",
+        str(out_json),
+    ]
     assert bench.main(args) == 0
     result = json.loads(out_json.read_text())
     assert list(result["rss"]) == ["0.002 GB mapped"]
@@ -505,13 +693,21 @@ def test_gpu_table_script_runs_on_the_cpu(tmp_path):
         assert done.stdout.strip().startswith("stacked_optimizer: skipped: no CUDA GPU")
     done = subprocess.run(
         ["bash", str(BENCH / "gpu_table.sh"), str(tmp_path / "out"), "--tiny", sys.executable],
-        cwd=REPO, env=cli_env(DPRESEARCH_SHAKESPEARE=str(SHAKESPEARE)), capture_output=True,
-        text=True, timeout=load_scaled(600),
-    )  # fmt: skip
+        cwd=REPO,
+        env=cli_env(DPRESEARCH_SHAKESPEARE=str(SHAKESPEARE)),
+        capture_output=True,
+        text=True,
+        timeout=load_scaled(600),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     names = {p.name for p in (tmp_path / "out").iterdir()}
-    assert names == {"lm_sync.json", "lm_diloco.json", "lm_sparseloco.json", "resnet.json",
-                     "optimizer.json"}  # fmt: skip
+    assert names == {
+        "lm_sync.json",
+        "lm_diloco.json",
+        "lm_sparseloco.json",
+        "resnet.json",
+        "optimizer.json",
+    }
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     table = rows[rows.index("| row (CPU) | ratio, median [range] | goal |") :]
     assert len(table) == 1 + 3 + 2 + 2, table

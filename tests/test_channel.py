@@ -42,8 +42,12 @@ DEEPSQUEEZE = textwrap.dedent(
     """
 )
 # its node: the keys of its YAML, set on the command line over algorithm=choco's
-USER = ["algorithm=choco", "algorithm._target_=my_squeeze.DeepSqueeze", "~algorithm.gamma",
-        "~algorithm.state_dtype"]  # fmt: skip
+USER = [
+    "algorithm=choco",
+    "algorithm._target_=my_squeeze.DeepSqueeze",
+    "~algorithm.gamma",
+    "~algorithm.state_dtype",
+]
 
 
 @pytest.fixture
@@ -53,8 +57,12 @@ def user_module(tmp_path, monkeypatch):
 
 
 def one_error_line(args, tmp_path, monkeypatch, capsys) -> str:
-    code, out, err = run_main([*SYNTHETIC_SMALL, *args, f"hydra.run.dir={tmp_path / 'run'}"],
-                              tmp_path, monkeypatch, capsys)  # fmt: skip
+    code, out, err = run_main(
+        [*SYNTHETIC_SMALL, *args, f"hydra.run.dir={tmp_path / 'run'}"],
+        tmp_path,
+        monkeypatch,
+        capsys,
+    )
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
     assert "Traceback" not in out + err and not (tmp_path / "run").exists()
@@ -90,8 +98,9 @@ def test_a_new_gossip_algorithm_with_a_gossip_codec_passes_the_checks(user_modul
 def test_powersgd_with_gossip_or_pushes_is_one_line(
     algorithm, fragment, tmp_path, monkeypatch, capsys
 ):
-    line = one_error_line([f"algorithm={algorithm}", "compressor=powersgd"], tmp_path,
-                          monkeypatch, capsys)  # fmt: skip
+    line = one_error_line(
+        [f"algorithm={algorithm}", "compressor=powersgd"], tmp_path, monkeypatch, capsys
+    )
     assert fragment in line
 
 

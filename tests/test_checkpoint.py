@@ -250,9 +250,15 @@ def test_sigint_simulated_stops_cleanly_and_resumes_exactly(tmp_path):
 def test_sigterm_gloo_stops_within_10_s_and_resumes_exactly(tmp_path):
     """Acceptance E: SIGTERM to the launcher of a gloo × 2 run."""
     args = [
-        *CHECKPOINTED, "workers=2", "backend=gloo", "backend.threads=1", "comm.deterministic=true",
-        "train.steps=4000", "train.log_every=1", "train.eval_every=2000",
-    ]  # fmt: skip
+        *CHECKPOINTED,
+        "workers=2",
+        "backend=gloo",
+        "backend.threads=1",
+        "comm.deterministic=true",
+        "train.steps=4000",
+        "train.log_every=1",
+        "train.eval_every=2000",
+    ]
     run_dir, _ = stop_and_resume(tmp_path, args, signal.SIGTERM, bound_s=10)
     assert [m["step"] for m in metric_lines(run_dir)] == list(range(1, 4001))
     # deterministic sums: simulated and gloo agree bit for bit (test_equivalence)
@@ -266,11 +272,17 @@ def test_progress_line_shows_throughput_and_eta():
 
     line = format_progress(
         {
-            "step": 50, "epoch": 0.5, "samples": 6400, "train/loss": 1.0, "lr": 0.1,
-            "comm/bytes": 0.0, "comm/modeled_s": 0.0, "time/wall_s": 10.0,
+            "step": 50,
+            "epoch": 0.5,
+            "samples": 6400,
+            "train/loss": 1.0,
+            "lr": 0.1,
+            "comm/bytes": 0.0,
+            "comm/modeled_s": 0.0,
+            "time/wall_s": 10.0,
         },
         total_steps=200,
-    )  # fmt: skip
+    )
     assert "5 steps/s (640 img/s)" in line and "ETA 0:30" in line
 
 
@@ -299,8 +311,13 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     the run directory, so `wandb sync` (or an online run) continues one W&B run."""
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run"
-    args = [*CHECKPOINTED, "train.steps=10", "train.checkpoint_every=5", "logger=wandb",
-            "logger.mode=offline"]  # fmt: skip
+    args = [
+        *CHECKPOINTED,
+        "train.steps=10",
+        "train.checkpoint_every=5",
+        "logger=wandb",
+        "logger.mode=offline",
+    ]
     with pytest.raises(InjectedFailure):
         train(compose_config(*args, "debug.fail_worker=0", "debug.fail_at_step=7"), run_dir)
     run_id = (run_dir / "wandb_id").read_text().strip()
@@ -348,9 +365,13 @@ def test_sigusr2_checkpoints_then_hands_on_to_the_schedulers_handler(tmp_path):
     args = [*CHECKPOINTED, "train.steps=600", "train.eval_every=300", f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(
         [sys.executable, "-c", SCHEDULER, str(marker), *args],
-        cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=cli_env(WANDB_MODE="disabled"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_for_step(run_dir, proc, 3, timeout=240)
         os.kill(proc.pid, signal.SIGUSR2)

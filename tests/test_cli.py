@@ -99,9 +99,15 @@ def test_resume_command_repeats_the_invocation_with_the_run_directory(monkeypatc
     )
     command = run_lines.resume_command(tmp_path, ["train.steps=9", "model.hidden=[8]"])
     assert shlex.split(command) == [
-        "dpresearch-train", "-cd", "/my/conf", "hydra.searchpath=[file:///c]", "train.steps=9",
-        "model.hidden=[8]", f"hydra.run.dir={tmp_path}", "train.resume=auto",
-    ]  # fmt: skip
+        "dpresearch-train",
+        "-cd",
+        "/my/conf",
+        "hydra.searchpath=[file:///c]",
+        "train.steps=9",
+        "model.hidden=[8]",
+        f"hydra.run.dir={tmp_path}",
+        "train.resume=auto",
+    ]
 
 
 def test_resume_command_of_a_sweep_point_is_a_single_run_of_that_point(monkeypatch, tmp_path):
@@ -113,13 +119,19 @@ def test_resume_command_of_a_sweep_point_is_a_single_run_of_that_point(monkeypat
     )
     command = run_lines.resume_command(tmp_path / "1-seed=1", ["seed=1", "train.resume=auto"])
     assert shlex.split(command) == [
-        run_lines.interpreter(), "-m", "dpresearch.train", "seed=1",
-        f"hydra.run.dir={tmp_path / '1-seed=1'}", "train.resume=auto",
-    ]  # fmt: skip
+        run_lines.interpreter(),
+        "-m",
+        "dpresearch.train",
+        "seed=1",
+        f"hydra.run.dir={tmp_path / '1-seed=1'}",
+        "train.resume=auto",
+    ]
     run_lines.remember_invocation("dpresearch train", ["seed=2"])
     assert shlex.split(run_lines.resume_command(tmp_path, ["seed=2"]))[:3] == [
-        "dpresearch", "train", "seed=2"
-    ]  # fmt: skip
+        "dpresearch",
+        "train",
+        "seed=2",
+    ]
 
 
 def test_final_and_interrupted_lines(tmp_path, monkeypatch):
@@ -209,8 +221,13 @@ def test_analysis_without_its_extra_is_one_line_naming_the_install(tmp_path, cap
 
 # -- studies: where runs go, {repo}, progress --------------------------------------------------
 
-STUDY = {"name": "where", "common": [*SMALL], "lrs": [0.1], "seeds": [0, 1],
-         "cases": {"a": ["train.steps=2"]}}  # fmt: skip
+STUDY = {
+    "name": "where",
+    "common": [*SMALL],
+    "lrs": [0.1],
+    "seeds": [0, 1],
+    "cases": {"a": ["train.steps=2"]},
+}
 
 
 def test_study_runs_go_under_the_current_directory(tmp_path, monkeypatch, capsys):
@@ -292,10 +309,15 @@ def test_a_run_with_ones_own_compressor_from_the_searchpath(tmp_path):
     line says it finished, how far, and where."""
     conf = user_configs(tmp_path / "myconf")
     out = run_cli(
-        [f"hydra.searchpath=[file://{conf}]", "compressor=mytopk", "experiment=quick", *SMALL,
-         "hydra.run.dir=run"],
+        [
+            f"hydra.searchpath=[file://{conf}]",
+            "compressor=mytopk",
+            "experiment=quick",
+            *SMALL,
+            "hydra.run.dir=run",
+        ],
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["compressor"] == {"_target_": "dpresearch.compress.topk.TopK", "ratio": 0.05}

@@ -370,9 +370,13 @@ def test_choco_public_copies_move_by_exactly_what_was_sent(small_config):
     from dpresearch.run.trainer import Trainer
 
     cfg = small_config(
-        "workers=4", "algorithm=choco", "compressor=topk", "compressor.ratio=0.1",
-        "topology=ring", "train.steps=3",
-    )  # fmt: skip
+        "workers=4",
+        "algorithm=choco",
+        "compressor=topk",
+        "compressor.ratio=0.1",
+        "topology=ring",
+        "train.steps=3",
+    )
     trainer = Trainer(cfg, SimulatedCommunicator(4, NET), torch.device("cpu"), None)
     trainer.run()
     choco = trainer.algorithm

@@ -103,10 +103,14 @@ def test_slowmo_inner_state_is_the_papers_rule_over_two_outer_rounds(inner_state
     ]
     base = LocalSGD(replicas, comm, optimizers, period=H)
     outer = OuterOptimizer(
-        replicas, comm, optimizers, base,
+        replicas,
+        comm,
+        optimizers,
+        base,
         optimizer={"_target_": "torch.optim.SGD", "lr": ALPHA, "momentum": BETA},
-        scale_by_inner_lr=True, inner_state=inner_state,
-    )  # fmt: skip
+        scale_by_inner_lr=True,
+        inner_state=inner_state,
+    )
     expected = slowmo_by_hand(theta0, inner_state)
     for t in range(H * ROUNDS):
         replicas.zero_grad()
@@ -282,8 +286,9 @@ def onebit_by_hand(x: torch.Tensor, rule: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("rule", ["signbit", "less_than"])
 def test_onebit_sign_rule_puts_negative_zero_where_the_rule_says(rule):
-    x = torch.tensor([[-0.0, 1.0, -2.0, 0.0, 3.0, -0.0, -1.0, 2.0],
-                      [-0.0, -0.0, -0.0, 4.0, 0.5, 1.5, -3.0, 0.0]])  # fmt: skip
+    x = torch.tensor(
+        [[-0.0, 1.0, -2.0, 0.0, 3.0, -0.0, -1.0, 2.0], [-0.0, -0.0, -0.0, 4.0, 0.5, 1.5, -3.0, 0.0]]
+    )
     c = OneBit(sign_rule=rule)
     chunk = [Chunk("t", 0, 8, (8,))]
     codec = c.codec(chunk, torch.float32, "cpu", (0, 1))

@@ -107,8 +107,9 @@ def simulated(name: str) -> tuple[torch.Tensor, int]:
     replicas = Replicas(model, WORLD, torch.device("cpu"))
     comm = SimulatedCommunicator(WORLD, NET)
     memory = None if ef is None else ErrorFeedback(**ef)
-    reducer = CompressedReducer(factory(), comm, param_layout(model), memory, granularity="tensor",
-                                dtype=dtype_of(name))  # fmt: skip
+    reducer = CompressedReducer(
+        factory(), comm, param_layout(model), memory, granularity="tensor", dtype=dtype_of(name)
+    )
     for step in range(STEPS):
         replicas.zero_grad()
         for w, replica in enumerate(replicas.models):

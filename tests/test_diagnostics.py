@@ -27,8 +27,9 @@ def test_outer_diagnostics_equal_the_hand_computation():
     diloco, _ = run64("algorithm=local_sgd", f"algorithm.period={H}", "outer=nesterov")
     row = diloco.state.last
     deltas = [theta0 - x[k] for k in range(K)]
-    cosines = [float(torch.dot(a, b) / (a.norm() * b.norm()))
-               for a, b in itertools.combinations(deltas, 2)]  # fmt: skip
+    cosines = [
+        float(torch.dot(a, b) / (a.norm() * b.norm())) for a, b in itertools.combinations(deltas, 2)
+    ]
     mean_x = sum(x[k] for k in range(K)) / K
     drift = sum(float((x[k] - mean_x).norm()) for k in range(K)) / K
     # torch's SGD starts its momentum buffer at the first gradient: the mean Δ
@@ -42,11 +43,13 @@ def test_outer_diagnostics_equal_the_hand_computation():
 
 @pytest.mark.parametrize(
     "overrides",
-    [["compressor=topk", "error_feedback=ef14"],
-     ["algorithm=local_sgd", "algorithm.period=2", "outer=sparseloco"],
-     ["algorithm=async_sgd", "compressor=topk", "error_feedback=ef14", "train.steps=12"]],
+    [
+        ["compressor=topk", "error_feedback=ef14"],
+        ["algorithm=local_sgd", "algorithm.period=2", "outer=sparseloco"],
+        ["algorithm=async_sgd", "compressor=topk", "error_feedback=ef14", "train.steps=12"],
+    ],
     ids=["sync_topk_ef14", "sparseloco", "async_topk_ef14"],
-)  # fmt: skip
+)
 def test_memory_norm_is_the_mean_of_each_workers_norm(overrides):
     trainer, _ = run64(*overrides)
     algorithm = trainer.built.algorithm
@@ -76,8 +79,9 @@ def test_gram_over_column_blocks_equals_the_pairs(monkeypatch):
     probe = diagnostics.OuterDiagnostics(1)
     comm = SimulatedCommunicator(K, NetworkModel.preset("1gbe"))
     probe.observe(0, rows, comm)
-    cosines = [float(torch.dot(a, b) / (a.norm() * b.norm()))
-               for a, b in itertools.combinations(rows, 2)]  # fmt: skip
+    cosines = [
+        float(torch.dot(a, b) / (a.norm() * b.norm())) for a, b in itertools.combinations(rows, 2)
+    ]
     drift = float((rows - rows.mean(0)).norm(dim=1).mean())
     got = probe.metrics()
     assert got["outer/pseudo_grad_cosine"] == pytest.approx(sum(cosines) / len(cosines), 1e-12)

@@ -24,9 +24,18 @@ from dpresearch.run.checkpoint_files import checkpoint_files, latest_checkpoint
 from dpresearch.run.io_errors import IO_EXIT
 from dpresearch.train import train
 
-ARGS = [*SMALL, "model.hidden=[256,256]", "data.num_train=512", "data.num_test=64",
-        "train.batch_size=16", "train.log_every=1", "train.eval_every=1000", "train.steps=60",
-        "train.checkpoint_every=10", "train.checkpoint_keep=2"]  # fmt: skip
+ARGS = [
+    *SMALL,
+    "model.hidden=[256,256]",
+    "data.num_train=512",
+    "data.num_test=64",
+    "train.batch_size=16",
+    "train.log_every=1",
+    "train.eval_every=1000",
+    "train.steps=60",
+    "train.checkpoint_every=10",
+    "train.checkpoint_keep=2",
+]
 
 
 def _mount(point: Path, size: int) -> bool:
@@ -85,8 +94,9 @@ def test_a_full_disk_is_one_line_failed_io_and_resumable(small_disk, tmp_path):
     grow(disk, 50_000_000)  # space is back
     out = run_cli([*ARGS, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    steps = [json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().split("\n")
-             if ln]  # fmt: skip
+    steps = [
+        json.loads(ln)["step"] for ln in (run_dir / "metrics.jsonl").read_text().split("\n") if ln
+    ]
     assert steps == list(range(1, 61))
     final = torch.load(run_dir / "model_final.pt", weights_only=True)
     expected = torch.load(reference / "model_final.pt", weights_only=True)
@@ -121,16 +131,20 @@ def test_a_full_disk_under_gloo_stops_every_process_together(small_disk, tmp_pat
     run_dir = disk / "run"
     out = subprocess.run(
         [sys.executable, "-m", "dpresearch.train", *args, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"), capture_output=True, text=True,
+        cwd=tmp_path,
+        env=cli_env(WANDB_MODE="disabled"),
+        capture_output=True,
+        text=True,
         timeout=load_scaled(300),
-    )  # fmt: skip
+    )
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
     assert out.returncode == IO_EXIT and len(errors) == 1, out.stderr[-3000:]
     assert "no space left on device" in errors[0] and "Traceback" not in out.stderr
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed_io"
     grow(disk, 50_000_000)
-    out = run_cli([*args, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=tmp_path,
-                  timeout=300)  # fmt: skip
+    out = run_cli(
+        [*args, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=tmp_path, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     final = torch.load(run_dir / "model_final.pt", weights_only=True)
     expected = torch.load(reference / "model_final.pt", weights_only=True)

@@ -285,10 +285,21 @@ def test_sigterm_mid_download_leaves_nothing(tmp_path: Path, served: Server) -> 
 
     root = tmp_path / "data"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dpresearch.train", "data=cifar10", "data.download=true",
-         f"data.root={root}", f"+data.url={served.base}/drip"],
-        cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dpresearch.train",
+            "data=cifar10",
+            "data.download=true",
+            f"data.root={root}",
+            f"+data.url={served.base}/drip",
+        ],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + load_scaled(120)
         while not list(root.glob(".cifar-10-batches-py.tmp-*/archive.tar.gz")):

@@ -91,8 +91,12 @@ def test_loop_and_stacked_rows_draw_each_workers_masks_in_forward_order(monkeypa
     assert unsupported(model) is None
     x, y = tokens()
     loop, stacked = (Replicas(model, ROWS, torch.device("cpu")) for _ in range(2))
-    noise = torch.randn(loop.params.shape, generator=torch.Generator().manual_seed(1),
-                        dtype=torch.float64) * 1e-2  # fmt: skip
+    noise = (
+        torch.randn(
+            loop.params.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+        )
+        * 1e-2
+    )
     with torch.no_grad():
         for reps in (loop, stacked):
             reps.params.add_(noise)
@@ -164,8 +168,9 @@ def by_hand_global(model: GPT, idx: torch.Tensor) -> torch.Tensor:
         h = h + F.dropout(y, p, True)
         m = block.mlp
         z = F.layer_norm(h, (c_,), block.ln_2.weight, block.ln_2.bias)
-        z = F.linear(F.gelu(F.linear(z, m.c_fc.weight, m.c_fc.bias)), m.c_proj.weight,
-                     m.c_proj.bias)  # fmt: skip
+        z = F.linear(
+            F.gelu(F.linear(z, m.c_fc.weight, m.c_fc.bias)), m.c_proj.weight, m.c_proj.bias
+        )
         h = h + F.dropout(z, p, True)
     z = F.layer_norm(h, (h.shape[-1],), tr.ln_f.weight, tr.ln_f.bias)
     return F.linear(z, model.lm_head.weight)
@@ -195,8 +200,11 @@ def test_without_dropout_both_streams_compute_the_same_forward():
         models = []
         for name in stream.STREAMS:
             torch.manual_seed(0)
-            models.append(GPT(VOCAB, (T,), n_layer=2, n_head=2, n_embd=16, dropout=p,
-                              dropout_stream=name).double().train(train))  # fmt: skip
+            models.append(
+                GPT(VOCAB, (T,), n_layer=2, n_head=2, n_embd=16, dropout=p, dropout_stream=name)
+                .double()
+                .train(train)
+            )
         state = torch.get_rng_state()
         assert torch.equal(models[0](idx), models[1](idx))
         assert torch.equal(torch.get_rng_state(), state)

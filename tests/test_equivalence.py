@@ -126,9 +126,12 @@ def test_post_local_sgd_averages_every_step_until_the_switch(small_config):
     """Post-local SGD (Lin et al. 2020): every step for `sync_epochs`, then every `period`
     steps counted from the switch; before the switch it is period-1 local SGD."""
     cfg = small_config(
-        "workers=4", "algorithm=local_sgd", "algorithm.period=4", "algorithm.sync_epochs=0.25",
+        "workers=4",
+        "algorithm=local_sgd",
+        "algorithm.period=4",
+        "algorithm.sync_epochs=0.25",
         "train.steps=14",
-    )  # fmt: skip
+    )
     trainer = Trainer(
         cfg, SimulatedCommunicator(4, NetworkModel.preset("10gbe")), torch.device("cpu"), None
     )

@@ -88,8 +88,9 @@ def test_ef14_transmits_everything_eventually():
     float64 (F64)."""
     k, d, steps = 3, 500, 30
     comm = SimulatedCommunicator(k, NET)
-    reducer = CompressedReducer(TopK(ratio=0.02, seed=1), comm, [(0, (d,))], ErrorFeedback(),
-                                dtype=F64)  # fmt: skip
+    reducer = CompressedReducer(
+        TopK(ratio=0.02, seed=1), comm, [(0, (d,))], ErrorFeedback(), dtype=F64
+    )
     gen = torch.Generator().manual_seed(1)
     sent, true = torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
     for step in range(steps):

@@ -12,8 +12,16 @@ from dpresearch.run.build import build_communicator
 from dpresearch.run.evaluation import recompute_bn
 
 # sync on 4 workers with a BatchNorm MLP, float64 in this process (one thread)
-RUN = [*SMALL, "workers=4", "train.batch_size=8", "train.steps=12", "model.batch_norm=true",
-       "backend.threads=1", "optimizer.lr=0.1", "train.save_model=false"]  # fmt: skip
+RUN = [
+    *SMALL,
+    "workers=4",
+    "train.batch_size=8",
+    "train.steps=12",
+    "model.batch_norm=true",
+    "backend.threads=1",
+    "optimizer.lr=0.1",
+    "train.save_model=false",
+]
 AVERAGE = ["algorithm.buffers=local", "train.eval_bn_stats=average"]
 
 
@@ -48,8 +56,9 @@ def test_average_is_the_mean_of_the_workers_buffers_and_changes_nothing_else():
 
 
 def test_recompute_matches_a_hand_computation():
-    trainer = trained("algorithm.buffers=local", "train.eval_bn_stats=recompute",
-                      "train.eval_batch_size=100")  # fmt: skip
+    trainer = trained(
+        "algorithm.buffers=local", "train.eval_bn_stats=recompute", "train.eval_batch_size=100"
+    )
     model = trainer.eval_model
     linear = model.net[1]
     assert isinstance(linear, torch.nn.Linear)

@@ -34,10 +34,13 @@ def own_code(tmp_path: Path, monkeypatch) -> str:
     root = tmp_path / "own"
     files = BLOCK.findall(DOC.read_text())
     assert {name for name, _ in files} == {
-        "my_research/protocols.py", "my_research/gossip.py", "my_research/lstm.py",
-        "conf/protocol/first_k.yaml", "conf/algorithm/randomized_gossip.yaml",
+        "my_research/protocols.py",
+        "my_research/gossip.py",
+        "my_research/lstm.py",
+        "conf/protocol/first_k.yaml",
+        "conf/algorithm/randomized_gossip.yaml",
         "conf/model/char_lstm.yaml",
-    }  # fmt: skip
+    }
     for name, text in files:
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -59,22 +62,47 @@ def run(tmp_path: Path, name: str, *args: str) -> dict:
 
 def test_first_k_protocol_spans_sync_and_asgd(own_code, tmp_path, one_thread):
     """k = K is the synchronous barrier, k = 1 asynchronous SGD, exactly; k = 2 in between."""
-    speeds = ["algorithm=async_sgd", "async.speed=exponential", "async.slow_workers=[1]",
-              "async.slowdown=3"]  # fmt: skip
+    speeds = [
+        "algorithm=async_sgd",
+        "async.speed=exponential",
+        "async.slow_workers=[1]",
+        "async.slowdown=3",
+    ]
     first_k = [*speeds, "protocol=first_k", own_code]
-    assert max_diff(run(tmp_path, "k4", *first_k, "protocol.k=4"),
-                    run(tmp_path, "sync", *speeds, "protocol=sync")) == 0  # fmt: skip
-    assert max_diff(run(tmp_path, "k1", *first_k, "protocol.k=1"),
-                    run(tmp_path, "asgd", *speeds, "protocol=asgd")) == 0  # fmt: skip
+    assert (
+        max_diff(
+            run(tmp_path, "k4", *first_k, "protocol.k=4"),
+            run(tmp_path, "sync", *speeds, "protocol=sync"),
+        )
+        == 0
+    )
+    assert (
+        max_diff(
+            run(tmp_path, "k1", *first_k, "protocol.k=1"),
+            run(tmp_path, "asgd", *speeds, "protocol=asgd"),
+        )
+        == 0
+    )
     two = run(tmp_path, "k2", *first_k, "protocol.k=2")
     assert max_diff(two, final(tmp_path / "sync")) > 1e-4
     assert max_diff(two, final(tmp_path / "asgd")) > 1e-4
 
 
 def test_first_k_protocol_checkpoints_and_resumes_exactly(own_code, tmp_path, one_thread):
-    args = [*SMALL, "data.num_train=512", "train.batch_size=16", "train.log_every=1",
-            "train.eval_every=20", "train.steps=60", "workers=4", "algorithm=async_sgd",
-            "async.speed=exponential", "protocol=first_k", "protocol.k=3", own_code]  # fmt: skip
+    args = [
+        *SMALL,
+        "data.num_train=512",
+        "train.batch_size=16",
+        "train.log_every=1",
+        "train.eval_every=20",
+        "train.steps=60",
+        "workers=4",
+        "algorithm=async_sgd",
+        "async.speed=exponential",
+        "protocol=first_k",
+        "protocol.k=3",
+        own_code,
+    ]
     check_resumed(tmp_path, args, InjectedFailure)
 
 
@@ -90,9 +118,18 @@ def test_randomized_gossip_on_two_workers_is_dpsgd(own_code, tmp_path, one_threa
 
 
 def test_randomized_gossip_trains_and_resumes_exactly(own_code, tmp_path, one_thread):
-    args = [*SMALL, "data.num_train=512", "train.batch_size=16", "train.log_every=1",
-            "train.eval_every=20", "train.steps=60", "workers=8", "topology=ring",
-            "algorithm=randomized_gossip", own_code]  # fmt: skip
+    args = [
+        *SMALL,
+        "data.num_train=512",
+        "train.batch_size=16",
+        "train.log_every=1",
+        "train.eval_every=20",
+        "train.steps=60",
+        "workers=8",
+        "topology=ring",
+        "algorithm=randomized_gossip",
+        own_code,
+    ]
     check_resumed(tmp_path, args, InjectedFailure)
     summary = train(compose_config(*args[:-1], "train.steps=200", own_code), tmp_path / "long")
     assert summary["test/acc"] > 0.5 and summary["gossip/consensus_distance"] < 0.1
@@ -100,21 +137,39 @@ def test_randomized_gossip_trains_and_resumes_exactly(own_code, tmp_path, one_th
 
 @pytest.mark.slow  # three interpreter starts; the code they run is tested in-process above
 def test_the_docs_commands_run_and_check_their_input(own_code, tmp_path):
-    out = run_cli([*SMALL, "algorithm=async_sgd", "protocol=first_k", "protocol.k=3",
-                   "train.steps=20", own_code, f"hydra.run.dir={tmp_path / 'run'}"],
-                  cwd=tmp_path)  # fmt: skip
+    out = run_cli(
+        [
+            *SMALL,
+            "algorithm=async_sgd",
+            "protocol=first_k",
+            "protocol.k=3",
+            "train.steps=20",
+            own_code,
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "run" / "summary.json").exists()
-    bad = run_cli(["algorithm=async_sgd", "protocol=first_k", own_code,
-                   f"hydra.run.dir={tmp_path / 'bad'}"], cwd=tmp_path)  # fmt: skip
+    bad = run_cli(
+        ["algorithm=async_sgd", "protocol=first_k", own_code, f"hydra.run.dir={tmp_path / 'bad'}"],
+        cwd=tmp_path,
+    )
     lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
     assert bad.returncode == 2 and len(lines) == 1, bad.stderr
     assert lines[0] == (
         "error: protocol=first_k needs 1 <= protocol.k <= workers (4), e.g. protocol.k=2"
     )
     assert not (tmp_path / "bad").exists()
-    directed = run_cli(["algorithm=randomized_gossip", "topology=exponential", own_code,
-                        f"hydra.run.dir={tmp_path / 'd'}"], cwd=tmp_path)  # fmt: skip
+    directed = run_cli(
+        [
+            "algorithm=randomized_gossip",
+            "topology=exponential",
+            own_code,
+            f"hydra.run.dir={tmp_path / 'd'}",
+        ],
+        cwd=tmp_path,
+    )
     assert directed.returncode == 2 and "must be undirected" in directed.stderr
 
 
@@ -126,10 +181,20 @@ def test_char_lstm_trains_on_the_shared_corpus(own_code, tmp_path, one_thread):
     corpus = REPO.parent / "shared" / "data" / "shakespeare" / "works"
     if not corpus.is_dir():
         pytest.skip(f"the Shakespeare corpus is not at {corpus}")
-    args = ["data=shakespeare", f"data.root={corpus}", "model=char_lstm", "model.block_size=16",
-            "data.eval_tokens=512", "data.sample_tokens=10", "train.steps=40",
-            "train.log_every=10", "optimizer.lr=0.01", "schedule=constant", own_code,
-            f"hydra.run.dir={tmp_path / 'lstm'}"]  # fmt: skip
+    args = [
+        "data=shakespeare",
+        f"data.root={corpus}",
+        "model=char_lstm",
+        "model.block_size=16",
+        "data.eval_tokens=512",
+        "data.sample_tokens=10",
+        "train.steps=40",
+        "train.log_every=10",
+        "optimizer.lr=0.01",
+        "schedule=constant",
+        own_code,
+        f"hydra.run.dir={tmp_path / 'lstm'}",
+    ]
     out = run_cli(args, tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads((tmp_path / "lstm" / "summary.json").read_text())

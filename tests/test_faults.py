@@ -53,13 +53,25 @@ def test_a_stopped_worker_ends_the_job_within_the_heartbeat(tmp_path):
     shared_machine_margin_s = 20
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dpresearch.train", "backend=gloo", "workers=2",
-         f"backend.heartbeat_s={heartbeat_s}", "backend.timeout_s=120", "train.steps=1000000",
-         *QUICK,
-         f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dpresearch.train",
+            "backend=gloo",
+            "workers=2",
+            f"backend.heartbeat_s={heartbeat_s}",
+            "backend.timeout_s=120",
+            "train.steps=1000000",
+            *QUICK,
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env=cli_env(WANDB_MODE="disabled"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_for_metrics(run_dir / "metrics.jsonl", proc, timeout=240)
         frozen = worker_pid(proc.pid, rank=1)
@@ -112,12 +124,26 @@ def test_gloo_run_survives_sighup_under_setsid_nohup(tmp_path):
     run_dir = tmp_path / "run"
     steps = 400
     proc = subprocess.Popen(
-        ["setsid", "nohup", sys.executable, "-m", "dpresearch.train", "backend=gloo",
-         "workers=2", f"train.steps={steps}", *QUICK, "train.log_every=20",
-         f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"), stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            "setsid",
+            "nohup",
+            sys.executable,
+            "-m",
+            "dpresearch.train",
+            "backend=gloo",
+            "workers=2",
+            f"train.steps={steps}",
+            *QUICK,
+            "train.log_every=20",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env=cli_env(WANDB_MODE="disabled"),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for_metrics(run_dir / "metrics.jsonl", proc, timeout=240)
         os.killpg(os.getpgid(proc.pid), signal.SIGHUP)  # the whole session: agent and workers

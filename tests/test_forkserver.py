@@ -20,9 +20,15 @@ def _report(rank: int, context: forkserver.LaunchContext, out: str) -> None:
     from multiprocessing.forkserver import _forkserver
 
     Path(out, f"{rank}.json").write_text(
-        json.dumps({"env": dict(os.environ), "cwd": os.getcwd(), "parent": os.getppid(),
-                    "holds_alive_pipe": _forkserver._forkserver_alive_fd is not None})
-    )  # fmt: skip
+        json.dumps(
+            {
+                "env": dict(os.environ),
+                "cwd": os.getcwd(),
+                "parent": os.getppid(),
+                "holds_alive_pipe": _forkserver._forkserver_alive_fd is not None,
+            }
+        )
+    )
 
 
 def test_forked_workers_take_the_launchers_environment_and_directory(tmp_path, monkeypatch):

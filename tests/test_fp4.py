@@ -35,8 +35,20 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Sizes that fill whole bytes of 4-bit codes and sizes that do not, repeated sizes at even and
 # irregular offsets, one-entry tensors.
-SHAPES = [(16, 3, 3, 3), (16,), (16,), (16, 16, 3, 3), (16,), (16,), (10, 64), (10,), (7,), (1,),
-          (13, 5), (301,)]  # fmt: skip
+SHAPES = [
+    (16, 3, 3, 3),
+    (16,),
+    (16,),
+    (16, 16, 3, 3),
+    (16,),
+    (16,),
+    (10, 64),
+    (10,),
+    (7,),
+    (1,),
+    (13, 5),
+    (301,),
+]
 LAYOUT, D = layout_of(SHAPES)
 CHUNKS = plan_buckets(LAYOUT, "tensor", bucket_mb=25)[0].chunks
 WORKERS = (0, 5, 2)
@@ -200,9 +212,17 @@ def test_sync_with_ef14_sends_the_formula_and_trains():
 
 
 # -- Streaming DiLoCo with FP4 outer gradients --------------------------------------------------
-STREAMING = ["algorithm=local_sgd", "algorithm.period=8", "optimizer=adamw", "optimizer.lr=0.003",
-             "optimizer.exclude_bn_bias_from_weight_decay=false", "workers=4", "train.steps=40",
-             "model.hidden=[32,32,32]", "outer.fragments=3"]  # fmt: skip
+STREAMING = [
+    "algorithm=local_sgd",
+    "algorithm.period=8",
+    "optimizer=adamw",
+    "optimizer.lr=0.003",
+    "optimizer.exclude_bn_bias_from_weight_decay=false",
+    "workers=4",
+    "train.steps=40",
+    "model.hidden=[32,32,32]",
+    "outer.fragments=3",
+]
 
 
 def test_streaming_fp4_sends_each_fragment_as_the_fp32_mean_of_fp4_messages(monkeypatch):
@@ -224,8 +244,10 @@ def test_streaming_fp4_sends_each_fragment_as_the_fp32_mean_of_fp4_messages(monk
     compressor = trainer.algorithm.reducers[0].compressor
     assert isinstance(compressor, FP4)
     assert (compressor.format, compressor.rounding, compressor.bucket_size) == (
-        "e3m0", "nearest", None,
-    )  # fmt: skip
+        "e3m0",
+        "nearest",
+        None,
+    )
     assert not trainer.algorithm.reducers[0].memory.active
     assert len(calls) >= 12
     for reducer, step, delta, mean in calls:
@@ -299,8 +321,12 @@ BAD = [
 
 @pytest.mark.parametrize("args,fragment", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_a_bad_value_is_one_error_line(args, fragment, tmp_path, monkeypatch, capsys):
-    code, _, err = run_main([*SYNTHETIC_SMALL, *args, f"hydra.run.dir={tmp_path / 'run'}"],
-                            tmp_path, monkeypatch, capsys)  # fmt: skip
+    code, _, err = run_main(
+        [*SYNTHETIC_SMALL, *args, f"hydra.run.dir={tmp_path / 'run'}"],
+        tmp_path,
+        monkeypatch,
+        capsys,
+    )
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2, err
     assert len(lines) == 1 and lines[0].startswith("error: "), err

@@ -13,6 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from dpresearch import CONF_DIR
+from dpresearch.data.text import TextDataset
 from dpresearch.models.gpt import GPT
 
 CONF = CONF_DIR / "model"
@@ -197,3 +198,19 @@ def test_generate_is_deterministic_per_generator_and_crops_the_context():
     with torch.no_grad():
         first = model(prompt)[:, -1].argmax(-1)
     assert torch.equal(greedy[:, 3], first)
+
+
+def test_a_text_sample_is_generate_from_the_test_splits_first_window(tmp_path):
+    """`TextDataset.sample` (the run's sample.txt) draws the tokens `GPT.generate` draws from
+    the same generator state: one sampling loop, prompted by the test split's first window."""
+    (tmp_path / "c.txt").write_text("the quick brown fox jumps over the lazy dog. " * 50)
+    data = TextDataset.load(tmp_path / "c.txt", block_size=8, eval_tokens=64, sample_tokens=30)
+    torch.manual_seed(0)
+    model = GPT(data.vocab.size, (8,), n_layer=1, n_head=2, n_embd=16, block_size=8)
+    text = data.sample(model, torch.Generator().manual_seed(3))
+    prompt = data.test_inputs[:8].long()[None]
+    ids = model.generate(prompt, 30, generator=torch.Generator().manual_seed(3))[0].tolist()
+    assert len(ids) == 38
+    assert text == (
+        f"{data.vocab.decode(ids[:8])}\n---- generated: ----\n{data.vocab.decode(ids[8:])}\n"
+    )

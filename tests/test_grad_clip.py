@@ -133,10 +133,18 @@ def compressed_reference(k: int, after: bool = False) -> tuple[dict, list[float]
     replicas = Replicas(model, k, torch.device("cpu"))
     comm = SimulatedCommunicator(k, NetworkModel.preset("10gbe"))
     alg = cfg.algorithm
-    reducer = build_reducer(alg.compressor, alg.error_feedback, comm, param_layout(model),
-                            alg.seed, granularity=alg.granularity, bucket_mb=alg.bucket_mb,
-                            collective=alg.collective, dtype=F64,
-                            device=torch.device("cpu"))  # fmt: skip
+    reducer = build_reducer(
+        alg.compressor,
+        alg.error_feedback,
+        comm,
+        param_layout(model),
+        alg.seed,
+        granularity=alg.granularity,
+        bucket_mb=alg.bucket_mb,
+        collective=alg.collective,
+        dtype=F64,
+        device=torch.device("cpu"),
+    )
     streams = [shard_batches(k, r, DATA["num_train"]) for r in range(k)]
     norms = []
     for step in range(STEPS):
@@ -241,8 +249,14 @@ def test_rows_clip_as_clip_grad_norm_each_worker():
 def test_batched_workers_equal_the_loop(way, one_thread):
     """Local SGD with clipping on 4 workers: the stacked and vmapped rows = the loop's, in
     float64 (batched kernels only add in another order)."""
-    args = [*CHECKPOINTED, "workers=4", "train.steps=20", "algorithm=local_sgd",
-            "algorithm.period=5", f"train.grad_clip={CLIP}"]  # fmt: skip
+    args = [
+        *CHECKPOINTED,
+        "workers=4",
+        "train.steps=20",
+        "algorithm=local_sgd",
+        "algorithm.period=5",
+        f"train.grad_clip={CLIP}",
+    ]
     rows = {}
     for mode in ("false", way):
         trainer = trainer_for(*args, mode=mode, dtype=F64)
@@ -295,9 +309,17 @@ def test_seeded_real_async_equals_the_simulator(tmp_path):
     """Asynchronous SGD on 4 gloo workers and a server, the event clock's order driving it:
     the server clipping each uncompressed push it receives = the simulator clipping the
     pushing worker's row before its push, parameters and `train/grad_norm` rows."""
-    args = [*CHECKPOINTED, "workers=4", "algorithm=async_sgd", "async.speed=exponential",
-            "async.order=seeded", "train.steps=24", "train.log_every=6", "backend.threads=1",
-            f"train.grad_clip={CLIP}"]  # fmt: skip
+    args = [
+        *CHECKPOINTED,
+        "workers=4",
+        "algorithm=async_sgd",
+        "async.speed=exponential",
+        "async.order=seeded",
+        "train.steps=24",
+        "train.log_every=6",
+        "backend.threads=1",
+        f"train.grad_clip={CLIP}",
+    ]
     train(compose_config(*args), tmp_path / "sim")
     train(compose_config(*args, "backend=gloo"), tmp_path / "real")
     assert same(final_params(tmp_path / "sim"), final_params(tmp_path / "real"))

@@ -248,8 +248,13 @@ def test_ring_priced_two_level_simulated_equals_gloo(tmp_path):
     the trees'): the same parameters as simulated, and each rank's intra tier priced as the
     ring — the summaries' intra bytes (mean over workers: leader D, inner 2D, last D per step)
     and modeled seconds are the simulated run's."""
-    args = ("comm.hierarchy.workers_per_node=4", "comm.hierarchy.intra_algorithm=ring",
-            "compressor=topk", "compressor.ratio=0.05", "error_feedback=ef14")  # fmt: skip
+    args = (
+        "comm.hierarchy.workers_per_node=4",
+        "comm.hierarchy.intra_algorithm=ring",
+        "compressor=topk",
+        "compressor.ratio=0.05",
+        "error_feedback=ef14",
+    )
     simulated = run(tmp_path, "sim", *args)
     gloo = run(tmp_path, "gloo", *args, "backend=gloo")
     assert max_diff(simulated, gloo) <= 1e-6  # float32 rounding budget, as above

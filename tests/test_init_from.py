@@ -32,8 +32,14 @@ from dpresearch.run.trainer import InjectedFailure
 from dpresearch.train import train
 
 # BatchNorm: buffers (running statistics, and the integer num_batches_tracked) travel too.
-RUN = [*SMALL_512, "model.batch_norm=true", "optimizer.momentum=0.9", "backend.threads=1",
-       "train.log_every=1", "comm.deterministic=true"]  # fmt: skip
+RUN = [
+    *SMALL_512,
+    "model.batch_norm=true",
+    "optimizer.momentum=0.9",
+    "backend.threads=1",
+    "train.log_every=1",
+    "comm.deterministic=true",
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +47,13 @@ def source(tmp_path_factory) -> Path:
     """A finished 2-worker local-SGD run (period 4) with checkpoints at steps 3 and 6: its
     workers' rows differ at step 3, mid-period."""
     run_dir = tmp_path_factory.mktemp("source") / "run"
-    args = ["workers=2", "algorithm=local_sgd", "algorithm.period=4", "train.steps=6",
-            "train.checkpoint_every=3"]  # fmt: skip
+    args = [
+        "workers=2",
+        "algorithm=local_sgd",
+        "algorithm.period=4",
+        "train.steps=6",
+        "train.checkpoint_every=3",
+    ]
     train(compose_config(*RUN, *args), run_dir)
     return run_dir
 
@@ -64,9 +75,10 @@ def test_a_finished_run_gives_its_final_model_to_every_worker(source, one_thread
     assert all(not opt.state for opt in trainer.optimizers)  # a fresh optimizer
     assert trainer.start_step == 0 and trainer.state.step == 0
     assert trainer.built.setup["init_from"] == {
-        "path": str((source / "model_final.pt").resolve()), "step": 6,
+        "path": str((source / "model_final.pt").resolve()),
+        "step": 6,
         "weights": "the consensus model",
-    }  # fmt: skip
+    }
 
 
 def test_a_checkpoint_gives_worker_0s_row_to_every_worker(source, one_thread):
@@ -91,8 +103,14 @@ def test_the_run_equals_one_whose_initial_weights_were_replaced(source, tmp_path
     """Only the weights come from the source: optimizer, schedule, step counter, data order
     and the algorithm's state are a fresh run's (the reference: the same run without
     init_from, its replicas overwritten by hand before the first step)."""
-    args = ["workers=3", "schedule=warmup_cosine", "train.steps=8", "algorithm=local_sgd",
-            "algorithm.period=2", "outer=nesterov"]  # fmt: skip
+    args = [
+        "workers=3",
+        "schedule=warmup_cosine",
+        "train.steps=8",
+        "algorithm=local_sgd",
+        "algorithm.period=2",
+        "outer=nesterov",
+    ]
     started = built(*args, f"train.init_from={source}")
     started.run()
     reference = built(*args)
@@ -125,30 +143,47 @@ def one_line(args: list[str], tmp_path: Path, monkeypatch, capsys) -> str:
     return lines[0]
 
 
-def test_another_model_is_one_line_exit_2_and_no_run_directory(source, tmp_path, monkeypatch,
-                                                               capsys):  # fmt: skip
-    line = one_line([*RUN, "model.hidden=[16]", f"train.init_from={source}"], tmp_path,
-                    monkeypatch, capsys)  # fmt: skip
+def test_another_model_is_one_line_exit_2_and_no_run_directory(
+    source, tmp_path, monkeypatch, capsys
+):
+    line = one_line(
+        [*RUN, "model.hidden=[16]", f"train.init_from={source}"], tmp_path, monkeypatch, capsys
+    )
     assert "its model differs: model.hidden ([32] → [16])" in line, line
     # the same model node, other tensors: the data's 8 features in place of 16
-    line = one_line([*RUN, "data.num_features=8", f"train.init_from={source}"], tmp_path,
-                    monkeypatch, capsys)  # fmt: skip
+    line = one_line(
+        [*RUN, "data.num_features=8", f"train.init_from={source}"], tmp_path, monkeypatch, capsys
+    )
     assert "its net.1.weight is of shape (32, 16), this model's (32, 8)" in line, line
     checkpoint = source / "checkpoints" / "step_3.pt"
-    line = one_line([*RUN, "data.num_features=8", f"train.init_from={checkpoint}"], tmp_path,
-                    monkeypatch, capsys)  # fmt: skip
+    line = one_line(
+        [*RUN, "data.num_features=8", f"train.init_from={checkpoint}"],
+        tmp_path,
+        monkeypatch,
+        capsys,
+    )
     # 16·32 + 32 + 2·32 (BatchNorm) + 32·10 + 10 = 938; with 8 features 682
     assert "does not fit this one (938 parameters where this model has 682)" in line, line
 
 
-def test_init_from_with_a_resume_of_another_start_is_one_line(source, tmp_path, monkeypatch,
-                                                              capsys):  # fmt: skip
+def test_init_from_with_a_resume_of_another_start_is_one_line(
+    source, tmp_path, monkeypatch, capsys
+):
     """A resumed run takes its weights from its checkpoint: init_from must be its own."""
     plain = tmp_path / "plain"
     train(compose_config(*RUN, "train.steps=4", "train.checkpoint_every=2"), plain)
-    line = one_line([*RUN, "train.steps=8", f"train.resume={plain}",
-                     "train.resume_allow_changes=[train.steps,train.init_from]",
-                     f"train.init_from={source}"], tmp_path, monkeypatch, capsys)  # fmt: skip
+    line = one_line(
+        [
+            *RUN,
+            "train.steps=8",
+            f"train.resume={plain}",
+            "train.resume_allow_changes=[train.steps,train.init_from]",
+            f"train.init_from={source}",
+        ],
+        tmp_path,
+        monkeypatch,
+        capsys,
+    )
     assert f"train.init_from={source} with train.resume: checkpoint" in line, line
     assert "started from a random initialisation" in line, line
 
@@ -158,11 +193,22 @@ def test_another_vocabulary_is_one_line(tmp_path, monkeypatch, capsys):
     rng = random.Random(0)
     for name, letters in (("a.txt", "abcdefg\n"), ("b.txt", "hijklmn\n")):
         (tmp_path / name).write_text("".join(rng.choice(letters) for _ in range(20000)))
-    text = ["data=text", "model=gpt_tiny", "workers=1", "train.batch_size=4", "train.steps=1",
-            "train.progress=false", "backend.threads=1"]  # fmt: skip
+    text = [
+        "data=text",
+        "model=gpt_tiny",
+        "workers=1",
+        "train.batch_size=4",
+        "train.steps=1",
+        "train.progress=false",
+        "backend.threads=1",
+    ]
     train(compose_config(*text, f"data.root={tmp_path / 'a.txt'}"), tmp_path / "a")
-    line = one_line([*text, f"data.root={tmp_path / 'b.txt'}", f"train.init_from={tmp_path / 'a'}"],
-                    tmp_path, monkeypatch, capsys)  # fmt: skip
+    line = one_line(
+        [*text, f"data.root={tmp_path / 'b.txt'}", f"train.init_from={tmp_path / 'a'}"],
+        tmp_path,
+        monkeypatch,
+        capsys,
+    )
     assert "its model was trained on another vocabulary" in line, line
 
 

@@ -74,12 +74,25 @@ def test_crashing_worker_fails_the_job_fast_with_its_traceback(tmp_path):
     what was already logged kept."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dpresearch.train", "backend=gloo", "workers=2",
-         "debug.fail_worker=1", "debug.fail_at_step=3", "train.steps=1000", "train.log_every=1",
-         *SMALL[:-1], f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dpresearch.train",
+            "backend=gloo",
+            "workers=2",
+            "debug.fail_worker=1",
+            "debug.fail_at_step=3",
+            "train.steps=1000",
+            "train.log_every=1",
+            *SMALL[:-1],
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env=cli_env(WANDB_MODE="disabled"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out, err = proc.communicate(timeout=load_scaled(240))
     finally:

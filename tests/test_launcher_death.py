@@ -26,9 +26,17 @@ pytestmark = [
     pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs procfs"),
 ]
 
-GLOO = [*SMALL, "backend=gloo", "workers=2", "backend.threads=1", "data.num_train=256",
-        "data.num_test=64", "train.log_every=1", "train.eval_every=100000",
-        "train.checkpoint_every=20"]  # fmt: skip
+GLOO = [
+    *SMALL,
+    "backend=gloo",
+    "workers=2",
+    "backend.threads=1",
+    "data.num_train=256",
+    "data.num_test=64",
+    "train.log_every=1",
+    "train.eval_every=100000",
+    "train.checkpoint_every=20",
+]
 GONE_WITHIN_S = 2  # issue 33: within 2 s of the launcher's SIGKILL (was 10; took 6.6-12.3 s)
 _STARTED: list[subprocess.Popen] = []
 
@@ -96,17 +104,28 @@ def start(args: list[str], cwd: Path, background: bool) -> int:
     cmd = [sys.executable, "-m", "dpresearch.train", *args]
     if not background:
         log = open(cwd / "launcher.log", "a")  # noqa: SIM115 - the child's from here on
-        proc = subprocess.Popen(cmd, cwd=cwd, env=cli_env(WANDB_MODE="disabled"),
-                                stdout=log, stderr=log, start_new_session=True,
-                                preexec_fn=terminal_signals)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=cli_env(WANDB_MODE="disabled"),
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            preexec_fn=terminal_signals,
+        )
         _STARTED.append(proc)  # reaped when the test ends
         return proc.pid
     script = 'log=$1; shift; "$@" < /dev/null >> "$log" 2>&1 & echo $!'
     out = subprocess.run(
-        ["bash", "-c", script, "script", str(cwd / "launcher.log"), *cmd], cwd=cwd,
-        env=cli_env(WANDB_MODE="disabled"), stdout=subprocess.PIPE, text=True, check=True,
-        start_new_session=True, timeout=load_scaled(60),
-    )  # fmt: skip
+        ["bash", "-c", script, "script", str(cwd / "launcher.log"), *cmd],
+        cwd=cwd,
+        env=cli_env(WANDB_MODE="disabled"),
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+        start_new_session=True,
+        timeout=load_scaled(60),
+    )
     return int(out.stdout.split()[0])
 
 
@@ -150,8 +169,9 @@ def kill_launcher_and_check(run_dir: Path, launcher: int) -> None:
 @pytest.mark.slow
 def test_sigkill_of_the_launcher_takes_its_workers(background, tmp_path):
     run_dir = tmp_path / "run"
-    launcher = start([*GLOO, "train.steps=1000000", f"hydra.run.dir={run_dir}"], tmp_path,
-                     background)  # fmt: skip
+    launcher = start(
+        [*GLOO, "train.steps=1000000", f"hydra.run.dir={run_dir}"], tmp_path, background
+    )
     try:
         kill_launcher_and_check(run_dir, launcher)
     finally:
@@ -212,12 +232,22 @@ def test_twenty_stops_never_hang_and_the_run_stays_resumable(tmp_path):
                 os.kill(pid, signal.SIGKILL)
         assert "Traceback" not in (tmp_path / "launcher.log").read_text()[-5000:]
     final = subprocess.run(
-        [sys.executable, "-m", "dpresearch.train", *args[:-3],
-         f"train.steps={last_step(run_dir) + 20}", f"hydra.run.dir={run_dir}",
-         "train.resume=auto", "train.resume_allow_changes=[train.steps]"],
-        cwd=tmp_path, env=cli_env(WANDB_MODE="disabled"), capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "dpresearch.train",
+            *args[:-3],
+            f"train.steps={last_step(run_dir) + 20}",
+            f"hydra.run.dir={run_dir}",
+            "train.resume=auto",
+            "train.resume_allow_changes=[train.steps]",
+        ],
+        cwd=tmp_path,
+        env=cli_env(WANDB_MODE="disabled"),
+        capture_output=True,
+        text=True,
         timeout=load_scaled(300),
-    )  # fmt: skip
+    )
     assert final.returncode == 0, final.stderr[-3000:]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(ln)["step"] for ln in lines] == list(range(1, len(lines) + 1))

@@ -15,8 +15,14 @@ from dpresearch.data.least_squares import make_least_squares
 from dpresearch.data.partition import SharedPartitioner
 from dpresearch.train import train
 
-SMALL_LS = ["data=least_squares", "data.num_train=600", "data.dim=20", "model=linear",
-            "train.batch_size=50", "train.progress=false"]  # fmt: skip
+SMALL_LS = [
+    "data=least_squares",
+    "data.num_train=600",
+    "data.dim=20",
+    "model=linear",
+    "train.batch_size=50",
+    "train.progress=false",
+]
 
 
 def test_problem_matches_its_definition():
@@ -48,9 +54,17 @@ def test_shared_partition_gives_every_worker_all_rows():
 
 def test_one_sgd_step_is_the_closed_form(tmp_path):
     lr = 0.3
-    summary = train(compose_config(*SMALL_LS, "workers=1", "train.steps=1", "train.log_every=1",
-                                   f"optimizer.lr={lr}", "train.save_model=false"),
-                    tmp_path / "run")  # fmt: skip
+    summary = train(
+        compose_config(
+            *SMALL_LS,
+            "workers=1",
+            "train.steps=1",
+            "train.log_every=1",
+            f"optimizer.lr={lr}",
+            "train.save_model=false",
+        ),
+        tmp_path / "run",
+    )
     data = make_least_squares(num_train=600, dim=20, seed_draws=5)  # as data=least_squares
     rows = SharedPartitioner(600, 1, seed=0).epoch_indices(0, 0)[:50]
     a, b = data.train_inputs[rows].double(), data.train_targets[rows].double()

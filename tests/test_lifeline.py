@@ -73,9 +73,14 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, int, int]:
     script.write_text(textwrap.dedent(LAUNCHER))
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(run_dir)], cwd=tmp_path, env=cli_env(),
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+        [sys.executable, str(script), str(run_dir)],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     server, worker = map(int, proc.stdout.readline().split())
     deadline = time.monotonic() + load_scaled(60)
     while not (run_dir / "metrics.jsonl").exists():

@@ -63,8 +63,9 @@ def test_muon_takes_exactly_the_non_embedding_matrices():
     # groups: Muon (its decay), AdamW >= 2-D (its decay), AdamW gains and biases (none)
     summary = [(g["use_muon"], g["lr"], g["weight_decay"]) for g in opt.param_groups]
     assert summary == [(True, 0.02, 0.0), (False, 0.001, 0.1), (False, 0.001, 0.0)]
-    assert {n for n, p in model.named_parameters() if any(p is q for q in
-            opt.param_groups[1]["params"])} == EMBEDDINGS  # fmt: skip
+    assert {
+        n for n, p in model.named_parameters() if any(p is q for q in opt.param_groups[1]["params"])
+    } == EMBEDDINGS
     assert all(p.dim() == 1 for p in opt.param_groups[2]["params"])
 
 
@@ -96,11 +97,15 @@ def test_muon_adamw_equals_muon_written_out_plus_torch_adamw(adjust):
     hidden = [named[n] for n in sorted(muon_names(opt, model))]
     others = [p for p in named.values() if all(p is not h for h in hidden)]
     adamw = torch.optim.AdamW(
-        [{"params": [p for p in others if p.dim() >= 2]},
-         {"params": [p for p in others if p.dim() < 2], "weight_decay": 0.0}],
-        lr=node.adamw_lr, betas=tuple(node.adamw_betas), eps=node.adamw_eps,
+        [
+            {"params": [p for p in others if p.dim() >= 2]},
+            {"params": [p for p in others if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=node.adamw_lr,
+        betas=tuple(node.adamw_betas),
+        eps=node.adamw_eps,
         weight_decay=node.adamw_weight_decay,
-    )  # fmt: skip
+    )
     buffers = {id(p): torch.zeros_like(p) for p in hidden}
     lr, mu, wd = node.lr, node.momentum, node.weight_decay
     for x, y in batches(3):
@@ -113,8 +118,11 @@ def test_muon_adamw_equals_muon_written_out_plus_torch_adamw(adjust):
                 buf.lerp_(p.grad, 1 - mu)  # m ← μ·m + (1−μ)·g
                 update = newton_schulz(p.grad.lerp(buf, mu))  # Nesterov: (1−μ)·g + μ·m
                 rows, cols = p.shape
-                scale = math.sqrt(max(1, rows / cols)) if adjust == "original" else (
-                    0.2 * math.sqrt(max(rows, cols)))  # fmt: skip
+                scale = (
+                    math.sqrt(max(1, rows / cols))
+                    if adjust == "original"
+                    else (0.2 * math.sqrt(max(rows, cols)))
+                )
                 p.mul_(1 - lr * wd)
                 p.sub_(lr * scale * update.double())
         adamw.step()
@@ -184,7 +192,10 @@ def test_adamw_lm_decays_matrices_and_embeddings_only():
     assert type(opt) is torch.optim.AdamW
     decay, no_decay = opt.param_groups
     assert (decay["weight_decay"], no_decay["weight_decay"], decay["betas"]) == (
-        0.1, 0.0, (0.9, 0.99))  # fmt: skip
+        0.1,
+        0.0,
+        (0.9, 0.99),
+    )
     names = {id(p): n for n, p in model.named_parameters()}
     assert {names[id(p)] for p in decay["params"]} == {
         n for n, p in model.named_parameters() if p.dim() >= 2
@@ -200,7 +211,8 @@ def test_warmup_in_steps_then_cosine_to_a_tenth():
     assert s(550) == pytest.approx(0.1 + 0.9 * 0.5)
     assert s(1000) == pytest.approx(0.1)
     assert Constant(warmup_steps=4, warmup_from=0.5, steps_per_epoch=3, total_steps=9)(2) == (
-        pytest.approx(0.75))  # fmt: skip
+        pytest.approx(0.75)
+    )
 
 
 def test_warmup_cosine_yaml_is_nanogpts_lr_after_warmup():

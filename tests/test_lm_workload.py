@@ -76,8 +76,10 @@ def on_gloo(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
     from helpers import train_on_gloo
 
     folder = tmp_path_factory.mktemp("lm-gloo")
-    jobs = [(compose_config(*EQUIV, *args, "backend=gloo"), folder / name)
-            for name, args in CASES.items()]  # fmt: skip
+    jobs = [
+        (compose_config(*EQUIV, *args, "backend=gloo"), folder / name)
+        for name, args in CASES.items()
+    ]
     return dict(zip(CASES, train_on_gloo(2, jobs), strict=True))
 
 
@@ -156,15 +158,22 @@ def test_killed_and_resumed_equals_uninterrupted_gloo(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", ["adamw", *(pytest.param(c, marks=pytest.mark.slow) for c in CASES if c != "adamw")],
-)  # fmt: skip
+    "case",
+    ["adamw", *(pytest.param(c, marks=pytest.mark.slow) for c in CASES if c != "adamw")],
+)
 def test_kill_9_then_resume_equals_uninterrupted(case, tmp_path):
     """A real SIGKILL of a command-line GPT run after its first checkpoint (AdamW; DiLoCo, Muon,
     SparseLoCo, DeMo and SPARTA in the slow suite): the resumed run (`train.resume=auto`) ends
     as an uninterrupted one, parameters bit for bit and metrics line for line, its sample the
     same text."""
-    args = [*LM, *CASES[case], "train.steps=200", "train.log_every=1", "train.eval_every=100",
-            "train.checkpoint_every=10"]  # fmt: skip
+    args = [
+        *LM,
+        *CASES[case],
+        "train.steps=200",
+        "train.log_every=1",
+        "train.eval_every=100",
+        "train.checkpoint_every=10",
+    ]
     run_dir, reference = kill_9_and_resume(args, tmp_path, kill_after=25)
     assert same(final_params(run_dir), final_params(reference))
     lines = metric_lines(run_dir)
@@ -212,8 +221,9 @@ def rows_after(*overrides: str, mode: str) -> tuple[torch.Tensor, torch.Tensor, 
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        trainer = Trainer(cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)),
-                          torch.device("cpu"), None)  # fmt: skip
+        trainer = Trainer(
+            cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)), torch.device("cpu"), None
+        )
     finally:
         torch.set_default_dtype(default)
     assert trainer.replicas.params.dtype == torch.float64
@@ -262,8 +272,10 @@ def test_stacked_workers_with_dropout_equal_the_loop_in_float64(case, one_thread
 def test_bf16_autocast_trains_the_gpt(tmp_path):
     """`train.autocast=bf16` on the CPU: the GPT's forward and backward under autocast, a
     finite training loss and finite bits per character, the loss going down."""
-    summary = train(compose_config(*LM, "train.steps=20", "train.log_every=5",
-                                   "train.autocast=bf16"), tmp_path / "run")  # fmt: skip
+    summary = train(
+        compose_config(*LM, "train.steps=20", "train.log_every=5", "train.autocast=bf16"),
+        tmp_path / "run",
+    )
     lines = metric_lines(tmp_path / "run")
     assert all(math.isfinite(m["train/loss"]) for m in lines)
     assert math.isfinite(summary["test/bpc"]) and summary["test/bpc"] > 0
@@ -343,9 +355,14 @@ def test_ddp_hook_trains_the_gpt_as_the_simulated_reducer(tmp_path, one_thread):
     start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     replicas = Replicas(model, 2, torch.device("cpu"))
     comm = SimulatedCommunicator(2, NetworkModel.preset("10gbe"))
-    reducer = CompressedReducer(hook_compressor(), comm, param_layout(model),
-                                ErrorFeedback(mode="ef14"), granularity="tensor",
-                                dtype=torch.float64)  # fmt: skip
+    reducer = CompressedReducer(
+        hook_compressor(),
+        comm,
+        param_layout(model),
+        ErrorFeedback(mode="ef14"),
+        granularity="tensor",
+        dtype=torch.float64,
+    )
     for step in range(HOOK_STEPS):
         replicas.zero_grad()
         for w, replica in enumerate(replicas.models):
@@ -369,11 +386,20 @@ def test_small_gpt_learns_shakespeare(tmp_path):
     steps of the defaults (AdamW, 100 warm-up steps, cosine) reaches test/bpc <= 4.0 (the
     characters' unigram entropy is 4.80 bits: the model uses context) and writes a sample."""
     run_dir = tmp_path / "run"
-    summary = train(compose_config(
-        "data=shakespeare", f"data.root={WORKS}", "model=gpt", "model.n_layer=2",
-        "model.n_head=2", "model.n_embd=64", "model.block_size=64", "train.steps=300",
-        "train.progress=false",
-    ), run_dir)  # fmt: skip
+    summary = train(
+        compose_config(
+            "data=shakespeare",
+            f"data.root={WORKS}",
+            "model=gpt",
+            "model.n_layer=2",
+            "model.n_head=2",
+            "model.n_embd=64",
+            "model.block_size=64",
+            "train.steps=300",
+            "train.progress=false",
+        ),
+        run_dir,
+    )
     on_disk = json.loads((run_dir / "summary.json").read_text())
     print(f"test/bpc {on_disk['test/bpc']:.3f}, val/bpc {on_disk['val/bpc']:.3f}")
     assert on_disk["status"] == "finished" and on_disk["test/bpc"] == summary["test/bpc"]

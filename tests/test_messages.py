@@ -40,7 +40,9 @@ def test_simulated_messages_arrive_in_order_with_their_sender():
     # in one process a laid-out message is plain tensors of the same dtypes and shapes
     packed = comm.packed([a, b])
     assert packed.buffer is None and [(t.dtype, t.shape) for t in packed] == [
-        (a.dtype, a.shape), (b.dtype, b.shape)]  # fmt: skip
+        (a.dtype, a.shape),
+        (b.dtype, b.shape),
+    ]
 
 
 def test_recv_from_one_sender_skips_the_others():
@@ -116,8 +118,12 @@ def test_recording_a_send_in_place_records_what_the_send_would():
 
 
 def test_pack_round_trip_keeps_every_dtype():
-    parts = [torch.tensor([1.5, -2.0], dtype=torch.float64), torch.arange(3, dtype=torch.uint8),
-             torch.randn(5), torch.tensor([7], dtype=torch.int32)]  # fmt: skip
+    parts = [
+        torch.tensor([1.5, -2.0], dtype=torch.float64),
+        torch.arange(3, dtype=torch.uint8),
+        torch.randn(5),
+        torch.tensor([7], dtype=torch.int32),
+    ]
     buf = torch.empty(packed_size(parts), dtype=torch.uint8)
     assert buf.numel() == 16 + 8 + 24 + 8  # each part at an 8-byte boundary
     pack(parts, buf)
@@ -153,8 +159,10 @@ def _gloo_peer(rank: int, world: int, port: int, out: str) -> None:
         comm.send(torch.tensor([42.0]), dst=2, record=False)
         result["heard"] = comm.ledger.heard["algorithm"]
     else:
-        message = [torch.tensor([rank, 0.5], dtype=torch.float64),
-                   torch.full((3,), 10 * rank, dtype=torch.int32)]  # fmt: skip
+        message = [
+            torch.tensor([rank, 0.5], dtype=torch.float64),
+            torch.full((3,), 10 * rank, dtype=torch.int32),
+        ]
         if rank == 2:  # sent as its buffer, with no copy
             packed = comm.packed(message)
             for place, part in zip(packed, message, strict=True):
@@ -183,8 +191,7 @@ def test_gloo_messages_from_any_peer_with_a_timeout(tmp_path):
 
 def _silent_peer(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     comm = DistributedCommunicator(NET, messages=True)
     if rank == 0:
         start = time.monotonic()

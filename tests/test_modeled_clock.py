@@ -22,8 +22,13 @@ from dpresearch.train import train
 
 # K = 4, worker 3 three times slower (c = 0.25 s a step: every time below is exact in binary)
 C, SLOW, K, H = 0.25, 3.0, 4, 5
-STRAGGLER = [f"workers={K}", f"async.compute_s={C}", "async.slow_workers=[3]",
-             f"async.slowdown={SLOW}", "network=1gbe"]  # fmt: skip
+STRAGGLER = [
+    f"workers={K}",
+    f"async.compute_s={C}",
+    "async.slow_workers=[3]",
+    f"async.slowdown={SLOW}",
+    "network=1gbe",
+]
 DILOCO = ["algorithm=local_sgd", f"algorithm.period={H}", "outer=nesterov"]
 PARAMS = 16 * 32 + 32 + 32 * 10 + 10  # the 16-32-10 MLP of SMALL
 
@@ -48,8 +53,9 @@ def test_diloco_round_ends_when_the_slowest_worker_arrives(tmp_path):
     # a round: the slow worker's H steps at its own speed, then the outer allreduce of Δ
     round_s = H * SLOW * C + allreduce_s(4 * PARAMS)
     expected = {5: round_s, 8: round_s + 3 * SLOW * C, 10: 2 * round_s}
-    assert modeled(tmp_path, *DILOCO) == {s: pytest.approx(t, rel=1e-12)
-                                          for s, t in expected.items()}  # fmt: skip
+    assert modeled(tmp_path, *DILOCO) == {
+        s: pytest.approx(t, rel=1e-12) for s, t in expected.items()
+    }
     # an analysis time axis: time to a target on the modeled clock
     tta = time_to_accuracy(load_metrics_many([tmp_path]), "step", 8)
     assert tta["tta/modeled_s"].tolist() == [pytest.approx(expected[8], rel=1e-12)]
@@ -81,22 +87,44 @@ def test_resume_continues_the_same_clock(tmp_path):
 def test_gloo_ranks_keep_the_simulated_clock(tmp_path):
     """The clock, DiLoCo's diagnostics and sync's `ef/memory_norm` (`test_diagnostics.py`) on
     real ranks."""
-    common = [*SMALL_512, "workers=2", "async.speed=lognormal", "async.straggler_prob=0.3",
-              "async.slow_workers=[1]", "async.slowdown=2", "train.steps=9",
-              "train.log_every=1"]  # fmt: skip
-    cases = {"diloco": ["algorithm=local_sgd", "algorithm.period=3", "outer=nesterov"],
-             "sync_ef": ["compressor=topk", "error_feedback=ef14"]}  # fmt: skip
+    common = [
+        *SMALL_512,
+        "workers=2",
+        "async.speed=lognormal",
+        "async.straggler_prob=0.3",
+        "async.slow_workers=[1]",
+        "async.slowdown=2",
+        "train.steps=9",
+        "train.log_every=1",
+    ]
+    cases = {
+        "diloco": ["algorithm=local_sgd", "algorithm.period=3", "outer=nesterov"],
+        "sync_ef": ["compressor=topk", "error_feedback=ef14"],
+    }
     for name, args in cases.items():
         train(compose_config(*common, *args), tmp_path / name)
-    train_on_gloo(2, [(compose_config(*common, *args, "backend=gloo"), tmp_path / f"{name}_gloo")
-                      for name, args in cases.items()])  # fmt: skip
-    logged = {"diloco": ["outer/pseudo_grad_cosine", "outer/pseudo_grad_cosine_min",
-                         "outer/drift", "outer/momentum_norm"],
-              "sync_ef": ["ef/memory_norm"]}  # fmt: skip
+    train_on_gloo(
+        2,
+        [
+            (compose_config(*common, *args, "backend=gloo"), tmp_path / f"{name}_gloo")
+            for name, args in cases.items()
+        ],
+    )
+    logged = {
+        "diloco": [
+            "outer/pseudo_grad_cosine",
+            "outer/pseudo_grad_cosine_min",
+            "outer/drift",
+            "outer/momentum_norm",
+        ],
+        "sync_ef": ["ef/memory_norm"],
+    }
     for name, own in logged.items():
         keys = ["time/modeled_s", "comm/bytes_metrics", *own]
-        simulated, gloo = ([[m.get(k) for k in keys] for m in metric_lines(d)]
-                           for d in (tmp_path / name, tmp_path / f"{name}_gloo"))  # fmt: skip
+        simulated, gloo = (
+            [[m.get(k) for k in keys] for m in metric_lines(d)]
+            for d in (tmp_path / name, tmp_path / f"{name}_gloo")
+        )
         assert simulated == gloo and len(gloo) == 9, name
         assert all(v is not None for v in gloo[-1]), name  # (DiLoCo: one pair, K = 2)
 

@@ -282,8 +282,9 @@ def test_fetchsgd_momentum_and_error_live_in_sketch_space_as_algorithm_1():
     assert comm.ledger.bytes_by_worker == [6 * 4 * 3 * sketch.columns(d)] * K
     assert sketch.payload_bytes(d) == 4 * 3 * math.ceil(5 * kept(d, 0.01))
     # the aggregator state is the compressor's, and checkpoints resume it
-    saved = {key: {n: t.clone() for n, t in part.items()} for key, part in
-             sketch.state_dict().items()}  # fmt: skip
+    saved = {
+        key: {n: t.clone() for n, t in part.items()} for key, part in sketch.state_dict().items()
+    }
     resumed = Sketch(ratio=0.01, rows=3, width=5, momentum=rho, seed=5)
     resumed.load_state_dict(saved)
     again = resumed.aggregation([chunk], range(K), torch.float32, "cpu")

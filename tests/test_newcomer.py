@@ -35,12 +35,20 @@ def test_offline_main_job_names_the_three_ways_out(tmp_path):
     (tree / ".venv" / ".dpresearch-setup").write_text(f"{digest} \n")
     data = tmp_path / "data"
     closed = "http://127.0.0.1:9"  # the discard port: the connection is refused at once
-    env = dict(os.environ, PYTHONPATH=str(REPO), DPRESEARCH_DATA=str(data), https_proxy=closed,
-               HTTPS_PROXY=closed, http_proxy=closed, HTTP_PROXY=closed)  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        DPRESEARCH_DATA=str(data),
+        https_proxy=closed,
+        HTTPS_PROXY=closed,
+        http_proxy=closed,
+        HTTP_PROXY=closed,
+    )
     env.pop("no_proxy", None)
     env.pop("NO_PROXY", None)
-    out = subprocess.run(["bash", "scripts/run.sh"], cwd=tree, env=env, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        ["bash", "scripts/run.sh"], cwd=tree, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     assert "already installed" in out.stdout  # setup.sh did not reach for the network
     err = out.stderr

@@ -65,8 +65,7 @@ def spread(rows: torch.Tensor) -> float:
 # -- A: the base algorithm, synchronous SGD, DiLoCo's Algorithm 1, SlowMo ----------------------
 def test_outer_sgd_lr_1_is_local_sgd():
     base = run(*LOCAL, "algorithm.period=8", "train.steps=40", "workers=4", dtype=F64)
-    outer = run(*LOCAL, "algorithm.period=8", "train.steps=40", "workers=4", "outer=sgd",
-                dtype=F64)  # fmt: skip
+    outer = run(*LOCAL, "algorithm.period=8", "train.steps=40", "workers=4", "outer=sgd", dtype=F64)
     assert gap(base.replicas.params, outer.replicas.params) <= TOL64
     assert gap(base.replicas.params[0], initial(base.cfg, F64)) > 1e-3  # it trained
     # the same traffic: one allreduce of the parameters per period
@@ -80,8 +79,14 @@ def test_outer_sgd_lr_1_over_sgp_is_sgp_with_periodic_exact_averaging():
     averages exactly every H steps: the same algorithm, written apart."""
     graph = ["topology=one_peer_exponential", "optimizer.momentum=0.9", "train.steps=40"]
     outer = run("algorithm=sgp", *graph, "workers=4", "outer=sgd", "outer.period=8", dtype=F64)
-    pga = run("algorithm=dpsgd", "algorithm.order=adapt_then_combine",
-              "algorithm.global_average_every=8", *graph, "workers=4", dtype=F64)  # fmt: skip
+    pga = run(
+        "algorithm=dpsgd",
+        "algorithm.order=adapt_then_combine",
+        "algorithm.global_average_every=8",
+        *graph,
+        "workers=4",
+        dtype=F64,
+    )
     assert gap(outer.replicas.params, pga.replicas.params) <= TOL64
     alone = run("algorithm=sgp", *graph, "workers=4", dtype=F64)
     assert gap(outer.replicas.params, alone.replicas.params) > 1e-4  # the averages matter
@@ -90,8 +95,16 @@ def test_outer_sgd_lr_1_over_sgp_is_sgp_with_periodic_exact_averaging():
 def test_the_exact_average_over_push_sum_is_its_consensus():
     """On a star with uniform weights the push-sum weights drift from 1: the outer step's mean
     is SGP's consensus Σx/Σw (its numerators' mean), not the mean of the de-biased models."""
-    cfg = compose_config(*QUICK, "algorithm=sgp", "topology=star", "topology.weights=uniform",
-                         "workers=4", "outer=sgd", "outer.period=4", "train.steps=12")  # fmt: skip
+    cfg = compose_config(
+        *QUICK,
+        "algorithm=sgp",
+        "topology=star",
+        "topology.weights=uniform",
+        "workers=4",
+        "outer=sgd",
+        "outer.period=4",
+        "train.steps=12",
+    )
     torch.set_num_threads(1)
     trainer = build_trainer(cfg, SimulatedCommunicator(4, network_model(cfg)), F64)
     algorithm, seen = trainer.algorithm, []
@@ -124,9 +137,17 @@ def test_outer_sgd_lr_1_over_dpsgd_is_gossip_pga():
 def test_any_base_that_drifts_restarts_every_worker_from_the_anchor():
     """CHOCO-SGD (compressed gossip) under outer Adam: after the last outer step every worker
     holds θ; the outer optimizer is any optimizer node."""
-    trainer = run("algorithm=choco", "compressor=topk", "compressor.ratio=0.25", "workers=4",
-                  "outer=nesterov", "optimizer@outer.optimizer=adam", "outer.optimizer.lr=0.01",
-                  "outer.period=5", "train.steps=20")  # fmt: skip
+    trainer = run(
+        "algorithm=choco",
+        "compressor=topk",
+        "compressor.ratio=0.25",
+        "workers=4",
+        "outer=nesterov",
+        "optimizer@outer.optimizer=adam",
+        "outer.optimizer.lr=0.01",
+        "outer.period=5",
+        "train.steps=20",
+    )
     assert isinstance(trainer.algorithm.outer[0], torch.optim.Adam)
     assert spread(trainer.replicas.params) == 0.0
     assert torch.equal(trainer.replicas.params[0], trainer.algorithm.anchor.params[0])
@@ -161,8 +182,9 @@ def _diloco_reference(cfg, steps: int, period: int, streaming=None):
     partitioner = data.make_partitioner(k, cfg.seed)
     per_epoch = partitioner.samples_per_worker // batch
     torch.manual_seed(cfg.seed)
-    global_model = instantiate(cfg.model, num_classes=data.num_classes,
-                               input_shape=data.input_shape)  # fmt: skip
+    global_model = instantiate(
+        cfg.model, num_classes=data.num_classes, input_shape=data.input_shape
+    )
     workers = [copy.deepcopy(global_model) for _ in range(k)]
     options = {k: v for k, v in cfg.optimizer.items() if not k.startswith(("_", "exclude"))}
     inner_class = getattr(torch.optim, cfg.optimizer._target_.rsplit(".", 1)[-1])
@@ -172,8 +194,9 @@ def _diloco_reference(cfg, steps: int, period: int, streaming=None):
     names = [n for n, p in global_model.named_parameters()]
     groups = [[names[t] for t in frag.tensors] for frag in blocks]
     params = dict(global_model.named_parameters())
-    outer = [torch.optim.SGD([params[n] for n in g], lr=0.7, momentum=0.9, nesterov=True)
-             for g in groups]  # fmt: skip
+    outer = [
+        torch.optim.SGD([params[n] for n in g], lr=0.7, momentum=0.9, nesterov=True) for g in groups
+    ]
     buffer_names = [n for n, b in global_model.named_buffers() if b.is_floating_point()]
     pending = {}
     for step in range(steps):
@@ -189,11 +212,13 @@ def _diloco_reference(cfg, steps: int, period: int, streaming=None):
         for p, group in enumerate(groups):
             if done >= 1 and (done - (p * period) // fragments) % period == 0:
                 with torch.no_grad():
-                    delta = {n: mean_of(workers, "named_parameters", n, params[n])
-                             for n in group}  # fmt: skip
+                    delta = {n: mean_of(workers, "named_parameters", n, params[n]) for n in group}
                     owners = {n.rsplit(".", 1)[0] for n in group}
-                    stats = {b: mean_of(workers, "named_buffers", b)
-                             for b in buffer_names if b.rsplit(".", 1)[0] in owners}  # fmt: skip
+                    stats = {
+                        b: mean_of(workers, "named_buffers", b)
+                        for b in buffer_names
+                        if b.rsplit(".", 1)[0] in owners
+                    }
                 pending[p] = (done + overlap, delta, stats)
         for p in list(pending):
             at, delta, stats = pending[p]
@@ -236,9 +261,16 @@ def ours_against_reference(args: list[str], period: int, streaming=None):
     return trainer
 
 
-DILOCO = ["algorithm=local_sgd", "algorithm.period=8", "outer=nesterov", "optimizer=adamw",
-          "optimizer.lr=0.003", "optimizer.exclude_bn_bias_from_weight_decay=false",
-          "workers=4", "train.steps=40"]  # fmt: skip
+DILOCO = [
+    "algorithm=local_sgd",
+    "algorithm.period=8",
+    "outer=nesterov",
+    "optimizer=adamw",
+    "optimizer.lr=0.003",
+    "optimizer.exclude_bn_bias_from_weight_decay=false",
+    "workers=4",
+    "train.steps=40",
+]
 
 
 def test_diloco_equals_algorithm_1_of_the_paper_mlp():
@@ -252,12 +284,20 @@ def test_diloco_equals_algorithm_1_of_the_paper_mlp():
 def test_diloco_equals_algorithm_1_of_the_paper_resnet20_batchnorm():
     diloco = [a for a in DILOCO if not a.startswith("optimizer")]  # the recipe's Nesterov SGD
     args = [
-        *diloco, "experiment=resnet20_cifar10_subset", f"data.root={SUBSET}", "data.subset=128",
-        "data.augment=false", "model.width=8", "train.batch_size=4", "train.eval_batch_size=1024",
-        "train.eval_every=40", "train.log_every=40", "schedule=constant",
+        *diloco,
+        "experiment=resnet20_cifar10_subset",
+        f"data.root={SUBSET}",
+        "data.subset=128",
+        "data.augment=false",
+        "model.width=8",
+        "train.batch_size=4",
+        "train.eval_batch_size=1024",
+        "train.eval_every=40",
+        "train.log_every=40",
+        "schedule=constant",
         "schedule.warmup_epochs=0",
         "optimizer.exclude_bn_bias_from_weight_decay=false",
-    ]  # fmt: skip
+    ]
     trainer = ours_against_reference(args, 8)
     assert trainer.replicas.buffers.shape[1] > 0
 
@@ -268,10 +308,18 @@ def test_slowmo_is_the_papers_update_with_the_base_lr():
     average x̄ at every outer step, it gives our anchors. Ours runs in float64 too (the replay
     divides by γ_t: in float32 ours' rounding, amplified by 1/γ_t, was CPU-dependent)."""
     cfg = compose_config(
-        *QUICK, "algorithm=local_sgd", "algorithm.period=4", "outer=slowmo", "workers=4",
-        "outer.optimizer.lr=0.8", "outer.optimizer.momentum=0.6", "optimizer.lr=0.2",
-        "schedule=step", "schedule.milestones=[1]", "train.steps=24",
-    )  # fmt: skip
+        *QUICK,
+        "algorithm=local_sgd",
+        "algorithm.period=4",
+        "outer=slowmo",
+        "workers=4",
+        "outer.optimizer.lr=0.8",
+        "outer.optimizer.momentum=0.6",
+        "optimizer.lr=0.2",
+        "schedule=step",
+        "schedule.milestones=[1]",
+        "train.steps=24",
+    )
     torch.set_num_threads(1)
     trainer = build_trainer(cfg, SimulatedCommunicator(4, network_model(cfg)), F64)
     algorithm, rounds = trainer.algorithm, []
@@ -303,24 +351,31 @@ def initial(cfg, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         torch.manual_seed(cfg.seed)
         data = instantiate(cfg.data, device="cpu")
         torch.manual_seed(cfg.seed)
-        model = instantiate(cfg.model, num_classes=data.num_classes,
-                            input_shape=data.input_shape)  # fmt: skip
+        model = instantiate(cfg.model, num_classes=data.num_classes, input_shape=data.input_shape)
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
 
 
 # -- B: Streaming DiLoCo ------------------------------------------------------------------------
 def test_streaming_with_one_fragment_and_no_overlap_is_diloco():
     diloco = run(*DILOCO)
-    streaming = run(*DILOCO, "outer=streaming", "outer.fragments=1", "outer.overlap=0",
-                    "outer.mix=0")  # fmt: skip
+    streaming = run(
+        *DILOCO, "outer=streaming", "outer.fragments=1", "outer.overlap=0", "outer.mix=0"
+    )
     assert torch.equal(diloco.replicas.params, streaming.replicas.params)
 
 
 @pytest.mark.parametrize("pattern", ["sequential", "strided"])
 def test_streaming_equals_the_papers_algorithm_written_apart(pattern):
-    args = [*DILOCO, "model.hidden=[32,32,32]", "outer=streaming", "outer.fragments=2",
-            "outer.overlap=2", "outer.mix=0.5", "train.steps=38",
-            f"outer.fragment_pattern={pattern}"]  # fmt: skip
+    args = [
+        *DILOCO,
+        "model.hidden=[32,32,32]",
+        "outer=streaming",
+        "outer.fragments=2",
+        "outer.overlap=2",
+        "outer.mix=0.5",
+        "train.steps=38",
+        f"outer.fragment_pattern={pattern}",
+    ]
     trainer = ours_against_reference(args, 8, streaming=(2, 2, 0.5, pattern))
     assert spread(trainer.replicas.params) > 1e-4  # α = 0.5 keeps the workers apart
     strided = not isinstance(trainer.algorithm.fragments[0].params, slice)
@@ -330,8 +385,15 @@ def test_streaming_equals_the_papers_algorithm_written_apart(pattern):
 def test_streaming_bytes_per_step_are_the_fragments():
     """Over local SGD (no traffic of its own) the algorithm bytes of a step are 4·n_f for the
     fragment sent at that step, 0 at the others; the peak is the largest fragment's."""
-    cfg = compose_config(*QUICK, *DILOCO, "model.hidden=[32,32,32]", "outer=streaming",
-                         "outer.fragments=4", "outer.overlap=1", "train.steps=32")  # fmt: skip
+    cfg = compose_config(
+        *QUICK,
+        *DILOCO,
+        "model.hidden=[32,32,32]",
+        "outer=streaming",
+        "outer.fragments=4",
+        "outer.overlap=1",
+        "train.steps=32",
+    )
     torch.set_num_threads(1)
     comm = SimulatedCommunicator(4, network_model(cfg))
     trainer = Trainer(cfg, comm, torch.device("cpu"), None)
@@ -362,8 +424,15 @@ def test_schedule_staggers_fragments_and_merges_after_the_overlap():
     s = Schedule(period=8, fragments=4, overlap=3)
     assert [s.offset(f) for f in range(4)] == [0, 2, 4, 6]
     assert [(n, s.launches(n)) for n in range(1, 17) if s.launches(n)] == [
-        (2, [1]), (4, [2]), (6, [3]), (8, [0]), (10, [1]), (12, [2]), (14, [3]), (16, [0]),
-    ]  # fmt: skip
+        (2, [1]),
+        (4, [2]),
+        (6, [3]),
+        (8, [0]),
+        (10, [1]),
+        (12, [2]),
+        (14, [3]),
+        (16, [0]),
+    ]
     assert s.merges(5) == [1] and s.merges(11) == [0] and s.merges(4) == []
 
 
@@ -378,8 +447,14 @@ def test_overlapped_fragments_are_priced_behind_the_compute_they_hide():
     assert net.op_seconds(replace(op, hidden_steps=3)) == pytest.approx(full - 0.006)
     assert net.op_seconds(replace(op, hidden_steps=10)) == 0.0
     # 34 steps: 16 fragments sent and merged, 4 whole rounds
-    args = [*DILOCO, "model.hidden=[32,32,32]", "outer=streaming", "outer.overlap=2",
-            "network=1gbe", "train.steps=34"]  # fmt: skip
+    args = [
+        *DILOCO,
+        "model.hidden=[32,32,32]",
+        "outer=streaming",
+        "outer.overlap=2",
+        "network=1gbe",
+        "train.steps=34",
+    ]
     seconds = {}
     for c in (0.0, 1e-5):
         trainer = run(*args, f"network.compute_step_s={c}")
@@ -396,8 +471,11 @@ def test_overlapped_fragments_are_priced_behind_the_compute_they_hide():
 
 
 # -- E: compressed pseudo-gradients, error feedback across outer steps -------------------------
-TOPK = ["compressor@outer.compressor=topk", "outer.compressor.ratio=0.1",
-        "error_feedback@outer.error_feedback=ef14"]  # fmt: skip
+TOPK = [
+    "compressor@outer.compressor=topk",
+    "outer.compressor.ratio=0.1",
+    "error_feedback@outer.error_feedback=ef14",
+]
 EF14 = ["error_feedback@outer.error_feedback=ef14"]
 
 
@@ -406,8 +484,14 @@ def test_compressed_identity_is_the_uncompressed_outer_step_bit_for_bit(pattern)
     """Identity with EF14 runs the reducer's codec path (not its plain allreduce): Streaming
     DiLoCo over two fragments, strided ones too, ends bit for bit as the uncompressed one, with
     the same bytes and ops."""
-    args = [*DILOCO, "model.hidden=[32,32,32]", "outer=streaming", "outer.fragments=2",
-            f"outer.fragment_pattern={pattern}", "train.steps=30"]  # fmt: skip
+    args = [
+        *DILOCO,
+        "model.hidden=[32,32,32]",
+        "outer=streaming",
+        "outer.fragments=2",
+        f"outer.fragment_pattern={pattern}",
+        "train.steps=30",
+    ]
     plain, coded = run(*args), run(*args, *EF14)
     assert plain.algorithm.reducers is None
     assert [r.passthrough for r in coded.algorithm.reducers] == [False, False]
@@ -433,8 +517,14 @@ def test_topk_ef14_pseudo_gradients_memory_plus_sent_is_the_compensated_delta(mo
         calls.append((step, before, delta, rows[0].clone(), self.memory.memory.clone()))
 
     monkeypatch.setattr(CompressedReducer, "reduce", recorded)
-    trainer = run("algorithm=local_sgd", "algorithm.period=4", "outer=nesterov", "workers=4",
-                  "train.steps=24", *TOPK)  # fmt: skip
+    trainer = run(
+        "algorithm=local_sgd",
+        "algorithm.period=4",
+        "outer=nesterov",
+        "workers=4",
+        "train.steps=24",
+        *TOPK,
+    )
     shapes = [tuple(p.shape) for p in trainer.replicas.models[0].parameters()]
     assert [c[0] for c in calls] == list(range(6))  # the reducer's step: the outer round
     previous = torch.zeros_like(calls[0][1])
@@ -477,9 +567,15 @@ def test_every_compressor_of_the_library_runs_on_the_pseudo_gradients_with_its_b
         node = compose_config(*QUICK, f"compressor={name}").compressor
         kind = type(build_compressor(node, 0))
         memory = "ef14" if "ef14" in kind.memories else "none"
-        trainer = run("algorithm=local_sgd", "algorithm.period=4", "outer=nesterov",
-                      "workers=4", "train.steps=12", f"compressor@outer.compressor={name}",
-                      f"error_feedback@outer.error_feedback={memory}")  # fmt: skip
+        trainer = run(
+            "algorithm=local_sgd",
+            "algorithm.period=4",
+            "outer=nesterov",
+            "workers=4",
+            "train.steps=12",
+            f"compressor@outer.compressor={name}",
+            f"error_feedback@outer.error_feedback={memory}",
+        )
         (reducer,) = trainer.algorithm.reducers
         per_round = trainer.summary["outer/bytes_per_round"]
         assert trainer.summary["outer/rounds"] == 3, name
@@ -517,8 +613,11 @@ def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
         cfg = compose_config(*QUICK, *args)
         trainer = build_trainer(cfg, DistributedCommunicator(network_model(cfg)), F64)
         summary = trainer.run()
-        results[name] = (trainer.replicas.params[0].clone(), trainer.replicas.buffers[0].clone(),
-                         summary)  # fmt: skip
+        results[name] = (
+            trainer.replicas.params[0].clone(),
+            trainer.replicas.buffers[0].clone(),
+            summary,
+        )
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -561,9 +660,15 @@ def test_bad_outer_input_on_the_command_line_with_gloo(tmp_path):
 
 
 # -- D: killed and resumed, bit for bit ----------------------------------------------------------
-RESUME_STREAMING = ["algorithm=local_sgd", "algorithm.period=8", "outer=streaming",
-                    "outer.overlap=3", "model.hidden=[32,32,32]", "optimizer.momentum=0.9",
-                    "outer.inner_state=average"]  # fmt: skip
+RESUME_STREAMING = [
+    "algorithm=local_sgd",
+    "algorithm.period=8",
+    "outer=streaming",
+    "outer.overlap=3",
+    "model.hidden=[32,32,32]",
+    "optimizer.momentum=0.9",
+    "outer.inner_state=average",
+]
 RESUME_CASES = {
     "diloco": ["algorithm=local_sgd", "algorithm.period=4", "outer=nesterov",
                "optimizer.momentum=0.9"],
@@ -596,8 +701,10 @@ def test_killed_and_resumed_equals_uninterrupted(case, tmp_path, one_thread):
 
 # slow (a command-line run killed and resumed each): the default suite's outer resume is
 # test_killed_and_resumed_equals_uninterrupted above, its CLI kill -9 test_checkpoint's
-KILLED = [pytest.param(c, marks=pytest.mark.slow) for c in
-          ("streaming", "diloco", "slowmo_sgp", "diloco_topk_ef14")]  # fmt: skip
+KILLED = [
+    pytest.param(c, marks=pytest.mark.slow)
+    for c in ("streaming", "diloco", "slowmo_sgp", "diloco_topk_ef14")
+]
 
 
 @pytest.mark.parametrize("case", KILLED)
@@ -607,8 +714,14 @@ def test_kill_9_resumes_exactly(case, tmp_path):
     every checkpoint): the resumed run ends bit for bit as an uninterrupted one."""
     from helpers import CHECKPOINTED, final_params, kill_9_and_resume, metric_lines, same
 
-    args = [*CHECKPOINTED, "workers=4", *RESUME_CASES[case], "train.steps=300",
-            "train.eval_every=150", "train.checkpoint_every=10"]  # fmt: skip
+    args = [
+        *CHECKPOINTED,
+        "workers=4",
+        *RESUME_CASES[case],
+        "train.steps=300",
+        "train.eval_every=150",
+        "train.checkpoint_every=10",
+    ]
 
     def check_state(run_dir: Path) -> None:
         ckpt = torch.load(latest_checkpoint(run_dir), weights_only=False)
@@ -641,6 +754,11 @@ def test_killed_and_resumed_gloo_with_background_fragments_in_flight(tmp_path):
     from helpers import CHECKPOINTED, check_resumed
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    args = [*CHECKPOINTED, "workers=2", *RESUME_CASES["streaming"], "backend=gloo",
-            "backend.threads=1"]  # fmt: skip
+    args = [
+        *CHECKPOINTED,
+        "workers=2",
+        *RESUME_CASES["streaming"],
+        "backend=gloo",
+        "backend.threads=1",
+    ]
     check_resumed(tmp_path, args, ChildFailedError)

@@ -18,8 +18,23 @@ from dpresearch.config.sweep import NAME_MAX_BYTES, safe_folder_name
 from dpresearch.study import load_study, run_study
 from dpresearch.study.spec import slug
 
-HOSTILE = ["../x", "../../../etc", "/abs/path", "..", ".", "", "a,b", "a b", "ünïcødé", "a\nb",
-           "%2F", "${x}", "back\\slash", "x" * 300, "é" * 200]  # fmt: skip
+HOSTILE = [
+    "../x",
+    "../../../etc",
+    "/abs/path",
+    "..",
+    ".",
+    "",
+    "a,b",
+    "a b",
+    "ünïcødé",
+    "a\nb",
+    "%2F",
+    "${x}",
+    "back\\slash",
+    "x" * 300,
+    "é" * 200,
+]
 
 
 def test_safe_folder_names_are_one_folder_and_distinct():
@@ -46,10 +61,18 @@ def test_a_sweep_over_hostile_values_keeps_every_run_inside(tmp_path):
     sweep = tmp_path / "sweep"
     values = "'../../escape','/abs/path','a b','ünï','x,y',..,\"it's\""
     out = run_cli(
-        ["-m", f"logger.project={values}", *SMALL, "data.num_train=256", "data.num_test=64",
-         "train.steps=2", f"hydra.sweep.dir={sweep}"],
-        cwd=tmp_path, timeout=600,
-    )  # fmt: skip
+        [
+            "-m",
+            f"logger.project={values}",
+            *SMALL,
+            "data.num_train=256",
+            "data.num_test=64",
+            "train.steps=2",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     runs = sorted(p.parent for p in tmp_path.rglob("summary.json"))
     assert len(runs) == 7 and all(run.parent == sweep for run in runs), runs
@@ -65,11 +88,16 @@ def test_a_study_with_hostile_case_names_keeps_every_run_inside(tmp_path):
     study_file = tmp_path / "study.yaml"
     study_file.write_text(
         yaml.safe_dump(
-            {"name": "../../s", "common": [*SMALL, "train.steps=2", "train.save_model=false"],
-             "lrs": [0.1], "seeds": [0], "cases": cases},
+            {
+                "name": "../../s",
+                "common": [*SMALL, "train.steps=2", "train.save_model=false"],
+                "lrs": [0.1],
+                "seeds": [0],
+                "cases": cases,
+            },
             allow_unicode=True,
         )
-    )  # fmt: skip
+    )
     study = load_study(study_file)
     out = tmp_path / "out, with a comma"
     records = run_study(study, out, launcher="inprocess", log=lambda _: None)
@@ -87,13 +115,22 @@ def test_study_output_path_with_a_comma_and_a_space_on_the_command_line(tmp_path
     study_file = tmp_path / "study.yaml"
     study_file.write_text(
         yaml.safe_dump(
-            {"name": "s", "common": [*SMALL, "train.steps=2"], "lrs": [0.1], "seeds": [0],
-             "cases": {"a": []}}
+            {
+                "name": "s",
+                "common": [*SMALL, "train.steps=2"],
+                "lrs": [0.1],
+                "seeds": [0],
+                "cases": {"a": []},
+            }
         )
-    )  # fmt: skip
+    )
     out = tmp_path / "a,b c"
-    result = run_cli(["run", str(study_file), "--out", str(out)], cwd=tmp_path,
-                     module="dpresearch.study", timeout=300)  # fmt: skip
+    result = run_cli(
+        ["run", str(study_file), "--out", str(out)],
+        cwd=tmp_path,
+        module="dpresearch.study",
+        timeout=300,
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     status = json.loads((out / "status.json").read_text())["points"]
     assert [p["status"] for p in status.values()] == ["finished"]

@@ -50,9 +50,11 @@ def test_first_line_comes_between_logged_rows_and_changes_none(tmp_path, monkeyp
     step1 = metric_lines(tmp_path / "every")[0]
     assert lines[first].startswith(f"step 1/6 | ep {step1['epoch']:.2f} | ")
     assert f"| loss {step1['train/loss']:.4f} nats |" in lines[first] and "sent" not in lines[first]
-    assert [line.split(" | ")[0] for line in lines[first:first + 3]] == [
-        "step 1/6", "step 3/6", "step 6/6"
-    ]  # fmt: skip
+    assert [line.split(" | ")[0] for line in lines[first : first + 3]] == [
+        "step 1/6",
+        "step 3/6",
+        "step 6/6",
+    ]
     shown, quiet = metric_lines(tmp_path / "shown"), metric_lines(tmp_path / "quiet")
     assert [untimed(r) for r in shown] == [untimed(r) for r in quiet]
 

@@ -306,8 +306,9 @@ def train_source(run_dir: str, cwd: Path) -> None:
     """Run the README command that writes `run_dir` (with TINY's steps), as a reader would
     before the command that starts from it (`train.init_from`)."""
     (writer,) = [c for c in of_kind("train") if f"hydra.run.dir={run_dir}" in c.args]
-    out = subprocess.run(_as_run(writer), cwd=cwd, capture_output=True, text=True,
-                         timeout=load_scaled(600))  # fmt: skip
+    out = subprocess.run(
+        _as_run(writer), cwd=cwd, capture_output=True, text=True, timeout=load_scaled(600)
+    )
     assert out.returncode == 0, f"{writer}\n{out.stderr[-3000:]}"
 
 
@@ -399,7 +400,7 @@ def write_readme_study(folder: Path, tiny: bool) -> Path:
     if tiny:
         raw["common"] = [*raw["common"], *TINY["train"]]
     (folder / "my_study.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    from dpresearch.study.report import PUBLISHED_REQUIRED
+    from dpresearch.study.tables import PUBLISHED_REQUIRED
 
     header = ",".join(["case", *PUBLISHED_REQUIRED])  # value, unit, source
     rows = [f"{case},90.0,top-1 test accuracy (%),a paper" for case in raw["cases"]]
@@ -451,12 +452,17 @@ def fixture_runs(root: Path) -> None:
     sweep's (compressor and error feedback in their configs)."""
     for case in ("identity", "top-k 1% + EF"):
         for seed in range(2):
-            write_run(root / "runs" / "my_study" / case / f"s{seed}", lr=0.1, seed=seed,
-                      case=case, accs=ramp(0.7), final_loss=1.0)  # fmt: skip
+            write_run(
+                root / "runs" / "my_study" / case / f"s{seed}",
+                lr=0.1,
+                seed=seed,
+                case=case,
+                accs=ramp(0.7),
+                final_loss=1.0,
+            )
     for i, compressor in enumerate(["identity", "topk"]):
         for folder in ("multirun", "outputs", "multirun/first"):
-            run = write_run(root / folder / f"{i}", lr=0.1, seed=0, accs=ramp(0.6),
-                            final_loss=1.0)  # fmt: skip
+            run = write_run(root / folder / f"{i}", lr=0.1, seed=0, accs=ramp(0.6), final_loss=1.0)
             config = yaml.safe_load((run / "config.yaml").read_text())
             config["compressor"] = {"_target_": f"dpresearch.compress.{compressor}"}
             config["error_feedback"] = {"mode": "none"}
@@ -493,8 +499,14 @@ def test_readme_first_comparison_gives_two_cases_with_bands_in_every_plot(tmp_pa
         if c.kind == "train" and "hydra.sweep.dir=multirun/first" in c.args and d.kind == "analysis"
     )
     env = cli_env(WANDB_MODE="disabled", OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0")
-    out = subprocess.run([sys.executable, "-m", sweep.module, *sweep.args], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=load_scaled(300))  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", sweep.module, *sweep.args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=load_scaled(300),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     drawn, real = [], plots.plot_groups
     monkeypatch.setattr(
@@ -533,8 +545,7 @@ def test_readme_python_block_runs_in_a_one_process_gloo_group(one_process_group)
 
     block = ddp_hook_block()
     torch.manual_seed(0)
-    namespace = {"model": torch.nn.Linear(8, 2),
-                 "DistributedDataParallel": DistributedDataParallel}  # fmt: skip
+    namespace = {"model": torch.nn.Linear(8, 2), "DistributedDataParallel": DistributedDataParallel}
     exec(compile(block.text, f"README.md:{block.line}", "exec"), namespace)
     ddp, state = namespace["ddp"], namespace["state"]
     ddp(torch.randn(4, 8)).sum().backward()
@@ -571,18 +582,26 @@ def test_readme_commands_run_in_order(tmp_path):
     import os
 
     write_readme_files(tmp_path, tiny=True)
-    env = cli_env(WANDB_MODE="disabled", OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="0",
-                  DPRESEARCH_DATA=os.environ["DPRESEARCH_DATA"],
-                  DPRESEARCH_SUBSET=os.environ["DPRESEARCH_SUBSET"],
-                  DPRESEARCH_SHAKESPEARE=os.environ["DPRESEARCH_SHAKESPEARE"])  # fmt: skip
+    env = cli_env(
+        WANDB_MODE="disabled",
+        OMP_NUM_THREADS="1",
+        HYDRA_FULL_ERROR="0",
+        DPRESEARCH_DATA=os.environ["DPRESEARCH_DATA"],
+        DPRESEARCH_SUBSET=os.environ["DPRESEARCH_SUBSET"],
+        DPRESEARCH_SHAKESPEARE=os.environ["DPRESEARCH_SHAKESPEARE"],
+    )
     ran = []
     for command in commands():
         if command.text in SKIPPED:
             continue
         out = subprocess.run(
-            _as_run(command), cwd=tmp_path, env=env, capture_output=True, text=True,
+            _as_run(command),
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
             timeout=load_scaled(600),
-        )  # fmt: skip
+        )
         if command.expected is None:
             assert out.returncode == 0, f"{command}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
         else:

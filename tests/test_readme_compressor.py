@@ -54,9 +54,11 @@ def test_example_trains_from_the_config(example, small_config):
     from dpresearch.run.trainer import Trainer
 
     cfg = small_config(
-        "workers=2", "train.steps=3", "compressor._target_=readme_compressor.Int8",
+        "workers=2",
+        "train.steps=3",
+        "compressor._target_=readme_compressor.Int8",
         "error_feedback=ef14",
-    )  # fmt: skip
+    )
     trainer = Trainer(cfg, SimulatedCommunicator(2, NET), torch.device("cpu"), None)
     trainer.run()
     numels = [p.numel() for p in trainer.replicas.models[0].parameters()]

@@ -19,9 +19,18 @@ from helpers import run_cli, run_main
 import dpresearch.train as entry
 from dpresearch.run.resume import trajectory_differences
 
-RUN = ["data.num_train=256", "data.num_test=64", "data.num_features=16", "model.hidden=[32]",
-       "train.progress=false", "train.batch_size=16", "train.log_every=1", "train.steps=10",
-       "train.checkpoint_every=4", "train.checkpoint_keep=5"]  # fmt: skip
+RUN = [
+    "data.num_train=256",
+    "data.num_test=64",
+    "data.num_features=16",
+    "model.hidden=[32]",
+    "train.progress=false",
+    "train.batch_size=16",
+    "train.log_every=1",
+    "train.steps=10",
+    "train.checkpoint_every=4",
+    "train.checkpoint_keep=5",
+]
 
 
 @pytest.fixture(scope="module")
@@ -103,16 +112,23 @@ def test_a_deliberate_change_is_let_through_by_name(finished, tmp_path, monkeypa
     args = [*RUN, "train.steps=14", "train.resume=auto", f"hydra.run.dir={run_dir}"]
     out = run_cli([*args, "train.resume_allow_changes=[train.steps]"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    steps = [int(line.split('"step": ')[1].split(",")[0])
-             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]  # fmt: skip
+    steps = [
+        int(line.split('"step": ')[1].split(",")[0])
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     assert steps == list(range(1, 15))
 
 
 def test_a_checkpoint_past_the_runs_end_is_refused(finished, tmp_path, monkeypatch, capsys):
     run_dir = copy_run(finished, tmp_path, unfinished=True)
     before = snapshot(run_dir)
-    args = [*RUN, "train.steps=6", "train.resume=auto", "train.resume_allow_changes=[train]",
-            f"hydra.run.dir={run_dir}"]  # fmt: skip
+    args = [
+        *RUN,
+        "train.steps=6",
+        "train.resume=auto",
+        "train.resume_allow_changes=[train]",
+        f"hydra.run.dir={run_dir}",
+    ]
     code, _, err = run_main(args, tmp_path, monkeypatch, capsys)
     line = one_error_line(err)
     assert code == 2 and "step_8.pt is at step 8, past this run's train.steps=6" in line
@@ -121,8 +137,12 @@ def test_a_checkpoint_past_the_runs_end_is_refused(finished, tmp_path, monkeypat
 
 def test_an_unknown_allowed_change_is_refused(finished, tmp_path, monkeypatch, capsys):
     run_dir = copy_run(finished, tmp_path, unfinished=True)
-    args = [*RUN, "train.resume=auto", "train.resume_allow_changes=[optimizer.lrr]",
-            f"hydra.run.dir={run_dir}"]  # fmt: skip
+    args = [
+        *RUN,
+        "train.resume=auto",
+        "train.resume_allow_changes=[optimizer.lrr]",
+        f"hydra.run.dir={run_dir}",
+    ]
     code, _, err = run_main(args, tmp_path, monkeypatch, capsys)
     assert code == 2 and "optimizer.lrr is not a config key" in one_error_line(err)
 
@@ -139,8 +159,10 @@ def test_resume_auto_of_a_finished_run_writes_nothing(finished, tmp_path, monkey
     assert code == 0 and "finished; nothing to resume" in out and not err
     code, out, err = run_main(
         [*RUN, "optimizer.lr=0.5", "train.resume=auto", f"hydra.run.dir={run_dir}"],
-        tmp_path, monkeypatch, capsys,
-    )  # fmt: skip
+        tmp_path,
+        monkeypatch,
+        capsys,
+    )
     line = one_error_line(err)
     assert code == 2 and "holds a finished run made with other settings" in line
     assert "optimizer.lr (0.1 → 0.5)" in line
@@ -155,9 +177,13 @@ def test_trajectory_differences_names_nodes_once_and_skips_bookkeeping():
     saved = OmegaConf.to_container(base, resolve=True)
     assert trajectory_differences(saved, base) == []
     quiet = compose_config(
-        *RUN, "train.log_every=7", "train.checkpoint_every=2", "logger.project=x",
-        "backend.timeout_s=5", "debug.fail_worker=1",
-    )  # fmt: skip
+        *RUN,
+        "train.log_every=7",
+        "train.checkpoint_every=2",
+        "logger.project=x",
+        "backend.timeout_s=5",
+        "debug.fail_worker=1",
+    )
     assert trajectory_differences(saved, quiet) == []
     topk = compose_config(*RUN, "compressor=topk")
     # algorithm.compressor mirrors compressor (${compressor}): named once, by the node itself

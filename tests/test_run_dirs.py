@@ -107,14 +107,20 @@ def test_claim_is_exclusive_between_processes(tmp_path):
     with claim_run_dir(run_dir):
         held = subprocess.run(
             [sys.executable, "-c", probe, str(run_dir)],
-            capture_output=True, text=True, env=cli_env(), timeout=load_scaled(60),
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            env=cli_env(),
+            timeout=load_scaled(60),
+        )
     assert held.returncode == 3
     assert "is being written by another run (pid" in held.stdout
     free = subprocess.run(
         [sys.executable, "-c", probe, str(run_dir)],
-        capture_output=True, text=True, env=cli_env(), timeout=load_scaled(60),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=load_scaled(60),
+    )
     assert free.returncode == 0, free.stdout
 
 

@@ -23,8 +23,13 @@ def test_every_study_ships_its_run_data():
     """The five studies (compression, PowerSGD Table 6, local SGD, gossip, asynchronous least
     squares) each ship run data and a report made from it."""
     folders = {p.parent.name for p in STUDIES}
-    assert folders >= {"compression_subset", "powersgd_table6", "local_sgd", "gossip_subset",
-                       "async"}  # fmt: skip
+    assert folders >= {
+        "compression_subset",
+        "powersgd_table6",
+        "local_sgd",
+        "gossip_subset",
+        "async",
+    }
     for path in STUDIES:
         assert load_study(path).data_path.stat().st_size < 2_000_000  # compact
 
@@ -38,10 +43,12 @@ SLOW_REPORTS = {"async", "gossip_subset"}
 
 @pytest.mark.parametrize(
     "path",
-    [pytest.param(p, marks=pytest.mark.slow) if p.parent.name in SLOW_REPORTS else p
-     for p in STUDIES],
+    [
+        pytest.param(p, marks=pytest.mark.slow) if p.parent.name in SLOW_REPORTS else p
+        for p in STUDIES
+    ],
     ids=lambda p: f"{p.parent.name}/{p.stem}",
-)  # fmt: skip
+)
 def test_report_regenerates_byte_for_byte_with_readable_figures(path, tmp_path):
     study = load_study(path)
     command = f"python -m dpresearch.study report {relative(study.path)}"
@@ -83,8 +90,12 @@ def test_published_numbers_name_their_source_and_unit():
             assert "http" in row["source"] or "Table" in row["source"], row["source"]
             assert row["case"] in cases or row["case"] == "", row["case"]
             assert "RECIPES" not in row["source"]  # never a second-hand summary
-    grace = {r["setting"]: r["value"] for r in csv.DictReader(
-        (REPO / "experiments/compression_subset/published_grace.csv").open())}  # fmt: skip
+    grace = {
+        r["setting"]: r["value"]
+        for r in csv.DictReader(
+            (REPO / "experiments/compression_subset/published_grace.csv").open()
+        )
+    }
     assert "90.05" not in grace.values() and "90.77" not in grace.values()
     assert grace["GRACE: topk ratio 0.01, no memory"] == "84.77"
     assert grace["GRACE: no compression (baseline, plain SGD optimizer)"] == "89.13"
@@ -133,8 +144,9 @@ def test_published_rows_are_like_for_like_or_name_what_differs():
         names = {c.name for c in study.cases}
         rows = [r for r in rows if r["case"] in names or not r["case"]]
         same = [(r["case"], r["value"]) for r in rows if r["case"] and not r["differs"]]
-        other = [(r["case"], r["differs"], r["value"]) for r in rows
-                 if r["differs"] or not r["case"]]  # fmt: skip
+        other = [
+            (r["case"], r["differs"], r["value"]) for r in rows if r["differs"] or not r["case"]
+        ]
         blocks = _published_blocks((study.results_dir / "results.md").read_text())
         header = f"{path.parent.name}/{path.stem}"
         shown_same = blocks.get(SAME_HEADING, [])
@@ -161,10 +173,14 @@ def test_published_split_keeps_other_settings_out_of_the_join():
 
     from dpresearch.analysis.published import Published, join_published, split_by_setting
 
-    frame = pd.DataFrame({
-        "case": ["A", "A", "", "B"], "differs": ["", "levels 64 (ours 1)", "no case", ""],
-        "value": [1.0, 2.0, 3.0, 4.0], "source": ["p", "q", "r", "s"],
-    })  # fmt: skip
+    frame = pd.DataFrame(
+        {
+            "case": ["A", "A", "", "B"],
+            "differs": ["", "levels 64 (ours 1)", "no case", ""],
+            "value": [1.0, 2.0, 3.0, 4.0],
+            "source": ["p", "q", "r", "s"],
+        }
+    )
     same, other = split_by_setting(frame)
     assert list(same["value"]) == [1.0, 4.0] and list(other["value"]) == [2.0, 3.0]
     published = Published(Path("x.csv"), frame, "case", ["value"], "source", ["p", "q", "r", "s"])
@@ -178,11 +194,19 @@ def test_plots_keep_distinct_colours_up_to_twenty_series(tmp_path):
 
     from dpresearch.analysis.plots import plot_groups
 
-    rows = [{"run": f"r{i}", "step": s, "epoch": float(s), "test/acc": 0.1 * s + 0.01 * i}
-            for i in range(20) for s in (3, 1, 2)]  # fmt: skip
+    rows = [
+        {"run": f"r{i}", "step": s, "epoch": float(s), "test/acc": 0.1 * s + 0.01 * i}
+        for i in range(20)
+        for s in (3, 1, 2)
+    ]
     metrics = pd.DataFrame(rows)
-    fig = plot_groups(metrics, {f"case {i}": [f"r{i}"] for i in range(20)}, "epoch", "test/acc",
-                      [tmp_path / "x.png"])  # fmt: skip
+    fig = plot_groups(
+        metrics,
+        {f"case {i}": [f"r{i}"] for i in range(20)},
+        "epoch",
+        "test/acc",
+        [tmp_path / "x.png"],
+    )
     # 20 cases are drawn in panels (more than MAX_SERIES), the first case in each: its repeats
     # are unlabelled, so the labelled lines are the 20 cases once
     lines = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_label()[:1] != "_"]

@@ -84,8 +84,14 @@ def kept_positions(x: list[float], chunk: int, density: float) -> list[int]:
     return positions
 
 
-def message(e: torch.Tensor, sizes: list[int], chunk: int, density: float, bits: int,
-            range_sigmas: float = 6.0) -> torch.Tensor:  # fmt: skip
+def message(
+    e: torch.Tensor,
+    sizes: list[int],
+    chunk: int,
+    density: float,
+    bits: int,
+    range_sigmas: float = 6.0,
+) -> torch.Tensor:
     """Q(TopK_chunk(e)) for one worker's flat accumulator `e` over tensors of `sizes`."""
     out, offset = torch.zeros_like(e), 0
     for size in sizes:
@@ -118,8 +124,7 @@ def test_each_block_keeps_exactly_its_k_largest_magnitudes():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3, N, dtype=torch.float64, generator=gen)
     out = coded(x, QuantizedTopK(density=0.1, chunk_size=64, bits=2))
-    blocks = [(0, 64, 6), (64, 128, 6), (128, 192, 6), (192, 200, 1), (200, 264, 6),
-              (264, 271, 1)]  # fmt: skip
+    blocks = [(0, 64, 6), (64, 128, 6), (128, 192, 6), (192, 200, 1), (200, 264, 6), (264, 271, 1)]
     for row in range(3):
         for start, end, k in blocks:
             sent = set((out[row, start:end] != 0).nonzero().view(-1).tolist())
@@ -168,8 +173,7 @@ def test_wire_bytes_are_the_hand_count(shape, chunk, density, bits, dtype, expec
     codec = compressor.codec([Chunk("t0", 0, n, shape)], dtype, "cpu", workers=(0, 1))
     assert codec.wire_bytes == expected
     comm = SimulatedCommunicator(2, NET)
-    reducer = CompressedReducer(compressor, comm, [(0, shape)], ErrorFeedback("ef14"),
-                                dtype=dtype)  # fmt: skip
+    reducer = CompressedReducer(compressor, comm, [(0, shape)], ErrorFeedback("ef14"), dtype=dtype)
     reducer.reduce(torch.randn(2, n, dtype=dtype), 0)
     assert comm.ledger.bytes_by_worker == [expected, expected]
     assert reducer.payload_bytes(dtype) == expected
@@ -203,11 +207,20 @@ def test_the_update_is_sparselocos_algorithm_1_written_apart(one_thread):
     allgather's sum) and the reference (x @ W.T + b, Python's sum) are different computations
     of the same math, so the comparison is in float64, where their rounding is ~1e-16 and
     cannot move a top-k choice or a 2-bit level."""
-    node = compose_config(*SPARSELOCO, *SMALL_BLOCKS, f"outer.optimizer.lr={ALPHA}",
-                          f"outer.error_feedback.decay={BETA}").outer  # fmt: skip
+    node = compose_config(
+        *SPARSELOCO,
+        *SMALL_BLOCKS,
+        f"outer.optimizer.lr={ALPHA}",
+        f"outer.error_feedback.decay={BETA}",
+    ).outer
     gen = torch.Generator().manual_seed(5)
-    data = [(torch.randn(32, 6, generator=gen, dtype=torch.float64),
-             torch.randn(32, 3, generator=gen, dtype=torch.float64)) for _ in range(K)]  # fmt: skip
+    data = [
+        (
+            torch.randn(32, 6, generator=gen, dtype=torch.float64),
+            torch.randn(32, 3, generator=gen, dtype=torch.float64),
+        )
+        for _ in range(K)
+    ]
 
     model = tiny_model()
     theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -293,8 +306,10 @@ def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
     cfg = compose_config(*QUICK, *GLOO_ARGS)
     trainer = build_trainer(cfg, DistributedCommunicator(network_model(cfg)), torch.float64)
     summary = trainer.run()
-    torch.save((trainer.replicas.params[0].clone(), trainer.algorithm.anchor.params[0].clone(),
-                summary), f"{out}/rank{rank}.pt")  # fmt: skip
+    torch.save(
+        (trainer.replicas.params[0].clone(), trainer.algorithm.anchor.params[0].clone(), summary),
+        f"{out}/rank{rank}.pt",
+    )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -325,8 +340,9 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, one_thread):
     are non-zero), resumed, ends bit for bit as the uninterrupted run, metrics and bytes too."""
     from helpers import CHECKPOINTED, check_resumed
 
-    check_resumed(tmp_path, [*CHECKPOINTED, "workers=4", *SPARSELOCO, *SMALL_BLOCKS],
-                  InjectedFailure)  # fmt: skip
+    check_resumed(
+        tmp_path, [*CHECKPOINTED, "workers=4", *SPARSELOCO, *SMALL_BLOCKS], InjectedFailure
+    )
 
 
 @pytest.mark.slow
@@ -335,8 +351,15 @@ def test_kill_9_then_resume_auto_is_exact(tmp_path):
     accumulators), then `train.resume=auto`: bit for bit the uninterrupted run."""
     from helpers import CHECKPOINTED, final_params, kill_9_and_resume, metric_lines, same
 
-    args = [*CHECKPOINTED, "workers=4", *SPARSELOCO, *SMALL_BLOCKS, "train.steps=300",
-            "train.eval_every=150", "train.checkpoint_every=10"]  # fmt: skip
+    args = [
+        *CHECKPOINTED,
+        "workers=4",
+        *SPARSELOCO,
+        *SMALL_BLOCKS,
+        "train.steps=300",
+        "train.eval_every=150",
+        "train.checkpoint_every=10",
+    ]
 
     def check_state(run_dir: Path) -> None:
         ckpt = torch.load(latest_checkpoint(run_dir), weights_only=False)
@@ -361,9 +384,11 @@ def test_sparseloco_trains_the_gpt_on_shakespeare(tmp_path, one_thread):
             "train.eval_every=100", "algorithm=local_sgd", "algorithm.period=5",
             "outer=sparseloco"]  # fmt: skip
     train(compose_config(*args), tmp_path / "run")
-    losses = [m["train/loss"] for m in
-              map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
-              if "train/loss" in m]  # fmt: skip
+    losses = [
+        m["train/loss"]
+        for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+        if "train/loss" in m
+    ]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert losses[0] - losses[-1] > 0.8, losses
     assert summary["val/loss"] < 3.5

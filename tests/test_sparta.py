@@ -61,8 +61,13 @@ def reference_subset(numel: int, p: float, selection: str, seed: int, step: int)
     if selection == "fixed":
         k = 0 if p == 0 else min(numel, max(1, round(p * numel)))
     else:
-        k = int(torch.binomial(torch.tensor([float(numel)], dtype=torch.float64),
-                               torch.tensor([p], dtype=torch.float64), generator=gen))  # fmt: skip
+        k = int(
+            torch.binomial(
+                torch.tensor([float(numel)], dtype=torch.float64),
+                torch.tensor([p], dtype=torch.float64),
+                generator=gen,
+            )
+        )
     if k >= numel:
         return list(range(numel))
     if k == 0:
@@ -91,9 +96,14 @@ def sparta_of(num_params: int, p: float, selection: str, seed: int = 0) -> SPART
 
 @pytest.mark.parametrize(
     "numel,p,selection",
-    [(20_000, 0.005, "fixed"), (24, 0.5, "fixed"), (24, 1.0, "fixed"), (5_000, 0.01, "bernoulli"),
-     (30, 0.6, "bernoulli")],
-)  # fmt: skip
+    [
+        (20_000, 0.005, "fixed"),
+        (24, 0.5, "fixed"),
+        (24, 1.0, "fixed"),
+        (5_000, 0.01, "bernoulli"),
+        (30, 0.6, "bernoulli"),
+    ],
+)
 def test_subsets_are_the_documented_draw(numel, p, selection):
     """Every step's set is the docstring's draw (sparse and dense branches, k = D, Bernoulli
     sizes), sorted and distinct, a pure function of (seed, step): another instance, another
@@ -177,9 +187,13 @@ class ReferenceAdamW:
 
 @pytest.mark.parametrize(
     "k,inner,selection,p",
-    [(2, "sgd", "fixed", 0.2), (3, "adamw", "bernoulli", 0.3), (4, "adamw", "fixed", 0.5),
-     (4, "sgd", "bernoulli", 0.05)],
-)  # fmt: skip
+    [
+        (2, "sgd", "fixed", 0.2),
+        (3, "adamw", "bernoulli", 0.3),
+        (4, "adamw", "fixed", 0.5),
+        (4, "sgd", "bernoulli", 0.05),
+    ],
+)
 def test_update_equals_sparta_written_apart_in_float64(k, inner, selection, p, one_thread):
     """K workers each step their own optimizer on their own least-squares batch, then average
     the entries of the documented S_t: ours (flat rows, one gather/allreduce/scatter) equals a
@@ -193,8 +207,12 @@ def test_update_equals_sparta_written_apart_in_float64(k, inner, selection, p, o
         opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in replicas.models]
         refs = [ReferenceSGD(0.1, 0.9) for _ in range(k)]
     else:
-        opts = [torch.optim.AdamW(m.parameters(), lr=0.05, betas=(0.9, 0.99), eps=1e-8,
-                                  weight_decay=0.1) for m in replicas.models]  # fmt: skip
+        opts = [
+            torch.optim.AdamW(
+                m.parameters(), lr=0.05, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1
+            )
+            for m in replicas.models
+        ]
         refs = [ReferenceAdamW(0.05, (0.9, 0.99), 1e-8, 0.1) for _ in range(k)]
     sparta = SPARTA(replicas, comm, opts, p=p, selection=selection, seed=11)
     numel = replicas.num_params
@@ -205,8 +223,10 @@ def test_update_equals_sparta_written_apart_in_float64(k, inner, selection, p, o
             a, y = batch(w, step)
             (0.5 * (m(a) - y).square().sum(1).mean()).backward()
         sparta.after_backward(step)
-        xs = [ref.step(x, reference_gradient(x, *batch(w, step)))
-              for w, (x, ref) in enumerate(zip(xs, refs, strict=True))]  # fmt: skip
+        xs = [
+            ref.step(x, reference_gradient(x, *batch(w, step)))
+            for w, (x, ref) in enumerate(zip(xs, refs, strict=True))
+        ]
         chosen = reference_subset(numel, p, selection, 11, step)
         if chosen:
             mean = torch.stack([x[chosen] for x in xs]).mean(0)
@@ -265,8 +285,12 @@ def test_bytes_per_step_are_the_hand_count():
     expected_s = steps * ring_allreduce_s(net, workers, nbytes)
     assert ledger.modeled_by_purpose["algorithm"] == pytest.approx(expected_s, rel=1e-12)
 
-    bern = run("algorithm=sparta", "algorithm.p=0.05", "algorithm.selection=bernoulli",
-               f"train.steps={steps}")  # fmt: skip
+    bern = run(
+        "algorithm=sparta",
+        "algorithm.p=0.05",
+        "algorithm.selection=bernoulli",
+        f"train.steps={steps}",
+    )
     sizes = [len(reference_subset(numel, 0.05, "bernoulli", 0, s)) for s in range(steps)]
     assert len(set(sizes)) > 1
     assert bern.summary["comm/bytes"] == 4 * sum(sizes)
@@ -301,8 +325,10 @@ def test_simulated_equals_gloo(tmp_path):
         "diloco": [*SPARTA_ARGS, *DILOCO],
     }
     args = [*QUICK, "workers=2", "train.steps=24", "optimizer.momentum=0.9"]
-    jobs = [(compose_config(*args, *extra, "backend=gloo"), tmp_path / f"gloo_{name}")
-            for name, extra in cases.items()]  # fmt: skip
+    jobs = [
+        (compose_config(*args, *extra, "backend=gloo"), tmp_path / f"gloo_{name}")
+        for name, extra in cases.items()
+    ]
     real = train_on_gloo(2, jobs)
     for (name, extra), got in zip(cases.items(), real, strict=True):
         simulated = tmp_path / f"sim_{name}"
@@ -313,8 +339,10 @@ def test_simulated_equals_gloo(tmp_path):
         # the same order (issue 33, class a) — with 2 workers every sum is of two values, the
         # same in any order — so exact on any CPU that runs both; TOL is a margin only
         assert max(gap(got[key], want[key]) for key in want) <= TOL, name
-        summaries = [json.loads((d / "summary.json").read_text())
-                     for d in (tmp_path / f"gloo_{name}", simulated)]  # fmt: skip
+        summaries = [
+            json.loads((d / "summary.json").read_text())
+            for d in (tmp_path / f"gloo_{name}", simulated)
+        ]
         assert summaries[0]["comm/bytes"] == summaries[1]["comm/bytes"] > 0, name
 
 
@@ -325,7 +353,7 @@ RESUME_CASES = {
         "algorithm.selection=bernoulli",
         "outer=nesterov",
         "outer.period=4",
-    ],  # fmt: skip
+    ],
 }
 
 
@@ -344,17 +372,32 @@ def test_kill_9_then_resume_auto_is_bit_identical(tmp_path):
     run: the subsets come from (seed, step), nothing of them needs saving."""
     from helpers import CHECKPOINTED, final_params, kill_9_and_resume, metric_lines, same
 
-    args = [*CHECKPOINTED, "workers=4", *RESUME_CASES["sparta_bernoulli_diloco"],
-            "train.steps=300", "train.eval_every=150", "train.checkpoint_every=10"]  # fmt: skip
+    args = [
+        *CHECKPOINTED,
+        "workers=4",
+        *RESUME_CASES["sparta_bernoulli_diloco"],
+        "train.steps=300",
+        "train.eval_every=150",
+        "train.checkpoint_every=10",
+    ]
     run_dir, reference = kill_9_and_resume(args, tmp_path, kill_after=25)
     assert [m["step"] for m in metric_lines(run_dir)] == list(range(1, 301))
     assert same(final_params(run_dir), final_params(reference))
 
 
 # -- D. the language model ------------------------------------------------------------------------
-LM = ["data=shakespeare", f"data.root={WORKS}", "model=gpt_tiny", "model.block_size=16",
-      "data.eval_tokens=256", "data.sample_tokens=0", "train.steps=60", "train.log_every=10",
-      "train.progress=false", "backend.threads=1"]  # fmt: skip
+LM = [
+    "data=shakespeare",
+    f"data.root={WORKS}",
+    "model=gpt_tiny",
+    "model.block_size=16",
+    "data.eval_tokens=256",
+    "data.sample_tokens=0",
+    "train.steps=60",
+    "train.log_every=10",
+    "train.progress=false",
+    "backend.threads=1",
+]
 
 
 @pytest.mark.skipif(not WORKS.is_dir(), reason=f"no Shakespeare corpus at {WORKS}")
@@ -363,8 +406,9 @@ def test_gpt_learns_shakespeare(extra, tmp_path):
     """gpt_tiny on the shared corpus, 4 workers, 60 steps of AdamW (the corpus' default inner
     optimizer, EXO Gym's too): the training loss falls, with SPARTA alone and under DiLoCo."""
     summary = train(compose_config(*LM, "algorithm=sparta", *extra), tmp_path / "run")
-    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
-             .splitlines()]  # fmt: skip
+    lines = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     losses = [m["train/loss"] for m in lines if "train/loss" in m]
     print(f"train/loss {losses[0]:.3f} -> {losses[-1]:.3f}, test/bpc {summary['test/bpc']:.3f}")
     assert summary["status"] == "finished"
@@ -400,8 +444,10 @@ def test_bad_input_is_one_line_before_any_worker(args, fragment, tmp_path, monke
 @pytest.mark.distributed
 def test_bad_p_on_the_command_line_with_gloo(tmp_path: Path):
     """The real command line with backend=gloo: the check runs before any process starts."""
-    out = run_cli([*SYNTHETIC_SMALL, "backend=gloo", "workers=2", "algorithm=sparta",
-                   "algorithm.p=2"], tmp_path)  # fmt: skip
+    out = run_cli(
+        [*SYNTHETIC_SMALL, "backend=gloo", "workers=2", "algorithm=sparta", "algorithm.p=2"],
+        tmp_path,
+    )
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert out.returncode == 2 and len(lines) == 1 and "algorithm.p=2" in lines[0], lines
     assert list(tmp_path.iterdir()) == []

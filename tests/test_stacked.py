@@ -71,8 +71,12 @@ def pair(model: nn.Module, rows: int, channels_last: bool = False) -> tuple[Repl
     """Two identical sets of `rows` replicas of `model` in float64, every row different."""
     model = model.double()
     loop, stacked = (Replicas(model, rows, torch.device("cpu"), channels_last) for _ in range(2))
-    noise = torch.randn(loop.params.shape, generator=torch.Generator().manual_seed(1),
-                        dtype=torch.float64) * 1e-2  # fmt: skip
+    noise = (
+        torch.randn(
+            loop.params.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+        )
+        * 1e-2
+    )
     with torch.no_grad():
         for reps in (loop, stacked):
             reps.params.add_(noise)
@@ -179,7 +183,7 @@ class Subclassed(MLP):
         (
             GPT(17, (8,), n_layer=1, n_head=2, n_embd=16, dropout=0.1, dropout_stream="global"),
             "dropout_stream=global",
-        ),  # fmt: skip
+        ),
         (nn.Sequential(nn.Linear(4, 3), nn.Dropout(0.1)), "draws dropout masks (p=0.1)"),
         (Subclassed(10, (4,)), "Subclassed) has no stacked counterpart"),
         (nn.Sequential(nn.Linear(4, 3), nn.Tanh()), "(Tanh) has no stacked counterpart"),

@@ -41,9 +41,14 @@ ADAM = {
     "adam": {"_target_": "torch.optim.Adam", "lr": 0.01, "weight_decay": 1e-3,
              "betas": [0.8, 0.99]},
 }  # fmt: skip
-MUON = {"_target_": "dpresearch.muon.MuonAdamW", "lr": 0.02, "weight_decay": 0.01,
-        "adamw_lr": 0.001, "adamw_weight_decay": 0.1,
-        "exclude_bn_bias_from_weight_decay": True}  # fmt: skip
+MUON = {
+    "_target_": "dpresearch.muon.MuonAdamW",
+    "lr": 0.02,
+    "weight_decay": 0.01,
+    "adamw_lr": 0.001,
+    "adamw_weight_decay": 0.1,
+    "exclude_bn_bias_from_weight_decay": True,
+}
 
 
 def build(node: dict, model: str, dtype: torch.dtype) -> tuple[Replicas, list]:
@@ -136,8 +141,13 @@ def test_multi_tensor_kernels_on_whole_runs_are_each_step(target):
     """The accelerator's path on a CPU: optimizers asking for torch's multi-tensor (`foreach`)
     kernels, the rows not cut into pieces (as on a GPU) — the stacked call on whole runs is
     bit for bit each optimizer's own multi-tensor step, state included."""
-    node = {"_target_": target, "lr": 0.01, "weight_decay": 0.1, "foreach": True,
-            "exclude_bn_bias_from_weight_decay": True}  # fmt: skip
+    node = {
+        "_target_": target,
+        "lr": 0.01,
+        "weight_decay": 0.1,
+        "foreach": True,
+        "exclude_bn_bias_from_weight_decay": True,
+    }
     if target.endswith("SGD"):
         node |= {"momentum": 0.9, "nesterov": True}
     (a, opts_a), (b, opts_b) = build(node, "gpt", torch.float32), build(node, "gpt", torch.float32)
@@ -287,8 +297,11 @@ def test_muon_adamw_on_the_rows_equals_each_step(dtype):
         for opt in opts_a:
             opt.step()
         assert rows.step(opts_b), step
-        adj = max(max(1.0, p.shape[0] / p.shape[1]) ** 0.5 for p in b.models[0].parameters()
-                  if id(p) in muon)  # fmt: skip
+        adj = max(
+            max(1.0, p.shape[0] / p.shape[1]) ** 0.5
+            for p in b.models[0].parameters()
+            if id(p) in muon
+        )
         drift += MUON["lr"] * adj * BF16_BOUND
         for oa, ob in zip(opts_a, opts_b, strict=True):
             for ga, gb in zip(oa.param_groups, ob.param_groups, strict=True):
@@ -312,10 +325,20 @@ def test_muon_adamw_on_the_rows_equals_each_step(dtype):
 
 # -- per algorithm family, through the trainer ----------------------------------------------------
 
-LM = ["data=shakespeare", f"data.root={WORKS}", "model=gpt_tiny", "model.block_size=16",
-      "data.eval_tokens=256", "data.sample_tokens=0", "train.progress=false",
-      "train.batch_size=4", "train.steps=12", "train.log_every=4", "train.eval_every=12",
-      "workers=4"]  # fmt: skip
+LM = [
+    "data=shakespeare",
+    f"data.root={WORKS}",
+    "model=gpt_tiny",
+    "model.block_size=16",
+    "data.eval_tokens=256",
+    "data.sample_tokens=0",
+    "train.progress=false",
+    "train.batch_size=4",
+    "train.steps=12",
+    "train.log_every=4",
+    "train.eval_every=12",
+    "workers=4",
+]
 FAMILIES = {
     "sync_adamw": ["optimizer=adamw", "optimizer.lr=0.003"],
     "sync_adam": ["optimizer=adam", "optimizer.lr=0.003", "optimizer.weight_decay=0.01"],

@@ -108,8 +108,11 @@ def test_stepping_on_the_flat_rows_is_bit_identical_to_each_step(name, channels_
 
     def build():
         torch.manual_seed(0)
-        model = (ResNetCifar(10, (3, 8, 8), depth=8, width=4) if channels_last
-                 else MLP(5, (6,), hidden=[7], batch_norm=True))  # fmt: skip
+        model = (
+            ResNetCifar(10, (3, 8, 8), depth=8, width=4)
+            if channels_last
+            else MLP(5, (6,), hidden=[7], batch_norm=True)
+        )
         reps = Replicas(model, 4, torch.device("cpu"), channels_last=channels_last)
         return reps, [make_optimizer(OmegaConf.create(node), m) for m in reps.models]
 
@@ -130,8 +133,9 @@ def test_stepping_on_the_flat_rows_is_bit_identical_to_each_step(name, channels_
             step_together(opts_b)
         assert torch.equal(a.params, b.params), seed
         for oa, ob in zip(opts_a, opts_b, strict=True):
-            for p_a, p_b in zip(oa.param_groups[0]["params"], ob.param_groups[0]["params"],
-                                strict=True):  # fmt: skip
+            for p_a, p_b in zip(
+                oa.param_groups[0]["params"], ob.param_groups[0]["params"], strict=True
+            ):
                 sa, sb = oa.state.get(p_a, {}), ob.state.get(p_b, {})
                 assert sa.keys() == sb.keys()
                 assert all(torch.equal(sa[k], sb[k]) for k in sa if torch.is_tensor(sa[k]))
@@ -143,8 +147,10 @@ def test_stepping_on_the_flat_rows_is_bit_identical_to_each_step(name, channels_
         assert rows.momentum is not None
         packed = {s.state["momentum_buffer"].untyped_storage().data_ptr() for s in rows.spans}
         assert len(packed) == len(opts_b[1].param_groups)
-        assert all(s["momentum_buffer"].untyped_storage().data_ptr() in packed
-                   for s in opts_b[1].state.values())  # fmt: skip
+        assert all(
+            s["momentum_buffer"].untyped_storage().data_ptr() in packed
+            for s in opts_b[1].state.values()
+        )
     for oa, ob in zip(opts_a, opts_b, strict=True):  # a resumed run: state read from a file
         ob.load_state_dict(copy.deepcopy(oa.state_dict()))
     step_both(3)
@@ -176,8 +182,7 @@ def test_one_optimizer_stepping_alone_is_bit_identical_to_its_step(name, dtype):
 
     def build():
         torch.manual_seed(0)
-        reps = Replicas(MLP(5, (6,), hidden=[7], batch_norm=True).to(dtype), 4,
-                        torch.device("cpu"))  # fmt: skip
+        reps = Replicas(MLP(5, (6,), hidden=[7], batch_norm=True).to(dtype), 4, torch.device("cpu"))
         return reps, [make_optimizer(OmegaConf.create(node), m) for m in reps.models]
 
     (a, opts_a), (b, opts_b), (c, opts_c) = build(), build(), build()
@@ -197,8 +202,9 @@ def test_one_optimizer_stepping_alone_is_bit_identical_to_its_step(name, dtype):
         for reps, opts in ((b, opts_b), (c, opts_c)):
             assert torch.equal(a.params, reps.params), (event, w)
             for oa, ob in zip(opts_a, opts, strict=True):
-                for p_a, p_b in zip(oa.param_groups[0]["params"], ob.param_groups[0]["params"],
-                                    strict=True):  # fmt: skip
+                for p_a, p_b in zip(
+                    oa.param_groups[0]["params"], ob.param_groups[0]["params"], strict=True
+                ):
                     sa, sb = oa.state.get(p_a, {}), ob.state.get(p_b, {})
                     assert sa.keys() == sb.keys()
                     assert all(torch.equal(sa[k], sb[k]) for k in sa if torch.is_tensor(sa[k]))

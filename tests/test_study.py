@@ -102,8 +102,9 @@ def test_killed_study_resumes_without_rerunning_finished_points(tmp_path, monkey
 
     calls.clear()
     lines: list[str] = []
-    records = run_study(study, out, launcher=lambda *a: calls.append(a[0].id) or
-                        run_inprocess(*a), log=lines.append)  # fmt: skip
+    records = run_study(
+        study, out, launcher=lambda *a: calls.append(a[0].id) or run_inprocess(*a), log=lines.append
+    )
     assert calls == ["dense | lr 0.05 | seed 0", "top-k 10% + EF | lr 0.1 | seed 0"]
     assert (first / "summary.json").stat().st_mtime_ns == finished_at
     assert {r["status"] for r in records.values()} == {"finished"}
@@ -132,8 +133,20 @@ def test_killed_study_resumes_without_rerunning_finished_points(tmp_path, monkey
 def test_local_launcher_runs_a_point_as_a_subprocess(tmp_path, capsys):
     path = write_study(tmp_path, lrs=[0.1], cases={"dense": ["compressor=identity"]})
     out = tmp_path / "out"
-    assert study_main(["run", str(path), "--out", str(out), "--report",
-                       "--results", str(tmp_path / "results")]) == 0  # fmt: skip
+    assert (
+        study_main(
+            [
+                "run",
+                str(path),
+                "--out",
+                str(out),
+                "--report",
+                "--results",
+                str(tmp_path / "results"),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "dense | lr 0.1 | seed 0: finished" in text and "1 finished" in text
     run_dir = out / "runs" / "dense" / "lr0.1" / "seed0"
@@ -186,9 +199,11 @@ def test_two_stage_study_selects_on_the_tuning_seed_then_runs_the_others(tmp_pat
         )
     )
     assert [p.id for p in study.points()] == [
-        "dense | lr 0.3 | seed 0", "dense | lr 0.001 | seed 0",
-        "sign | lr 0.3 | seed 0", "sign | lr 0.001 | seed 0",
-    ]  # fmt: skip
+        "dense | lr 0.3 | seed 0",
+        "dense | lr 0.001 | seed 0",
+        "sign | lr 0.3 | seed 0",
+        "sign | lr 0.001 | seed 0",
+    ]
     out = tmp_path / "out"
     ran: list[str] = []
 
@@ -295,8 +310,9 @@ def test_unpacked_run_data_packs_back_to_the_same_bytes(tmp_path):
     study = load_study(REPO / "experiments/compressors_more/hierarchy.yaml")
     assert study_main(["unpack", str(study.path), "--out", str(tmp_path / "out")]) == 0
     runs = find_runs([tmp_path / "out" / "runs"])
-    packed = pack_runs(runs, tmp_path / "out", tmp_path / "again.jsonl.gz", study.curves,
-                       {"study": study.name})  # fmt: skip
+    packed = pack_runs(
+        runs, tmp_path / "out", tmp_path / "again.jsonl.gz", study.curves, {"study": study.name}
+    )
     assert packed.read_bytes() == study.data_path.read_bytes()
 
 

@@ -31,8 +31,10 @@ def test_a_grids_bounds_are_its_values_as_written():
     # 10^-1.5 = 0.0316 lies below `from: 0.032` and 10^-2.5 = 0.00316 below 0.0032: the bounds
     # still hold them, as the grid writes them (the first gossip study lost its 0.032 this way).
     assert grid_values({"from": 0.032, "to": 0.32, "per_decade": 2}, "lrs")[0] == (
-        0.032, 0.1, 0.32,
-    )  # fmt: skip
+        0.032,
+        0.1,
+        0.32,
+    )
     assert grid_values({"from": 0.0032, "to": 0.01, "per_decade": 2}, "lrs")[0] == (0.0032, 0.01)
     assert grid_values({"from": 0.033, "to": 0.31, "per_decade": 2}, "lrs")[0] == (0.1,)
 
@@ -53,12 +55,19 @@ def test_a_grid_grows_past_its_edge_until_the_pick_is_interior_then_runs_the_fin
     )
     ran: list[str] = []
     out = tmp_path / "out"
-    run_study(study, out, launcher=stub_runner(lambda c, lr, s: peak_at(1.0)(c, lr, s), ran),
-              log=lambda line: None)  # fmt: skip
+    run_study(
+        study,
+        out,
+        launcher=stub_runner(lambda c, lr, s: peak_at(1.0)(c, lr, s), ran),
+        log=lambda line: None,
+    )
 
     def lrs_run(case, seeds):
-        return [float(p.split("lr ")[1].split(" |")[0]) for p in ran
-                if p.startswith(case) and int(p.rsplit(" ", 1)[1]) in seeds]  # fmt: skip
+        return [
+            float(p.split("lr ")[1].split(" |")[0])
+            for p in ran
+            if p.startswith(case) and int(p.rsplit(" ", 1)[1]) in seeds
+        ]
 
     assert sorted(set(lrs_run("free", (0, 1)))) == [0.01, 0.032, 0.1, 0.32, 1.0, 3.2]
     assert sorted(set(lrs_run("bounded", (0, 1)))) == [0.01, 0.032, 0.1, 0.32]
@@ -85,13 +94,25 @@ def test_a_grid_grows_past_its_edge_until_the_pick_is_interior_then_runs_the_fin
 def test_a_choice_won_within_the_noise_is_marked(tmp_path):
     """Acceptance B: two lrs 0.5 points apart on a 500-example validation split (binomial SE
     ≈ 2 points) — the report marks the choice; a choice won by 20 points is not marked."""
-    values = {("close", 0.032): 0.700, ("close", 0.1): 0.705, ("close", 0.32): 0.60,
-              ("clear", 0.032): 0.50, ("clear", 0.1): 0.70, ("clear", 0.32): 0.45}  # fmt: skip
-    study = stub_study(tmp_path, {name: {"overrides": [], "lrs": [0.032, 0.1, 0.32]}
-                                  for name in ("close", "clear")})  # fmt: skip
+    values = {
+        ("close", 0.032): 0.700,
+        ("close", 0.1): 0.705,
+        ("close", 0.32): 0.60,
+        ("clear", 0.032): 0.50,
+        ("clear", 0.1): 0.70,
+        ("clear", 0.32): 0.45,
+    }
+    study = stub_study(
+        tmp_path,
+        {name: {"overrides": [], "lrs": [0.032, 0.1, 0.32]} for name in ("close", "clear")},
+    )
     out = tmp_path / "out"
-    run_study(study, out, launcher=stub_runner(lambda c, lr, s: values[(c, lr)] + 0.001 * s, []),
-              log=lambda line: None)  # fmt: skip
+    run_study(
+        study,
+        out,
+        launcher=stub_runner(lambda c, lr, s: values[(c, lr)] + 0.001 * s, []),
+        log=lambda line: None,
+    )
     text = report_study(study, out, tmp_path / "results").read_text()
     close = next(line for line in text.splitlines() if line.startswith("| close | 0.1 |"))
     clear = next(line for line in text.splitlines() if line.startswith("| clear | 0.1 |"))
@@ -109,8 +130,11 @@ def test_a_choice_won_within_the_noise_is_marked(tmp_path):
 def test_a_study_of_another_lr_names_it_in_its_tables(tmp_path):
     # A study of the outer lr: its tables head the lr column with the key the grid sets.
     diloco = ["algorithm=local_sgd", "algorithm.period=2", "outer=nesterov"]
-    study = stub_study(tmp_path, {"diloco": {"overrides": diloco, "lrs": [0.35, 0.7, 1.4]}},
-                       lr_key="outer.optimizer.lr")  # fmt: skip
+    study = stub_study(
+        tmp_path,
+        {"diloco": {"overrides": diloco, "lrs": [0.35, 0.7, 1.4]}},
+        lr_key="outer.optimizer.lr",
+    )
     out = tmp_path / "out"
     runner = stub_runner(peak_at(0.7), [], lr_key="outer.optimizer.lr")
     run_study(study, out, launcher=runner, log=lambda line: None)
@@ -124,8 +148,9 @@ def test_a_study_of_another_lr_names_it_in_its_tables(tmp_path):
 def test_a_study_selecting_on_one_seed_is_refused(tmp_path):
     study = stub_study(tmp_path, {"a": {"overrides": [], "lrs": [0.1, 0.32]}}, tune_seeds=[0])
     with pytest.raises(StudyError, match="at least 2"):
-        run_study(study, tmp_path / "out", launcher=stub_runner(peak_at(1.0), []),
-                  log=lambda line: None)  # fmt: skip
+        run_study(
+            study, tmp_path / "out", launcher=stub_runner(peak_at(1.0), []), log=lambda line: None
+        )
 
 
 def test_the_report_says_which_result_holds_at_which_horizon(tmp_path):
@@ -136,8 +161,14 @@ def test_the_report_says_which_result_holds_at_which_horizon(tmp_path):
         "slow": lambda acc, e: 0.15 + (acc - 0.15) * (e - 0.9) / 3.1,  # 17 % after 1 epoch
         "fast": lambda acc, e: min(acc, 0.55),  # flat at 55 % from the first epoch
     }
-    accs = {("slow", 0.1): 0.85, ("slow", 0.32): 0.80, ("slow", 0.032): 0.75,
-            ("fast", 0.1): 0.60, ("fast", 0.32): 0.55, ("fast", 0.032): 0.50}  # fmt: skip
+    accs = {
+        ("slow", 0.1): 0.85,
+        ("slow", 0.32): 0.80,
+        ("slow", 0.032): 0.75,
+        ("fast", 0.1): 0.60,
+        ("fast", 0.32): 0.55,
+        ("fast", 0.032): 0.50,
+    }
     study = stub_study(
         tmp_path,
         {name: {"overrides": [], "lrs": [0.032, 0.1, 0.32]} for name in ("slow", "fast")},
@@ -145,12 +176,16 @@ def test_the_report_says_which_result_holds_at_which_horizon(tmp_path):
             "statement": "slow beats fast",
             "horizons": [1, 4],
             "expect": [{"better": "slow", "than": "fast"}],
-        },  # fmt: skip
+        },
     )
     out = tmp_path / "out"
     ran: list[str] = []
-    run_study(study, out, launcher=stub_runner(lambda c, lr, s: accs[(c, lr)] + 0.001 * s, ran,
-                                               curves), log=lambda line: None)  # fmt: skip
+    run_study(
+        study,
+        out,
+        launcher=stub_runner(lambda c, lr, s: accs[(c, lr)] + 0.001 * s, ran, curves),
+        log=lambda line: None,
+    )
     assert len(ran) == 12 + 4  # no extension: both horizons pick lr 0.1 (interior)
     text = report_study(study, out, tmp_path / "results").read_text()
     claim = text.split("## Claim")[1].split("##")[0]
@@ -172,10 +207,15 @@ def test_a_horizon_window_averages_the_last_evaluations():
     from dpresearch.analysis.quality import at_horizon
 
     runs = pd.DataFrame({"run": ["a"], "status": ["finished"], "test/acc": [0.9]})
-    metrics = pd.DataFrame({"run": pd.Categorical(["a"] * 10), "step": range(1, 11),
-                            "epoch": [float(e) for e in range(1, 11)],
-                            "test/acc": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.5, 0.9],
-                            "comm/bytes": [float(e) for e in range(1, 11)]})  # fmt: skip
+    metrics = pd.DataFrame(
+        {
+            "run": pd.Categorical(["a"] * 10),
+            "step": range(1, 11),
+            "epoch": [float(e) for e in range(1, 11)],
+            "test/acc": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.5, 0.9],
+            "comm/bytes": [float(e) for e in range(1, 11)],
+        }
+    )
     last, _ = at_horizon(runs, metrics, 10.0)
     mean, _ = at_horizon(runs, metrics, 10.0, window=0.3)  # epochs 8, 9, 10
     assert last["test/acc"].iloc[0] == 0.9
@@ -204,13 +244,18 @@ def test_a_case_whose_every_lr_diverged_grows_below_its_grid(tmp_path):
 
     lines: list[str] = []
     run_study(study, tmp_path / "out", launcher=runner, log=lines.append)
-    tuned = sorted({float(p.split("lr ")[1].split(" |")[0]) for p in ran
-                    if p.endswith(("seed 0", "seed 1"))})  # fmt: skip
+    tuned = sorted(
+        {float(p.split("lr ")[1].split(" |")[0]) for p in ran if p.endswith(("seed 0", "seed 1"))}
+    )
     assert tuned == [0.0032, 0.01, 0.032, 0.1, 0.32, 1.0]
-    assert any("hot: no lr tried can be picked (every one failed); adding lr 0.032" in line
-               for line in lines)  # fmt: skip
+    assert any(
+        "hot: no lr tried can be picked (every one failed); adding lr 0.032" in line
+        for line in lines
+    )
     assert [p for p in ran if p.endswith(("seed 2", "seed 3"))] == [
-        "hot | lr 0.01 | seed 2", "hot | lr 0.01 | seed 3"]  # fmt: skip
+        "hot | lr 0.01 | seed 2",
+        "hot | lr 0.01 | seed 3",
+    ]
     assert selected_lrs(study, tmp_path / "out") == {"hot": 0.01}
 
 
@@ -223,19 +268,31 @@ def test_modeled_time_is_repriced_on_every_network_the_study_names(tmp_path):
     from dpresearch.comm.network import NetworkModel
     from dpresearch.study.report import with_repriced_totals
 
-    study = stub_study(tmp_path, {"a": [], "b": []}, lrs=[0.1], network=["1gbe", "wan_100mbit"],
-                       metrics=["comm/modeled_s@wan_100mbit"])  # fmt: skip
+    study = stub_study(
+        tmp_path,
+        {"a": [], "b": []},
+        lrs=[0.1],
+        network=["1gbe", "wan_100mbit"],
+        metrics=["comm/modeled_s@wan_100mbit"],
+    )
     assert study.networks == ("1gbe", "wan_100mbit")
     # the third run's ops hide behind one step of compute each: free on 1 GbE, not on the WAN
-    ops = [[["allreduce", 1_000_000, 8, 0, 144]], [["allgather", 4096, 8, 0, 9]],
-           [["allreduce", 65_536, 8, 0, 36, "", 1]]]  # fmt: skip
+    ops = [
+        [["allreduce", 1_000_000, 8, 0, 144]],
+        [["allgather", 4096, 8, 0, 9]],
+        [["allreduce", 65_536, 8, 0, 36, "", 1]],
+    ]
     own = NetworkModel.preset("1gbe", 0.01)
-    runs = pd.DataFrame({
-        "run": ["a0", "b0", "c0"], "comm/ops": ops,
-        "comm/modeled_s": [own.total_seconds(o) for o in ops],
-        "cfg.network.latency_us": [50.0] * 3, "cfg.network.bandwidth_gbit": [1.0] * 3,
-        "cfg.network.compute_step_s": [0.01] * 3,
-    })  # fmt: skip
+    runs = pd.DataFrame(
+        {
+            "run": ["a0", "b0", "c0"],
+            "comm/ops": ops,
+            "comm/modeled_s": [own.total_seconds(o) for o in ops],
+            "cfg.network.latency_us": [50.0] * 3,
+            "cfg.network.bandwidth_gbit": [1.0] * 3,
+            "cfg.network.compute_step_s": [0.01] * 3,
+        }
+    )
     assert runs["comm/modeled_s"][2] == 0.0
     priced = with_repriced_totals(study, runs)["comm/modeled_s@wan_100mbit"].tolist()
     wan = NetworkModel.preset("wan_100mbit", 0.01)
@@ -286,8 +343,9 @@ def test_a_bound_that_drops_its_nearest_grid_value_warns_and_the_dry_run_shows_l
         "above it and is left out: write to: 0.32 to try it"
     ]
     assert study.case("a").grid.values == (0.032, 0.1)
-    run_study(study, tmp_path / "out", launcher=stub_runner(peak_at(0.1), []), dry_run=True,
-              log=print)  # fmt: skip
+    run_study(
+        study, tmp_path / "out", launcher=stub_runner(peak_at(0.1), []), dry_run=True, log=print
+    )
     out = capsys.readouterr().out
     assert "   a: 4 missing (lrs 0.032, 0.1)" in out and "   b: 4 missing (lrs 0.01, 0.1)" in out
     stub_study(tmp_path, {"a": {"overrides": [], "lrs": {**grid, "to": 0.32}}})

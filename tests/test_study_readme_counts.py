@@ -4,7 +4,7 @@ and claims are generated, not typed).
 One case per claim: a regex finds the claim's words in the README (so rewording it breaks the
 case), its captured counts are read as numbers ("five" → 5; "every", "all", "both", "each" → "all"),
 and they must equal what the study's run data say, read through the harness's own loaders and
-the report's counting (`report.run_counts`, `grown_grids`, `pick_counts`: the counts results.md
+the report's counting (`counts.run_counts`, `grown_grids`, `pick_counts`: the counts results.md
 states in its notes). A count changed on either side fails its case; the fix is the README.
 """
 
@@ -22,17 +22,9 @@ from helpers import REPO
 
 from dpresearch.analysis.runs import FINISHED
 from dpresearch.study import load_study
-from dpresearch.study.report import (
-    PickCounts,
-    StudyReport,
-    build,
-    grown_grids,
-    load_data,
-    pick_counts,
-    run_counts,
-    untuned,
-)
-from dpresearch.study.select import lr_column
+from dpresearch.study.counts import PickCounts, grown_grids, pick_counts, run_counts
+from dpresearch.study.report import StudyReport, build, load_data
+from dpresearch.study.select import lr_column, untuned
 
 NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve"
 WORDS = {w: i for i, w in enumerate(NUMBERS.split())}
@@ -116,7 +108,7 @@ def total_steps(study: str) -> set[int]:
 
 def final_means(study: str, metric: str) -> dict[str, float]:
     """Each case's mean of `metric` over its results row's finished runs (last horizon)."""
-    from dpresearch.study.report import results_frame
+    from dpresearch.study.tables import results_frame
 
     r = report(study)
     _, raw = results_frame(r, r.last)
@@ -696,7 +688,7 @@ CLAIMS = [
             for one, two in (
                 ("DiLoCo H=16", "DiLoCo H=16 β=0.9"),
                 ("SlowMo over SGP", "SlowMo over SGP β=0.7"),
-            )  # fmt: skip
+            )
         ),
     ),
     # -- lm_shakespeare/README.md -----------------------------------------------------------
@@ -957,9 +949,12 @@ def test_results_md_counts_its_own_picks(study):
     )
     assert picks(study) == counted
     where = "" if len(r.horizons) == 1 else f" over the {len(r.horizons)} horizons"
-    stated = re.search(rf"^- picks{where}: (\d+) of (\d+) interior, (\d+) at an edge of the lrs "
-                       rf"tried \((\d+) with the bound reached\); (\d+) of \d+ won within noise",
-                       text, re.M)  # fmt: skip
+    stated = re.search(
+        rf"^- picks{where}: (\d+) of (\d+) interior, (\d+) at an edge of the lrs "
+        rf"tried \((\d+) with the bound reached\); (\d+) of \d+ won within noise",
+        text,
+        re.M,
+    )
     assert stated, f"{study}: results.md states no pick counts"
     assert tuple(map(int, stated.groups())) == (
         counted.interior,
@@ -968,6 +963,7 @@ def test_results_md_counts_its_own_picks(study):
         counted.bound,
         counted.close,
     )
-    roles_stated = re.search(r"^- runs by role: (\d+) on .*?, (\d+) on .*?, (\d+) final", text,
-                             re.M)  # fmt: skip
+    roles_stated = re.search(
+        r"^- runs by role: (\d+) on .*?, (\d+) on .*?, (\d+) final", text, re.M
+    )
     assert roles_stated and sum(map(int, roles_stated.groups())) == len(r.runs)

@@ -33,12 +33,15 @@ def test_a_two_key_dry_run_lists_every_pair(tmp_path, capsys):
     study = load_study(path)
     ids = [p.id for p in study.points() if p.seed == 0]
     assert ids == [
-        *(f"diloco | lr {lr} | {OUTER} {o} | seed 0"
-          for lr in (0.1, 0.05) for o in (0.35, 0.7, 1.4)),
-        "sync | lr 0.1 | seed 0", "sync | lr 0.05 | seed 0",
-        *(f"diloco own | lr {lr} | {OUTER} {o} | seed 0"
-          for lr in (0.1, 0.05) for o in (0.5, 1)),
-    ]  # fmt: skip
+        *(
+            f"diloco | lr {lr} | {OUTER} {o} | seed 0"
+            for lr in (0.1, 0.05)
+            for o in (0.35, 0.7, 1.4)
+        ),
+        "sync | lr 0.1 | seed 0",
+        "sync | lr 0.05 | seed 0",
+        *(f"diloco own | lr {lr} | {OUTER} {o} | seed 0" for lr in (0.1, 0.05) for o in (0.5, 1)),
+    ]
     point = study.points()[2]
     assert str(point.dir) == f"runs/diloco/lr0.1/{OUTER}0.7/seed0"
     assert point.overrides[-3:] == ("optimizer.lr=0.1", f"{OUTER}=0.7", "seed=0")
@@ -51,8 +54,10 @@ def test_a_two_key_dry_run_lists_every_pair(tmp_path, capsys):
     path.write_text(yaml.safe_dump(body, sort_keys=False))
     assert study_main(["run", str(path), "--out", str(tmp_path / "out"), "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"error: case 'diloco' sets {OUTER}; the study sets it (lrs, tune_also, seeds, " \
-        "and the run directory)"  # fmt: skip
+    assert (
+        err == f"error: case 'diloco' sets {OUTER}; the study sets it (lrs, tune_also, seeds, "
+        "and the run directory)"
+    )
     body["cases"]["diloco"] = DILOCO
     body["tune_also"]["key"] = "outer.optimizerr.lr"
     path.write_text(yaml.safe_dump(body, sort_keys=False))
@@ -78,19 +83,25 @@ def test_the_second_key_grows_past_its_edge_then_the_final_seeds_run_at_the_pair
     choice is within noise (the outer lr's, nearly flat here; not the lr's)."""
     study = stub_study(
         tmp_path,
-        {"free": {"overrides": DILOCO},
-         "bounded": {"overrides": DILOCO, "tune_also": {"range": [0.1, 0.7]}}},
-        lrs=[0.032, 0.1, 0.32], lr_key="optimizer.lr",
+        {
+            "free": {"overrides": DILOCO},
+            "bounded": {"overrides": DILOCO, "tune_also": {"range": [0.1, 0.7]}},
+        },
+        lrs=[0.032, 0.1, 0.32],
+        lr_key="optimizer.lr",
         tune_also={"key": OUTER, "values": [0.35, 0.7]},
-    )  # fmt: skip
+    )
     ran: list[str] = []
     out = tmp_path / "out"
     logged: list[str] = []
     run_study(study, out, launcher=stub_runner(objective, ran), log=logged.append)
 
     def tried(case, seeds):
-        return {(float(p.split(" | ")[1][3:]), float(p.split(" | ")[2].split()[1])) for p in ran
-                if p.startswith(case) and int(p.rsplit(" ", 1)[1]) in seeds}  # fmt: skip
+        return {
+            (float(p.split(" | ")[1][3:]), float(p.split(" | ")[2].split()[1]))
+            for p in ran
+            if p.startswith(case) and int(p.rsplit(" ", 1)[1]) in seeds
+        }
 
     lrs = (0.032, 0.1, 0.32)
     assert tried("free", (0, 1)) == {(lr, o) for lr in lrs for o in (0.35, 0.7, 1.4, 2.8)}
@@ -99,11 +110,14 @@ def test_the_second_key_grows_past_its_edge_then_the_final_seeds_run_at_the_pair
     last_tuning = max(i for i, p in enumerate(ran) if p.endswith(("seed 0", "seed 1")))
     first_final = min(i for i, p in enumerate(ran) if p.endswith(("seed 2", "seed 3")))
     assert first_final > last_tuning  # no final seed before the grids stopped growing
-    assert (f"== free: the pick is at an edge of its grid; adding lr 0.032 | {OUTER} 1.4, "
-            f"lr 0.1 | {OUTER} 1.4, lr 0.32 | {OUTER} 1.4") in logged  # fmt: skip
+    assert (
+        f"== free: the pick is at an edge of its grid; adding lr 0.032 | {OUTER} 1.4, "
+        f"lr 0.1 | {OUTER} 1.4, lr 0.32 | {OUTER} 1.4"
+    ) in logged
     assert selected_lrs(study, out) == {"free": 0.1, "bounded": 0.1}
-    point = json.loads((out / "runs/free/lr0.1/outer.optimizer.lr1.4/seed2/study_point.json")
-                       .read_text())  # fmt: skip
+    point = json.loads(
+        (out / "runs/free/lr0.1/outer.optimizer.lr1.4/seed2/study_point.json").read_text()
+    )
     assert point["also"] == {OUTER: 1.4}
 
     text = report_study(study, out, tmp_path / "results").read_text()
@@ -115,8 +129,9 @@ def test_the_second_key_grows_past_its_edge_then_the_final_seeds_run_at_the_pair
     # first: the stable order); SE: the seeds' spread and each 500-example split's
     best, second = 0.8005, 0.8005 - 0.01 * math.log10(2) ** 2
     spread = statistics.stdev([0.0, 0.001]) / math.sqrt(2)
-    se = math.hypot(spread, binomial_se(best, STUB_VAL_EXAMPLES), spread,
-                    binomial_se(second, STUB_VAL_EXAMPLES))  # fmt: skip
+    se = math.hypot(
+        spread, binomial_se(best, STUB_VAL_EXAMPLES), spread, binomial_se(second, STUB_VAL_EXAMPLES)
+    )
     assert f"won by 0.1 < SE {100 * se:.1f} over {OUTER} 0.7: within noise" in free, free
     assert "over lr" not in free and "edge" not in free and "bound reached" not in free
     assert f"largest {OUTER} tried: bound reached" in bounded and "within [0.1, 0.7]" in bounded

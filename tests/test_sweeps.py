@@ -23,10 +23,17 @@ def test_sweep_runs_every_good_point_and_lists_the_failed_ones(tmp_path):
     (worker 2 raises); `workers=2` completes; the sweep exits 1 naming both failed points."""
     sweep = tmp_path / "sweep"
     out = run_cli(
-        ["-m", "workers=2,0,3", "debug.fail_worker=2", "debug.fail_at_step=1", *QUICK,
-         f"hydra.sweep.dir={sweep}"],
-        cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+        [
+            "-m",
+            "workers=2,0,3",
+            "debug.fail_worker=2",
+            "debug.fail_at_step=1",
+            *QUICK,
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert out.returncode == 1, out.stderr[-3000:]
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
     assert errors[-1].startswith("error: 2 of 3 sweep points failed, the others ran: ")
@@ -46,11 +53,19 @@ def check_parallel_gloo_sweep(tmp_path: Path, seeds: list[int]) -> None:
     lines labelled with its number, its train.log holding what its workers printed."""
     sweep = tmp_path / "sweep"
     out = run_cli(
-        ["-m", "hydra/launcher=parallel", "backend=gloo", "workers=2",
-         f"seed={','.join(map(str, seeds))}", *QUICK, "train.progress=true",
-         f"hydra.sweep.dir={sweep}"],
-        cwd=tmp_path, timeout=540,
-    )  # fmt: skip
+        [
+            "-m",
+            "hydra/launcher=parallel",
+            "backend=gloo",
+            "workers=2",
+            f"seed={','.join(map(str, seeds))}",
+            *QUICK,
+            "train.progress=true",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        timeout=540,
+    )
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     started = points(sweep)
     assert sorted(name.split("seed=")[1].split(",")[0] for name in started) == list(map(str, seeds))
@@ -88,8 +103,9 @@ def test_basic_launcher_runs_a_gloo_sweep(tmp_path):
     sweep = tmp_path / "sweep"
     out = run_cli(
         ["-m", "backend=gloo", "workers=2", "seed=0,1", *QUICK, f"hydra.sweep.dir={sweep}"],
-        cwd=tmp_path, timeout=540,
-    )  # fmt: skip
+        cwd=tmp_path,
+        timeout=540,
+    )
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     started = points(sweep)
     assert len(started) == 2
@@ -101,8 +117,9 @@ def test_slurm_launcher_settings_compose_for_a_gloo_sweep(tmp_path):
     gloo ×2 configuration, one task per node that starts the workers itself."""
     out = run_cli(
         ["hydra/launcher=slurm", "backend=gloo", "workers=2", "--cfg", "hydra"],
-        cwd=tmp_path, timeout=120,
-    )  # fmt: skip
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "_target_: hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher" in (
         out.stdout

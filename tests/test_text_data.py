@@ -68,8 +68,12 @@ def test_a_single_file_splits_by_its_last_fractions(tmp_path):
     before them the validation split (the defaults of `data=text`)."""
     text = "".join(f"line {i}: {'abcdefghij'[i % 10] * (i % 7)}\n" for i in range(400))
     (tmp_path / "corpus.txt").write_text(text)
-    cfg = compose_config("data=text", f"data.root={tmp_path / 'corpus.txt'}", "data.block_size=8",
-                         "data.eval_tokens=64")  # fmt: skip
+    cfg = compose_config(
+        "data=text",
+        f"data.root={tmp_path / 'corpus.txt'}",
+        "data.block_size=8",
+        "data.eval_tokens=64",
+    )
     data = instantiate(cfg.data, device="cpu")
     n = len(text)
     cut_val, cut_test = round(n * 0.90), round(n * 0.95)
@@ -234,8 +238,9 @@ def test_char_tokens_round_trip_the_corpus(corpus):
     play gives its split's ids."""
     text = "".join(work_text(name) for name, _, _ in corpus.works)
     assert decode(corpus, corpus.train_inputs) == text
-    assert np.array_equal(corpus.vocab.encode(work_text(VAL[0])),
-                          corpus.val_inputs[: len(work_text(VAL[0]))].numpy())  # fmt: skip
+    assert np.array_equal(
+        corpus.vocab.encode(work_text(VAL[0])), corpus.val_inputs[: len(work_text(VAL[0]))].numpy()
+    )
     with pytest.raises(ValueError, match="'é' is not in the vocabulary"):
         corpus.vocab.encode("café")
 
@@ -250,8 +255,13 @@ def test_byte_tokens_round_trip_utf8_text(tmp_path):
     assert int(ids.max()) < 256 and vocab.decode(ids.tolist()) == text
     assert vocab.chars_per_token(ids) == pytest.approx(len(text) / len(ids))
     (tmp_path / "c.txt").write_text(text * 100, encoding="utf-8")
-    cfg = compose_config("data=text", f"data.root={tmp_path / 'c.txt'}", "data.tokenizer=byte",
-                         "data.block_size=8", "data.eval_tokens=64")  # fmt: skip
+    cfg = compose_config(
+        "data=text",
+        f"data.root={tmp_path / 'c.txt'}",
+        "data.tokenizer=byte",
+        "data.block_size=8",
+        "data.eval_tokens=64",
+    )
     data = instantiate(cfg.data, device="cpu")
     assert data.num_classes == 256 and not data.vocab.is_characters
     metrics = data.split_metrics("test", 1.0)
@@ -310,8 +320,9 @@ def write_bins(folder: Path, ids: dict[str, np.ndarray], meta: bytes | None = No
 
 def char_meta() -> bytes:
     itos = dict(enumerate(CHARS))
-    return pickle.dumps({"vocab_size": len(CHARS), "itos": itos,
-                         "stoi": {c: i for i, c in itos.items()}})  # fmt: skip
+    return pickle.dumps(
+        {"vocab_size": len(CHARS), "itos": itos, "stoi": {c: i for i, c in itos.items()}}
+    )
 
 
 def load_bins(folder: Path, **kw) -> TextDataset:
@@ -542,7 +553,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(name, tmp_path, monkey
             ],
             "data.partition=foo; choose one of",
         ),
-    ],  # fmt: skip
+    ],
     ids=["missing root", "gloo partition"],
 )
 def test_bad_input_on_the_command_line(args, fragment, tmp_path):
@@ -561,6 +572,10 @@ def test_vocabulary_fingerprint_tells_vocabularies_apart():
     size or symbols apart."""
     a = Vocabulary("char", 3, ("a", "b", "c"))
     assert a.fingerprint == Vocabulary("char", 3, ("a", "b", "c")).fingerprint
-    others = [Vocabulary("char", 3, ("a", "b", "d")), Vocabulary("ids", 3, ("a", "b", "c")),
-              Vocabulary("byte", 256), Vocabulary("ids", 256)]  # fmt: skip
+    others = [
+        Vocabulary("char", 3, ("a", "b", "d")),
+        Vocabulary("ids", 3, ("a", "b", "c")),
+        Vocabulary("byte", 256),
+        Vocabulary("ids", 256),
+    ]
     assert len({v.fingerprint for v in [a, *others]}) == 5

@@ -59,9 +59,15 @@ def run_metrics(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
 
 def test_simulated_run_adds_up_and_overlaps_nothing(tmp_path, one_thread):
     rows = run_metrics(
-        tmp_path, "sim", "workers=4", "data.num_train=1024", "model.hidden=[32]",
-        "train.steps=12", "train.eval_every=4", "backend.threads=1",
-    )  # fmt: skip
+        tmp_path,
+        "sim",
+        "workers=4",
+        "data.num_train=1024",
+        "model.hidden=[32]",
+        "train.steps=12",
+        "train.eval_every=4",
+        "backend.threads=1",
+    )
     assert_adds_up(rows)
     assert all(row["time/comm_overlapped_s"] == 0.0 for row in rows)
     assert rows[-1]["time/other_s"] > 0  # evaluation and logging happen between steps

@@ -43,8 +43,14 @@ def nanogpt_folder(folder: Path, n: int = 20_000, seed: int = 0) -> Path:
     return folder
 
 
-def write_shard(path: Path, ids: np.ndarray, magic: int = 20240520, version: int = 1,
-                dtype: str = "uint16", count: int | None = None) -> None:  # fmt: skip
+def write_shard(
+    path: Path,
+    ids: np.ndarray,
+    magic: int = 20240520,
+    version: int = 1,
+    dtype: str = "uint16",
+    count: int | None = None,
+) -> None:
     """An llm.c shard: 256 int32 (magic, version, token count), then the ids."""
     header = np.zeros(256, dtype=np.int32)
     header[:3] = magic, version, len(ids) if count is None else count
@@ -74,8 +80,10 @@ def test_mapped_and_in_memory_bins_give_the_same_windows(tmp_path, partition):
     same shards, window starts, training batches and evaluation batches, bit for bit; the
     mapped streams are maps (no copy of the corpus)."""
     folder = nanogpt_folder(tmp_path / "nano")
-    mapped, whole = load(folder, partition=partition), load(folder, partition=partition,
-                                                           memmap=False)  # fmt: skip
+    mapped, whole = (
+        load(folder, partition=partition),
+        load(folder, partition=partition, memmap=False),
+    )
     assert isinstance(mapped.train_inputs, TokenMap) and isinstance(
         whole.train_inputs, torch.Tensor
     )
@@ -89,16 +97,26 @@ def test_mapped_and_in_memory_bins_give_the_same_windows(tmp_path, partition):
         for x, y in zip(mapped.train_batch(starts), whole.train_batch(starts), strict=True):
             assert x.dtype == y.dtype == torch.int64 and torch.equal(x, y)
     for split in ("val", "test"):
-        pairs = zip(mapped.test_batches(7, split=split), whole.test_batches(7, split=split),
-                    strict=True)  # fmt: skip
+        pairs = zip(
+            mapped.test_batches(7, split=split), whole.test_batches(7, split=split), strict=True
+        )
         for (x, y), (u, v) in pairs:
             assert torch.equal(x, u) and torch.equal(y, v)
     assert mapped.facts() == whole.facts()
 
 
-LM = ["data=text", "model=gpt_tiny", "model.block_size=16", "data.eval_tokens=256",
-      "data.sample_tokens=8", "workers=2", "train.batch_size=8", "train.steps=4",
-      "train.progress=false", "backend.threads=1"]  # fmt: skip
+LM = [
+    "data=text",
+    "model=gpt_tiny",
+    "model.block_size=16",
+    "data.eval_tokens=256",
+    "data.sample_tokens=8",
+    "workers=2",
+    "train.batch_size=8",
+    "train.steps=4",
+    "train.progress=false",
+    "backend.threads=1",
+]
 
 
 def test_mapped_and_in_memory_bins_train_the_same(tmp_path):
@@ -140,8 +158,15 @@ def test_kill_9_then_resume_on_mapped_shards_equals_uninterrupted(tmp_path):
     """A command-line run on llm.c shards SIGKILLed after a checkpoint and resumed ends as an
     uninterrupted run: parameters bit for bit, metrics line for line."""
     folder = shard_folder(tmp_path / "shards", train_sizes=(30_000, 10, 40_000))
-    args = [*LM, f"data.root={folder}", f"data.vocab_size={VOCAB}", "train.steps=60",
-            "train.log_every=1", "train.eval_every=30", "train.checkpoint_every=10"]  # fmt: skip
+    args = [
+        *LM,
+        f"data.root={folder}",
+        f"data.vocab_size={VOCAB}",
+        "train.steps=60",
+        "train.log_every=1",
+        "train.eval_every=30",
+        "train.checkpoint_every=10",
+    ]
     run_dir, reference = kill_9_and_resume(args, tmp_path, kill_after=15)
     assert same(final_params(run_dir), final_params(reference))
     lines = metric_lines(run_dir)
@@ -316,10 +341,20 @@ def test_an_id_beyond_the_vocabulary_ends_the_run_at_its_batch(tmp_path, backend
     ids = np.fromfile(folder / "train.bin", dtype=np.uint16)
     ids[200_000:] = VOCAB + 7
     ids.tofile(folder / "train.bin")
-    args = [*LM, f"data.root={folder}", "train.steps=50", f"backend={backend}",
-            f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
-    out = subprocess.run([sys.executable, "-m", "dpresearch.train", *args], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    args = [
+        *LM,
+        f"data.root={folder}",
+        "train.steps=50",
+        f"backend={backend}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "dpresearch.train", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert out.returncode == 2, out.stderr
     assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr

@@ -238,10 +238,20 @@ def test_metropolis_refuses_an_irregular_directed_graph():
 
 def test_describe_is_json_serialisable():
     keys = {
-        "name", "num_workers", "directed", "time_varying", "period", "weights", "degree_min",
-        "degree_max", "spectral_gap", "beta", "symmetric", "doubly_stochastic",
+        "name",
+        "num_workers",
+        "directed",
+        "time_varying",
+        "period",
+        "weights",
+        "degree_min",
+        "degree_max",
+        "spectral_gap",
+        "beta",
+        "symmetric",
+        "doubly_stochastic",
         "column_stochastic",
-    }  # fmt: skip
+    }
     for topo in [Ring(5), Torus(6), OnePeerExponential(12), ErdosRenyi(9)]:
         info = topo.describe()
         assert set(info) == keys

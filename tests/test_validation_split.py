@@ -52,8 +52,12 @@ def test_impossible_sizes_are_one_config_error(size):
 
 def test_trainer_logs_validation_metrics_and_trains_on_the_rest():
     cfg = compose_config(*SMALL, "train.val_size=0.25", "train.steps=4", "seed=5", "data.seed=1")
-    trainer = Trainer(cfg, SimulatedCommunicator(cfg.workers, NetworkModel.preset("10gbe")),
-                      torch.device("cpu"), None)  # fmt: skip
+    trainer = Trainer(
+        cfg,
+        SimulatedCommunicator(cfg.workers, NetworkModel.preset("10gbe")),
+        torch.device("cpu"),
+        None,
+    )
     assert trainer.data.num_train == 768 and trainer.data.val_targets.numel() == 256
     assert trainer.partitioner.samples_per_worker * cfg.workers <= 768
     summary = trainer.run()
@@ -61,6 +65,10 @@ def test_trainer_logs_validation_metrics_and_trains_on_the_rest():
     assert "test/acc" in summary
     # the held-out examples are the same whatever the run's seed
     other = compose_config(*SMALL, "train.val_size=0.25", "train.steps=1", "seed=9", "data.seed=1")
-    t2 = Trainer(other, SimulatedCommunicator(other.workers, NetworkModel.preset("10gbe")),
-                 torch.device("cpu"), None)  # fmt: skip
+    t2 = Trainer(
+        other,
+        SimulatedCommunicator(other.workers, NetworkModel.preset("10gbe")),
+        torch.device("cpu"),
+        None,
+    )
     assert torch.equal(t2.data.val_inputs, trainer.data.val_inputs)

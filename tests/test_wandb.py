@@ -27,10 +27,17 @@ def test_unreachable_server_falls_back_to_offline_and_the_run_completes(tmp_path
     monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")
     run_dir = tmp_path / "run"
     out = run_cli(
-        ["logger=wandb", "logger.mode=online", "logger.init_timeout_s=5", "train.steps=3",
-         *SMALL, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, timeout=240,
-    )  # fmt: skip
+        [
+            "logger=wandb",
+            "logger.mode=online",
+            "logger.init_timeout_s=5",
+            "train.steps=3",
+            *SMALL,
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("warning: W&B online start failed ("), lines
@@ -59,9 +66,18 @@ def test_a_server_that_never_answers_falls_back_within_15_s(tmp_path, monkeypatc
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     wandb.teardown()
     cfg = OmegaConf.create(
-        {"wandb": True, "mode": "online", "project": "p", "entity": None, "name": "n",
-         "group": "g", "job_type": None, "tags": [], "init_timeout_s": 30}
-    )  # fmt: skip
+        {
+            "wandb": True,
+            "mode": "online",
+            "project": "p",
+            "entity": None,
+            "name": "n",
+            "group": "g",
+            "job_type": None,
+            "tags": [],
+            "init_timeout_s": 30,
+        }
+    )
     try:
         started = time.monotonic()
         logger = RunLogger(tmp_path / "run", {"seed": 0}, cfg)
@@ -83,9 +99,18 @@ def test_no_api_key_falls_back_to_offline(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no saved login
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     cfg = OmegaConf.create(
-        {"wandb": True, "mode": "online", "project": "p", "entity": None, "name": "n",
-         "group": "g", "job_type": None, "tags": [], "init_timeout_s": 5}
-    )  # fmt: skip
+        {
+            "wandb": True,
+            "mode": "online",
+            "project": "p",
+            "entity": None,
+            "name": "n",
+            "group": "g",
+            "job_type": None,
+            "tags": [],
+            "init_timeout_s": 5,
+        }
+    )
     logger = RunLogger(tmp_path / "run", {"seed": 0}, cfg)
     logger.log({"step": 1, "train/loss": 1.0})
     logger.finish({"train/loss": 1.0})
@@ -98,13 +123,23 @@ def hydra_info(mode: str, choices: dict, override_dirname: str = "", sweep_dir: 
     from hydra.types import RunMode
 
     return OmegaConf.create(
-        {"mode": RunMode[mode], "runtime": {"choices": choices},
-         "job": {"override_dirname": override_dirname}, "sweep": {"dir": sweep_dir}}
-    )  # fmt: skip
+        {
+            "mode": RunMode[mode],
+            "runtime": {"choices": choices},
+            "job": {"override_dirname": override_dirname},
+            "sweep": {"dir": sweep_dir},
+        }
+    )
 
 
-CHOICES = {"algorithm": "sync", "compressor": "topk", "error_feedback": "ef14",
-           "model": "resnet20", "data": "cifar10", "experiment": None}  # fmt: skip
+CHOICES = {
+    "algorithm": "sync",
+    "compressor": "topk",
+    "error_feedback": "ef14",
+    "model": "resnet20",
+    "data": "cifar10",
+    "experiment": None,
+}
 
 
 def test_run_names_say_what_ran_and_groups_follow_the_sweep_or_study():
@@ -129,11 +164,21 @@ def test_run_names_say_what_ran_and_groups_follow_the_sweep_or_study():
 def test_sweep_point_names_hold_the_swept_values_not_the_fixed_ones(tmp_path):
     """Points of `-m seed=0,1 optimizer.lr=0.1,0.2 workers=8 data=cifar10` are told apart by
     their lr (the seed is in the name already); `workers=8` is the same for every point."""
-    (tmp_path / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": {"task": [
-        "seed=0,1", "optimizer.lr=0.1,0.2", "workers=8", "data=cifar10"]}}}))  # fmt: skip
+    (tmp_path / "multirun.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "hydra": {
+                    "overrides": {
+                        "task": ["seed=0,1", "optimizer.lr=0.1,0.2", "workers=8", "data=cifar10"]
+                    }
+                }
+            }
+        )
+    )
     cfg = OmegaConf.create({"workers": 8, "seed": 1, "logger": {"name": None, "group": None}})
-    hc = hydra_info("MULTIRUN", CHOICES, "data=cifar10,optimizer.lr=0.2,seed=1,workers=8",
-                    str(tmp_path))  # fmt: skip
+    hc = hydra_info(
+        "MULTIRUN", CHOICES, "data=cifar10,optimizer.lr=0.2,seed=1,workers=8", str(tmp_path)
+    )
     hc.overrides = {"task": ["seed=1", "optimizer.lr=0.2", "workers=8", "data=cifar10"]}
     name, _ = default_names(cfg, hc)
     assert name == "sync-topk-ef14-resnet20-cifar10-w8-s1 [optimizer.lr=0.2]"

@@ -39,10 +39,24 @@ def build_wheel(tmp_path: Path) -> Path:
             shutil.copy2(path, src / name)
     dist = tmp_path / "dist"
     out = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-         "--disable-pip-version-check", "-q", "-w", str(dist), str(src)],
-        capture_output=True, text=True, timeout=load_scaled(300),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--disable-pip-version-check",
+            "-q",
+            "-w",
+            str(dist),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=load_scaled(300),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     (wheel,) = dist.glob("dpresearch-*.whl")
     return wheel
@@ -59,13 +73,20 @@ def test_wheel_ships_the_configs_and_the_console_scripts(tmp_path):
         scripts = zf.read(entry_points).decode()
     conf = "dpresearch/conf/"
     shipped = {n.removeprefix(conf) for n in names if n.startswith(conf)}
-    expected = {str(p.relative_to(REPO / "dpresearch" / "conf")) for p in
-                (REPO / "dpresearch" / "conf").rglob("*.yaml")}  # fmt: skip
+    expected = {
+        str(p.relative_to(REPO / "dpresearch" / "conf"))
+        for p in (REPO / "dpresearch" / "conf").rglob("*.yaml")
+    }
     assert shipped == expected and "config.yaml" in shipped
     assert "hydra_plugins/dpresearch_sweeper/__init__.py" in names
     assert not any(n.startswith(("tests/", "experiments/", "scripts/")) for n in names)
-    for script in ("dpresearch", "dpresearch-train", "dpresearch-study", "dpresearch-analysis",
-                   "dpresearch-tune-gamma"):  # fmt: skip
+    for script in (
+        "dpresearch",
+        "dpresearch-train",
+        "dpresearch-study",
+        "dpresearch-analysis",
+        "dpresearch-tune-gamma",
+    ):
         assert f"\n{script} = " in f"\n{scripts}", scripts
     assert not (REPO / "build").exists() or _ignored(REPO / "build")
 
@@ -90,19 +111,35 @@ def fresh_venv(tmp_path: Path, wheel: Path) -> Path:
     venv = tmp_path / "venv"
     subprocess.run(
         [sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
-        check=True, timeout=load_scaled(120),
-    )  # fmt: skip
+        check=True,
+        timeout=load_scaled(120),
+    )
     python = venv / "bin" / "python"
     out = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
-         "--no-index", "--disable-pip-version-check", "-q", str(wheel)],
-        capture_output=True, text=True, timeout=load_scaled(300),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--disable-pip-version-check",
+            "-q",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=load_scaled(300),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     purelib = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     # Plain path lines: the .pth files in those folders (this checkout's editable-install
     # finder among them) are not processed, so only the installed wheel provides dpresearch.
     deps = [p for p in site.getsitepackages() if Path(p).is_dir()]
@@ -122,9 +159,13 @@ def test_installed_wheel_trains_studies_and_analyses_outside_the_checkout(tmp_pa
 
     def run(*args: str) -> subprocess.CompletedProcess:
         out = subprocess.run(
-            [str(a) for a in args], cwd=work, env=env, capture_output=True, text=True,
+            [str(a) for a in args],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
             timeout=load_scaled(300),
-        )  # fmt: skip
+        )
         assert out.returncode == 0, f"{args}: {out.stdout[-2000:]}\n{out.stderr[-3000:]}"
         return out
 
@@ -147,8 +188,13 @@ def test_installed_wheel_trains_studies_and_analyses_outside_the_checkout(tmp_pa
     )
 
     # 40 steps: enough to train (the analysis leaves out runs at chance accuracy)
-    study = {"name": "tiny", "common": ["train.steps=40", "train.progress=false", *small],
-             "lrs": [0.1], "seeds": [0], "cases": {"sync": ["algorithm=sync"]}}  # fmt: skip
+    study = {
+        "name": "tiny",
+        "common": ["train.steps=40", "train.progress=false", *small],
+        "lrs": [0.1],
+        "seeds": [0],
+        "cases": {"sync": ["algorithm=sync"]},
+    }
     (work / "tiny.yaml").write_text(yaml.safe_dump(study))
     run(bin_ / "dpresearch-study", "run", "tiny.yaml", "--report")
     point = work / "runs" / "tiny" / "runs" / "sync" / "lr0.1" / "seed0"

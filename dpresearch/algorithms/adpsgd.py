@@ -103,9 +103,7 @@ class Pairing:
                 f"with workers={topology.num_workers} is not (an even ring, a chain, a star, a "
                 "torus with even sides are); use algorithm.pairing=random"
             )
-        self.active = [c == 0 for c in colours] if colours is not None else [True] * len(
-            self.peers
-        )  # fmt: skip
+        self.active = [c == 0 for c in colours] if colours is not None else [True] * len(self.peers)
         self.streams = [
             DrawStream(stream_seed("adpsgd.pair", seed, w), lambda g, n: g.random(n))
             for w in range(len(self.peers))
@@ -162,15 +160,27 @@ class ADPSGD(Gossip):
         self.gamma = float(gamma)
         # identity and γ = 1: the plain average, no codec
         link = open_channel(
-            self.channel, replicas.models[0], params, comm.local_workers, compressor, None,
-            seed, granularity, bucket_mb, shortcut=gamma == 1.0,
-        )  # fmt: skip
+            self.channel,
+            replicas.models[0],
+            params,
+            comm.local_workers,
+            compressor,
+            None,
+            seed,
+            granularity,
+            bucket_mb,
+            shortcut=gamma == 1.0,
+        )
         self.codec: Codec | None = link.codec
         if self.codec is not None:
             # x̂ of every directed edge with an end here (simulated: all of them)
             peers = self.pairing.peers
-            edges = [(a, b) for a in range(k) for b in peers[a]
-                     if a in comm.local_workers or b in comm.local_workers]  # fmt: skip
+            edges = [
+                (a, b)
+                for a in range(k)
+                for b in peers[a]
+                if a in comm.local_workers or b in comm.local_workers
+            ]
             self.edge = {e: n for n, e in enumerate(edges)}
             self.hat = params.new_zeros((len(edges), params.shape[1]))
             self.sent = params.new_empty((2, params.shape[1]))  # each side's decoded message
@@ -188,8 +198,9 @@ class ADPSGD(Gossip):
         # module viewing the read row, the row's gradients and buffers: nothing copied; x_i
         # stays in its row)
         on_reads = replicas.models_on(self.read)
-        self._plans = [(StepPlan((r,)), StepPlan((r,), models={r: on_reads[r]}))
-                       for r in range(len(self.row))]  # fmt: skip
+        self._plans = [
+            (StepPlan((r,)), StepPlan((r,), models={r: on_reads[r]})) for r in range(len(self.row))
+        ]
         # each local row's views, made once (indexing `params[r]` is a dispatched op per use)
         self._param_rows, self._buffer_rows = params.unbind(0), buffers.unbind(0)
         self._read_rows = self.read.unbind(0)
@@ -339,8 +350,11 @@ class ADPSGD(Gossip):
 
     def _sides(self, i: int, j: int) -> list[tuple[int, int, int, int]]:
         """(me, peer, my row, slot) of each end of the pair held here."""
-        return [(me, peer, self.row[me], slot)
-                for slot, (me, peer) in enumerate(((i, j), (j, i))) if me in self.row]  # fmt: skip
+        return [
+            (me, peer, self.row[me], slot)
+            for slot, (me, peer) in enumerate(((i, j), (j, i)))
+            if me in self.row
+        ]
 
     def _choco(self, i: int, j: int, step: int) -> None:
         """The pair's compressed exchange (see the module docstring); every message encoded
@@ -387,11 +401,13 @@ class ADPSGD(Gossip):
         }
 
     def summary(self) -> dict[str, Any]:
-        return {"adpsgd/tau_histogram": list(self.histogram),
-                "adpsgd/staleness_mean_run": mean_tau(self.histogram),
-                "adpsgd/delay_histogram": list(self.delay_histogram),
-                "adpsgd/delay_mean_run": mean_tau(self.delay_histogram),
-                "adpsgd/pairs": self.pairs}  # fmt: skip
+        return {
+            "adpsgd/tau_histogram": list(self.histogram),
+            "adpsgd/staleness_mean_run": mean_tau(self.histogram),
+            "adpsgd/delay_histogram": list(self.delay_histogram),
+            "adpsgd/delay_mean_run": mean_tau(self.delay_histogram),
+            "adpsgd/pairs": self.pairs,
+        }
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -153,13 +153,24 @@ class AsyncSGD(Algorithm):
         check_options(opts, k)
         self.protocol: Protocol = instantiate(protocol or DEFAULT_PROTOCOL, workers=k)
         self.server = ParameterServer(
-            replicas.models[0], optimizers[0], self.protocol,
-            StalenessPolicy(opts.lr_policy, k, opts.tau_max), opts.delay_compensation,
+            replicas.models[0],
+            optimizers[0],
+            self.protocol,
+            StalenessPolicy(opts.lr_policy, k, opts.tau_max),
+            opts.delay_compensation,
             uses_channels_last(replicas),
-        )  # fmt: skip
-        link = open_channel(self.channel, replicas.models[0], replicas.params,
-                            comm.local_workers, compressor, error_feedback, seed, granularity,
-                            bucket_mb)  # fmt: skip
+        )
+        link = open_channel(
+            self.channel,
+            replicas.models[0],
+            replicas.params,
+            comm.local_workers,
+            compressor,
+            error_feedback,
+            seed,
+            granularity,
+            bucket_mb,
+        )
         self.link = link
         params, buffers = replicas.params, replicas.buffers
         buffer_bytes = buffers.shape[1] * buffers.element_size()
@@ -167,8 +178,11 @@ class AsyncSGD(Algorithm):
         self.pull_bytes = 8 * 3 + params.shape[1] * params.element_size() + buffer_bytes
         self.speed = SpeedModel.from_options(opts, k, seed)
         network = comm.ledger.network
-        self.clock = EventClock(self.speed, transfer_seconds(network, self.pull_bytes),
-                                transfer_seconds(network, self.push_bytes))  # fmt: skip
+        self.clock = EventClock(
+            self.speed,
+            transfer_seconds(network, self.pull_bytes),
+            transfer_seconds(network, self.push_bytes),
+        )
         self.transport: EventTransport | ProcessTransport = open_transport(
             comm, replicas, self.server, link, self.clock, opts
         )
@@ -276,8 +290,9 @@ class AsyncSGD(Algorithm):
         push = self.transport.take(w)
         if not here and self.grad_clip is not None:
             self.grad_clip(push.gradient.unsqueeze(0))
-        released = self.server.push(w, push.gradient, push.read_version,
-                                    self.transport.x_read(w), push.buffers)  # fmt: skip
+        released = self.server.push(
+            w, push.gradient, push.read_version, self.transport.x_read(w), push.buffers
+        )
         self.mode.applied(released)
 
     def tell_workers(self) -> None:
@@ -326,8 +341,12 @@ class AsyncSGD(Algorithm):
 
     def metrics(self) -> dict[str, float]:
         stats = self.server.stats
-        out = {**stats.window(), **stats.totals(), "async/updates": self.server.version,
-               **self.transport.metrics()}  # fmt: skip
+        out = {
+            **stats.window(),
+            **stats.totals(),
+            "async/updates": self.server.version,
+            **self.transport.metrics(),
+        }
         simulated = self.simulated_s
         if not math.isnan(simulated):  # (real ranks in arrival order: no clock)
             out["time/simulated_s"] = simulated
@@ -336,8 +355,11 @@ class AsyncSGD(Algorithm):
         return out
 
     def summary(self) -> dict[str, Any]:
-        return {**self.server.stats.summary(), "async/updates": self.server.version,
-                **self.protocol.summary()}  # fmt: skip
+        return {
+            **self.server.stats.summary(),
+            "async/updates": self.server.version,
+            **self.protocol.summary(),
+        }
 
 
 class Streamed:
@@ -458,10 +480,16 @@ class AsyncWorker(Algorithm):
         self.worker = comm.worker_of(comm.local_workers[0])
         seed = node.get("seed", 0)
         self.codec = open_channel(
-            AsyncSGD.channel, replicas.models[0], replicas.params, [self.worker],
-            node.get("compressor"), node.get("error_feedback"), seed,
-            node.get("granularity", "tensor"), node.get("bucket_mb", 25.0),
-        )  # fmt: skip
+            AsyncSGD.channel,
+            replicas.models[0],
+            replicas.params,
+            [self.worker],
+            node.get("compressor"),
+            node.get("error_feedback"),
+            seed,
+            node.get("granularity", "tensor"),
+            node.get("bucket_mb", 25.0),
+        )
         self.speed = SpeedModel.from_options(opts, comm.num_workers, seed)  # (injected delays)
         params, buffers = replicas.params[0], replicas.buffers[0]
         # Messages laid out once (`Communicator.packed`): a pull lands in `inbox` as it
@@ -534,8 +562,12 @@ class AsyncWorker(Algorithm):
     def state_dict(self) -> dict:
         """The worker's push channel (error-feedback memory), gradient count and speed streams;
         at a checkpoint it waits for the server's next message, so nothing is in flight."""
-        return {"push": self.codec.state_dict(), "count": self.count,
-                "read_version": self.read_version, "speed": self.speed.state_dict()}  # fmt: skip
+        return {
+            "push": self.codec.state_dict(),
+            "count": self.count,
+            "read_version": self.read_version,
+            "speed": self.speed.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.codec.load_state_dict(state["push"])

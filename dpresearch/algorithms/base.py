@@ -240,7 +240,7 @@ class Algorithm(ABC):
                     proposal.nonfinite,
                     proposal.io_failed,
                 ]
-            ],  # fmt: skip
+            ],
             dtype=torch.float32,
             device=self.replicas.params.device,
         )

@@ -70,9 +70,17 @@ class ChocoSGD(Gossip):
         params = replicas.params
         # (the identity too runs the codec: x̂ and s are written against decoded messages)
         self.codec = open_channel(
-            self.channel, replicas.models[0], params, comm.local_workers, compressor,
-            error_feedback, seed, granularity, bucket_mb, shortcut=False,
-        ).codec  # fmt: skip
+            self.channel,
+            replicas.models[0],
+            params,
+            comm.local_workers,
+            compressor,
+            error_feedback,
+            seed,
+            granularity,
+            bucket_mb,
+            shortcut=False,
+        ).codec
         check_state_dtype(state_dtype)
         dtype = STATE_DTYPES[state_dtype]
         self.x_hat = torch.zeros_like(params, dtype=dtype)

@@ -47,8 +47,7 @@ def build_topology(topology: Mapping[str, Any], num_workers: int) -> Topology:
     return instantiate(topology, num_workers=num_workers)
 
 
-def consensus_distance(comm: Communicator, x: Tensor, workspace: Workspace | None = None
-                       ) -> float:  # fmt: skip
+def consensus_distance(comm: Communicator, x: Tensor, workspace: Workspace | None = None) -> float:
     """Ξ² = (1/K) Σ_i ‖x_i − x̄‖² of the workers' rows `x` `[W, D]` in float64 ("metrics"
     traffic: the sum of the rows, then the K squared distances; see `Gossip.metrics`).
     `workspace`: where the blocks of differences go, kept by a caller that measures often (a

@@ -21,8 +21,7 @@ from dpresearch.analysis.errors import AnalysisError, require_columns
 from dpresearch.analysis.runs import FINISHED, STATUSES
 
 # (a language model's bits per character first: its runs also report next-token accuracy)
-VALIDATION_METRICS = ("val/bpc", "val/acc", "valid/acc", "validation/acc", "val/loss",
-                      "valid/loss")  # fmt: skip
+VALIDATION_METRICS = ("val/bpc", "val/acc", "valid/acc", "validation/acc", "val/loss", "valid/loss")
 TRAIN_METRIC = "train/loss"
 FAILED = ("diverged", "did not train")
 

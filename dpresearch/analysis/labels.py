@@ -26,18 +26,34 @@ from __future__ import annotations
 from typing import Any
 
 SEED_KEYS = ("cfg.seed",)
-IGNORED_PREFIXES = ("cfg.logger.", "cfg.hydra", "cfg.debug.", "choice.hydra", "choice.logger",
-                    "choice.experiment", "cfg.train.resume", "cfg.train.progress",
-                    "cfg.data.root", "cfg.train.save_model", "cfg.backend.timeout_s",
-                    "cfg.backend.heartbeat_s", "cfg.data.download")  # fmt: skip
+IGNORED_PREFIXES = (
+    "cfg.logger.",
+    "cfg.hydra",
+    "cfg.debug.",
+    "choice.hydra",
+    "choice.logger",
+    "choice.experiment",
+    "cfg.train.resume",
+    "cfg.train.progress",
+    "cfg.data.root",
+    "cfg.train.save_model",
+    "cfg.backend.timeout_s",
+    "cfg.backend.heartbeat_s",
+    "cfg.data.download",
+)
 # Groups shown by name (in this order), and the parameter shown beside a name.
 COMPONENTS = ("algorithm", "compressor", "error_feedback")
 PRIMARY = ("ratio", "rank", "levels", "period", "gamma")
 NOTHING = {"compressor": ("identity", "Identity"), "error_feedback": ("none",), "outer": ("none",)}
 # Top-level group → its key in the algorithm node that embeds it: the group applies to a run
 # only when the run's algorithm embeds it (when any run's does: hand-made configs say nothing).
-SLOTS = {"compressor": "compressor", "error_feedback": "error_feedback", "topology": "topology",
-         "protocol": "protocol", "async": "options"}  # fmt: skip
+SLOTS = {
+    "compressor": "compressor",
+    "error_feedback": "error_feedback",
+    "topology": "topology",
+    "protocol": "protocol",
+    "async": "options",
+}
 # The algorithm node embeds these groups' nodes: their copies are not separate keys.
 EMBEDDED = tuple(SLOTS.values())
 
@@ -184,14 +200,18 @@ def label_parts(runs, keys: list[str]):
     """(label per run, the keys some label shows) — see `case_labels`."""
     import pandas as pd
 
-    groups = [g for g in COMPONENTS
-              if any(k == f"choice.{g}" or k.startswith(f"cfg.{g}.") for k in keys)]  # fmt: skip
+    groups = [
+        g for g in COMPONENTS if any(k == f"choice.{g}" or k.startswith(f"cfg.{g}.") for k in keys)
+    ]
     embedded = _embedded(runs)
     rest = []
     for key in keys:
         group = _group(key)
-        if group in COMPONENTS and group in groups and key in (f"choice.{group}",
-                                                              f"cfg.{group}._target_"):  # fmt: skip
+        if (
+            group in COMPONENTS
+            and group in groups
+            and key in (f"choice.{group}", f"cfg.{group}._target_")
+        ):
             continue
         if not _within_choice(runs, key):
             continue  # what the shown choice of its group already says

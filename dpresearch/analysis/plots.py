@@ -70,13 +70,19 @@ LABELS: dict[str, tuple[str, float]] = {
     "gossip/consensus_distance": (
         "consensus distance Ξ² = (1/K)Σ‖xᵢ − x̄‖² (parameter units²)",
         1.0,
-    ),  # fmt: skip
+    ),
     "lr": ("learning rate (per-worker batch)", 1.0),
     "MB_per_epoch": ("data sent per worker per epoch (MB)", 1.0),
     "async/tau_histogram": ("staleness τ of an applied gradient (server updates)", 1.0),
 }
-NETWORKS = {"1gbe": "1 GbE", "10gbe": "10 GbE", "25gbe": "25 GbE", "100gb_ib": "100 Gb InfiniBand",
-            "nvlink": "NVLink", "wan_100mbit": "a 100 Mbit/s, 10 ms WAN"}  # fmt: skip
+NETWORKS = {
+    "1gbe": "1 GbE",
+    "10gbe": "10 GbE",
+    "25gbe": "25 GbE",
+    "100gb_ib": "100 Gb InfiniBand",
+    "nvlink": "NVLink",
+    "wan_100mbit": "a 100 Mbit/s, 10 ms WAN",
+}
 
 
 def axis_label(metric: str, labels: Mapping[str, str] | None = None) -> tuple[str, float]:
@@ -229,17 +235,31 @@ def plot_groups(
             legend = f"{label} (n={n})" if n > 1 else label
             if ax is not axes[0] and label == layout[0][0]:
                 legend = "_repeat"  # the figure's one legend names the repeated series once
-            ax.plot(xs, ys, markersize=3.5, markevery=max(1, len(c) // 12), linewidth=1.3,
-                    label=legend, **look)  # fmt: skip
+            ax.plot(
+                xs,
+                ys,
+                markersize=3.5,
+                markevery=max(1, len(c) // 12),
+                linewidth=1.3,
+                label=legend,
+                **look,
+            )
             if n > 1:
                 spread = c["y_std"].fillna(0.0) * y_scale
-                ax.fill_between(xs, ys - spread, ys + spread, color=look["color"], alpha=0.15,
-                                linewidth=0)  # fmt: skip
+                ax.fill_between(
+                    xs, ys - spread, ys + spread, color=look["color"], alpha=0.15, linewidth=0
+                )
             if label in seeds:
                 for run in run_curves(metrics, groups[label], x, y):
-                    ax.plot(run[x] * x_scale, run[y] * y_scale, color=look["color"],
-                            linestyle=look["linestyle"], linewidth=SEED_WIDTH, alpha=0.6,
-                            label="_seed")  # fmt: skip
+                    ax.plot(
+                        run[x] * x_scale,
+                        run[y] * y_scale,
+                        color=look["color"],
+                        linestyle=look["linestyle"],
+                        linewidth=SEED_WIDTH,
+                        alpha=0.6,
+                        label="_seed",
+                    )
         for v in vlines:
             ax.axvline(v * x_scale, color="0.5", linestyle=":", linewidth=1)
         if len(layout) > 1:
@@ -298,9 +318,17 @@ def plot_points(
     for i, (label, xv, yv, spread) in enumerate(points):
         look = style(i)
         yerr = spread * y_scale if spread == spread else None
-        ax.errorbar(xv * x_scale, yv * y_scale, yerr=yerr, color=look["color"],
-                    marker=look["marker"], linestyle="none", markersize=6, capsize=3,
-                    label=label)  # fmt: skip
+        ax.errorbar(
+            xv * x_scale,
+            yv * y_scale,
+            yerr=yerr,
+            color=look["color"],
+            marker=look["marker"],
+            linestyle="none",
+            markersize=6,
+            capsize=3,
+            label=label,
+        )
     import numpy as np
 
     xs = np.array([p[1] for p in points], dtype=float)
@@ -390,15 +418,19 @@ def finish(fig, ax, xlabel: str, ylabel: str, title: str | None, legend: bool) -
         lines = sum(sorted(heights, reverse=True)[: -(-len(heights) // cols)])
         height = HEIGHT if len(axes) == 1 else PANEL_HEIGHT * len(axes)
         fig.set_size_inches(WIDTH, height + 0.3 + LEGEND_LINE * 1.25 * lines)
-        fig.legend(handles, wrapped, loc="outside lower center", ncols=cols, fontsize=7,
-                   frameon=False)  # fmt: skip
+        fig.legend(
+            handles, wrapped, loc="outside lower center", ncols=cols, fontsize=7, frameon=False
+        )
 
 
 def save(fig, out: str | Path) -> None:
     """Save without the time stamp and software version matplotlib embeds by default."""
     suffix = Path(out).suffix.lower()
-    meta = {".png": {"Software": None}, ".pdf": {"CreationDate": None, "Producer": None},
-            ".svg": {"Date": None, "Creator": None}}  # fmt: skip
+    meta = {
+        ".png": {"Software": None},
+        ".pdf": {"CreationDate": None, "Producer": None},
+        ".svg": {"Date": None, "Creator": None},
+    }
     fig.savefig(out, dpi=120, metadata=meta.get(suffix))
 
 

@@ -87,8 +87,10 @@ def join_published(table, published: Published, on: str):
     frame = published.frame.copy()
     notes: list[str] = []
     same = _blank(frame, DIFFERS)
-    notes += [f"published {r[published.key]} not joined, other setting: {r[DIFFERS]}"
-              for _, r in frame[~same].iterrows()]  # fmt: skip
+    notes += [
+        f"published {r[published.key]} not joined, other setting: {r[DIFFERS]}"
+        for _, r in frame[~same].iterrows()
+    ]
     frame = frame[same].copy()
     if published.citation:
         number = {c: str(i) for i, c in enumerate(published.citations, 1)}

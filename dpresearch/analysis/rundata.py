@@ -32,9 +32,25 @@ from dpresearch.analysis.errors import AnalysisError
 from dpresearch.analysis.runs import load_metrics_many, read_run, run_row
 
 FORMAT = "dpresearch-rundata/1"
-CURVES = ("step", "epoch", "lr", "train/loss", "train/acc", "test/loss", "test/acc", "val/loss",
-          "val/acc", "comm/bytes", "comm/modeled_s", "time/wall_s", "time/simulated_s",
-          "time/modeled_s", "tokens", "test/bpc", "val/bpc")  # fmt: skip
+CURVES = (
+    "step",
+    "epoch",
+    "lr",
+    "train/loss",
+    "train/acc",
+    "test/loss",
+    "test/acc",
+    "val/loss",
+    "val/acc",
+    "comm/bytes",
+    "comm/modeled_s",
+    "time/wall_s",
+    "time/simulated_s",
+    "time/modeled_s",
+    "tokens",
+    "test/bpc",
+    "val/bpc",
+)
 DIGITS = 7
 
 
@@ -95,8 +111,13 @@ def write_rundata(
 ) -> Path:
     """Write run records (see the module docstring) as a rundata file."""
     path = Path(path)
-    lines = [json.dumps({"format": FORMAT, **(header or {}), "runs": len(records)},
-                        sort_keys=True, ensure_ascii=False)]  # fmt: skip
+    lines = [
+        json.dumps(
+            {"format": FORMAT, **(header or {}), "runs": len(records)},
+            sort_keys=True,
+            ensure_ascii=False,
+        )
+    ]
     for record in sorted(records, key=lambda r: r["run"]):
         lines.append(json.dumps(_compact(record), sort_keys=True, ensure_ascii=False))
     buffer = io.BytesIO()
@@ -134,7 +155,7 @@ def frames(records: Sequence[dict[str, Any]]):
         [
             run_row(r["run"], r.get("config"), r.get("summary"), r.get("point"), r.get("choices"))
             for r in records
-        ]  # fmt: skip
+        ]
     )
     parts, counts = [], []
     for r in records:

@@ -132,8 +132,12 @@ def read_run(run: Path) -> tuple[dict, dict | None, dict, dict[str, str]]:
     """(config, summary or None, study point, choices) as the run directory holds them."""
     config_path = run / "config.yaml"
     config = yaml.load(config_path.read_text(), _YAML_LOADER) if config_path.exists() else {}
-    return (config or {}, _read_json(run / "summary.json"), _read_json(run / POINT_FILE) or {},
-            read_choices(run))  # fmt: skip
+    return (
+        config or {},
+        _read_json(run / "summary.json"),
+        _read_json(run / POINT_FILE) or {},
+        read_choices(run),
+    )
 
 
 def _run_row(run: Path) -> dict[str, Any]:

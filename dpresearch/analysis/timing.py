@@ -62,8 +62,9 @@ def repricing_factors(runs, network: str) -> dict[str, float]:
     the run's own compute time per step (what overlapped ops hide behind). NaN where no factor
     exists: no op table, or ops the run's own network hid entirely but `network` does not."""
     factors: dict[str, float] = {}
-    for row, theirs in zip(runs.to_dict("records"), repriced_totals(runs, network).values(),
-                           strict=True):  # fmt: skip
+    for row, theirs in zip(
+        runs.to_dict("records"), repriced_totals(runs, network).values(), strict=True
+    ):
         own, ops = _own_network(row), row.get("comm/ops")
         if own == NetworkModel.preset(network, _compute_step_s(row)):
             factors[row["run"]] = 1.0

@@ -60,8 +60,11 @@ class Protocol(ABC):
 
     def state_dict(self) -> dict:
         """Per-worker progress, the waiting workers and the open group's count."""
-        return {"clocks": list(self.clocks), "waiting": list(self.waiting),
-                "accepted": self.accepted}  # fmt: skip
+        return {
+            "clocks": list(self.clocks),
+            "waiting": list(self.waiting),
+            "accepted": self.accepted,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["clocks"]) != self.workers:

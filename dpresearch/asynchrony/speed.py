@@ -90,8 +90,17 @@ class SpeedModel:
     @classmethod
     def from_options(cls, opts, workers: int, seed: int) -> SpeedModel:
         """The speed model the `async` node (`AsyncOptions`) describes for `workers`."""
-        return cls(opts.speed, opts.compute_s, workers, seed, opts.cv, opts.slow_workers,
-                   opts.slowdown, opts.straggler_prob, opts.straggler_factor)  # fmt: skip
+        return cls(
+            opts.speed,
+            opts.compute_s,
+            workers,
+            seed,
+            opts.cv,
+            opts.slow_workers,
+            opts.slowdown,
+            opts.straggler_prob,
+            opts.straggler_factor,
+        )
 
     def _base_fill(self):
         """A function (generator, n) → n draws of mean 1, or None for constant times."""

@@ -87,8 +87,9 @@ class EventTransport:
 
     computes_here = True  # the pushing worker's gradient is computed in this process
 
-    def __init__(self, comm: Communicator, replicas: Replicas, codec: Channel,
-                 clock: EventClock) -> None:  # fmt: skip
+    def __init__(
+        self, comm: Communicator, replicas: Replicas, codec: Channel, clock: EventClock
+    ) -> None:
         self.comm, self.codec, self.clock = comm, codec, clock
         k = comm.world_size
         # Row views made once: selecting a row is a dispatched op, and this runs every push.
@@ -118,8 +119,9 @@ class EventTransport:
         self.pushes[w] = count + 1
         wire, decoded = self.codec.encode(w, self.grads[w], count)
         self._header_values[w, :2] = (self.read_version[w], count)
-        self.comm.isend([self._header_rows[w], wire, self.buffers[w]], SERVER, src=w,
-                        at=self.clock.now)  # fmt: skip
+        self.comm.isend(
+            [self._header_rows[w], wire, self.buffers[w]], SERVER, src=w, at=self.clock.now
+        )
         self.comm.recv(w, dst=SERVER)
         return Push(w, self.read_version[w], count, 0.0, 0.0, decoded, self.buffers[w])
 
@@ -151,8 +153,11 @@ class EventTransport:
         return {}
 
     def state_dict(self) -> dict:
-        return {"clock": self.clock.state_dict(), "read_version": list(self.read_version),
-                "pushes": list(self.pushes)}  # fmt: skip
+        return {
+            "clock": self.clock.state_dict(),
+            "read_version": list(self.read_version),
+            "pushes": list(self.pushes),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.clock.load_state_dict(state["clock"])
@@ -193,8 +198,9 @@ class ProcessTransport:
         self.computing: set[int] = set()  # released, push not yet received
         self.held: deque[Push] = deque()  # received before a checkpoint or the end, not applied
         # the parameters each worker last pulled (delay compensation needs x_read)
-        self.read_params = [torch.empty_like(params) for _ in range(k)] if keep_read_params \
-            else None  # fmt: skip
+        self.read_params = (
+            [torch.empty_like(params) for _ in range(k)] if keep_read_params else None
+        )
         self.listened = 0.0  # seconds spent waiting for pushes
         self.released_at = [0.0] * k  # `listened` when each worker was last released
         self._push: Push | None = None
@@ -223,8 +229,11 @@ class ProcessTransport:
         return push
 
     def describe(self, options: AsyncOptions) -> dict[str, Any]:
-        return {"mode": "real processes", "order": options.order,
-                "inject_delay": options.inject_delay}  # fmt: skip
+        return {
+            "mode": "real processes",
+            "order": options.order,
+            "inject_delay": options.inject_delay,
+        }
 
     def metrics(self) -> dict[str, float]:
         """`train/loss` and `train/acc` of the batches pushed since the last call (the
@@ -232,8 +241,10 @@ class ProcessTransport:
         loss, acc, count = self._window
         self._window = [0.0, 0.0, 0]
         nan = float("nan")
-        return {"train/loss": loss / count if count else nan,
-                "train/acc": acc / count if count else nan}  # fmt: skip
+        return {
+            "train/loss": loss / count if count else nan,
+            "train/acc": acc / count if count else nan,
+        }
 
     def x_read(self, w: int) -> Tensor | None:
         """The parameters worker `w` computed its push on (kept for delay compensation)."""
@@ -329,8 +340,9 @@ class ProcessTransport:
             want = min(self.computing) if self.clock is not None else None
             push = self._receive(want, record=keep)
             if keep:
-                self.held.append(replace(push, gradient=push.gradient.clone(),
-                                         buffers=push.buffers.clone()))  # fmt: skip
+                self.held.append(
+                    replace(push, gradient=push.gradient.clone(), buffers=push.buffers.clone())
+                )
         for w in range(self.workers):
             self._send(w, server, kind, signum)
         # Delivered before this process goes on: every worker is waiting for it, and a send
@@ -348,7 +360,7 @@ class ProcessTransport:
             "held": [
                 (p.worker, p.read_version, p.count, p.loss, p.acc, p.gradient, p.buffers)
                 for p in self.held
-            ],  # fmt: skip
+            ],
             "read_version": list(self.read_version),
             "read_params": self.read_params,
             "pushes": list(self.pushes),
@@ -386,5 +398,6 @@ def open_transport(
     if comm.num_local == comm.world_size:
         return EventTransport(comm, replicas, codec, clock)
     seeded = clock if options.order == "seeded" else None
-    return ProcessTransport(comm, server, codec, seeded, options.timeout_s,
-                            bool(options.delay_compensation))  # fmt: skip
+    return ProcessTransport(
+        comm, server, codec, seeded, options.timeout_s, bool(options.delay_compensation)
+    )

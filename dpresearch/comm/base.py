@@ -383,8 +383,14 @@ class Communicator(ABC):
                 # the sender's ledger row; a process without a worker is charged nothing
                 ledger.record_message(rows.get(src), nbytes, purpose, at)
 
-    def send(self, x: Message, dst: int, src: int | None = None, record: bool | str = True,
-             at: float | None = None) -> None:  # fmt: skip
+    def send(
+        self,
+        x: Message,
+        dst: int,
+        src: int | None = None,
+        record: bool | str = True,
+        at: float | None = None,
+    ) -> None:
         """`isend(...)`, waited for."""
         self.isend(x, dst, src, record, at).wait()
 

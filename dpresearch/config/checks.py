@@ -453,9 +453,11 @@ def check_compression(cfg: DictConfig) -> None:
         return  # (the target check names it)
     name = alg._target_.rsplit(".", 1)[-1]
     no_memory = _is_default(
-        cfg.error_feedback, "dpresearch.compress.error_feedback.ErrorFeedback", mode="none",
+        cfg.error_feedback,
+        "dpresearch.compress.error_feedback.ErrorFeedback",
+        mode="none",
         momentum=0.0,
-    )  # fmt: skip
+    )
     if cls.channel is None or "compressor" not in alg:
         if no_memory and _is_default(cfg.compressor, "dpresearch.compress.casts.Identity"):
             return
@@ -478,9 +480,11 @@ def check_compression(cfg: DictConfig) -> None:
         )
     try:
         check_algorithm_node(
-            alg, cls.channel, float(cfg.optimizer.get("momentum", 0.0) or 0.0),
+            alg,
+            cls.channel,
+            float(cfg.optimizer.get("momentum", 0.0) or 0.0),
             error_feedback=cfg.error_feedback,
-        )  # fmt: skip
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if "error_feedback" not in alg and not no_memory:

@@ -24,25 +24,53 @@ from dpresearch.config.validate import (
 
 # Flags after which Hydra prints something and exits: nothing to check.
 HYDRA_FLAGS_THAT_EXIT = {
-    "--help", "-h", "--hydra-help", "--info", "-i", "--version", "--shell-completion", "-sc",
-}  # fmt: skip
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--info",
+    "-i",
+    "--version",
+    "--shell-completion",
+    "-sc",
+}
 # Flags after which Hydra prints the (checked) configuration and runs nothing.
 HYDRA_FLAGS_THAT_PRINT = {"--cfg", "-c", "--resolve"}
 FLAGS_WITH_VALUE = {
-    "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
-    "--experimental-rerun", "--cfg", "-c", "--package", "-p",
-}  # fmt: skip
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--config-dir",
+    "-cd",
+    "--experimental-rerun",
+    "--cfg",
+    "-c",
+    "--package",
+    "-p",
+}
 # Flags that point Hydra at another configuration: our checks would judge the wrong one.
 FLAGS_LEFT_TO_HYDRA = {
-    "--config-path", "-cp", "--config-dir", "-cd", "--experimental-rerun", *HYDRA_FLAGS_THAT_EXIT
-}  # fmt: skip
+    "--config-path",
+    "-cp",
+    "--config-dir",
+    "-cd",
+    "--experimental-rerun",
+    *HYDRA_FLAGS_THAT_EXIT,
+}
 MULTIRUN_FLAGS = {"--multirun", "-m"}
 # Hydra modes, of which one command line may hold one.
 MODE_FLAGS = {
-    "--run": "--run", "-r": "--run", "--multirun": "-m", "-m": "-m", "--cfg": "--cfg",
-    "-c": "--cfg", "--info": "--info", "-i": "--info", "--shell-completion": "-sc",
+    "--run": "--run",
+    "-r": "--run",
+    "--multirun": "-m",
+    "-m": "-m",
+    "--cfg": "--cfg",
+    "-c": "--cfg",
+    "--info": "--info",
+    "-i": "--info",
+    "--shell-completion": "-sc",
     "-sc": "-sc",
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,7 @@ def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> Dataset:
     check_fragments(cfg, model)
     check_batched(cfg, dataset)
     steps = cfg.train.steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
-    schedule = _build("schedule", cfg.schedule, steps_per_epoch=steps_per_epoch,
-                      total_steps=steps)  # fmt: skip
+    schedule = _build("schedule", cfg.schedule, steps_per_epoch=steps_per_epoch, total_steps=steps)
     _call("schedule", lambda: [float(schedule(s)) for s in (0, steps // 2, steps - 1)])
     if key is not None:
         _PASSED.add(key)

@@ -58,7 +58,16 @@ def make_least_squares(
     x_opt = np.linalg.lstsq(a, b, rcond=None)[0]
     inputs = torch.from_numpy(a).float()
     targets = torch.from_numpy(b).float()
-    data = LeastSquares(inputs, targets, inputs, targets, 1, partition=partition, alpha=alpha,
-                        val_inputs=inputs, val_targets=targets)  # fmt: skip
+    data = LeastSquares(
+        inputs,
+        targets,
+        inputs,
+        targets,
+        1,
+        partition=partition,
+        alpha=alpha,
+        val_inputs=inputs,
+        val_targets=targets,
+    )
     data.optimum = 0.5 * float(np.mean((a @ x_opt - b) ** 2))
     return data.to(device)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dpresearch.models.dropout import GLOBAL, StreamDropout, check_stream, installed, stream_dropout
+from dpresearch.models.sampling import sample_tokens
 
 
 def causal_attention(
@@ -143,8 +144,13 @@ class GPT(nn.Module):
             )
         window = int(input_shape[0])
         block_size = window if block_size is None else block_size
-        for key, value in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd),
-                           ("block_size", block_size), ("num_classes", num_classes)):  # fmt: skip
+        for key, value in (
+            ("n_layer", n_layer),
+            ("n_head", n_head),
+            ("n_embd", n_embd),
+            ("block_size", block_size),
+            ("num_classes", num_classes),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"model.{key}={value}: must be an integer >= 1")
         if n_embd % n_head != 0:
@@ -215,25 +221,11 @@ class GPT(nn.Module):
         max_new_tokens]`: each drawn from softmax(logits / `temperature`) at the last position,
         restricted to the `top_k` likeliest (None: all), with `generator` (the same generator
         state gives the same tokens); the context is cropped to the last `block_size` tokens.
-        Runs in eval mode (no dropout) and restores the module's mode afterwards."""
-        if temperature <= 0:
-            raise ValueError(f"temperature={temperature}: must be > 0")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k={top_k}: must be >= 1 (or None)")
-        was_training = self.training
-        self.eval()
-        try:
-            for _ in range(max_new_tokens):
-                logits = self(idx[:, -self.block_size :])[:, -1, :] / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = F.softmax(logits, dim=-1)
-                nxt = torch.multinomial(probs, num_samples=1, generator=generator)
-                idx = torch.cat((idx, nxt), dim=1)
-        finally:
-            self.train(was_training)
-        return idx
+        Runs in eval mode (no dropout) and restores the module's mode afterwards
+        (`sampling.sample_tokens`)."""
+        return sample_tokens(
+            self, idx, max_new_tokens, self.block_size, temperature, top_k, generator
+        )
 
 
 def _init_weights(module: nn.Module) -> None:

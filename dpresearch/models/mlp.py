@@ -55,9 +55,12 @@ class Linear(nn.Module):
     `zero_init` starts from W = 0 (and b = 0)."""
 
     def __init__(
-        self, num_classes: int, input_shape: Sequence[int], bias: bool = False,
+        self,
+        num_classes: int,
+        input_shape: Sequence[int],
+        bias: bool = False,
         zero_init: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         self.linear = nn.Linear(math.prod(input_shape), num_classes, bias=bias)
         if zero_init:

@@ -319,15 +319,17 @@ def stacked_reason(cfg: Any, data: Any, device: torch.device) -> str | None:
 
     state = torch.get_rng_state()
     try:
-        model = instantiate(cfg.model, num_classes=data.num_classes,
-                            input_shape=tuple(data.input_shape))  # fmt: skip
+        model = instantiate(
+            cfg.model, num_classes=data.num_classes, input_shape=tuple(data.input_shape)
+        )
     finally:
         torch.set_rng_state(state)
     reason = unsupported(model)
     if reason is not None:
         return reason
-    return probe_config(cfg.model, data.input_shape, data.num_classes, cfg.train.autocast,
-                        device, data, STACKED)  # fmt: skip
+    return probe_config(
+        cfg.model, data.input_shape, data.num_classes, cfg.train.autocast, device, data, STACKED
+    )
 
 
 def choose_way(cfg: Any, data: Any, device: torch.device) -> tuple[str | None, str]:
@@ -339,8 +341,15 @@ def choose_way(cfg: Any, data: Any, device: torch.device) -> tuple[str | None, s
         if way == STACKED:
             reason = stacked_reason(cfg, data, device)
         else:
-            reason = probe_config(cfg.model, data.input_shape, data.num_classes,
-                                  cfg.train.autocast, device, data, VMAP)  # fmt: skip
+            reason = probe_config(
+                cfg.model,
+                data.input_shape,
+                data.num_classes,
+                cfg.train.autocast,
+                device,
+                data,
+                VMAP,
+            )
         if reason is None:
             return way, ""
         reasons.append(f"{way}: {reason}" if mode in ("true", "auto") else reason)
@@ -400,8 +409,9 @@ def decide(cfg: Any, data: Any, num_local: int, device: torch.device) -> tuple[s
     stacked = stacked_reason(cfg, data, device)
     if stacked is None:
         return STACKED, f"{num_local} workers {_described(STACKED)} (auto: cpu)"
-    reason = probe_config(cfg.model, data.input_shape, data.num_classes, cfg.train.autocast,
-                          device, data, VMAP)  # fmt: skip
+    reason = probe_config(
+        cfg.model, data.input_shape, data.num_classes, cfg.train.autocast, device, data, VMAP
+    )
     if reason is not None:
         return None, (
             f"{num_local} workers one by one (auto: {name} cannot be batched: stacked: "

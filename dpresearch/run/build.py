@@ -237,8 +237,15 @@ class Run:
 
     # The parts whose state is the run's state, each with state_dict / load_state_dict.
     STATEFUL: ClassVar[tuple[str, ...]] = (
-        "replicas", "optimizers", "algorithm", "compute", "ledger", "rng", "clip", "modeled",
-    )  # fmt: skip
+        "replicas",
+        "optimizers",
+        "algorithm",
+        "compute",
+        "ledger",
+        "rng",
+        "clip",
+        "modeled",
+    )
     # parts a checkpoint made before them lacks
     ADDED: ClassVar[tuple[str, ...]] = ("clip", "modeled")
 
@@ -330,14 +337,26 @@ def build_run(
     if clip.active:
         algorithm.set_grad_clip(clip)
     run = Run(
-        cfg=cfg, comm=comm, device=device, data=data, partitioner=partitioner,
-        replicas=replicas, eval_model=copy.deepcopy(model).to(device), optimizers=optimizers,
-        base_lr=optimizers[0].param_groups[0]["lr"], algorithm=algorithm, schedule=schedule,
-        compute=compute, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+        cfg=cfg,
+        comm=comm,
+        device=device,
+        data=data,
+        partitioner=partitioner,
+        replicas=replicas,
+        eval_model=copy.deepcopy(model).to(device),
+        optimizers=optimizers,
+        base_lr=optimizers[0].param_groups[0]["lr"],
+        algorithm=algorithm,
+        schedule=schedule,
+        compute=compute,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
         checkpoint_every=checkpoint_interval(tc.checkpoint_every, steps_per_epoch),
-        gradients_per_step=per_step, rng=GlobalRandom(), clip=clip,
+        gradients_per_step=per_step,
+        rng=GlobalRandom(),
+        clip=clip,
         modeled=ModeledClock.for_run(cfg, algorithm, comm.ledger, comm.num_workers),
         setup={**started, **algorithm.describe(), **compute.describe()},
-    )  # fmt: skip
+    )
     comm.ledger.reset()  # the set-up's traffic is not the run's
     return run

@@ -143,9 +143,21 @@ class WorkerCompute:
 
         tc = cfg.train
         batched, mode = decide(cfg, data, len(workers), device)
-        return cls(data, partitioner, replicas, workers, tc.batch_size, steps_per_epoch,
-                   cfg.seed, device, tc.channels_last, tc.autocast, tc.loss_scale,
-                   batched, mode)  # fmt: skip
+        return cls(
+            data,
+            partitioner,
+            replicas,
+            workers,
+            tc.batch_size,
+            steps_per_epoch,
+            cfg.seed,
+            device,
+            tc.channels_last,
+            tc.autocast,
+            tc.loss_scale,
+            batched,
+            mode,
+        )
 
     def describe(self) -> dict[str, str | int]:
         """How the local workers compute — several one by one or batched, and this process's
@@ -167,9 +179,12 @@ class WorkerCompute:
         self.cursors[row] += 1
         if self._epochs[row] != epoch:
             self._batches[row] = self.partitioner.epoch_batches(
-                self.workers[row], epoch, self.batch_size, self.steps_per_epoch,
+                self.workers[row],
+                epoch,
+                self.batch_size,
+                self.steps_per_epoch,
                 self.data.train_targets.device,
-            )  # fmt: skip
+            )
             self._epochs[row] = epoch
         return self._batches[row][pos]
 

@@ -23,8 +23,15 @@ from typing import Any
 
 INVOCATION_ENV = "DPRESEARCH_INVOCATION"
 # Hydra overrides that place or launch a sweep: a resumed single run takes none of them.
-SWEEP_ONLY = ("hydra.run", "hydra.sweep", "hydra/launcher", "hydra.launcher", "hydra/sweeper",
-              "hydra.sweeper", "hydra.mode")  # fmt: skip
+SWEEP_ONLY = (
+    "hydra.run",
+    "hydra.sweep",
+    "hydra/launcher",
+    "hydra.launcher",
+    "hydra/sweeper",
+    "hydra.sweeper",
+    "hydra.mode",
+)
 MODE_FLAGS = ("-m", "--multirun", "--run", "-r")
 
 
@@ -79,8 +86,14 @@ def resume_command(run_dir: Path, task_overrides: Sequence[str]) -> str:
             continue
         if arg.startswith("-"):
             flags.append(arg)
-            if "=" not in arg and arg in ("-cd", "--config-dir", "-cn", "--config-name",
-                                          "-cp", "--config-path"):  # fmt: skip
+            if "=" not in arg and arg in (
+                "-cd",
+                "--config-dir",
+                "-cn",
+                "--config-name",
+                "-cp",
+                "--config-path",
+            ):
                 flags.append(next(rest, ""))
             continue
         if _key(arg).startswith("hydra") and not _key(arg).startswith(SWEEP_ONLY):

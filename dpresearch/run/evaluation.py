@@ -69,8 +69,7 @@ class Evaluator:
         if run.lockstep:
             part, parts = comm.local_workers[0] // comm.num_local, run.processes
         splits = ["test"] + (["val"] if run.data.val_targets is not None else [])
-        sums = torch.zeros(comm.num_local, 3 * len(splits), dtype=torch.float64,
-                           device=run.device)  # fmt: skip
+        sums = torch.zeros(comm.num_local, 3 * len(splits), dtype=torch.float64, device=run.device)
         for i, split in enumerate(splits):
             sums[0, 3 * i : 3 * i + 3] = self.sums(model, part, parts, split)
         if run.lockstep:

@@ -123,8 +123,15 @@ def resolve(value: str) -> Source:
         header = read_header(path, fix="pass a checkpoint file or a run directory")
     except CheckpointError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    return Source(value, path.resolve(), "checkpoint", int(header["step"]), header.get("config"),
-                  header.get("vocabulary"), header)  # fmt: skip
+    return Source(
+        value,
+        path.resolve(),
+        "checkpoint",
+        int(header["step"]),
+        header.get("config"),
+        header.get("vocabulary"),
+        header,
+    )
 
 
 def _final_model(value: str, run_dir: Path) -> Source | None:
@@ -137,9 +144,14 @@ def _final_model(value: str, run_dir: Path) -> Source | None:
     model = run_dir / FINAL_MODEL
     if not (isinstance(summary, dict) and summary.get("status") == "finished" and model.is_file()):
         return None
-    return Source(value, model.resolve(), "final model", int(summary["total_steps"]),
-                  config if isinstance(config, dict) else None,
-                  summary.get("data/vocab_fingerprint"))  # fmt: skip
+    return Source(
+        value,
+        model.resolve(),
+        "final model",
+        int(summary["total_steps"]),
+        config if isinstance(config, dict) else None,
+        summary.get("data/vocab_fingerprint"),
+    )
 
 
 def weights(source: Source, model: nn.Module) -> dict[str, Tensor]:
@@ -186,8 +198,13 @@ def _worker0_row(source: Source, model: nn.Module) -> dict[str, Tensor]:
     processes, workers = int(file["processes"]), int(file["workers"])
     replicas = file["states"][processes - workers if processes > 1 else 0]["replicas"]
     layout = (source.config or {}).get("train", {}).get("channels_last", False)
-    return row_state_dict(model, replicas["params"][0], replicas["buffers"][0],
-                          replicas["int_buffers"][0], bool(layout))  # fmt: skip
+    return row_state_dict(
+        model,
+        replicas["params"][0],
+        replicas["buffers"][0],
+        replicas["int_buffers"][0],
+        bool(layout),
+    )
 
 
 @torch.no_grad()

@@ -97,8 +97,9 @@ class Hook:
         (`verdict.finished`: the run's last)."""
 
 
-def run_loop(run: Run, state: LoopState, hooks: Sequence[Hook], on_nonfinite: str = "stop"
-             ) -> Outcome:  # fmt: skip
+def run_loop(
+    run: Run, state: LoopState, hooks: Sequence[Hook], on_nonfinite: str = "stop"
+) -> Outcome:
     """Run steps from `state.step` on until the verdict says the run is finished (lockstep:
     after `run.total_steps`), or a stop request or a non-finite loss ends it (see the module
     docstring). The caller records stop requests (`stop.handling()`, held until the run's
@@ -167,8 +168,13 @@ def proposal(
     signum = stop.requested() or 0
     if not (signum or nonfinite or checkpoint or finished or io_failed):
         return GO_ON  # (most steps: a frozen dataclass built per step costs microseconds)
-    return Verdict(signum=signum, nonfinite=nonfinite, checkpoint=checkpoint, finished=finished,
-                   io_failed=io_failed)  # fmt: skip
+    return Verdict(
+        signum=signum,
+        nonfinite=nonfinite,
+        checkpoint=checkpoint,
+        finished=finished,
+        io_failed=io_failed,
+    )
 
 
 class _Rows:

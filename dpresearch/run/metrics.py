@@ -142,7 +142,7 @@ class MetricsLog(Hook):
                 {"train/acc": acc_sum / count if count else math.nan}
                 if run.data.classification
                 else {}
-            ),  # fmt: skip
+            ),
             **({"train/grad_norm": norms[0] / norms[1] if norms[1] else math.nan} if clips else {}),
             "lr": run.base_lr * run.schedule(done - 1),
             **bytes_per_worker(run),

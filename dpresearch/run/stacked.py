@@ -129,20 +129,31 @@ class _StackedLinear(torch.autograd.Function):
     several times slower, and its result would then be added into the rows transposed."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None,
-                grads: tuple[Tensor, Tensor | None]) -> Tensor:  # fmt: skip
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        grads: tuple[Tensor, Tensor | None],
+    ) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.grads = grads
         if weight.shape[1] <= THIN_OUTPUTS and x.device.type == "cpu":
             # A few outputs (a classifier): the CPU's product is ~1.6x faster as
             # weight @ xᵀ, the result read transposed.
             xt = x.transpose(1, 2)
-            out = torch.bmm(weight, xt) if bias is None else torch.baddbmm(bias[:, :, None],
-                                                                            weight, xt)  # fmt: skip
+            out = (
+                torch.bmm(weight, xt)
+                if bias is None
+                else torch.baddbmm(bias[:, :, None], weight, xt)
+            )
             return out.transpose(1, 2)
         transposed = weight.transpose(1, 2)
-        return torch.bmm(x, transposed) if bias is None else torch.baddbmm(bias[:, None], x,
-                                                                            transposed)  # fmt: skip
+        return (
+            torch.bmm(x, transposed)
+            if bias is None
+            else torch.baddbmm(bias[:, None], x, transposed)
+        )
 
     @staticmethod
     def backward(ctx: Any, out_grad: Tensor) -> tuple[Tensor | None, None, None, None]:
@@ -172,8 +183,15 @@ def _linear(stack: Stack, m: nn.Linear, x: Act) -> Act:
 
 
 def _conv2d(stack: Stack, m: nn.Conv2d, x: Act) -> Act:
-    out = F.conv2d(x.channels(), stack.flat(m.weight), stack.flat(m.bias), m.stride, m.padding,
-                   m.dilation, m.groups * stack.workers)  # fmt: skip
+    out = F.conv2d(
+        x.channels(),
+        stack.flat(m.weight),
+        stack.flat(m.bias),
+        m.stride,
+        m.padding,
+        m.dilation,
+        m.groups * stack.workers,
+    )
     return Act(out, CHANNELS, stack.workers)
 
 
@@ -187,11 +205,20 @@ def _batch_norm(stack: Stack, m: nn.modules.batchnorm._BatchNorm, x: Act) -> Act
     momentum = 0.0 if m.momentum is None else m.momentum
     if m.training and m.track_running_stats and m.num_batches_tracked is not None:
         stack.counters[id(m.num_batches_tracked)].add_(1)
-    stats = [stack.buffers.get(id(b)) if b is not None else None
-             for b in (m.running_mean, m.running_var)]  # fmt: skip
+    stats = [
+        stack.buffers.get(id(b)) if b is not None else None for b in (m.running_mean, m.running_var)
+    ]
     staged = [None if b is None else b.reshape(-1).clone() for b in stats]
-    out = F.batch_norm(data, staged[0], staged[1], stack.flat(m.weight), stack.flat(m.bias),
-                       training, momentum, m.eps)  # fmt: skip
+    out = F.batch_norm(
+        data,
+        staged[0],
+        staged[1],
+        stack.flat(m.weight),
+        stack.flat(m.bias),
+        training,
+        momentum,
+        m.eps,
+    )
     for view, new in zip(stats, staged, strict=True):
         if view is not None:
             view.copy_(new.view_as(view))
@@ -487,8 +514,9 @@ class StackedWorkers:
         else:
             index = torch.tensor(rows, device=reps.params.device)
             *gathered, grads = self._staged(len(rows))
-            for source, staged in zip((reps.params, reps.buffers, reps.int_buffers), gathered,
-                                      strict=False):  # fmt: skip
+            for source, staged in zip(
+                (reps.params, reps.buffers, reps.int_buffers), gathered, strict=False
+            ):
                 if staged.numel():
                     torch.index_select(source, 0, index, out=staged)
             stack = self._stack(gathered[0], grads.zero_(), gathered[1], gathered[2])
@@ -499,8 +527,7 @@ class StackedWorkers:
         (total * scale if scale != 1.0 else total).backward()
         if not contiguous:
             reps.grads.index_copy_(0, index, grads)
-            for target, staged in zip((reps.buffers, reps.int_buffers), gathered[1:],
-                                      strict=True):  # fmt: skip
+            for target, staged in zip((reps.buffers, reps.int_buffers), gathered[1:], strict=True):
                 if staged.numel():
                     target.index_copy_(0, index, staged)
         return losses.detach(), out.detach()

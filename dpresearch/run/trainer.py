@@ -244,8 +244,11 @@ class Trainer:
         """The sizes a report needs to judge its numbers: classes (chance level) and the
         examples behind each accuracy (its binomial standard error)."""
         data = self.built.data
-        facts = {"data/classes": data.num_classes, "data/train_examples": data.num_train,
-                 "data/test_examples": int(data.test_targets.shape[0])}  # fmt: skip
+        facts = {
+            "data/classes": data.num_classes,
+            "data/train_examples": data.num_train,
+            "data/test_examples": int(data.test_targets.shape[0]),
+        }
         if data.val_targets is not None:
             facts["data/val_examples"] = int(data.val_targets.shape[0])
         return {**facts, **data.facts()}

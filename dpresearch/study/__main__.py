@@ -127,12 +127,16 @@ def _shipped_status(study, out: Path, study_file: Path) -> bool:
     if not study.data_path.exists() or ((out / "runs").is_dir() and find_runs([out / "runs"])):
         return False
     points = packed_points(study)
-    print(f"== study {study.name}: no runs under {out / 'runs'}; its shipped run data "
-          f"({study.data_path.name}) holds {len(points)} runs:")  # fmt: skip
+    print(
+        f"== study {study.name}: no runs under {out / 'runs'}; its shipped run data "
+        f"({study.data_path.name}) holds {len(points)} runs:"
+    )
     print("\n".join(describe(tally(study, points))))
-    print(f"== to add runs (more seeds, a grown grid): python -m dpresearch.study unpack "
-          f"{study_file} --out {out}, then `run {study_file} --out {out}` runs only what is "
-          "missing")  # fmt: skip
+    print(
+        f"== to add runs (more seeds, a grown grid): python -m dpresearch.study unpack "
+        f"{study_file} --out {out}, then `run {study_file} --out {out}` runs only what is "
+        "missing"
+    )
     return True
 
 

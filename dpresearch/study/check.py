@@ -25,9 +25,21 @@ from dpresearch.data.base import Dataset
 from dpresearch.study.spec import Study, StudyError
 
 # What a run's summary reports that a study may select on or aim at.
-METRICS = ("train/loss", "train/acc", "val/loss", "val/acc", "test/loss", "test/acc",
-           "best/test_acc", "test/acc_local_mean", "test/acc_local_min", "test/bpc", "val/bpc",
-           "test/ppl", "val/ppl")  # fmt: skip
+METRICS = (
+    "train/loss",
+    "train/acc",
+    "val/loss",
+    "val/acc",
+    "test/loss",
+    "test/acc",
+    "best/test_acc",
+    "test/acc_local_mean",
+    "test/acc_local_min",
+    "test/bpc",
+    "val/bpc",
+    "test/ppl",
+    "val/ppl",
+)
 
 
 def check_study(study: Study) -> None:
@@ -44,8 +56,12 @@ def check_study(study: Study) -> None:
         also = case.also or (study.case(case.lr_from).also if case.lr_from else ())
         tuned = tuple(f"{key}={grid.values[0]!r}" for key, grid in also)
         cfg = _compose(study, (*case.overrides, *tuned), f"case {case.name!r}", grid[0])
-        if (metric is not None and metric.startswith("val/") and not cfg.train.val_size
-                and not dataset_class(cfg.data).own_validation):  # fmt: skip
+        if (
+            metric is not None
+            and metric.startswith("val/")
+            and not cfg.train.val_size
+            and not dataset_class(cfg.data).own_validation
+        ):
             raise StudyError(
                 f"select: {study.select} needs a validation split, but case {case.name!r} has "
                 "train.val_size=0; add e.g. train.val_size=0.1 to common"

@@ -164,8 +164,13 @@ def run_local(point: Point, run_dir: Path, overrides: list[str], jobs: int = 1) 
     `run_dir/launcher.log`."""
     from dpresearch.config.cli_check import quote_value
 
-    cmd = [sys.executable, "-m", "dpresearch.train", *overrides,
-           f"hydra.run.dir={quote_value(str(run_dir))}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "dpresearch.train",
+        *overrides,
+        f"hydra.run.dir={quote_value(str(run_dir))}",
+    ]
     with (run_dir / "launcher.log").open("w") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
@@ -197,10 +202,17 @@ def _hydra_group(study: Study, points: list[Point], out: Path, launcher: str | N
     first = points[0]
     overrides = [o for o in _point_overrides(study, first, "${seed}") if not o.startswith("seed=")]
     lr_dir = out / first.dir.parent
-    cmd = [sys.executable, "-m", "dpresearch.train", "-m", *overrides,
-           "seed=" + ",".join(str(p.seed) for p in points),
-           f"hydra.sweep.dir={quote_value(str(lr_dir))}", "hydra.sweep.subdir=seed${seed}",
-           *([f"hydra/launcher={launcher}"] if launcher else [])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "dpresearch.train",
+        "-m",
+        *overrides,
+        "seed=" + ",".join(str(p.seed) for p in points),
+        f"hydra.sweep.dir={quote_value(str(lr_dir))}",
+        "hydra.sweep.subdir=seed${seed}",
+        *([f"hydra/launcher={launcher}"] if launcher else []),
+    ]
     with (lr_dir / "launcher.log").open("a") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
@@ -309,8 +321,14 @@ def run_study(
     if not dry_run:
         check_tuning_seeds(study)
     out = Path(out).resolve()
-    run = dict(launcher=launcher, jobs=jobs, hydra_launcher=hydra_launcher, dry_run=dry_run,
-               log=log, start_until=start_until)  # fmt: skip
+    run = dict(
+        launcher=launcher,
+        jobs=jobs,
+        hydra_launcher=hydra_launcher,
+        dry_run=dry_run,
+        log=log,
+        start_until=start_until,
+    )
     records = _run_points(study, out, study.points(only), **run)
     if not dry_run and not all(r.get("status") in DONE for r in records.values()):
         log("== some grid points did not finish; the extensions and final seeds wait for them")
@@ -320,13 +338,20 @@ def run_study(
     while True:
         found = study_horizons(study, out)
         grow = {case: new for case, new in extensions(study, found).items() if case in wanted}
-        new = [study.point(study.case(case), setting, seed) for case, settings in grow.items()
-               for setting in settings for seed in study.selection_seeds]  # fmt: skip
+        new = [
+            study.point(study.case(case), setting, seed)
+            for case, settings in grow.items()
+            for setting in settings
+            for seed in study.selection_seeds
+        ]
         if not new:
             break
         for case, settings in grow.items():
-            why = ("the pick is at an edge of its grid" if any(case in h.picks for h in found)
-                   else "no lr tried can be picked (every one failed)")  # fmt: skip
+            why = (
+                "the pick is at an edge of its grid"
+                if any(case in h.picks for h in found)
+                else "no lr tried can be picked (every one failed)"
+            )
             shown = [study.point(study.case(case), s, 0).tuned for s in settings]
             log(f"== {case}: {why}; adding " + ", ".join(shown))
         if dry_run:
@@ -340,8 +365,10 @@ def run_study(
     final = study.final_points(lrs, only)
     unselected = sorted(c for c in wanted if not study.case(c).lr_from and c not in lrs)
     if dry_run:
-        log(f"== then the final seeds at each case's selected lr(s): {len(final)} points"
-            + (f" ({len(unselected)} cases not selectable yet)" if unselected else ""))  # fmt: skip
+        log(
+            f"== then the final seeds at each case's selected lr(s): {len(final)} points"
+            + (f" ({len(unselected)} cases not selectable yet)" if unselected else "")
+        )
     elif unselected:
         log(f"== no lr could be selected for {', '.join(unselected)}: their final seeds wait")
     if final:
@@ -380,8 +407,10 @@ def _run_points(
             tried = ", ".join(f"{lr:g}" for lr in sorted(lrs[case]))
             log(f"   {case}: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
                 + f" (lrs {tried})")  # fmt: skip
-        return {p.id: {"case": p.case, "lr": p.lr, "seed": p.seed, "status": state}
-                for p, state in states}  # fmt: skip
+        return {
+            p.id: {"case": p.case, "lr": p.lr, "seed": p.seed, "status": state}
+            for p, state in states
+        }
     (out / "runs").mkdir(parents=True, exist_ok=True)
     shutil.copyfile(study.path, out / "study.yaml")
     book = StatusBook(out / "status.json", study)

@@ -21,51 +21,44 @@ What a report states (one rule for every study):
   column beside ours; a row measured in another setting than the case it names (its `differs`
   column) or naming no case goes to a second table, "published, other setting", naming what
   differs.
-- **Counts** a reading quotes, in the notes (`summary_sentences`): the runs by role, the grids
-  grown, and per horizon how many picks are interior, at an edge and within noise — so that no
-  README types a count by hand (`tests/test_study_readme_counts.py` ties each to the run data).
+- **Counts** a reading quotes, in the notes (`counts.summary_sentences`): the runs by role, the
+  grids grown, and per horizon how many picks are interior, at an edge and within noise — so
+  that no README types a count by hand (`tests/test_study_readme_counts.py` ties each to the
+  run data).
+
+This module loads the run data, builds the `StudyReport` and writes results.md and the result
+files; the tables' cells and frames are `study.tables`, the claim's verdicts `study.claims`,
+the plots `study.figures`, the counts `study.counts`.
 """
 
 from __future__ import annotations
 
-import math
 import shlex
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dpresearch import SOURCE_ROOT
-from dpresearch.analysis.aggregate import Selection, default_mode, duplicate_seed_notes
+from dpresearch.analysis.aggregate import Selection, duplicate_seed_notes
 from dpresearch.analysis.errors import AnalysisError
-from dpresearch.analysis.quality import is_accuracy, mark_untrained, standard_error
+from dpresearch.analysis.quality import mark_untrained
 from dpresearch.analysis.runs import FINISHED, STATUSES, find_runs
-from dpresearch.analysis.tables import (
-    MISSING,
-    latex_table,
-    markdown_table,
-    mean_std,
-    megabytes,
-    percent,
-    significant,
-    with_spread,
-)
+from dpresearch.analysis.tables import latex_table, markdown_table
+from dpresearch.study.claims import Z, claim_frame
+from dpresearch.study.counts import summary_sentences
+from dpresearch.study.figures import plot_files
 from dpresearch.study.select import (
     Horizon,
-    Pick,
-    case_columns,
     examples_behind,
     horizons,
     lr_column,
     selection_of,
-    setting_of,
     tuned_columns,
+    untuned,
 )
 from dpresearch.study.spec import Study, StudyError, slug
-
-MB = 1e6
-FINAL_RUNS = "final seeds at its selected lr"  # what a plotted case averages
-Z = 2.0  # a claim holds where the difference exceeds Z standard errors
+from dpresearch.study.tables import grid_frame, published_frame, result_metrics, results_frame
 
 
 # -- run data ------------------------------------------------------------------------------------
@@ -150,7 +143,7 @@ def build(study: Study, header: dict, runs, metrics, include_failed: bool = Fals
                 if final
                 else "; no final seeds: the results tables "
                 "show the tuning seeds' own values, which the selection favours"
-            )  # fmt: skip
+            )
         )
     if len(study.selection_seeds) < 2:
         report.notes.append(
@@ -163,109 +156,6 @@ def build(study: Study, header: dict, runs, metrics, include_failed: bool = Fals
         report.notes.append(f"run data: {header['source']}")
     report.notes += summary_sentences(report)
     return report
-
-
-# -- counts a README quotes (issue 32: counts are generated, not typed) --------------------------
-@dataclass(frozen=True)
-class PickCounts:
-    """At one horizon (or summed over several): `tuned` cases with a grid of their own,
-    `picks` of them with a selectable lr, `edge` picks at an edge of the lrs tried (`bound` of
-    them with the bound reached), `close` picks won within noise."""
-
-    tuned: int
-    picks: int
-    edge: int
-    bound: int
-    close: int
-
-    @property
-    def interior(self) -> int:
-        return self.picks - self.edge
-
-    def __add__(self, other: PickCounts) -> PickCounts:
-        return PickCounts(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
-
-
-def pick_counts(study: Study, horizon: Horizon) -> PickCounts:
-    picks = horizon.picks.values()
-    return PickCounts(
-        sum(c.lr_from is None for c in study.cases),
-        len(picks),
-        sum(bool(p.edge) for p in picks),
-        sum(p.bound_reached for p in picks),
-        sum(p.close for p in picks),
-    )
-
-
-def run_counts(study: Study, runs) -> dict[str, int]:
-    """How many runs did what: `grid` on the tuning seeds at their case's initial lrs,
-    `extensions` on the tuning seeds at lrs a grid extension added, `final` the rest (the final
-    seeds, and cases that reuse another case's lr)."""
-    tuning = runs[runs["cfg.seed"].isin(list(study.selection_seeds))]
-    own = {c.name: set(c.settings()) for c in study.cases if c.lr_from is None}
-    tuned = tuning[tuning["case"].isin(own)]
-    grid = sum(setting_of(row, case_columns(study, row["case"])) in own[row["case"]]
-               for _, row in tuned.iterrows())  # fmt: skip
-    return {"grid": grid, "extensions": len(tuned) - grid, "final": len(runs) - len(tuned)}
-
-
-def grown_grids(study: Study, runs) -> dict[str, tuple[int, int]]:
-    """Each tuned case whose tuning seeds ran values beyond its initial grid → (how many above
-    its largest initial lr, how many below its smallest; with `tune_also`, summed over the
-    tuned keys)."""
-    tuning = runs[runs["cfg.seed"].isin(list(study.selection_seeds))]
-    out = {}
-    for case in study.cases:
-        if case.lr_from is not None or not case.lrs:
-            continue
-        up = down = 0
-        grids = [case.grid, *(grid for _, grid in case.also)]
-        for grid, column in zip(grids, case_columns(study, case.name), strict=True):
-            tried = {float(v) for v in tuning[tuning["case"] == case.name][column].dropna()}
-            up += sum(v > max(grid.values) for v in tried)
-            down += sum(v < min(grid.values) for v in tried)
-        if up or down:
-            out[case.name] = (up, down)
-    return out
-
-
-def _picks_sentence(counts: PickCounts, where: str) -> str:
-    n = counts.picks
-    text = (
-        f"picks{where}: {counts.interior} of {n} interior, {counts.edge} at an edge of the lrs "
-        f"tried ({counts.bound} with the bound reached); {counts.close} of {n} won within noise"
-    )
-    missing = counts.tuned - n
-    if missing > 0:
-        text += f"; {missing} of {counts.tuned} tuned cases with no selectable lr"
-    return text
-
-
-def summary_sentences(report: StudyReport) -> list[str]:
-    """The counts a reading quotes, stated by the report so that none is typed by hand: the
-    runs by role, the grids grown, and the picks at each horizon (and over all of them)."""
-    study = report.study
-    if untuned(study):
-        return [f"runs: {len(report.runs)}, every case at one lr (no grid, nothing selected)"]
-    runs = run_counts(study, report.runs)
-    grown = grown_grids(study, report.runs)
-    tuned = sum(c.lr_from is None for c in study.cases)
-    lines = [
-        f"runs by role: {runs['grid']} on the tuning seeds at the initial grids' lrs, "
-        f"{runs['extensions']} on the tuning seeds at lrs added by grid extensions, "
-        f"{runs['final']} final-seed or reused-lr runs",
-        f"grids grown past their initial lrs: {len(grown)} of {tuned} tuned cases "
-        f"({sum(u > 0 for u, _ in grown.values())} upwards, "
-        f"{sum(d > 0 for _, d in grown.values())} downwards)",
-    ]
-    counts = [pick_counts(study, h) for h in report.horizons]
-    if len(counts) == 1:
-        return [*lines, _picks_sentence(counts[0], "")]
-    lines += [_picks_sentence(c, f" at {h.label}") for c, h in zip(counts, report.horizons,
-                                                                   strict=True)]  # fmt: skip
-    total = sum(counts[1:], counts[0])
-    lines.append(_picks_sentence(total, f" over the {len(counts)} horizons"))
-    return lines
 
 
 REPRICED = "comm/modeled_s@"
@@ -285,338 +175,14 @@ def with_repriced_totals(study: Study, runs):
     return runs
 
 
-def _final_runs(report: StudyReport, horizon: Horizon, case: str, pick: Pick):
-    """The runs a case's results row averages: the final seeds at the pick's setting (a case
-    reusing another's lr: all its seeds; no final seeds: the tuning seeds)."""
-    study, runs = report.study, horizon.runs
-    rows = runs[runs["case"] == case]
-    for column, value in zip(case_columns(study, case), pick.setting, strict=True):
-        rows = rows[rows[column] == value]
-    seeds = study.final_seeds or study.selection_seeds
-    return rows[rows["cfg.seed"].isin(list(seeds))]
-
-
-def _pick_for(horizon: Horizon, study: Study, case: str) -> Pick | None:
-    return horizon.picks.get(study.case(case).lr_from or case)
-
-
-def _statuses(rows) -> str:
-    failed = rows[rows["status"] != FINISHED]["status"].value_counts()
-    return ", ".join(f"{n} {s}" for s, n in failed.items())
-
-
-def _failed_text(rows) -> str:
-    kinds = set(rows["status"]) - {FINISHED}
-    return "/".join(sorted(kinds)) if kinds else MISSING
-
-
-def _mean_cell(rows, metric: str, include_failed: bool, fmt) -> tuple[str, float, float, int]:
-    """(cell text "mean ± std", mean, std, n) over the finished rows (all with
-    include_failed); the failure status when none is usable."""
-    import pandas as pd
-
-    usable = rows if include_failed else rows[rows["status"] == FINISHED]
-    values = pd.to_numeric(usable[metric], errors="coerce").dropna() if metric in usable else []
-    if len(values) == 0:
-        return (_failed_text(rows) if len(rows) else MISSING), math.nan, math.nan, 0
-    mean = float(values.mean())
-    std = float(values.std(ddof=1)) if len(values) > 1 else math.nan
-    return mean_std(mean, std, fmt), mean, std, len(values)
-
-
-def _fmt_for(metric: str):
-    """Accuracies in % with one decimal; anything else None: three significant figures, the
-    spread to the same decimal place (`with_spread`)."""
-    return percent if is_accuracy(metric) else None
-
-
-def _metric_head(metric: str, labels: dict[str, str] | None = None) -> str:
-    from dpresearch.analysis.plots import axis_label
-
-    return axis_label(metric, labels)[0]
-
-
-def _pm(mean: float, se: float, metric: str) -> str:
-    """ "mean ± SE" in the metric's format (SE "unknown" when it is not known)."""
-    fmt = _fmt_for(metric)
-    if fmt is None:
-        return with_spread(mean, se) if math.isfinite(se) else f"{significant(mean)} ± unknown"
-    return f"{fmt(mean)} ± {fmt(se) if math.isfinite(se) else 'unknown'}"
-
-
-def _one(value: float, metric: str) -> str:
-    fmt = _fmt_for(metric)
-    return significant(value, 2) if fmt is None else fmt(value)
-
-
-def _selection_cell(pick: Pick, metric: str) -> str:
-    return f"{_pm(pick.value, pick.se, metric)} (n={pick.n})"
-
-
-def _pick_note(pick: Pick, metric: str, study: Study) -> str:
-    """Per tuned key (the lr first): an edge pick, and a choice won within noise."""
-    case = study.case(pick.case)
-    grids = [case.grid, *(grid for _, grid in case.also)]
-    notes = []
-    for axis, grid in zip(pick.axes, grids, strict=True):
-        name = "lr" if axis.key == study.lr_key else axis.key
-        if axis.edge:
-            notes.append(
-                f"{axis.edge} {name} tried: bound reached ({grid.describe()})"
-                if axis.bound_reached
-                else f"{axis.edge} {name} tried: the grid is still being extended"
-            )
-        if axis.runner_up is not None and axis.close:
-            se = _one(axis.margin_se, metric) if math.isfinite(axis.margin_se) else "unknown"
-            notes.append(
-                f"won by {_one(axis.margin, metric)} < SE {se} over {name} "
-                f"{axis.runner_up:g}: within noise"
-            )
-    return "; ".join(notes)
-
-
-def _also_values(study: Study, case: str, setting: Sequence[float]) -> dict[str, Any]:
-    """Each `tune_also` key of the study → the setting's value of it (MISSING where the case
-    does not tune it)."""
-    columns = case_columns(study, case)[1:]
-    mine = dict(zip((c.removeprefix("cfg.") for c in columns), setting[1:], strict=True))
-    return {key: mine.get(key, MISSING) for key in study.also_keys}
-
-
-def _setting_label(study: Study, case: str, setting: Sequence[float]) -> str:
-    """`lr 0.1`, or `lr 0.1, outer.optimizer.lr 0.7` (a plot's series)."""
-    also = [f", {k} {v:g}" for k, v in _also_values(study, case, setting).items() if v != MISSING]
-    return f"lr {setting[0]:g}" + "".join(also)
-
-
-def _raw_label(study: Study, raw: dict) -> str:
-    """`_setting_label` of a results.csv row."""
-    also = [f", {k} {raw[k]:g}" for k in study.also_keys if math.isfinite(raw.get(k, math.nan))]
-    return f"lr {raw['lr']:g}" + "".join(also)
-
-
-RESULT_METRICS = ("test/acc", "train/loss")
-
-
-def _lr_head(study: Study) -> str:
-    """The tables' lr column: "lr", or the key it sets where that is not the optimizer's lr
-    (a study of the outer lr)."""
-    return "lr" if study.lr_key == "optimizer.lr" else f"lr ({study.lr_key})"
-
-
-def result_metrics(report: StudyReport) -> list[str]:
-    study, runs = report.study, report.runs
-    wanted = [study.claim.metric] if study.claim else []
-    wanted += [study.target_metric, *RESULT_METRICS, *study.metrics]
-    return [m for m in dict.fromkeys(wanted) if m in runs]
-
-
-def results_frame(report: StudyReport, horizon: Horizon):
-    """(shown strings, raw numbers) of the results table at `horizon`: one row per case."""
-    import pandas as pd
-
-    study, metric = report.study, report.selection.metric
-    metrics = result_metrics(report)
-    shown, raw = [], []
-    for case in study.cases:
-        pick = _pick_for(horizon, study, case.name)
-        row = {"case": case.name}
-        values: dict[str, Any] = {"case": case.name, "horizon": horizon.epochs}
-        if pick is None:
-            row.update({_lr_head(study): MISSING, **dict.fromkeys(study.also_keys, MISSING),
-                        _selection_head(study, metric): MISSING})  # fmt: skip
-            rows = horizon.runs[horizon.runs["case"] == case.name]
-            for m in metrics:
-                row[_metric_head(m, study.labels)] = _failed_text(rows) if len(rows) else "not run"
-            row["MB sent per worker per epoch"] = MISSING
-            row["n"] = "0"
-            row["note"] = "no lr could be selected" if len(rows) else "not run"
-            shown.append(row)
-            raw.append(values)
-            continue
-        rows = _final_runs(report, horizon, case.name, pick)
-        row[_lr_head(study)] = f"{pick.lr:g}"
-        values["lr"] = pick.lr
-        for key, value in _also_values(study, case.name, pick.setting).items():
-            row[key] = value if value == MISSING else f"{value:g}"
-            values[key] = math.nan if value == MISSING else value
-        row[_selection_head(study, metric)] = (
-            _selection_cell(pick, metric) if case.lr_from is None else f"lr of {case.lr_from}"
-        )
-        values.update({"selection_mean": pick.value, "selection_se": pick.se})
-        n = 0
-        for m in metrics:
-            text, mean, std, n_m = _mean_cell(rows, m, report.include_failed, _fmt_for(m))
-            row[_metric_head(m, study.labels)] = text
-            values.update({m: mean, f"{m} std": std})
-            n = max(n, n_m)
-        per_epoch = "comm/bytes_per_epoch"
-        if per_epoch in rows:
-            text, mean, _, _ = _mean_cell(rows, per_epoch, report.include_failed,
-                                          lambda v: megabytes(v / MB))  # fmt: skip
-            row["MB sent per worker per epoch"] = text.split(" ± ")[0]
-            values["MB_per_epoch"] = mean / MB if math.isfinite(mean) else math.nan
-        row["n"] = f"{n}/{len(rows)}" if n != len(rows) else str(n)
-        values["n"] = n
-        notes = [_pick_note(pick, metric, study)] if case.lr_from is None else []
-        failed = _statuses(rows)
-        if failed:
-            notes.append(failed)
-        if not len(rows):
-            notes.append("final seeds not run yet")
-        row["note"] = "; ".join(x for x in notes if x)
-        shown.append(row)
-        raw.append(values)
-    return pd.DataFrame(shown), pd.DataFrame(raw)
-
-
-def grid_frame(report: StudyReport, horizon: Horizon):
-    """Every lr tried, tuning seeds and final seeds in separate columns (strings)."""
-    import pandas as pd
-
-    study, metric = report.study, report.selection.metric
-    runs = horizon.runs
-    main = study.claim.metric if study.claim else study.target_metric
-    rows = []
-    for case in study.cases:
-        frame = runs[runs["case"] == case.name]
-        pick = _pick_for(horizon, study, case.name)
-        columns = case_columns(study, case.name)
-        tried = frame[columns].dropna().drop_duplicates()
-        for setting in sorted(setting_of(r, columns) for _, r in tried.iterrows()):
-            at = frame
-            for column, value in zip(columns, setting, strict=True):
-                at = at[at[column] == value]
-            tuning = at[at["cfg.seed"].isin(list(study.selection_seeds))]
-            final = at[~at["cfg.seed"].isin(list(study.selection_seeds))]
-            if case.lr_from is not None:
-                tuning, final = tuning.iloc[:0], at
-            row = {"case": case.name, _lr_head(study): f"{setting[0]:g}"}
-            for key, value in _also_values(study, case.name, setting).items():
-                row[key] = value if value == MISSING else f"{value:g}"
-            for name, part in (("tuning", tuning), ("final", final)):
-                seeds = ",".join(str(int(s)) for s in sorted(part["cfg.seed"]))
-                row[f"{name} seeds"] = seeds or MISSING
-                text, mean, std, n = _mean_cell(part, metric, report.include_failed,
-                                                _fmt_for(metric))  # fmt: skip
-                if name == "tuning" and n:
-                    se = standard_error(mean, std, n, examples_behind(runs, metric))
-                    text = f"{_pm(mean, se, metric)} (SE)" if math.isfinite(se) else text
-                row[f"{name}: {metric}"] = text if len(part) else MISSING
-                if main != metric:
-                    row[f"{name}: {main}"] = (
-                        _mean_cell(part, main, report.include_failed, _fmt_for(main))[0]
-                        if len(part)
-                        else MISSING  # fmt: skip
-                    )
-                failed = _statuses(part)
-                row[f"{name}: not usable"] = failed
-            row["selected"] = "✓" if pick is not None and pick.setting == setting else ""
-            rows.append(row)
-    frame = pd.DataFrame(rows)
-    for name in ("tuning", "final"):
-        column = f"{name}: not usable"
-        if column in frame and not frame[column].astype(bool).any():
-            frame = frame.drop(columns=column)
-    return frame
-
-
-def _side(report: StudyReport, horizon: Horizon, case: str, metric: str):
-    """(mean, SE, n, failure text) of a case's results row on `metric`."""
-    pick = _pick_for(horizon, report.study, case)
-    if pick is None:
-        return math.nan, math.nan, 0, "no lr selected"
-    rows = _final_runs(report, horizon, case, pick)
-    text, mean, std, n = _mean_cell(rows, metric, report.include_failed, str)
-    se = standard_error(mean, std, n, examples_behind(horizon.runs, metric))
-    return mean, se, n, ("" if n else (text if len(rows) else "not run"))
-
-
-def verdict(report: StudyReport, horizon: Horizon, expectation) -> str:
-    """One expectation judged at one horizon (see the module docstring)."""
-    study = report.study
-    metric = study.claim.metric
-    a, se_a, n_a, why_a = _side(report, horizon, expectation.case, metric)
-    b, se_b, n_b, why_b = _side(report, horizon, expectation.other, metric)
-    if not n_a or not n_b:
-        if not n_a and n_b and why_a in ("diverged", "did not train", "diverged/did not train"):
-            return f"does not hold ({expectation.case}: {why_a})"
-        if n_a and not n_b and why_b in ("diverged", "did not train", "diverged/did not train"):
-            return f"holds ({expectation.other}: {why_b})"
-        return "not testable (" + "; ".join(x for x in (why_a, why_b) if x) + ")"
-    diff = (a - b) if default_mode(metric) == "max" else (b - a)  # > 0: `case` is better
-    se = math.hypot(se_a, se_b) if math.isfinite(se_a) and math.isfinite(se_b) else math.nan
-    if is_accuracy(metric):
-        text = (
-            f"{100 * diff:+.1f}" + (f" ± {100 * se:.1f}" if math.isfinite(se) else "") + " points"
-        )
-    else:
-        text = f"{diff:+.3g} ± {se:.2g}" if math.isfinite(se) else f"{diff:+.3g}"
-    if not math.isfinite(se):
-        text += ", SE unknown"
-    if min(n_a, n_b) == 1:  # the SE holds no seed-to-seed spread: the verdict says so
-        text += ", one final seed"
-    if not math.isfinite(se):
-        return f"unresolved ({text})"
-    low = -expectation.within if expectation.within is not None else 0.0
-    if diff - Z * se > low:
-        return f"holds ({text})"
-    if diff + Z * se < low:
-        return f"does not hold ({text})"
-    return f"unresolved ({text})"
-
-
-def claim_frame(report: StudyReport):
-    import pandas as pd
-
-    study = report.study
-    rows = []
-    for expectation in study.claim.expect:
-        row = {"expectation": expectation.describe(study.claim.metric)}
-        for horizon in report.horizons:
-            row[f"at {horizon.label}"] = verdict(report, horizon, expectation)
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
-# -- published numbers ---------------------------------------------------------------------------
-PUBLISHED_REQUIRED = ("value", "unit", "source")
-
-
-def published_frame(study: Study):
-    """The study's published numbers (a CSV beside it), checked: every row has a value, a
-    unit and a source; shown as they are, in a table of their own. `case` names the study's
-    case a row sits beside (empty: context); rows naming a case this study does not have
-    belong to another study reading the same file and are left out."""
-    import pandas as pd
-
-    if not study.published:
-        return None
-    path = study.path.parent / study.published["file"]
-    if not path.exists():
-        raise StudyError(f"published-numbers file {path} does not exist")
-    frame = pd.read_csv(path, dtype=str, keep_default_na=False)
-    missing = [c for c in PUBLISHED_REQUIRED if c not in frame]
-    if missing:
-        raise StudyError(f"{path.name} needs the columns {', '.join(PUBLISHED_REQUIRED)}; "
-                         f"missing {', '.join(missing)}")  # fmt: skip
-    for i, row in frame.iterrows():
-        empty = [c for c in PUBLISHED_REQUIRED if not str(row[c]).strip()]
-        if empty:
-            raise StudyError(f"{path.name} row {i + 2}: no {', '.join(empty)}")
-    if "case" in frame:  # rows for cases another study of the same file has are left out
-        names = {c.name for c in study.cases}
-        frame = frame[frame["case"].isin(names) | (frame["case"] == "")]
-    return frame
-
-
 # -- output --------------------------------------------------------------------------------------
 def _horizon_sentence(report: StudyReport) -> str:
     study, runs = report.study, report.runs
     epochs = runs["epoch"].dropna() if "epoch" in runs else []
     steps = runs["total_steps"].dropna() if "total_steps" in runs else []
     length = (f"{float(max(epochs)):g} epochs" if len(epochs) else "their own length") + (
-        f" ({int(max(steps))} steps)" if len(steps) else "")  # fmt: skip
+        f" ({int(max(steps))} steps)" if len(steps) else ""
+    )
     if study.claim and study.claim.horizons:
         from dpresearch.study.select import HORIZON_UNITS
 
@@ -663,7 +229,10 @@ def describe(report: StudyReport) -> list[str]:
     se_rule = "the seeds' spread s/√n" + (
         f" combined with the binomial error √(p(1−p)/N) of the {int(examples)}-example split "
         "it is measured on (the same split in every seed, so averaging seeds cannot remove "
-        "it)" if examples else "")  # fmt: skip
+        "it)"
+        if examples
+        else ""
+    )
     if untuned(study):
         lines.append(
             "**Selection:** none: every case runs at one lr (no grid), so no run is chosen over "
@@ -706,18 +275,6 @@ def describe(report: StudyReport) -> list[str]:
     return lines
 
 
-def _selection_head(study: Study, metric: str) -> str:
-    """The results table's column of the selection metric: what selected each case's lr, or,
-    in a study that selects nothing, that metric over every seed of the case."""
-    head = _metric_head(metric, study.labels)
-    return f"{head}, every seed" if untuned(study) else f"selection: {head}"
-
-
-def untuned(study: Study) -> bool:
-    """Whether no case of `study` selects an lr (each runs at one lr of its own)."""
-    return all(len(c.settings()) == 1 and c.lr_from is None for c in study.cases)
-
-
 def _results_and_bytes(report: StudyReport, averaged: str) -> list[str]:
     """The Results, Bytes and Verdicts paragraphs; `averaged`: what a results row is a mean
     over."""
@@ -732,7 +289,7 @@ def _results_and_bytes(report: StudyReport, averaged: str) -> list[str]:
             " (here diverged and unfinished runs are included: --include-failed.)"
             if report.include_failed
             else ""
-        )  # fmt: skip
+        )
     ]
     if "comm/bytes_per_epoch" in report.runs:
         lines.append(
@@ -789,91 +346,6 @@ def published_markdown(frame) -> list[str]:
     return lines
 
 
-def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
-    """Each case's final accuracy against its bytes per epoch (the last horizon), then curves
-    of each case at its selected lr (the last horizon's pick, final seeds): accuracy and loss
-    against epochs, bytes, modeled and simulated time; the study's extra curves against epochs.
-    Returns (path, figure) pairs."""
-    from dpresearch.analysis.plots import plot_groups, plot_points
-    from dpresearch.analysis.timing import add_modeled_time, modeled_column
-
-    study, horizon = report.study, report.last
-    metrics = report.metrics
-    for network in study.networks:
-        metrics = add_modeled_time(metrics, report.runs, network)
-    groups: dict[str, list[str]] = {}
-    for case in study.cases:
-        pick = _pick_for(horizon, study, case.name)
-        if pick is None:
-            continue
-        rows = _final_runs(report, horizon, case.name, pick)
-        rows = rows[rows["status"] == FINISHED] if not report.include_failed else rows
-        if len(rows):
-            groups[f"{case.name}, {_setting_label(study, case.name, pick.setting)}"] = list(
-                rows["run"]
-            )
-    written = []
-    _, raw = results_frame(report, horizon)
-    main = study.claim.metric if study.claim else study.target_metric
-    if "MB_per_epoch" in raw and main in raw:
-        points = [
-            (f"{r['case']}, {_raw_label(study, r)}", r["MB_per_epoch"], r[main], r[f"{main} std"])
-            for r in raw.to_dict("records")
-            if math.isfinite(r.get("MB_per_epoch", math.nan)) and math.isfinite(r[main])
-        ]
-        if points:
-            stem = f"{main}_vs_MB_per_epoch".replace("/", "_")
-            path = out / f"{stem}.png"
-            suffix = "" if len(report.horizons) == 1 else f", at {horizon.label}"
-            written.append((path, plot_points(points, "MB_per_epoch", main, path,
-                                               study.title + suffix, study.labels,
-                                               over=FINAL_RUNS)))  # fmt: skip
-    for name in study.histograms:
-        series = {}
-        for label, runs in groups.items():
-            rows = report.runs[report.runs["run"].isin(runs)]
-            counts: list[float] = []
-            for hist in rows.get(name, ()):
-                if isinstance(hist, list):
-                    counts += [0.0] * max(0, len(hist) - len(counts))
-                    for i, h in enumerate(hist):
-                        counts[i] += h
-            if counts:
-                series[label] = counts
-        if series:
-            from dpresearch.analysis.plots import axis_label, plot_histograms
-
-            path = out / f"{name.replace('/', '_')}.png"
-            xlabel, _ = axis_label(name, study.labels)
-            fig = plot_histograms(series, xlabel, "gradients (count, summed over the runs)",
-                                  path, study.title, what="gradients applied at each staleness, "
-                                  "summed over the case's final-seed runs")  # fmt: skip
-            written.append((path, fig))
-    # tokens: the x axis of a language model (logged by text data), beside epochs
-    xs = ["epoch", "tokens", "comm/bytes", *(modeled_column(n) for n in study.networks or [None])]
-    xs += ["time/simulated_s", "time/modeled_s"]
-    ys = [m for m in dict.fromkeys([*result_metrics(report), *study.curves])
-          if m in metrics and m not in xs]  # fmt: skip
-    # curves only against epochs, but the selection metric (validation) against every x
-    selection = report.selection.metric
-    vlines = list(study.claim.horizons) if study.claim and study.claim.horizons else []
-    horizon_key = study.claim.horizon_key if study.claim else "epoch"
-    for y in ys:
-        for x in xs:
-            if x not in metrics or metrics[x].isna().all() or not metrics[y].notna().any():
-                continue
-            curve_only = y in study.curves and y not in result_metrics(report) and y != selection
-            if curve_only and x != "epoch":
-                continue
-            stem = f"{y}_vs_{x}".replace("/", "_").replace("@", "_")
-            path = out / f"{stem}.png"
-            fig = plot_groups(metrics, groups, x, y, [path], title=study.title,
-                              vlines=vlines if x == horizon_key else (),
-                              labels=study.labels, over=FINAL_RUNS)  # fmt: skip
-            written.append((path, fig))
-    return written
-
-
 def render(report: StudyReport, plots: Sequence[tuple[Path, Any]], command: str) -> str:
     study = report.study
     lines = [f"# {study.title}", ""]
@@ -888,8 +360,12 @@ def render(report: StudyReport, plots: Sequence[tuple[Path, Any]], command: str)
         lines += [line, ""]
     if study.claim and study.claim.expect:
         frame = claim_frame(report)
-        lines += ["## Claim: which result holds at which horizon", "",
-                  markdown_table(frame, list(frame.columns)), ""]  # fmt: skip
+        lines += [
+            "## Claim: which result holds at which horizon",
+            "",
+            markdown_table(frame, list(frame.columns)),
+            "",
+        ]
     for horizon in report.horizons:
         shown, _ = results_frame(report, horizon)
         grid = grid_frame(report, horizon)
@@ -905,15 +381,36 @@ def render(report: StudyReport, plots: Sequence[tuple[Path, Any]], command: str)
     lines += published_markdown(published_frame(study))
     failed = report.runs[report.runs["status"] != FINISHED]
     if not failed.empty:
-        cols = [c for c in ("run", "status", "case", *tuned_columns(study), "cfg.seed", "step",
-                            "epoch", "train/loss") if c in failed]  # fmt: skip
+        cols = [
+            c
+            for c in (
+                "run",
+                "status",
+                "case",
+                *tuned_columns(study),
+                "cfg.seed",
+                "step",
+                "epoch",
+                "train/loss",
+            )
+            if c in failed
+        ]
         frame = failed.copy()
         if "train/loss" in frame:
             frame["train/loss"] = frame["train/loss"].map(
-                lambda v: f"{v:.4g}" if isinstance(v, float) else str(v))  # fmt: skip
-        lines += ["## Runs that did not finish or did not train", "",
-                  markdown_table(frame, cols, {"step": ".0f", "epoch": "g"},
-                                 {c: c.removeprefix("cfg.") for c in cols}), ""]  # fmt: skip
+                lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+            )
+        lines += [
+            "## Runs that did not finish or did not train",
+            "",
+            markdown_table(
+                frame,
+                cols,
+                {"step": ".0f", "epoch": "g"},
+                {c: c.removeprefix("cfg.") for c in cols},
+            ),
+            "",
+        ]
     lines += ["## Notes", "", *(f"- {n}" for n in report.notes), ""]
     if plots:
         from dpresearch.analysis.report import figure_lines
@@ -942,15 +439,31 @@ def write(report: StudyReport, results: Path, command: str) -> tuple[Path, list]
         (results / f"{stem}.md").write_text(markdown_table(shown, list(shown.columns)) + "\n")
         caption = f"{report.study.title} — {horizon.label}"
         (results / f"{stem}.tex").write_text(
-            latex_table(shown, list(shown.columns), caption=caption) + "\n")  # fmt: skip
+            latex_table(shown, list(shown.columns), caption=caption) + "\n"
+        )
     raw = pd.concat(raws, ignore_index=True)
-    (results / "results.csv").write_text(csv_table(raw, [c for c in raw.columns
-                                                         if not c.endswith(" std")]))  # fmt: skip
+    (results / "results.csv").write_text(
+        csv_table(raw, [c for c in raw.columns if not c.endswith(" std")])
+    )
     grid = pd.concat(grids, ignore_index=True)
     (results / "grid.csv").write_text(grid.to_csv(index=False))
-    run_cols = [c for c in ("run", "status", "case", *tuned_columns(report.study), "cfg.seed",
-                            "epoch", "step", *result_metrics(report), "val/acc",
-                            "comm/bytes_per_epoch", "time/wall_s") if c in report.runs]  # fmt: skip
+    run_cols = [
+        c
+        for c in (
+            "run",
+            "status",
+            "case",
+            *tuned_columns(report.study),
+            "cfg.seed",
+            "epoch",
+            "step",
+            *result_metrics(report),
+            "val/acc",
+            "comm/bytes_per_epoch",
+            "time/wall_s",
+        )
+        if c in report.runs
+    ]
     report.runs[list(dict.fromkeys(run_cols))].to_csv(results / "runs.csv", index=False)
     plots = plot_files(report, results)
     path = results / "results.md"

@@ -92,8 +92,12 @@ class Pick:
         return any(a.bound_reached for a in self.axes)
 
 
-HORIZON_UNITS = {"epoch": "epochs", "time/simulated_s": "simulated s", "step": "steps",
-                 "time/modeled_s": "modeled s"}  # fmt: skip
+HORIZON_UNITS = {
+    "epoch": "epochs",
+    "time/simulated_s": "simulated s",
+    "step": "steps",
+    "time/modeled_s": "modeled s",
+}
 
 
 @dataclass
@@ -163,7 +167,7 @@ def tuning_stats(study: Study, runs, selection: Selection):
         standard_error(m, s, int(n), examples)
         for m, s, n in zip(
             stats[selection.metric], stats[f"{selection.metric} std"], stats["n"], strict=True
-        )  # fmt: skip
+        )
     ]
     return stats
 
@@ -197,12 +201,20 @@ def picks_of(study: Study, stats, selection: Selection) -> dict[str, Pick]:
             if second is not None:
                 margin = abs(float(best[metric]) - float(second[metric]))
                 margin_se = math.hypot(float(best["se"]), float(second["se"]))
-            axes.append(Axis(
-                key, value, float(second[column]) if second is not None else None, margin,
-                margin_se, edge, grid.next_beyond(tried, edge == "largest") if edge else None,
-            ))  # fmt: skip
-        out[str(case)] = Pick(str(case), float(best[metric]), float(best["se"]), int(best["n"]),
-                              tuple(axes))  # fmt: skip
+            axes.append(
+                Axis(
+                    key,
+                    value,
+                    float(second[column]) if second is not None else None,
+                    margin,
+                    margin_se,
+                    edge,
+                    grid.next_beyond(tried, edge == "largest") if edge else None,
+                )
+            )
+        out[str(case)] = Pick(
+            str(case), float(best[metric]), float(best["se"]), int(best["n"]), tuple(axes)
+        )
     return out
 
 
@@ -250,8 +262,11 @@ def extensions(study: Study, found: list[Horizon]) -> dict[str, list[tuple[float
     or above the largest if seeds there only did not train (`unpickable`), likewise crossed."""
     out: dict[str, list[tuple[float, ...]]] = {}
     for horizon in found:
-        wanted = [(case, i, axis.next_value) for case, pick in horizon.picks.items()
-                  for i, axis in enumerate(pick.axes)]  # fmt: skip
+        wanted = [
+            (case, i, axis.next_value)
+            for case, pick in horizon.picks.items()
+            for i, axis in enumerate(pick.axes)
+        ]
         wanted += [(case, 0, lr) for case, lr in unpickable(study, horizon).items()]
         for case, i, value in wanted:
             if value is None:
@@ -293,3 +308,8 @@ def unpickable(study: Study, horizon: Horizon) -> dict[str, float | None]:
         else:
             out[str(case)] = None
     return out
+
+
+def untuned(study: Study) -> bool:
+    """Whether no case of `study` selects an lr (each runs at one lr of its own)."""
+    return all(len(c.settings()) == 1 and c.lr_from is None for c in study.cases)

@@ -83,10 +83,32 @@ import yaml
 
 from dpresearch import SOURCE_ROOT
 
-KEYS = {"name", "description", "common", "lrs", "lr_key", "seeds", "tune_seeds", "select",
-        "target", "network", "published", "cases", "title", "extend", "lr_range", "claim",
-        "run_data", "results", "curves", "metrics", "min_tune_seeds", "labels",
-        "histograms", "tune_also"}  # fmt: skip
+KEYS = {
+    "name",
+    "description",
+    "common",
+    "lrs",
+    "lr_key",
+    "seeds",
+    "tune_seeds",
+    "select",
+    "target",
+    "network",
+    "published",
+    "cases",
+    "title",
+    "extend",
+    "lr_range",
+    "claim",
+    "run_data",
+    "results",
+    "curves",
+    "metrics",
+    "min_tune_seeds",
+    "labels",
+    "histograms",
+    "tune_also",
+}
 CASE_KEYS = {"overrides", "lrs", "extend", "lr_range", "lr_from", "tune_also"}
 ALSO_KEYS = {"key", "values", "extend", "range"}  # a `tune_also` block
 DEFAULT_EXTEND = 3
@@ -296,8 +318,9 @@ class Study:
         for case in self._cases(only):
             chosen = lrs.get(case.lr_from or case.name, ())
             seeds = self.final_seeds or (self.selection_seeds if case.lr_from else ())
-            out += [self.point(case, setting, seed) for setting in sorted(set(chosen))
-                    for seed in seeds]  # fmt: skip
+            out += [
+                self.point(case, setting, seed) for setting in sorted(set(chosen)) for seed in seeds
+            ]
         return out
 
     def point(self, case: Case, setting: float | Sequence[float], seed: int) -> Point:
@@ -462,11 +485,15 @@ def _case(
         )
     overrides = _strings(body.get("overrides"), f"case {name!r} overrides", study_dir)
     lr_from = body.get("lr_from")
-    tuned = () if lr_from is not None else _also(
-        body.get("tune_also", {}) if also is not None else body.get("tune_also"),
-        {**(also or {}), "study_extend": default.get("extend", DEFAULT_EXTEND)},
-        f"case {name!r}",
-    )  # fmt: skip
+    tuned = (
+        ()
+        if lr_from is not None
+        else _also(
+            body.get("tune_also", {}) if also is not None else body.get("tune_also"),
+            {**(also or {}), "study_extend": default.get("extend", DEFAULT_EXTEND)},
+            f"case {name!r}",
+        )
+    )
     for o in overrides:
         key = o.lstrip("+~").split("=", 1)[0]
         if key in (lr_key, "seed", *(k for k, _ in tuned)) or key.startswith("hydra."):
@@ -508,8 +535,14 @@ def _claim(raw: Any, cases: set[str]) -> Claim | None:
     window = raw.get("window", 0.0)
     if not isinstance(window, int | float) or not 0 <= window < 1:
         raise StudyError(f"claim window must be a fraction in [0, 1), got {window!r}")
-    return Claim(str(raw["statement"]), str(raw.get("metric", "test/acc")), horizons,
-                 tuple(expect), str(raw.get("horizon_key", "epoch")), float(window))  # fmt: skip
+    return Claim(
+        str(raw["statement"]),
+        str(raw.get("metric", "test/acc")),
+        horizons,
+        tuple(expect),
+        str(raw.get("horizon_key", "epoch")),
+        float(window),
+    )
 
 
 def _path(raw: Any, base: Path) -> Path | None:
@@ -546,8 +579,9 @@ def load_study(path: str | Path) -> Study:
         )
     if also is not None and str(also["key"]) in (lr_key, "seed"):
         raise StudyError(f"tune_also key {also['key']}: the lr and the seed are tuned already")
-    cases = tuple(_case(str(n), b, default, lr_key, path.parent, also)
-                  for n, b in cases_raw.items())  # fmt: skip
+    cases = tuple(
+        _case(str(n), b, default, lr_key, path.parent, also) for n, b in cases_raw.items()
+    )
     names = {c.name for c in cases}
     slugs: dict[str, str] = {}
     for case in cases:
@@ -571,8 +605,9 @@ def load_study(path: str | Path) -> Study:
     if tune_seeds is not None and (
         not isinstance(tune_seeds, list) or not tune_seeds or not set(tune_seeds) <= set(seeds)
     ):
-        raise StudyError(f"tune_seeds must be a non-empty list of some of seeds {seeds}, "
-                         f"got {tune_seeds!r}")  # fmt: skip
+        raise StudyError(
+            f"tune_seeds must be a non-empty list of some of seeds {seeds}, got {tune_seeds!r}"
+        )
     target = raw.get("target") or {}
     if not isinstance(target, dict) or set(target) - {"metric", "value"}:
         raise StudyError("target must be a mapping {metric: test/acc, value: 0.6}")
@@ -596,16 +631,26 @@ def load_study(path: str | Path) -> Study:
         raise StudyError(f"min_tune_seeds must be an integer ≥ 1, got {min_tune!r}")
     name = str(raw.get("name") or path.stem)
     return Study(
-        name=name, path=path, cases=cases, seeds=tuple(seeds),
-        common=_strings(raw.get("common"), "common", path.parent), lr_key=lr_key,
-        select=raw.get("select"), target_metric=str(target.get("metric", "test/acc")),
+        name=name,
+        path=path,
+        cases=cases,
+        seeds=tuple(seeds),
+        common=_strings(raw.get("common"), "common", path.parent),
+        lr_key=lr_key,
+        select=raw.get("select"),
+        target_metric=str(target.get("metric", "test/acc")),
         target=float(target["value"]) if "value" in target else None,
-        networks=tuple(networks), published=dict(published),
-        description=str(raw.get("description", "")), title=str(raw.get("title", name)),
+        networks=tuple(networks),
+        published=dict(published),
+        description=str(raw.get("description", "")),
+        title=str(raw.get("title", name)),
         tune_seeds=tuple(tune_seeds) if tune_seeds is not None else None,
-        claim=_claim(raw.get("claim"), names), run_data=_path(raw.get("run_data"), path.parent),
-        results=_path(raw.get("results"), path.parent), curves=tuple(curves),
-        metrics=tuple(metrics), labels={str(k): str(v) for k, v in labels.items()},
+        claim=_claim(raw.get("claim"), names),
+        run_data=_path(raw.get("run_data"), path.parent),
+        results=_path(raw.get("results"), path.parent),
+        curves=tuple(curves),
+        metrics=tuple(metrics),
+        labels={str(k): str(v) for k, v in labels.items()},
         histograms=tuple(histograms),
         min_tune_seeds=min_tune,
-    )  # fmt: skip
+    )

@@ -71,8 +71,9 @@ def ours(args) -> tuple[float, Tensor]:
     from dpresearch.run.trainer import Trainer
 
     cfg = config(args)
-    trainer = Trainer(cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)),
-                      torch.device("cpu"), None)  # fmt: skip
+    trainer = Trainer(
+        cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)), torch.device("cpu"), None
+    )
     clock = CLOCKS[args.clock]
     start = clock()
     trainer.run()
@@ -127,8 +128,11 @@ def minimal(args) -> tuple[float, Tensor]:
     inputs, targets, partitioner = ref["inputs"], ref["targets"], ref["partitioner"]
     ws, peers, lr = ref["worker_steps"], ref["peers"], ref["lr"]
     compute_s, transfer_s, times, partners = (
-        ref["compute_s"], ref["transfer_s"], ref["times"], ref["partners"],
-    )  # fmt: skip
+        ref["compute_s"],
+        ref["transfer_s"],
+        ref["times"],
+        ref["partners"],
+    )
     c, d = ref["shape"]
     x = ref["row"].expand(k, -1).clone()  # x_i: each worker's model
     read = x.clone()  # x̂_i: what worker i computes its gradient on
@@ -151,8 +155,10 @@ def minimal(args) -> tuple[float, Tensor]:
             batches[i].extend(order[: ws * b].split(b))
         index = batches[i][cursor[i]]
         cursor[i] += 1
-        loss = F.cross_entropy(F.linear(inputs.index_select(0, index), weights[i], biases[i]),
-                               targets.index_select(0, index))  # fmt: skip
+        loss = F.cross_entropy(
+            F.linear(inputs.index_select(0, index), weights[i], biases[i]),
+            targets.index_select(0, index),
+        )
         grad_w, grad_b = torch.autograd.grad(loss, (weights[i], biases[i]))
         with torch.no_grad():
             xi = x[i]
@@ -190,15 +196,19 @@ def main(argv: list[str] | None = None) -> int:
             seconds[side].append(s)
             final.setdefault(side, rows)
         us = {s: 1e6 * seconds[s][-1] / args.updates for s in sides}
-        print(f"round {r} ({', '.join(order)}): ours {us['ours']:.0f} µs/update, minimal "
-              f"{us['minimal']:.0f} µs/update | ours/minimal {us['ours'] / us['minimal']:.3f}",
-              flush=True)  # fmt: skip
+        print(
+            f"round {r} ({', '.join(order)}): ours {us['ours']:.0f} µs/update, minimal "
+            f"{us['minimal']:.0f} µs/update | ours/minimal {us['ours'] / us['minimal']:.3f}",
+            flush=True,
+        )
     load_after = os.getloadavg()[0]
     # the same float32 operations in the same order: the same bits, or it is not the same work
     diff = (final["ours"] - final["minimal"]).abs().max().item()
     if diff != 0.0:
-        raise SystemExit(f"error: ours and the minimal loop end {diff:.3g} apart (max |Δ|): "
-                         "they did different work")  # fmt: skip
+        raise SystemExit(
+            f"error: ours and the minimal loop end {diff:.3g} apart (max |Δ|): "
+            "they did different work"
+        )
     ratios = [a / m for a, m in zip(seconds["ours"], seconds["minimal"], strict=True)]
     result = {
         "workers": args.workers, "updates": args.updates, "features": args.features,
@@ -210,16 +220,20 @@ def main(argv: list[str] | None = None) -> int:
         "final_max_abs_diff": diff, "seconds": seconds, "load": [load_before, load_after],
         "target": TARGET,
     }  # fmt: skip
-    print(f"\n{args.workers} workers on a ring, logistic regression ({args.features} "
-          f"features, batch {args.batch}), {args.updates} updates (ours logging every "
-          f"{args.log_every}), {args.rounds} rounds, "
-          f"{args.clock} clock, load {load_before:.1f} → {load_after:.1f}; final parameters: "
-          "identical")  # fmt: skip
+    print(
+        f"\n{args.workers} workers on a ring, logistic regression ({args.features} "
+        f"features, batch {args.batch}), {args.updates} updates (ours logging every "
+        f"{args.log_every}), {args.rounds} rounds, "
+        f"{args.clock} clock, load {load_before:.1f} → {load_after:.1f}; final parameters: "
+        "identical"
+    )
     print("| side | µs/update (median) | ÷ minimal loop: median [range] | target |")
     print("|---|---|---|---|")
     lo, hi = result["ratio_range"]
-    print(f"| ours | {result['us_per_update']['ours']:.0f} | {result['ratio_median']:.3f} "
-          f"[{lo:.3f}–{hi:.3f}] | ≤ {TARGET} |")  # fmt: skip
+    print(
+        f"| ours | {result['us_per_update']['ours']:.0f} | {result['ratio_median']:.3f} "
+        f"[{lo:.3f}–{hi:.3f}] | ≤ {TARGET} |"
+    )
     print(f"| minimal | {result['us_per_update']['minimal']:.0f} | 1 | |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

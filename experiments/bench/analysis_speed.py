@@ -54,8 +54,13 @@ def config_template() -> str:
 
     from dpresearch.train import CONF_DIR
 
-    overrides = ["compressor=topk", "seed=1234567", "optimizer.lr=0.7654321",
-                 "compressor.ratio=0.1234567", "optimizer.momentum=0.9"]  # fmt: skip
+    overrides = [
+        "compressor=topk",
+        "seed=1234567",
+        "optimizer.lr=0.7654321",
+        "compressor.ratio=0.1234567",
+        "optimizer.momentum=0.9",
+    ]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides)
     text = OmegaConf.to_yaml(OmegaConf.to_container(cfg, resolve=True))
@@ -65,9 +70,16 @@ def config_template() -> str:
 
 
 def _write_run(
-    d: Path, case: int, lr: float, seed: int, steps: int, rng, diverged: bool, unfinished: bool,
+    d: Path,
+    case: int,
+    lr: float,
+    seed: int,
+    steps: int,
+    rng,
+    diverged: bool,
+    unfinished: bool,
     template: str,
-) -> None:  # fmt: skip
+) -> None:
     config = template.replace("{seed}", str(seed)).replace("{lr}", str(lr))
     (d / "config.yaml").write_text(config.replace("{ratio}", str(0.01 * (case + 1))))
     (d / "study_point.json").write_text(json.dumps({"study": "bench", "case": f"case{case:02d}"}))
@@ -159,8 +171,17 @@ def main() -> None:
             "metrics.jsonl) — not timed"
         )
     if not args.analyse:  # timed in a fresh process: imports count
-        cmd = [sys.executable, __file__, "--analyse", "--root", str(args.root),
-               "--runs", str(args.runs), "--steps", str(args.steps)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--analyse",
+            "--root",
+            str(args.root),
+            "--runs",
+            str(args.runs),
+            "--steps",
+            str(args.steps),
+        ]
         sys.exit(subprocess.run(cmd).returncode)
     times = analyse(args.root, args.root / "out")
     total, cpu = (sum(v[i] for v in times.values()) for i in (0, 1))

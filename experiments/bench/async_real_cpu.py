@@ -54,10 +54,11 @@ def ranks(job: subprocess.Popen) -> list[int]:
     """The job's 5 training processes (leaves of its process tree, the resource tracker
     aside), the server (the busiest) first."""
     pids = [
-        p for p in descendants(job.pid)
+        p
+        for p in descendants(job.pid)
         if not Path(f"/proc/{p}/task/{p}/children").read_text().split()
         and "resource_tracker" not in Path(f"/proc/{p}/cmdline").read_text()
-    ]  # fmt: skip
+    ]
     start = {p: cpu_ticks(p) for p in pids}
     time.sleep(2)
     pids.sort(key=lambda p: start[p] - cpu_ticks(p))
@@ -86,13 +87,20 @@ def main(argv: list[str] | None = None) -> int:
         dirs = {name: Path(tmp) / name for name in sides}
         try:
             for name, side in sides.items():
-                env = dict(os.environ, PYTHONPATH=str(side), WANDB_MODE="disabled",
-                           OMP_NUM_THREADS="1")  # fmt: skip
-                command = [sys.executable, "-m", "dpresearch.train", *run_args(args),
-                           f"hydra.run.dir={dirs[name]}"]  # fmt: skip
+                env = dict(
+                    os.environ, PYTHONPATH=str(side), WANDB_MODE="disabled", OMP_NUM_THREADS="1"
+                )
+                command = [
+                    sys.executable,
+                    "-m",
+                    "dpresearch.train",
+                    *run_args(args),
+                    f"hydra.run.dir={dirs[name]}",
+                ]
                 with open(Path(tmp) / f"{name}.err", "w") as err:
-                    jobs[name] = subprocess.Popen(command, cwd=tmp, env=env, stderr=err,
-                                                  stdout=subprocess.DEVNULL)  # fmt: skip
+                    jobs[name] = subprocess.Popen(
+                        command, cwd=tmp, env=env, stderr=err, stdout=subprocess.DEVNULL
+                    )
             while min(logged_step(d) for d in dirs.values()) < args.warmup:
                 for name, job in jobs.items():
                     if job.poll() is not None:
@@ -119,13 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     for n in sides:
         if not per[n]:
             raise RuntimeError(f"{n}: no push logged in any window; raise --seconds")
-    med = {n: (statistics.median(s for s, _ in per[n]), statistics.median(a for _, a in per[n]))
-           for n in sides}  # fmt: skip
+    med = {
+        n: (statistics.median(s for s, _ in per[n]), statistics.median(a for _, a in per[n]))
+        for n in sides
+    }
     for n in sides:
-        print(f"{n}: server {med[n][0]:.3f} ms CPU per push, all ranks {med[n][1]:.3f} "
-              f"({len(per[n])} windows)")  # fmt: skip
-    print(f"after / before: server CPU per push {med['after'][0] / med['before'][0]:.3f}, all "
-          f"ranks {med['after'][1] / med['before'][1]:.3f}; load at end {load()}")  # fmt: skip
+        print(
+            f"{n}: server {med[n][0]:.3f} ms CPU per push, all ranks {med[n][1]:.3f} "
+            f"({len(per[n])} windows)"
+        )
+    print(
+        f"after / before: server CPU per push {med['after'][0] / med['before'][0]:.3f}, all "
+        f"ranks {med['after'][1] / med['before'][1]:.3f}; load at end {load()}"
+    )
     return 0
 
 

@@ -65,8 +65,12 @@ def one_run(side: Path, args: argparse.Namespace, scratch: Path, name: str) -> f
     env = dict(os.environ, PYTHONPATH=str(side), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     out = subprocess.run(
         [sys.executable, "-m", "dpresearch.train", *run_args(args), f"hydra.run.dir={run_dir}"],
-        cwd=scratch, env=env, capture_output=True, text=True, timeout=args.timeout,
-    )  # fmt: skip
+        cwd=scratch,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=args.timeout,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{side}: the run failed\n{out.stderr[-3000:]}")
     return pushes_per_second(run_dir / "metrics.jsonl", args.warmup)
@@ -107,8 +111,11 @@ def main(argv: list[str] | None = None) -> int:
                 got[name] = one_run(sides[name], args, Path(tmp), f"r{r}-{name}")
                 rates[name].append(got[name])
             ratios.append(got["after"] / got["before"])
-            print(f"round {r}: before {got['before']:.0f} /s, after {got['after']:.0f} /s, "
-                  f"ratio {ratios[-1]:.3f} (load {load()})", flush=True)  # fmt: skip
+            print(
+                f"round {r}: before {got['before']:.0f} /s, after {got['after']:.0f} /s, "
+                f"ratio {ratios[-1]:.3f} (load {load()})",
+                flush=True,
+            )
     result = {
         "before_pushes_per_s": statistics.median(rates["before"]),
         "after_pushes_per_s": statistics.median(rates["after"]),

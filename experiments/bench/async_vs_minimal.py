@@ -62,8 +62,9 @@ def ours(args, batched: str) -> float:
     from dpresearch.run.trainer import Trainer
 
     cfg = compose(args, f"train.batched_workers={batched}", "backend.threads=1")
-    trainer = Trainer(cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)),
-                      torch.device("cpu"), None)  # fmt: skip
+    trainer = Trainer(
+        cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)), torch.device("cpu"), None
+    )
     ahead = trainer.algorithm.describe()["async"].get("compute_ahead")
     assert ahead == (batched == "true"), ahead
     clock = CLOCKS[args.clock]
@@ -93,8 +94,16 @@ def reference(args) -> tuple:
     draws = random.Random(cfg.seed)
     heap = [(draws.expovariate(1.0), w) for w in range(k)]
     heapq.heapify(heap)
-    return (data.train_inputs, data.train_targets, batches, optimizer, server.linear.weight,
-            server.linear.bias, draws, heap)  # fmt: skip
+    return (
+        data.train_inputs,
+        data.train_targets,
+        batches,
+        optimizer,
+        server.linear.weight,
+        server.linear.bias,
+        draws,
+        heap,
+    )
 
 
 def minimal(args) -> tuple[float, Tensor]:
@@ -188,18 +197,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--features", type=int, default=3072)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--clock", choices=list(CLOCKS), default="cpu")
-    parser.add_argument("--sides", nargs="+", choices=["ahead", "one", "minimal", "ideal"],
-                        default=["ahead", "one", "minimal"])  # fmt: skip
-    parser.add_argument("--out", type=Path, default=None,
-                        help="results file (default: runs/bench/<script>-<time>.json)")  # fmt: skip
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        choices=["ahead", "one", "minimal", "ideal"],
+        default=["ahead", "one", "minimal"],
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results file (default: runs/bench/<script>-<time>.json)",
+    )
     args = parser.parse_args(argv)
     args.out = args.out or default_json("async_vs_minimal")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     if "minimal" not in args.sides:
         parser.error("--sides must include minimal (the reference)")
-    run = {"ahead": lambda: ours(args, "true"), "one": lambda: ours(args, "false"),
-           "minimal": lambda: minimal(args)[0], "ideal": lambda: ideal(args)[0]}  # fmt: skip
+    run = {
+        "ahead": lambda: ours(args, "true"),
+        "one": lambda: ours(args, "false"),
+        "minimal": lambda: minimal(args)[0],
+        "ideal": lambda: ideal(args)[0],
+    }
     load_before = os.getloadavg()[0]
     seconds: dict[str, list[float]] = {side: [] for side in args.sides}
     for r in range(args.rounds):
@@ -207,14 +228,23 @@ def main(argv: list[str] | None = None) -> int:
         for side in order:
             seconds[side].append(run[side]())
         per_push = {s: 1e6 * seconds[s][-1] / args.updates for s in args.sides}
-        print(f"round {r} ({', '.join(order)}): "
-              + ", ".join(f"{s} {us:.0f} µs/push" for s, us in per_push.items())
-              + " | " + ", ".join(f"{s}/minimal {per_push[s] / per_push['minimal']:.3f}"
-                                  for s in args.sides if s != "minimal"),
-              flush=True)  # fmt: skip
+        print(
+            f"round {r} ({', '.join(order)}): "
+            + ", ".join(f"{s} {us:.0f} µs/push" for s, us in per_push.items())
+            + " | "
+            + ", ".join(
+                f"{s}/minimal {per_push[s] / per_push['minimal']:.3f}"
+                for s in args.sides
+                if s != "minimal"
+            ),
+            flush=True,
+        )
     load_after = os.getloadavg()[0]
-    ratios = {s: [a / m for a, m in zip(seconds[s], seconds["minimal"], strict=True)]
-              for s in args.sides if s != "minimal"}  # fmt: skip
+    ratios = {
+        s: [a / m for a, m in zip(seconds[s], seconds["minimal"], strict=True)]
+        for s in args.sides
+        if s != "minimal"
+    }
     result = {
         "workers": args.workers, "updates": args.updates, "features": args.features,
         "batch": args.batch, "clock": args.clock, "rounds": args.rounds,
@@ -223,9 +253,11 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_range": {s: [min(v), max(v)] for s, v in ratios.items()},
         "seconds": seconds, "load": [load_before, load_after], "target_ahead": 0.8,
     }  # fmt: skip
-    print(f"\n{args.workers} workers, logistic regression ({args.features} features, batch "
-          f"{args.batch}), {args.updates} pushes, {args.rounds} rounds, {args.clock} clock, "
-          f"load {load_before:.1f} → {load_after:.1f}")  # fmt: skip
+    print(
+        f"\n{args.workers} workers, logistic regression ({args.features} features, batch "
+        f"{args.batch}), {args.updates} pushes, {args.rounds} rounds, {args.clock} clock, "
+        f"load {load_before:.1f} → {load_after:.1f}"
+    )
     print("| side | µs/push (median) | ÷ minimal loop: median [range] | target |")
     print("|---|---|---|---|")
     for side in args.sides:
@@ -235,8 +267,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         lo, hi = result["ratio_range"][side]
         target = "≤ 0.8" if side == "ahead" else ""
-        print(f"| {side} | {us:.0f} | {result['ratio_median'][side]:.3f} [{lo:.3f}–{hi:.3f}] "
-              f"| {target} |")  # fmt: skip
+        print(
+            f"| {side} | {us:.0f} | {result['ratio_median'][side]:.3f} [{lo:.3f}–{hi:.3f}] "
+            f"| {target} |"
+        )
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwritten {args.out}")
     return 0

@@ -162,8 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    results = bt.Results(args.json or bt.default_json("batched_vs_ensemble"), "batched_vs_ensemble",
-                      vars(args) | {"json": None})  # fmt: skip
+    results = bt.Results(
+        args.json or bt.default_json("batched_vs_ensemble"),
+        "batched_vs_ensemble",
+        vars(args) | {"json": None},
+    )
     print(f"{bt.load()}; {args.threads} thread(s); {args.clock} time", flush=True)
     rows = []
     for model in args.models:
@@ -189,22 +192,33 @@ def main(argv: list[str] | None = None) -> int:
                     if args.floor and column != "floor":
                         over_floor[column].append(step[column] / step["floor"])
                 results.add(model=model, workers=k, round=r, step_s=step, load=bt.load())
-                print(f"{model} K={k} round {r}: " + ", ".join(
-                    f"{m} {1e3 * s:.2f} ms" for m, s in step.items()) + f" ({bt.load()})",
-                    flush=True)  # fmt: skip
+                print(
+                    f"{model} K={k} round {r}: "
+                    + ", ".join(f"{m} {1e3 * s:.2f} ms" for m, s in step.items())
+                    + f" ({bt.load()})",
+                    flush=True,
+                )
             for column in columns:
-                rows.append((model, k, column, took[column], ratios[column],
-                             over_floor.get(column, [])))  # fmt: skip
+                rows.append(
+                    (model, k, column, took[column], ratios[column], over_floor.get(column, []))
+                )
     print()
     print("| model | K | side | took | ÷ ensemble (median [range]) | ÷ floor | target |")
     print("|---|---|---|---|---|---|---|")
     for model, k, mode, took_mode, values, floor in rows:
         beyond = f"{statistics.median(floor):.3f} {bt.fmt_range(floor)}" if floor else "–"
-        print(f"| {model} | {k} | {mode} | {took_mode.split(' (')[0]} | "
-              f"{statistics.median(values):.3f} {bt.fmt_range(values)} | {beyond} | "
-              "≤ 1.05 |")  # fmt: skip
-    results.write(summary=[{"model": m, "workers": k, "mode": mode, "ratios": v, "over_floor": f}
-                           for m, k, mode, _, v, f in rows], end_load=bt.load())  # fmt: skip
+        print(
+            f"| {model} | {k} | {mode} | {took_mode.split(' (')[0]} | "
+            f"{statistics.median(values):.3f} {bt.fmt_range(values)} | {beyond} | "
+            "≤ 1.05 |"
+        )
+    results.write(
+        summary=[
+            {"model": m, "workers": k, "mode": mode, "ratios": v, "over_floor": f}
+            for m, k, mode, _, v, f in rows
+        ],
+        end_load=bt.load(),
+    )
     print(f"wrote {results.path}")
     return 0
 

@@ -174,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         "batch_per_worker": args.batch,
         "threads": torch.get_num_threads(),
     }
-    print(f"state: {nbytes / 1e6:.0f} MB in {len(tensors)} tensors ({args.model}, "
-          f"K={args.workers}, EF, momentum)")  # fmt: skip
+    print(
+        f"state: {nbytes / 1e6:.0f} MB in {len(tensors)} tensors ({args.model}, "
+        f"K={args.workers}, EF, momentum)"
+    )
     print(
         f"checkpoint {ckpt:.3f} s (file {ckpt_bytes / 1e6:.0f} MB) vs torch.save + fsync "
         f"{save:.3f} s (file {save_bytes / 1e6:.0f} MB): {statistics.median(ratios):.2f}x "

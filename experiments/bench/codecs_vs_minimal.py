@@ -189,8 +189,9 @@ class MinimalSign:
         self.k, self.parts = k, tensors(layout)
         self.d = sum(n for _, n in self.parts)
         self.sizes = torch.tensor([float(n) for _, n in self.parts])
-        self.owner = torch.repeat_interleave(torch.arange(len(self.parts)),
-                                             torch.tensor([n for _, n in self.parts]))  # fmt: skip
+        self.owner = torch.repeat_interleave(
+            torch.arange(len(self.parts)), torch.tensor([n for _, n in self.parts])
+        )
         self.memory = torch.zeros(k, self.d)
         self.buf = Scratch()
 
@@ -272,8 +273,10 @@ def ours_adam(k: int, grads: Tensor) -> OnebitAdamAlgorithm:
     """Our 1-bit Adam after FREEZE full-precision steps and one compressed step on `grads`
     (perturbed per step), so every state it keeps is non-trivial."""
     replicas = Replicas(model(), k, torch.device("cpu"))
-    optimizers = [OnebitAdam(r.parameters(), lr=LR, betas=BETAS, eps=EPS, freeze_step=FREEZE)
-                  for r in replicas.models]  # fmt: skip
+    optimizers = [
+        OnebitAdam(r.parameters(), lr=LR, betas=BETAS, eps=EPS, freeze_step=FREEZE)
+        for r in replicas.models
+    ]
     algo = OnebitAdamAlgorithm(replicas, SimulatedCommunicator(k, NET), optimizers)
     for step in range(FREEZE + 1):
         replicas.grads.copy_(grads).mul_(1 + 0.1 * step)
@@ -337,8 +340,9 @@ class MinimalAdam:
 # -- timing -----------------------------------------------------------------------------------
 
 
-def median_step(side: tuple[Callable, Callable], grads: Tensor, first: int, steps: int,
-                clock: str) -> float:  # fmt: skip
+def median_step(
+    side: tuple[Callable, Callable], grads: Tensor, first: int, steps: int, clock: str
+) -> float:
     """Median time of `steps` steps; `side` = (prepare, step): `prepare(grads)` (untimed) puts
     the step's gradients where the step reads them and returns them."""
     now = CLOCKS[clock]
@@ -371,9 +375,12 @@ def sides(case: str, k: int, grads: Tensor) -> tuple[tuple, tuple, Callable]:
             algo.after_backward(FREEZE + 1 + step)
 
         def states() -> list[tuple[Tensor, Tensor]]:
-            return [(algo.replicas.params, minimal.params), (algo.m, minimal.m),
-                    (algo.onebit.worker_error, minimal.worker_error),
-                    (algo.onebit.server_error, minimal.server_error)]  # fmt: skip
+            return [
+                (algo.replicas.params, minimal.params),
+                (algo.m, minimal.m),
+                (algo.onebit.worker_error, minimal.worker_error),
+                (algo.onebit.server_error, minimal.server_error),
+            ]
 
         return (into_replicas, ours_step), (clone, minimal.step), states
     reducer = ours_codec(case, layout, k)
@@ -433,11 +440,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     pin_threads(1)
     out = args.json or default_json("codecs_vs_minimal")
     results = Results(out, "codecs_vs_minimal", vars(args) | {"json": str(out)})
-    print(f"ResNet-20 layout (D = 269,722), {args.rounds} alternating rounds × {args.steps} "
-          f"steps, 1 thread, {args.clock} clock; ratio = ours ÷ minimal, median [range]; "
-          f"{load()}")  # fmt: skip
-    print(f"{'case':12} {'K':>3} {'ratio':>6} {'range':>13} {'ours ms':>8} {'min ms':>8} "
-          f"{'load':>11} target")  # fmt: skip
+    print(
+        f"ResNet-20 layout (D = 269,722), {args.rounds} alternating rounds × {args.steps} "
+        f"steps, 1 thread, {args.clock} clock; ratio = ours ÷ minimal, median [range]; "
+        f"{load()}"
+    )
+    print(
+        f"{'case':12} {'K':>3} {'ratio':>6} {'range':>13} {'ours ms':>8} {'min ms':>8} "
+        f"{'load':>11} target"
+    )
     rows = []
     for case in args.cases:
         for k in args.workers:
@@ -445,10 +456,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             results.add(**res)
             rows.append(res)
             mark = "ok" if res["ratio"] <= TARGETS[case] else "!!"
-            print(f"{case:12} {k:3d} {res['ratio']:6.3f} {fmt_range(res['ratios'])} "
-                  f"{res['ours_ms']:8.2f} {res['minimal_ms']:8.2f} "
-                  f"{res['load'][0]:5.2f}→{res['load'][1]:<5.2f} ≤{TARGETS[case]} {mark}",
-                  flush=True)  # fmt: skip
+            print(
+                f"{case:12} {k:3d} {res['ratio']:6.3f} {fmt_range(res['ratios'])} "
+                f"{res['ours_ms']:8.2f} {res['minimal_ms']:8.2f} "
+                f"{res['load'][0]:5.2f}→{res['load'][1]:<5.2f} ≤{TARGETS[case]} {mark}",
+                flush=True,
+            )
     print(f"written {out}")
     return rows
 

@@ -73,8 +73,12 @@ def one_round(args, metric_first: bool) -> dict[str, float]:
     clock = bt.CLOCKS[args.clock]
     cfg = compose(args)
     with tempfile.TemporaryDirectory(prefix="bench-consensus-") as tmp:
-        trainer = Trainer(cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)),
-                          torch.device("cpu"), Path(tmp))  # fmt: skip
+        trainer = Trainer(
+            cfg,
+            SimulatedCommunicator(cfg.workers, network_model(cfg)),
+            torch.device("cpu"),
+            Path(tmp),
+        )
         algorithm = trainer.algorithm
 
         def time_metrics() -> tuple[float, float, float, float]:
@@ -98,9 +102,13 @@ def one_round(args, metric_first: bool) -> dict[str, float]:
         if not metric_first:
             new_s, old_s, new, old = time_metrics()
     assert abs(new - old) <= 1e-9 * max(abs(old), 1e-30), (new, old)
-    return {"step_s": step, "metric_s": new_s, "old_metric_s": old_s,
-            "share": new_s / (args.log_every * step),
-            "old_share": old_s / (args.log_every * step)}  # fmt: skip
+    return {
+        "step_s": step,
+        "metric_s": new_s,
+        "old_metric_s": old_s,
+        "share": new_s / (args.log_every * step),
+        "old_share": old_s / (args.log_every * step),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,19 +57,33 @@ def loopback(args: argparse.Namespace) -> dict:
     """Median per-step wall time of sync and D-PSGD ring on K gloo processes, alternating."""
     cases = {"sync": ["algorithm=sync"], "dpsgd ring": ["algorithm=dpsgd", "topology=ring"]}
     base = [
-        f"workers={args.workers}", "backend=gloo", "backend.threads=1",
-        "data.num_train=4096", "data.num_features=256", "model.hidden=[1024,1024]",
-        f"train.steps={args.steps}", "train.log_every=1", "train.progress=false",
-        "train.eval_every=100000", "train.save_model=false", "train.batch_size=32",
-    ]  # fmt: skip
+        f"workers={args.workers}",
+        "backend=gloo",
+        "backend.threads=1",
+        "data.num_train=4096",
+        "data.num_features=256",
+        "model.hidden=[1024,1024]",
+        f"train.steps={args.steps}",
+        "train.log_every=1",
+        "train.progress=false",
+        "train.eval_every=100000",
+        "train.save_model=false",
+        "train.batch_size=32",
+    ]
     per_case: dict[str, list[float]] = {name: [] for name in cases}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             order = list(cases) if r % 2 == 0 else list(cases)[::-1]
             for name in order:
                 run_dir = Path(tmp) / f"{name.replace(' ', '_')}_{r}"
-                cmd = [sys.executable, "-m", "dpresearch.train", *base, *cases[name],
-                       f"hydra.run.dir={run_dir}"]  # fmt: skip
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "dpresearch.train",
+                    *base,
+                    *cases[name],
+                    f"hydra.run.dir={run_dir}",
+                ]
                 subprocess.run(cmd, check=True, cwd=REPO, capture_output=True)
                 text = (run_dir / "metrics.jsonl").read_text()
                 rows = [json.loads(line) for line in text.splitlines()]
@@ -132,8 +146,9 @@ class Switch:
                 _run("ip", "link", "set", self.port[r], "netns", self.hub)
                 _run("ip", "-n", self.hub, "link", "set", self.port[r], "master", "br0")
                 _run("ip", "-n", self.hub, "link", "set", self.port[r], "up")
-                _run("ip", "-n", self.ns[r], "addr", "add", f"{self.addr[r]}/24", "dev",
-                     self.dev[r])  # fmt: skip
+                _run(
+                    "ip", "-n", self.ns[r], "addr", "add", f"{self.addr[r]}/24", "dev", self.dev[r]
+                )
                 _run("ip", "-n", self.ns[r], "link", "set", self.dev[r], "up")
                 _run("ip", "-n", self.ns[r], "link", "set", "lo", "up")
                 for ns, dev in ((self.ns[r], self.dev[r]), (self.hub, self.port[r])):
@@ -227,15 +242,33 @@ def emulated(args: argparse.Namespace) -> dict:
         out = Path(tmp) / "rank0.json"
         procs = []
         for r in range(k):
-            spec = {"rank": r, "workers": k, "dev": switch.dev[r], "master": switch.addr[0],
-                    "sizes": args.sizes, "reps": args.reps, "out": str(out)}  # fmt: skip
+            spec = {
+                "rank": r,
+                "workers": k,
+                "dev": switch.dev[r],
+                "master": switch.addr[0],
+                "sizes": args.sizes,
+                "reps": args.reps,
+                "out": str(out),
+            }
             path = Path(tmp) / f"spec{r}.json"
             path.write_text(json.dumps(spec))
-            cmd = ["ip", "netns", "exec", switch.ns[r], sys.executable, __file__, "--worker",
-                   str(path)]  # fmt: skip
+            cmd = [
+                "ip",
+                "netns",
+                "exec",
+                switch.ns[r],
+                sys.executable,
+                __file__,
+                "--worker",
+                str(path),
+            ]
             env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
+            )
         logs = [p.communicate(timeout=args.timeout)[0] for p in procs]
         if any(p.returncode for p in procs):
             raise RuntimeError("a rank failed:\n" + "\n".join(log[-2000:] for log in logs))
@@ -266,8 +299,9 @@ def emulated(args: argparse.Namespace) -> dict:
             fig = spread(times)
             ratio = fig["median"] / modeled
             print(f"{size:>6} {name:>22} {fmt(fig):>34} {modeled * 1e3:>11.1f} {ratio:>6.2f}")
-            table.append({"size_mb": float(size), "op": name, **fig, "modeled": modeled,
-                          "ratio": ratio})  # fmt: skip
+            table.append(
+                {"size_mb": float(size), "op": name, **fig, "modeled": modeled, "ratio": ratio}
+            )
     return {"calibration": {k: v for k, v in result.items() if k != "ops"}, "ops": table}
 
 

@@ -222,9 +222,24 @@ class Link:
         try:
             for ns, dev in zip(self.ns, self.dev, strict=True):
                 _run(
-                    "ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                    "rate", self.rate, "burst", str(self.burst), "latency", f"{self.queue_ms}ms",
-                )  # fmt: skip
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    self.rate,
+                    "burst",
+                    str(self.burst),
+                    "latency",
+                    f"{self.queue_ms}ms",
+                )
         except (OSError, subprocess.CalledProcessError) as exc:
             self.__exit__(None, None, None)
             raise Unavailable(f"cannot shape the link with tc tbf: {_why(exc)}") from None
@@ -823,9 +838,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--model", default="resnet20", choices=list(MODELS))
     parser.add_argument(
-        "--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES),
+        "--regimes",
+        nargs="+",
+        default=list(REGIMES),
+        choices=list(REGIMES),
         help="isolated: barrier before each collective, no overlap; training: the stock loop",
-    )  # fmt: skip
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=1, help="passes over the compressors")

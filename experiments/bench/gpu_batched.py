@@ -62,23 +62,39 @@ def dataset(args):
     n = max(args.workers * args.batch * 4, 4096)
     images = lambda k: torch.randint(0, 256, (k, 3, 32, 32), generator=g, dtype=torch.uint8)
     labels = lambda k: torch.randint(0, 10, (k,), generator=g)
-    data = CIFAR10(train_inputs=images(n), train_targets=labels(n), test_inputs=images(256),
-                   test_targets=labels(256), num_classes=10, mean=CIFAR10_LAYOUT.mean,
-                   std=CIFAR10_LAYOUT.std)  # fmt: skip
+    data = CIFAR10(
+        train_inputs=images(n),
+        train_targets=labels(n),
+        test_inputs=images(256),
+        test_targets=labels(256),
+        num_classes=10,
+        mean=CIFAR10_LAYOUT.mean,
+        std=CIFAR10_LAYOUT.std,
+    )
     return data, f"{n} random CIFAR-shaped images"
 
 
 def compose(args, mode: str):
     steps = bt.logged_steps(args.warmup, args.block, args.blocks)
     overrides = [
-        "data=cifar10", f"data.root={SUBSET}", "model=resnet20", f"workers={args.workers}",
-        f"train.batch_size={args.batch}", f"train.steps={steps}", f"train.log_every={args.block}",
-        f"train.eval_every={100 * steps}", "train.progress=false", "train.save_model=false",
-        f"train.device={args.device}", f"train.batched_workers={mode}",
+        "data=cifar10",
+        f"data.root={SUBSET}",
+        "model=resnet20",
+        f"workers={args.workers}",
+        f"train.batch_size={args.batch}",
+        f"train.steps={steps}",
+        f"train.log_every={args.block}",
+        f"train.eval_every={100 * steps}",
+        "train.progress=false",
+        "train.save_model=false",
+        f"train.device={args.device}",
+        f"train.batched_workers={mode}",
         f"train.channels_last={str(args.channels_last).lower()}",
         *([f"train.autocast={args.autocast}"] if args.autocast else []),
-        "optimizer.lr=0.1", "optimizer.momentum=0.9", "backend.threads=1",
-    ]  # fmt: skip
+        "optimizer.lr=0.1",
+        "optimizer.momentum=0.9",
+        "backend.threads=1",
+    ]
     return compose_run(*overrides)
 
 
@@ -90,8 +106,13 @@ def ours(args, data, mode: str) -> tuple[float, str]:
 
     cfg = compose(args, mode)
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
-        trainer = Trainer(cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)),
-                          torch.device(args.device), Path(tmp), data)  # fmt: skip
+        trainer = Trainer(
+            cfg,
+            SimulatedCommunicator(cfg.workers, network_model(cfg)),
+            torch.device(args.device),
+            Path(tmp),
+            data,
+        )
         trainer.metrics.evaluate = lambda: {"test/loss": 0.0, "test/acc": 0.0}
         trainer.run()
         times = bt.logged_block_times(Path(tmp) / "metrics.jsonl", args.block, args.warmup)
@@ -165,8 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--autocast", choices=["bf16", "fp16"], default=None)
     parser.add_argument("--random-images", action="store_true")
-    parser.add_argument("--sides", nargs="+", default=["stacked", "vmap", "loop", "single"],
-                        choices=["stacked", "vmap", "loop", "single"])  # fmt: skip
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        default=["stacked", "vmap", "loop", "single"],
+        choices=["stacked", "vmap", "loop", "single"],
+    )
     parser.add_argument("--gpt", action="store_true", help="also the LM rows (tokens/s)")
     parser.add_argument("--gpt-model", default="gpt_nanogpt", help="conf/model preset for --gpt")
     parser.add_argument("--json", type=Path, default=None)
@@ -177,11 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     data, what = dataset(args)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    results = bt.Results(args.json or bt.default_json("gpu_batched"), "gpu_batched",
-                      vars(args) | {"json": None, "device_name": name, "data": what})  # fmt: skip
+    results = bt.Results(
+        args.json or bt.default_json("gpu_batched"),
+        "gpu_batched",
+        vars(args) | {"json": None, "device_name": name, "data": what},
+    )
     images = args.workers * args.batch
-    print(f"ResNet-20, K={args.workers} × {args.batch} on {name} ({what}); "
-          f"{bt.load()}", flush=True)  # fmt: skip
+    print(f"ResNet-20, K={args.workers} × {args.batch} on {name} ({what}); {bt.load()}", flush=True)
     steps: dict[str, list[float]] = {s: [] for s in args.sides}
     took: dict[str, str] = {}
     for r in range(args.rounds):
@@ -193,8 +220,11 @@ def main(argv: list[str] | None = None) -> int:
                 step, mode = ours(args, data, "false" if side == "loop" else side)
                 steps[side].append(step)
                 took[side] = mode
-        print(f"round {r}: " + ", ".join(f"{s} {images / steps[s][-1]:.0f} images/s"
-                                         for s in args.sides), flush=True)  # fmt: skip
+        print(
+            f"round {r}: "
+            + ", ".join(f"{s} {images / steps[s][-1]:.0f} images/s" for s in args.sides),
+            flush=True,
+        )
         results.add(round=r, step_s={s: steps[s][-1] for s in args.sides})
     per_round = lambda a, b: [x / y for x, y in zip(steps[a], steps[b], strict=True)]
     print()
@@ -202,13 +232,19 @@ def main(argv: list[str] | None = None) -> int:
     for side in args.sides:
         print(f"| {side} | {images / statistics.median(steps[side]):.0f} | | |")
     summary = {}
-    for slow, fast, goal in (("loop", "stacked", "≥ 5"), ("stacked", "single", "≤ 1.5"),
-                             ("vmap", "stacked", "–"), ("loop", "vmap", "–")):  # fmt: skip
+    for slow, fast, goal in (
+        ("loop", "stacked", "≥ 5"),
+        ("stacked", "single", "≤ 1.5"),
+        ("vmap", "stacked", "–"),
+        ("loop", "vmap", "–"),
+    ):
         if {slow, fast} <= set(args.sides):
             ratio = per_round(slow, fast)
             summary[f"{slow}_over_{fast}"] = ratio
-            print(f"| {slow} ÷ {fast} | | {statistics.median(ratio):.2f} "
-                  f"{bt.fmt_range(ratio, 2)} | {goal} |")  # fmt: skip
+            print(
+                f"| {slow} ÷ {fast} | | {statistics.median(ratio):.2f} "
+                f"{bt.fmt_range(ratio, 2)} | {goal} |"
+            )
     for side, mode in took.items():
         print(f"{side} side: {mode}")
     if args.gpt:

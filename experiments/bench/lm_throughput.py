@@ -70,16 +70,26 @@ ALGORITHMS = {
 def compose(args, workers: int):
     steps = bt.logged_steps(args.warmup, args.block, args.blocks)
     overrides = [
-        "data=shakespeare", f"data.root={CORPUS}", f"model={args.model}", "optimizer=adamw_lm",
+        "data=shakespeare",
+        f"data.root={CORPUS}",
+        f"model={args.model}",
+        "optimizer=adamw_lm",
         "train.grad_clip=null",  # as the shipped figures ran (before the LM data clipped)
-        f"workers={workers}", f"train.batch_size={args.batch}", f"train.steps={steps}",
-        f"train.log_every={args.block}", f"train.eval_every={100 * steps}",
-        "train.progress=false", "train.save_model=false", "data.sample_tokens=0",
-        f"train.device={args.device}", f"train.batched_workers={args.batched}",
-        *([f"train.autocast={args.autocast}"] if args.autocast else []), "backend.threads=1",
+        f"workers={workers}",
+        f"train.batch_size={args.batch}",
+        f"train.steps={steps}",
+        f"train.log_every={args.block}",
+        f"train.eval_every={100 * steps}",
+        "train.progress=false",
+        "train.save_model=false",
+        "data.sample_tokens=0",
+        f"train.device={args.device}",
+        f"train.batched_workers={args.batched}",
+        *([f"train.autocast={args.autocast}"] if args.autocast else []),
+        "backend.threads=1",
         *([f"model.dropout={args.dropout}"] if args.dropout is not None else []),
         *(o.format(H=args.period) for o in ALGORITHMS[args.algorithm]),
-    ]  # fmt: skip
+    ]
     return compose_run(*overrides)
 
 
@@ -91,8 +101,13 @@ def ours(args, data, workers: int) -> tuple[float, str]:
 
     cfg = compose(args, workers)
     with tempfile.TemporaryDirectory(prefix="bench-lm-") as tmp, bt.loop_clock(args.read):
-        trainer = Trainer(cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)),
-                          torch.device(args.device), Path(tmp), data)  # fmt: skip
+        trainer = Trainer(
+            cfg,
+            SimulatedCommunicator(cfg.workers, network_model(cfg)),
+            torch.device(args.device),
+            Path(tmp),
+            data,
+        )
         trainer.metrics.evaluate = lambda: {"test/loss": 0.0}
         trainer.run()
         times = bt.logged_block_times(Path(tmp) / "metrics.jsonl", args.block, args.warmup)
@@ -112,8 +127,10 @@ def minimal(args, data, batch: int) -> float:
     rest = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay}, {"params": rest, "weight_decay": 0.0}],
-        lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1,
-    )  # fmt: skip
+        lr=1e-3,
+        betas=(0.9, 0.99),
+        weight_decay=0.1,
+    )
     stream = data.train_inputs.to(device)
     offsets = torch.arange(data.block_size + 1, device=device)
     generator = torch.Generator().manual_seed(1)
@@ -154,10 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=["cuda", "cpu"])
     parser.add_argument("--clock", choices=["cpu", "wall"], default=None)
     parser.add_argument("--autocast", choices=["bf16", "fp16"], default=None)
-    parser.add_argument("--batched", default="auto",
-                        choices=["auto", "true", "false", "stacked", "vmap"])  # fmt: skip
-    parser.add_argument("--dropout", type=float, default=None,
-                        help="model.dropout (stacked: on the worker stream)")  # fmt: skip
+    parser.add_argument(
+        "--batched", default="auto", choices=["auto", "true", "false", "stacked", "vmap"]
+    )
+    parser.add_argument(
+        "--dropout", type=float, default=None, help="model.dropout (stacked: on the worker stream)"
+    )
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
     parser.add_argument(
         "--algorithm",
@@ -174,18 +193,31 @@ def main(argv: list[str] | None = None) -> int:
     from dpresearch.data.text import TextDataset
 
     cfg = compose(args, 1)
-    data = TextDataset.load(CORPUS, block_size=int(cfg.data.block_size),
-                            val_works=list(cfg.data.val_works),
-                            test_works=list(cfg.data.test_works))  # fmt: skip
+    data = TextDataset.load(
+        CORPUS,
+        block_size=int(cfg.data.block_size),
+        val_works=list(cfg.data.val_works),
+        test_works=list(cfg.data.test_works),
+    )
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "read")}
-    results = bt.Results(args.json or bt.default_json("lm_throughput"), "lm_throughput",
-                         settings | {"device_name": name, "clock": clock})  # fmt: skip
-    tokens = {"simulated": args.workers * args.batch, "ours": args.batch,
-              "minimal": args.batch, "minimal_global": args.workers * args.batch}  # fmt: skip
+    results = bt.Results(
+        args.json or bt.default_json("lm_throughput"),
+        "lm_throughput",
+        settings | {"device_name": name, "clock": clock},
+    )
+    tokens = {
+        "simulated": args.workers * args.batch,
+        "ours": args.batch,
+        "minimal": args.batch,
+        "minimal_global": args.workers * args.batch,
+    }
     tokens = {s: n * data.block_size for s, n in tokens.items()}
-    print(f"GPT model={args.model}, {args.algorithm}, K={args.workers} × {args.batch} windows of "
-          f"{data.block_size} on {name}, {clock} clock; {bt.load()}", flush=True)  # fmt: skip
+    print(
+        f"GPT model={args.model}, {args.algorithm}, K={args.workers} × {args.batch} windows of "
+        f"{data.block_size} on {name}, {clock} clock; {bt.load()}",
+        flush=True,
+    )
     steps: dict[str, list[float]] = {s: [] for s in args.sides}
     took = ""
     for r in range(args.rounds):
@@ -197,8 +229,11 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 step = minimal(args, data, tokens[side] // data.block_size)
             steps[side].append(step)
-        print(f"round {r}: " + ", ".join(f"{s} {tokens[s] / steps[s][-1]:.0f} tokens/s"
-                                         for s in args.sides), flush=True)  # fmt: skip
+        print(
+            f"round {r}: "
+            + ", ".join(f"{s} {tokens[s] / steps[s][-1]:.0f} tokens/s" for s in args.sides),
+            flush=True,
+        )
         results.add(round=r, step_s={s: steps[s][-1] for s in args.sides})
     print(f"\n{bt.load()} at the end")
     print("| side | tokens/s (median) | ratio of time per token, median [range] | goal |")
@@ -212,8 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                 (x / tokens[a]) / (y / tokens[b]) for x, y in zip(steps[a], steps[b], strict=True)
             ]
             summary[f"{a}_over_{b}"] = ratio
-            print(f"| {a} ÷ {b} | | {statistics.median(ratio):.3f} {bt.fmt_range(ratio)} "
-                  f"| {goal} |")  # fmt: skip
+            print(
+                f"| {a} ÷ {b} | | {statistics.median(ratio):.3f} {bt.fmt_range(ratio)} | {goal} |"
+            )
     print(f"simulated side: {took}")
     results.write(summary=summary, finished=time.strftime("%Y-%m-%dT%H:%M:%S"))
     print(f"wrote {results.path}")

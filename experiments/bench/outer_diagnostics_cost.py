@@ -62,8 +62,12 @@ def one_round(args, diagnostics_first: bool) -> dict[str, float]:
     clock = bt.CLOCKS[args.clock]
     cfg = compose(args)
     with tempfile.TemporaryDirectory(prefix="bench-outer-diag-") as tmp:
-        trainer = Trainer(cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)),
-                          torch.device("cpu"), Path(tmp))  # fmt: skip
+        trainer = Trainer(
+            cfg,
+            SimulatedCommunicator(cfg.workers, network_model(cfg)),
+            torch.device("cpu"),
+            Path(tmp),
+        )
         outer = trainer.algorithm
 
         def time_diagnostics() -> float:
@@ -86,8 +90,7 @@ def one_round(args, diagnostics_first: bool) -> dict[str, float]:
         if not diagnostics_first:
             diag_s = time_diagnostics()
     round_s = args.period * step
-    return {"step_s": step, "round_s": round_s, "diagnostics_s": diag_s,
-            "share": diag_s / round_s}  # fmt: skip
+    return {"step_s": step, "round_s": round_s, "diagnostics_s": diag_s, "share": diag_s / round_s}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -222,9 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         "--comparisons", nargs="+", default=list(COMPARISONS), choices=list(COMPARISONS)
     )
     parser.add_argument("--json", type=Path, default=None, help="results file")
-    parser.add_argument("--batched-workers", default="auto",
-                        choices=["auto", "false", "stacked", "vmap", "true"],
-                        help="train.batched_workers of the simulated side")  # fmt: skip
+    parser.add_argument(
+        "--batched-workers",
+        default="auto",
+        choices=["auto", "false", "stacked", "vmap", "true"],
+        help="train.batched_workers of the simulated side",
+    )
     args = parser.parse_args(argv)
     if args.warmup % args.block or args.rounds < 2:
         parser.error("--warmup: a multiple of --block; --rounds ≥ 2")

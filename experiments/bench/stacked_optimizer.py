@@ -101,10 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     clock = args.clock
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "read")}
-    results = bt.Results(args.json or bt.default_json("stacked_optimizer"), "stacked_optimizer",
-                         settings | {"device_name": name, "clock": clock})  # fmt: skip
-    print(f"optimizer step, model={args.model}, K={args.workers} on {name}, {clock} clock; "
-          f"{bt.load()}", flush=True)  # fmt: skip
+    results = bt.Results(
+        args.json or bt.default_json("stacked_optimizer"),
+        "stacked_optimizer",
+        settings | {"device_name": name, "clock": clock},
+    )
+    print(
+        f"optimizer step, model={args.model}, K={args.workers} on {name}, {clock} clock; "
+        f"{bt.load()}",
+        flush=True,
+    )
     summary = {}
     for opt in args.optimizers:
         steps: dict[str, list[float]] = {s: [] for s in SIDES}
@@ -114,10 +120,12 @@ def main(argv: list[str] | None = None) -> int:
             results.add(optimizer=opt, round=r, step_s={s: steps[s][-1] for s in SIDES})
         ratio = [p / s for p, s in zip(steps["per_worker"], steps["stacked"], strict=True)]
         summary[opt] = ratio
-        print(f"| {opt} | stacked {statistics.median(steps['stacked']) * 1e3:.2f} ms "
-              f"| per worker {statistics.median(steps['per_worker']) * 1e3:.2f} ms "
-              f"| per_worker ÷ stacked {statistics.median(ratio):.2f} {bt.fmt_range(ratio)} |",
-              flush=True)  # fmt: skip
+        print(
+            f"| {opt} | stacked {statistics.median(steps['stacked']) * 1e3:.2f} ms "
+            f"| per worker {statistics.median(steps['per_worker']) * 1e3:.2f} ms "
+            f"| per_worker ÷ stacked {statistics.median(ratio):.2f} {bt.fmt_range(ratio)} |",
+            flush=True,
+        )
     print(f"{bt.load()} at the end")
     results.write(summary=summary, finished=time.strftime("%Y-%m-%dT%H:%M:%S"))
     print(f"wrote {results.path}")

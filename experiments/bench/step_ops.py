@@ -63,8 +63,12 @@ def count(case: str, args) -> dict[str, float]:
     ops = calls = optim_calls = 0
     measured = 0
     with tempfile.TemporaryDirectory(prefix="bench-ops-") as tmp:
-        trainer = Trainer(cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)),
-                          torch.device("cpu"), Path(tmp))  # fmt: skip
+        trainer = Trainer(
+            cfg,
+            SimulatedCommunicator(cfg.workers, network_model(cfg)),
+            torch.device("cpu"),
+            Path(tmp),
+        )
         trainer.metrics.evaluate = lambda: {"test/loss": 0.0}
         algorithm = trainer.built.algorithm
         inner = algorithm.after_backward
@@ -91,8 +95,11 @@ def count(case: str, args) -> dict[str, float]:
         algorithm.after_backward = after_backward
         trainer.run()
     profiled = args.steps - args.warmup - measured
-    return {"aten_ops": ops / measured, "python_calls": calls / profiled,
-            "torch_optim_calls": optim_calls / profiled}  # fmt: skip
+    return {
+        "aten_ops": ops / measured,
+        "python_calls": calls / profiled,
+        "torch_optim_calls": optim_calls / profiled,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for case in args.cases:
         c = results[case] = count(case, args)
-        print(f"| {case} | {c['aten_ops']:.0f} | {c['python_calls']:.0f} "
-              f"| {c['torch_optim_calls']:.0f} |", flush=True)  # fmt: skip
+        print(
+            f"| {case} | {c['aten_ops']:.0f} | {c['python_calls']:.0f} "
+            f"| {c['torch_optim_calls']:.0f} |",
+            flush=True,
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

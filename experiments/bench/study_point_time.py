@@ -102,10 +102,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"study_point_time: skipped: no CIFAR-10 subset at {data}")
         return 0
     overrides = point_overrides(args)
-    results = bt.Results(args.json or bt.default_json("study_point_time"), "study_point_time",
-                      {**vars(args), "study": str(args.study), "json": None,
-                       "old_repo": str(args.old_repo) if args.old_repo else None,
-                       "overrides": overrides})  # fmt: skip
+    results = bt.Results(
+        args.json or bt.default_json("study_point_time"),
+        "study_point_time",
+        {
+            **vars(args),
+            "study": str(args.study),
+            "json": None,
+            "old_repo": str(args.old_repo) if args.old_repo else None,
+            "overrides": overrides,
+        },
+    )
     load = lambda: " ".join(f"{v:.2f}" for v in os.getloadavg())
     print(f"{args.case} | lr {args.lr:g} | seed {args.seed} on {args.device}; load {load()}")
     ratios, walls = [], {s: [] for s in args.sides}
@@ -119,19 +126,30 @@ def main(argv: list[str] | None = None) -> int:
                 walls[side].append(wall)
                 got[side] = wall
                 rate = summary.get("samples", 0) / wall if wall else float("nan")
-                print(f"round {r} {side}: {wall:.1f} s for {summary['total_steps']} steps "
-                      f"({summary['total_steps'] / wall:.3g} steps/s, {rate:.0f} images/s); "
-                      f"{summary['threads_line']}; "
-                      f"{summary.get('workers_compute', 'one worker per process')} "
-                      f"(load {load()})", flush=True)  # fmt: skip
-                results.add(round=r, side=side, wall_s=wall, samples=summary.get("samples"),
-                            steps=summary["total_steps"], load=load(),
-                            threads=summary["threads_line"])  # fmt: skip
+                print(
+                    f"round {r} {side}: {wall:.1f} s for {summary['total_steps']} steps "
+                    f"({summary['total_steps'] / wall:.3g} steps/s, {rate:.0f} images/s); "
+                    f"{summary['threads_line']}; "
+                    f"{summary.get('workers_compute', 'one worker per process')} "
+                    f"(load {load()})",
+                    flush=True,
+                )
+                results.add(
+                    round=r,
+                    side=side,
+                    wall_s=wall,
+                    samples=summary.get("samples"),
+                    steps=summary["total_steps"],
+                    load=load(),
+                    threads=summary["threads_line"],
+                )
             if {"old", "new"} <= got.keys():
                 ratios.append(got["old"] / got["new"])
     if ratios:
-        print(f"old ÷ new wall time: {statistics.median(ratios):.2f} {bt.fmt_range(ratios, 2)} "
-              f"over {len(ratios)} rounds (load at the end {load()})")  # fmt: skip
+        print(
+            f"old ÷ new wall time: {statistics.median(ratios):.2f} {bt.fmt_range(ratios, 2)} "
+            f"over {len(ratios)} rounds (load at the end {load()})"
+        )
     results.write(ratios=ratios, walls=walls, end_load=load())
     print(f"wrote {results.path}")
     return 0

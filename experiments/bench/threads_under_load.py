@@ -61,7 +61,7 @@ def start_competitors(n: int) -> list[subprocess.Popen]:
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         for _ in range(n)
     ]
 
@@ -81,13 +81,25 @@ def run(case: str, threads: int | None, args, folder: Path) -> tuple[float, str]
     """Median step time of one run of `case` at `threads` (None: the default) in a fresh
     process, and the `threads:` line it printed."""
     run_dir = folder / f"{case}-{threads or 'default'}"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", case, str(threads or 0),
-           str(run_dir), "--block", str(args.block), "--blocks", str(args.blocks),
-           "--warmup", str(args.warmup)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        case,
+        str(threads or 0),
+        str(run_dir),
+        "--block",
+        str(args.block),
+        "--blocks",
+        str(args.blocks),
+        "--warmup",
+        str(args.warmup),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
-                         timeout=args.timeout)  # fmt: skip
+    out = subprocess.run(
+        cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
     times = bt.logged_block_times(run_dir / "metrics.jsonl", args.block, args.warmup)
@@ -108,24 +120,36 @@ def child(case: str, threads: int, run_dir: Path, args) -> None:
 
     steps = bt.logged_steps(args.warmup, args.block, args.blocks)
     fixed = [f"backend.threads={threads}"] if threads else []
-    overrides = [*CASES[case], f"train.steps={steps}", f"train.log_every={args.block}",
-                 f"train.eval_every={100 * steps}", "train.save_model=false",
-                 "train.progress=false", *fixed]  # fmt: skip
+    overrides = [
+        *CASES[case],
+        f"train.steps={steps}",
+        f"train.log_every={args.block}",
+        f"train.eval_every={100 * steps}",
+        "train.save_model=false",
+        "train.progress=false",
+        *fixed,
+    ]
     cfg = compose(*overrides)
     dataset = preflight(cfg)
     n, why = for_simulated(cfg, dataset, "cpu")
     torch.set_num_threads(n)
     print(describe(n, why), flush=True)
-    trainer = Trainer(cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)),
-                      torch.device("cpu"), run_dir, dataset)  # fmt: skip
+    trainer = Trainer(
+        cfg,
+        SimulatedCommunicator(cfg.workers, network_model(cfg)),
+        torch.device("cpu"),
+        run_dir,
+        dataset,
+    )
     trainer.metrics.evaluate = lambda: {"test/loss": 0.0, "test/acc": 0.0}
     trainer.run()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", nargs="+", default=["choco_mlp", "resnet20"],
-                        choices=list(CASES))  # fmt: skip
+    parser.add_argument(
+        "--cases", nargs="+", default=["choco_mlp", "resnet20"], choices=list(CASES)
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--competitors", type=int, default=2)
     parser.add_argument("--block", type=int, default=5)
@@ -133,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--child", nargs=3, metavar=("CASE", "THREADS", "RUN_DIR"),
-                        help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument(
+        "--child", nargs=3, metavar=("CASE", "THREADS", "RUN_DIR"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.child:
         child(args.child[0], int(args.child[1]), Path(args.child[2]), args)
@@ -144,13 +169,19 @@ def main(argv: list[str] | None = None) -> int:
     ]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     settings = [None, *range(1, (cores or 1) + 1)]
-    results = bt.Results(args.json or bt.default_json("threads_under_load"), "threads_under_load",
-                      vars(args) | {"json": None, "cores": cores})  # fmt: skip
+    results = bt.Results(
+        args.json or bt.default_json("threads_under_load"),
+        "threads_under_load",
+        vars(args) | {"json": None, "cores": cores},
+    )
     competitors = start_competitors(args.competitors)
     rows = []
     try:
-        print(f"{args.competitors} CPU-bound competitors on {cores} cores; "
-              f"load {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)  # fmt: skip
+        print(
+            f"{args.competitors} CPU-bound competitors on {cores} cores; "
+            f"load {' '.join(f'{v:.2f}' for v in os.getloadavg())}",
+            flush=True,
+        )
         with tempfile.TemporaryDirectory(prefix="bench-threads-", dir=REPO / "runs") as tmp:
             for case in cases:
                 ratios, choices = [], set()
@@ -163,13 +194,17 @@ def main(argv: list[str] | None = None) -> int:
                             choices.add(line)
                     best = min(v for k, v in step.items() if k is not None)
                     ratios.append(step[None] / best)
-                    shown = ", ".join(f"{k or 'default'}: {1 / v:.3g} steps/s"
-                                      for k, v in step.items())  # fmt: skip
+                    shown = ", ".join(
+                        f"{k or 'default'}: {1 / v:.3g} steps/s" for k, v in step.items()
+                    )
                     load = " ".join(f"{v:.2f}" for v in os.getloadavg())
-                    print(f"{case} round {r}: {shown}; default/best {ratios[-1]:.2f} (load {load})",
-                          flush=True)  # fmt: skip
-                    results.add(case=case, round=r, load=load,
-                                step_s={str(k): v for k, v in step.items()})  # fmt: skip
+                    print(
+                        f"{case} round {r}: {shown}; default/best {ratios[-1]:.2f} (load {load})",
+                        flush=True,
+                    )
+                    results.add(
+                        case=case, round=r, load=load, step_s={str(k): v for k, v in step.items()}
+                    )
                 rows.append((case, ratios, sorted(choices)))
     finally:
         stop(competitors)
@@ -177,8 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| case | default ÷ best (median [range]) | target | default took |")
     print("|---|---|---|---|")
     for case, ratios, choices in rows:
-        print(f"| {case} | {statistics.median(ratios):.2f} {bt.fmt_range(ratios, 2)} | ≤ 1.2 | "
-              f"{'; '.join(choices)} |")  # fmt: skip
+        print(
+            f"| {case} | {statistics.median(ratios):.2f} {bt.fmt_range(ratios, 2)} | ≤ 1.2 | "
+            f"{'; '.join(choices)} |"
+        )
     results.write(summary={case: {"ratios": r, "default": c} for case, r, c in rows})
     print(f"wrote {results.path}")
     print(json.dumps({c: statistics.median(r) for c, r, _ in rows}))

@@ -104,16 +104,30 @@ def cli_row(name: str, folder: Path, work: Path, args, *extra: str) -> dict[str,
     for i in range(args.repeats):
         run_dir = work / f"run-{name.split()[0]}-{len(list(work.iterdir()))}-{i}"
         command = [
-            sys.executable, "-m", "dpresearch.train", "data=text", f"data.root={folder}",
-            f"data.vocab_size={args.vocab}", f"model={args.model}", f"train.steps={args.steps}",
-            "train.log_every=1", "train.progress=false", "train.save_model=false",
-            "backend.threads=1", f"hydra.run.dir={run_dir}", CLI_BATCH, *SMALL_EVAL, *extra,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "dpresearch.train",
+            "data=text",
+            f"data.root={folder}",
+            f"data.vocab_size={args.vocab}",
+            f"model={args.model}",
+            f"train.steps={args.steps}",
+            "train.log_every=1",
+            "train.progress=false",
+            "train.save_model=false",
+            "backend.threads=1",
+            f"hydra.run.dir={run_dir}",
+            CLI_BATCH,
+            *SMALL_EVAL,
+            *extra,
+        ]
         runs.append(measure(command, work, run_dir / "metrics.jsonl"))
         shutil.rmtree(run_dir, ignore_errors=True)
     row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    print(f"| {name} | {row['rss_mb']:.0f} | {row['first_step_s']:.1f} | {row['total_s']:.1f} |",
-          flush=True)  # fmt: skip
+    print(
+        f"| {name} | {row['rss_mb']:.0f} | {row['first_step_s']:.1f} | {row['total_s']:.1f} |",
+        flush=True,
+    )
     return row
 
 
@@ -137,21 +151,36 @@ def throughput(args, small: Path) -> dict[str, list[float]]:
     block, warmup = 10, 10
     steps = bt.logged_steps(warmup, block, max(1, args.tp_steps // block))
     cfg = compose_run(
-        "data=text", f"data.root={small}", f"data.vocab_size={args.tp_vocab}",
+        "data=text",
+        f"data.root={small}",
+        f"data.vocab_size={args.tp_vocab}",
         f"model={args.model}",
-        f"workers={args.workers}", f"train.batch_size={args.batch}", f"train.steps={steps}",
-        f"train.log_every={block}", f"train.eval_every={100 * steps}", "train.progress=false",
-        "train.save_model=false", "backend.threads=1", *SMALL_EVAL,
-    )  # fmt: skip
+        f"workers={args.workers}",
+        f"train.batch_size={args.batch}",
+        f"train.steps={steps}",
+        f"train.log_every={block}",
+        f"train.eval_every={100 * steps}",
+        "train.progress=false",
+        "train.save_model=false",
+        "backend.threads=1",
+        *SMALL_EVAL,
+    )
     kw = {"block_size": int(cfg.data.block_size), "vocab_size": args.tp_vocab, "eval_tokens": 1024}
-    data = {"mapped": TextDataset.load(small, **kw),
-            "memory": TextDataset.load(small, memmap=False, **kw)}  # fmt: skip
+    data = {
+        "mapped": TextDataset.load(small, **kw),
+        "memory": TextDataset.load(small, memmap=False, **kw),
+    }
     tokens = args.workers * args.batch * int(cfg.data.block_size)
 
     def loop(side: str) -> float:
         with tempfile.TemporaryDirectory(prefix="bench-tokens-") as tmp, bt.loop_clock(args.read):
-            trainer = Trainer(cfg, SimulatedCommunicator(cfg.workers, network_model(cfg)),
-                              torch.device("cpu"), Path(tmp), data[side])  # fmt: skip
+            trainer = Trainer(
+                cfg,
+                SimulatedCommunicator(cfg.workers, network_model(cfg)),
+                torch.device("cpu"),
+                Path(tmp),
+                data[side],
+            )
             trainer.metrics.evaluate = lambda: {"test/loss": 0.0}
             trainer.run()
             return statistics.median(
@@ -169,18 +198,25 @@ def throughput(args, small: Path) -> dict[str, list[float]]:
             times.append(args.read() - start)
         return statistics.median(times)
 
-    got: dict[str, list[float]] = {"mapped": [], "memory": [], "gather_mapped": [],
-                                   "gather_memory": []}  # fmt: skip
+    got: dict[str, list[float]] = {
+        "mapped": [],
+        "memory": [],
+        "gather_mapped": [],
+        "gather_memory": [],
+    }
     for r in range(args.rounds):
         order = ("mapped", "memory") if r % 2 == 0 else ("memory", "mapped")
         for side in order:
             got[side].append(loop(side))
             got[f"gather_{side}"].append(gather(side))
         ratio = got["mapped"][-1] / got["memory"][-1]
-        print(f"round {r}: mapped {tokens / got['mapped'][-1]:.0f} tokens/s, in memory "
-              f"{tokens / got['memory'][-1]:.0f} tokens/s, mapped ÷ memory of time per token "
-              f"{ratio:.3f}; gather {1e6 * got['gather_mapped'][-1]:.0f} vs "
-              f"{1e6 * got['gather_memory'][-1]:.0f} µs", flush=True)  # fmt: skip
+        print(
+            f"round {r}: mapped {tokens / got['mapped'][-1]:.0f} tokens/s, in memory "
+            f"{tokens / got['memory'][-1]:.0f} tokens/s, mapped ÷ memory of time per token "
+            f"{ratio:.3f}; gather {1e6 * got['gather_mapped'][-1]:.0f} vs "
+            f"{1e6 * got['gather_memory'][-1]:.0f} µs",
+            flush=True,
+        )
     return got
 
 
@@ -193,15 +229,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--gloo", type=int, default=2, help="gloo workers on the big file")
-    parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=ROWS,
-                        help="the command-line runs to measure")  # fmt: skip
+    parser.add_argument(
+        "--rows",
+        nargs="*",
+        default=list(ROWS),
+        choices=ROWS,
+        help="the command-line runs to measure",
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tp-steps", type=int, default=40, help="timed steps per loop run")
-    parser.add_argument("--tp-vocab", type=int, default=256,
-                        help="ids of the throughput file (a small vocabulary: the gather's "
-                        "share of a step at its largest)")  # fmt: skip
+    parser.add_argument(
+        "--tp-vocab",
+        type=int,
+        default=256,
+        help="ids of the throughput file (a small vocabulary: the gather's "
+        "share of a step at its largest)",
+    )
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     parser.add_argument("--dir", type=Path, default=None, help="where the temporary folder goes")
     parser.add_argument("--json", type=Path, default=None)
@@ -212,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     results = bt.Results(args.json or bt.default_json("token_files"), "token_files", settings)
     before = bt.load()
     state = model_state_mb(args.model, args.vocab)
-    print(f"token files: {args.gb:g} GB train.bin, model={args.model} (state {state:.0f} MB: "
-          f"parameters, gradients, AdamW), {before}", flush=True)  # fmt: skip
+    print(
+        f"token files: {args.gb:g} GB train.bin, model={args.model} (state {state:.0f} MB: "
+        f"parameters, gradients, AdamW), {before}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="bench-token-files-", dir=args.dir) as tmp:
         work = Path(tmp)
         start = time.perf_counter()
@@ -247,11 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     if got:
         ratio = [a / b for a, b in zip(got["mapped"], got["memory"], strict=True)]
         gather = [a / b for a, b in zip(got["gather_mapped"], got["gather_memory"], strict=True)]
-        print(f"mapped ÷ in memory, time per token: {statistics.median(ratio):.3f} "
-              f"{bt.fmt_range(ratio)} (goal ≤ 1.05); the gather alone: "
-              f"{statistics.median(gather):.2f} {bt.fmt_range(gather, 2)} "
-              f"({1e6 * statistics.median(got['gather_mapped']):.0f} vs "
-              f"{1e6 * statistics.median(got['gather_memory']):.0f} µs)")  # fmt: skip
+        print(
+            f"mapped ÷ in memory, time per token: {statistics.median(ratio):.3f} "
+            f"{bt.fmt_range(ratio)} (goal ≤ 1.05); the gather alone: "
+            f"{statistics.median(gather):.2f} {bt.fmt_range(gather, 2)} "
+            f"({1e6 * statistics.median(got['gather_mapped']):.0f} vs "
+            f"{1e6 * statistics.median(got['gather_memory']):.0f} µs)"
+        )
         results.write(throughput=got, ratio=ratio, gather_ratio=gather)
     print(f"{before} -> {bt.load()}")
     results.write(finished=time.strftime("%Y-%m-%dT%H:%M:%S"))

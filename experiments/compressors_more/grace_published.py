@@ -81,8 +81,9 @@ def main(path: str) -> None:
     accuracy = frame[frame["mode"] == "accuracy"].set_index("name")
     volume = frame[frame["mode"] == "data-volume"].set_index("name")
     out = csv.writer(sys.stdout, lineterminator="\n")
-    out.writerow(["case", "setting", "differs", "value", "unit", "data", "model", "workers",
-                  "source"])  # fmt: skip
+    out.writerow(
+        ["case", "setting", "differs", "value", "unit", "data", "model", "workers", "source"]
+    )
     for case, (name, setting, differs, differs_bytes) in CASES.items():
         row = accuracy.loc[name]
         if row.ndim > 1:  # one optimizer per name is wanted: GRACE's momentum runs first
@@ -90,8 +91,9 @@ def main(path: str) -> None:
         where = f"cifar10-classification (run {row['id']}, name {name}, mode accuracy, "
         where += "model resnet20_v2, workers 8)"
         top1 = f"{100 * float(row['top_1_accuracy']):.2f}"
-        out.writerow([case, f"GRACE: {setting}", differs, top1, ACCURACY_UNIT, *SET_UP,
-                      SOURCE + where])  # fmt: skip
+        out.writerow(
+            [case, f"GRACE: {setting}", differs, top1, ACCURACY_UNIT, *SET_UP, SOURCE + where]
+        )
         vol_name = name
         if vol_name not in volume.index:  # volume measured with memory only for some methods
             vol_name = name.replace("_mem", "") + "_mem"
@@ -99,9 +101,17 @@ def main(path: str) -> None:
             vol = volume["data_volume"][vol_name]
             where = f"cifar10-classification (name {vol_name}, mode data-volume, model "
             where += "resnet20_v2, workers 8)"
-            out.writerow([case, f"GRACE: {setting}", differs_bytes, round(float(vol)), VOLUME_UNIT,
-                          *SET_UP,
-                          SOURCE + where])  # fmt: skip
+            out.writerow(
+                [
+                    case,
+                    f"GRACE: {setting}",
+                    differs_bytes,
+                    round(float(vol)),
+                    VOLUME_UNIT,
+                    *SET_UP,
+                    SOURCE + where,
+                ]
+            )
 
 
 if __name__ == "__main__":

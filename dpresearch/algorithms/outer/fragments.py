@@ -175,9 +175,14 @@ def on_device(fragment: Fragment, device: torch.device) -> Fragment:
         return cols if isinstance(cols, slice) else cols.to(device)
 
     return Fragment(
-        fragment.index, fragment.blocks, move(fragment.params), move(fragment.buffers),
-        fragment.tensors, fragment.numel, fragment.buffer_numel,
-    )  # fmt: skip
+        fragment.index,
+        fragment.blocks,
+        move(fragment.params),
+        move(fragment.buffers),
+        fragment.tensors,
+        fragment.numel,
+        fragment.buffer_numel,
+    )
 
 
 def take(rows: Tensor, cols: Columns) -> Tensor:

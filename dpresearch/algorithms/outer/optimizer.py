@@ -198,10 +198,17 @@ class OuterOptimizer(Algorithm):
         if compresses(compressor, error_feedback):
             shapes = [tuple(p.shape) for p in anchor_params]
             self.reducers = [
-                build_reducer(compressor, error_feedback, comm, fragment_layout(f, shapes), seed,
-                              dtype=replicas.params.dtype, device=device)
+                build_reducer(
+                    compressor,
+                    error_feedback,
+                    comm,
+                    fragment_layout(f, shapes),
+                    seed,
+                    dtype=replicas.params.dtype,
+                    device=device,
+                )
                 for f in self.fragments
-            ]  # fmt: skip
+            ]
         self.in_flight: dict[int, InFlight] = {}
         self.total_steps = 2**62  # told by `set_run_length`
         self.merges = 0  # fragment merges so far
