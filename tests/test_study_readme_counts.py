@@ -150,6 +150,51 @@ def same_slow_seeds(study: str, cases: tuple[str, ...], above: float) -> tuple:
     return (*slow[0], ALL) if len(set(slow)) == 1 else tuple(slow)
 
 
+def stalls_by_lr(study: str, cases: tuple[str, ...], above: float) -> tuple[int, ...]:
+    """(stalled, runs) at lr ≤ 0.004, at 0.008 and at 0.016 over every run of `cases` (tuning
+    and final seeds): a stalled run ends above `above` test bits per character."""
+    rows = runs(study)[runs(study)["case"].isin(cases)]
+    lr = rows[lr_column(report(study).study)]
+    assert set(lr) <= {0.002, 0.004, 0.008, 0.016}, sorted(set(lr))  # no run left out
+    counts: tuple[int, ...] = ()
+    for part in (rows[lr <= 0.004], rows[lr == 0.008], rows[lr == 0.016]):
+        counts += (int((part["test/bpc"] > above).sum()), len(part))
+    return counts
+
+
+def stalled(study: str, cases: tuple[str, ...], above: float) -> tuple[int, int]:
+    """(stalled, runs) over every run of `cases`: a stalled run ends above `above` test bits per
+    character."""
+    rows = runs(study)[runs(study)["case"].isin(cases)]
+    return int((rows["test/bpc"] > above).sum()), len(rows)
+
+
+def gap(study: str, case: str, baseline: str) -> str:
+    """How far `case` ends above `baseline` in mean final test bits per character, as written."""
+    means = final_means(study, "test/bpc")
+    return f"{means[case] - means[baseline]:.2f}"
+
+
+def probe_row(clipped: str, unclipped: str | None, shipped: str | None) -> tuple[str, ...]:
+    """A row of the LM README's clipping-probe table: the mean final test bits per character of
+    `clipped` and `unclipped` (the probe's cases) and of `shipped` (study.yaml's), "–" where
+    none, then the stalled runs of the clipped and the unclipped case."""
+
+    def mean(study: str, case: str | None) -> str:
+        return "–" if case is None else f"{final_means(study, 'test/bpc')[case]:.2f}"
+
+    def stalls(case: str | None) -> str:
+        return "–" if case is None else "{} of {}".format(*stalled(LP, (case,), SLOW_SEEDS))
+
+    return (
+        mean(LP, clipped),
+        mean(LP, unclipped),
+        mean(LM, shipped),
+        stalls(clipped),
+        stalls(unclipped),
+    )
+
+
 def lm_final_machines() -> tuple[int, int, int]:
     """(cases whose final seeds ran on the GPU machine's CPUs, their runs, cases that did not):
     the README names the latter — sync AdamW by work and top-k ran here, 1-bit Adam has no final
@@ -184,6 +229,8 @@ CS, EF = "compression_subset/study", "compression_subset/ef_claim"
 P6 = "powersgd_table6/study"
 CM = "compressors_more"
 LM = "lm_shakespeare/study"
+LP = "lm_shakespeare/probe_clip"  # the gradient-clipping probe beside it
+SYNC_CASES = ("sync AdamW", "sync AdamW (by work)")
 GS = "gossip_subset/study"
 OS, OL = "outer/study", "outer/outer_lr"  # the outer study's two stages
 SLOW_SEEDS = 3.3  # between the fast (≈ 3.0) and slow (≈ 3.6) plateaus of the DiLoCo family
@@ -780,6 +827,69 @@ CLAIMS = [
             ("DiLoCo H=50", "DiLoCo H=100", "DiLoCo H=50 outer lr 0.4", "DiLoCo H=50 outer lr 1.0"),
             SLOW_SEEDS,
         ),
+    ),
+    Claim(
+        "lm/stalls-rise-with-lr",
+        "experiments/lm_shakespeare",
+        r"Over every run of DiLoCo H=50 and H=100 \(tuning and final seeds\), (\d+) of (\d+) "
+        r"stall at lr ≤ 0\.004, (\d+) of (\d+) at 0\.008 and (\d+) of (\d+) at 0\.016; with the "
+        r"by-work, Streaming and outer-lr variants too, (\d+) of (\d+), (\d+) of (\d+) and (\d+) "
+        r"of (\d+)",
+        lambda: (
+            *stalls_by_lr(LM, ("DiLoCo H=50", "DiLoCo H=100"), SLOW_SEEDS),
+            *stalls_by_lr(
+                LM,
+                (
+                    "DiLoCo H=50",
+                    "DiLoCo H=100",
+                    "DiLoCo H=50 (by work)",
+                    "Streaming DiLoCo H=50 F=4",
+                    "DiLoCo H=50 outer lr 0.4",
+                    "DiLoCo H=50 outer lr 1.0",
+                ),
+                SLOW_SEEDS,
+            ),
+        ),
+    ),
+    Claim(
+        "lm/sync-never-stalls",
+        "experiments/lm_shakespeare",
+        r"(none) of the (\d+) runs of synchronous AdamW \(IID and by work, lrs 0\.002–0\.032\) "
+        r"ends above 3\.3",
+        lambda: (
+            "none" if stalled(LM, SYNC_CASES, SLOW_SEEDS)[0] == 0 else "some",
+            stalled(LM, SYNC_CASES, SLOW_SEEDS)[1],
+        ),
+    ),
+    Claim(
+        "lm/probe/runs",
+        "experiments/lm_shakespeare",
+        r"(\d+) runs of (\d+) steps, run on 2026-12-06",
+        lambda: (len(runs(LP)), *total_steps(LP)),
+    ),
+    *(
+        Claim(
+            f"lm/probe/row/{label} {lr}",
+            "experiments/lm_shakespeare",
+            rf"\| {re.escape(label)} \| {lr} \| (\d\.\d\d) ± [\d.]+ \| (–|\d\.\d\d)[^|]* \| "
+            r"(–|\d\.\d\d)[^|]* \| (\d of \d) / (–|\d of \d) \|",
+            lambda row=row: probe_row(*row),
+        )
+        for label, lr, row in (
+            ("sync AdamW", "0.008", ("sync AdamW", None, "sync AdamW")),
+            ("DiLoCo H=50", "0.008", ("DiLoCo H=50", "DiLoCo H=50 no clip", "DiLoCo H=50")),
+            (
+                "DiLoCo H=50",
+                "0.004",
+                ("DiLoCo H=50 lr 0.004", "DiLoCo H=50 lr 0.004 no clip", None),
+            ),
+        )
+    ),
+    Claim(
+        "lm/probe/gap-halved",
+        "experiments/lm_shakespeare",
+        r"It halves the gap to synchronous AdamW, from (\d\.\d\d) ± [\d.]+ to (\d\.\d\d) ± ",
+        lambda: tuple(gap(study, "DiLoCo H=50", "sync AdamW") for study in (LM, LP)),
     ),
     Claim(
         "lm/three-final-seeds",
