@@ -195,15 +195,19 @@ def test_trajectory_differences_names_nodes_once_and_skips_bookkeeping():
 
 
 def test_a_key_added_since_a_run_was_saved_differs_only_when_it_is_on():
-    """A run saved before `train.grad_clip` and `train.init_from` existed resumes under a
-    configuration that has them off (null); one that turns a new key on is refused."""
+    """A run saved before `train.grad_clip`, `train.init_from` and `train.eval_bn_stats`
+    existed resumes under a configuration that has them at their schema defaults; one that
+    sets a new key otherwise is refused."""
     from helpers import compose_config
     from omegaconf import OmegaConf
 
     base = compose_config(*RUN)
     saved = OmegaConf.to_container(base, resolve=True)
     assert saved["train"]["grad_clip"] is None and saved["train"]["init_from"] is None
-    del saved["train"]["grad_clip"], saved["train"]["init_from"]
+    assert saved["train"]["eval_bn_stats"] == "consensus"  # a default that is not null
+    del saved["train"]["grad_clip"], saved["train"]["init_from"], saved["train"]["eval_bn_stats"]
     assert trajectory_differences(saved, base) == []
     clipped = compose_config(*RUN, "train.grad_clip=1.0")
     assert trajectory_differences(saved, clipped) == ["train.grad_clip"]
+    averaged = compose_config(*RUN, "train.eval_bn_stats=recompute")
+    assert trajectory_differences(saved, averaged) == ["train.eval_bn_stats"]

@@ -18,6 +18,7 @@ it run).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -80,8 +81,9 @@ def trajectory_differences(
     `saved` (a checkpoint's or a run's) and `current`, leaving out `NOT_TRAJECTORY` and
     `allowed` (a key or a whole node: `optimizer`). A key that only mirrors another node
     (`algorithm.compressor: ${compressor}`) is named by that node. A key `saved` lacks whose
-    value is now null is no difference: a key added to the schema since, off (a run made before
-    `train.init_from` existed started from no other weights either)."""
+    value is now null, or the default its schema declares, is no difference: a key added since,
+    at its default (a run made before `train.init_from` existed started from no other weights
+    either; one made before `train.eval_bn_stats` evaluated with the consensus's statistics)."""
     now = flatten(OmegaConf.to_container(current, resolve=True))
     before = flatten(dict(saved))
     skip = (*NOT_TRAJECTORY, *allowed)
@@ -94,8 +96,8 @@ def trajectory_differences(
     for key in set(now) | set(before):
         if _covered(key, skip) or now.get(key, _ABSENT) == before.get(key, _ABSENT):
             continue
-        if key not in before and now.get(key, _ABSENT) is None:
-            continue  # a key added since with its off value (null): the run saved it as absent
+        if key not in before and now.get(key, _ABSENT) == _declared_default(current, key):
+            continue  # a key added since, at its default: the run saved it as absent
         for mirror, target in mirrors.items():
             if key == mirror or key.startswith(mirror + "."):
                 key = target + key[len(mirror) :]
@@ -103,6 +105,20 @@ def trajectory_differences(
         if not _covered(key, skip):
             differing.add(key)
     return sorted(differing)
+
+
+def _declared_default(cfg: DictConfig, key: str) -> Any:
+    """The default of dotted `key` as the structured schema behind its node declares it (a
+    dataclass field's), else None (a key of no typed node counts as added at null)."""
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    kind = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+    if kind is None or not dataclasses.is_dataclass(kind):
+        return None
+    for f in dataclasses.fields(kind):
+        if f.name == leaf:
+            return None if f.default is dataclasses.MISSING else f.default
+    return None
 
 
 def show_changes(keys: list[str], saved: Mapping[str, Any], current: DictConfig) -> str:
