@@ -216,8 +216,17 @@ def _crash_line(exc: BaseException) -> str:
     launcher's frames add nothing), and return the one line that ends the run."""
     if _is_worker_failure(exc):
         from dpresearch.launch.console import log_only
-        from dpresearch.launch.processes import root_failure
+        from dpresearch.launch.processes import died_unreported, root_failure
 
+        unreported = died_unreported(exc)
+        if unreported is not None:  # its peers' broken connections are all torch saw
+            rank, pid = unreported
+            where = "train.log" if log_only(exc.format_msg()) else "above"
+            return (
+                f"error: worker process failed: rank {rank} (pid {pid}) died without a report "
+                "(killed by a signal such as SIGKILL, or crashed); the job was stopped "
+                f"(torch's report of its peers: {where})"
+            )
         rank, failure = root_failure(exc)
         if failure.exitcode < 0:  # killed by a signal: torch's block holds no traceback of ours
             where = "train.log" if log_only(exc.format_msg()) else "above"

@@ -77,6 +77,22 @@ def _stopped_or_running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
+def silent_deaths(directory: Path) -> list[tuple[int, int]]:
+    """(rank, pid) of every worker whose heartbeat file is left behind by a process that is
+    gone, the first to stop beating first: a worker that raised or returned removed its file on
+    the way out (`Heartbeat.__exit__`), so one left by a dead process died without unwinding —
+    killed by a signal (SIGKILL) or crashed."""
+    found = []
+    for path in Path(directory).glob(f"{PREFIX}*"):
+        try:
+            pid, when = int(path.read_text()), path.stat().st_mtime_ns
+        except (OSError, ValueError):
+            continue
+        if not _stopped_or_running(pid):
+            found.append((when, int(path.name[len(PREFIX) :]), pid))
+    return [(rank, pid) for _, rank, pid in sorted(found)]
+
+
 @dataclass(frozen=True)
 class Frozen:
     """A worker the watchdog found silent (and killed)."""

@@ -44,7 +44,7 @@ from dpresearch.launch.environment import (
     environment_names,
     from_agent,
 )
-from dpresearch.launch.heartbeat import Heartbeat, Watchdog
+from dpresearch.launch.heartbeat import Heartbeat, Watchdog, silent_deaths
 from dpresearch.run import stop
 from dpresearch.run.build import prepare_data, process_count, run_device
 from dpresearch.run.lifeline import bind_to_launcher, launcher_environment
@@ -220,6 +220,9 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
                 who = "worker" if processes == cfg.workers else "rank"  # ranks are workers?
                 raise WorkerFrozen(watchdog.frozen.message(heartbeat_s, who)) from exc
             failure = every_failure(exc, processes)
+            # torch reports the processes it saw fail; one killed by a signal may not be among
+            # them (a peer's broken connection was seen first): its heartbeat file tells
+            failure.silent_deaths = silent_deaths(Path(beats)) if heartbeat_s else []
             raise worker_config_error(failure) or failure from None
     return results[0]
 
@@ -244,6 +247,16 @@ def root_failure(exc: Any) -> tuple[int, Any]:
     error file of its own and often an earlier time stamp), else torch's first failure."""
     killed = [(rank, f) for rank, f in exc.failures.items() if f.exitcode < 0]
     return killed[0] if killed else exc.get_first_failure()
+
+
+def died_unreported(exc: Any) -> tuple[int, int] | None:
+    """(rank, pid) of a worker that died without unwinding (`heartbeat.silent_deaths`) and
+    that torch did not report, where torch reported no worker killed by a signal: the root
+    cause of the job's failure (its peers only lost their connection to it); else None."""
+    if any(f.exitcode < 0 for f in exc.failures.values()):
+        return None
+    unreported = [(r, pid) for r, pid in getattr(exc, "silent_deaths", []) if r not in exc.failures]
+    return unreported[0] if unreported else None
 
 
 def every_failure(exc: Any, processes: int) -> Any:
