@@ -249,11 +249,21 @@ def root_failure(exc: Any) -> tuple[int, Any]:
     return killed[0] if killed else exc.get_first_failure()
 
 
+# what gloo's transport raises in a process whose peer is gone
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
+
+
 def died_unreported(exc: Any) -> tuple[int, int] | None:
     """(rank, pid) of a worker that died without unwinding (`heartbeat.silent_deaths`) and
-    that torch did not report, where torch reported no worker killed by a signal: the root
-    cause of the job's failure (its peers only lost their connection to it); else None."""
-    if any(f.exitcode < 0 for f in exc.failures.values()):
+    that torch did not report, where every failure torch did report is a peer's lost
+    connection (so no error of its own — a server's `WorkerLost`, say — is the cause): the root
+    cause of the job's failure; else None."""
+
+    def lost_peer(failure: Any) -> bool:
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
+        return failure.exitcode >= 0 and any(text in message for text in LOST_PEER)
+
+    if not all(lost_peer(f) for f in exc.failures.values()):
         return None
     unreported = [(r, pid) for r, pid in getattr(exc, "silent_deaths", []) if r not in exc.failures]
     return unreported[0] if unreported else None
