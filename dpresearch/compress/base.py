@@ -123,6 +123,12 @@ class Compressor(ABC):
     ) -> int:
         """Exact bytes one worker sends for one chunk of `numel` elements (all rounds)."""
 
+    def chunk_set_bytes(self, chunks: Sequence[Chunk], dtype: torch.dtype = torch.float32) -> int:
+        """Exact bytes one worker sends for one chunk set (a bucket: one codec, one row): the
+        sum of its chunks' `payload_bytes`, unless the compressor lays out a set as a whole
+        (DCT top-k: one index width for the set)."""
+        return sum(self.payload_bytes(ch.numel, ch.shape, dtype) for ch in chunks)
+
     def aggregation(self, *args, **kwargs) -> Aggregation:
         """The synchronous protocol for a chunk set: `aggregation_class(self, ...)`, given the
         arguments of `Aggregation` after the compressor (chunks, workers, dtype, device,

@@ -240,6 +240,12 @@ class DCTTopK(SingleRoundCompressor):
     def payload_spec(self, chunk: Chunk, dtype: torch.dtype) -> Spec:
         return self._spec(chunk, dtype, index_dtype(self.largest_block([chunk])))
 
+    def chunk_set_bytes(self, chunks: Sequence[Chunk], dtype: torch.dtype = torch.float32) -> int:
+        """A set's bytes as `wire_plan` lays it out: every chunk's indices at the set's width."""
+        index = index_dtype(self.largest_block(chunks))
+        specs = (self._spec(ch, dtype, index) for ch in chunks)
+        return sum(count * dt.itemsize for spec in specs for dt, count in spec)
+
     def wire_plan(
         self, chunks: Sequence[Chunk], dtype: torch.dtype, linear: bool | None = None
     ) -> WirePlan:

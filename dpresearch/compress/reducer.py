@@ -91,8 +91,7 @@ class CompressedReducer:
 
     def payload_bytes(self, dtype: torch.dtype = torch.float32) -> int:
         """Bytes one worker sends per compressed step (sum of the documented formulas)."""
-        chunks = [ch for b in self.buckets for ch in b.chunks]
-        return sum(self.compressor.payload_bytes(ch.numel, ch.shape, dtype) for ch in chunks)
+        return sum(self.compressor.chunk_set_bytes(b.chunks, dtype) for b in self.buckets)
 
     def state_dict(self) -> dict:
         """The error-feedback memory of the local workers and the compressor's state (live
