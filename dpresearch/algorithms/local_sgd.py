@@ -13,6 +13,7 @@ from the switch.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -102,10 +103,12 @@ def average_optimizer_state(
     optimizers: list[torch.optim.Optimizer],
     comm: Communicator,
     params: list[list[torch.nn.Parameter]] | None = None,
+    keys: Collection[str] | None = None,
 ) -> None:
     """Average every floating-point state tensor (e.g. momentum) of the local workers'
     optimizers over all K workers, one allreduce (the algorithm's traffic); `params`: per
-    local worker, the parameters whose state is averaged (None: all)."""
+    local worker, the parameters whose state is averaged (None: all); `keys`: the state names
+    averaged (e.g. ("exp_avg",); None: all)."""
     per_worker = []
     for w, opt in enumerate(optimizers):
         mine = (
@@ -117,8 +120,11 @@ def average_optimizer_state(
             [
                 v
                 for p in mine
-                for v in opt.state.get(p, {}).values()
-                if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0
+                for k, v in opt.state.get(p, {}).items()
+                if (keys is None or k in keys)
+                and torch.is_tensor(v)
+                and v.is_floating_point()
+                and v.dim() > 0
             ]
         )
     if not per_worker[0]:

@@ -1,5 +1,6 @@
 """Config-group choices that select another group's choice: `algorithm=demo` runs with
-`optimizer=demo` (DeMo's step, lr and weight decay live in that optimizer node).
+`optimizer=demo` (DeMo's step, lr and weight decay live in that optimizer node);
+`algorithm=desloc` with `optimizer=adamw` (DES-LOC averages Adam's moments).
 
 Hydra lets a config override only a group listed before it in the primary defaults list.
 `optimizer` comes after `algorithm` there, so `optimizer=onebit_adam|zero_one_adam|demo` select
@@ -14,7 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 # (group, choice) -> (group, choice) it selects when the command line does not choose it.
-SELECTS: dict[tuple[str, str], tuple[str, str]] = {("algorithm", "demo"): ("optimizer", "demo")}
+SELECTS: dict[tuple[str, str], tuple[str, str]] = {
+    ("algorithm", "demo"): ("optimizer", "demo"),
+    ("algorithm", "desloc"): ("optimizer", "adamw"),  # DES-LOC is local Adam
+}
 
 
 def with_selected_choices(overrides: Sequence[str]) -> list[str]:
