@@ -139,6 +139,7 @@ BAD = [
     # SPARTA (tests/test_sparta.py)
     (["algorithm=sparta", "algorithm.p=0"], "algorithm.p=0: the fraction of parameter entries"),
     (["algorithm=sparta", "algorithm.selection=topk"], "algorithm.selection=topk; choose one"),
+    (["algorithm=desloc", "algorithm.state_periods=3"], "algorithm.state_periods=3: give a"),
     # Asynchrony through the layers, AD-PSGD (issue 17).
     (["algorithm=async_sgd", "protocol=fifo"], "protocol=fifo is not an option; choose one of"),
     (["algorithm=async_sgd", "async.protocol=ssp"], "pass protocol=asgd|ssp|softsync|sync"),
