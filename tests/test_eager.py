@@ -30,6 +30,7 @@ from helpers import (
     gap,
     metric_lines,
     reference_start,
+    run_main,
 )
 from helpers import finished_run as run
 
@@ -319,6 +320,9 @@ def test_gloo_ranks_equal_the_simulated_workers(tmp_path):
             assert gap(anchor, anchors[rank if name != "delayed" else 0]) <= TOL64, (name, rank)
             assert gap(evaluated, consensus) <= TOL64, (name, rank)
             assert summary["comm/bytes"] == simulated.summary["comm/bytes"], name
+            # every worker's own outer momentum (eager): the RMS over all K, on every rank
+            norm = simulated.summary["outer/momentum_norm"]
+            assert summary["outer/momentum_norm"] == pytest.approx(norm, rel=1e-9), name
             assert sorted(summary["comm/ops"]) == sorted(simulated.summary["comm/ops"]), name
 
 
@@ -330,7 +334,13 @@ def test_gloo_ranks_equal_the_simulated_workers(tmp_path):
         (["compressor@outer.compressor=topk"], "outer.delay=eager stands the worker's own"),
     ],
 )
-def test_bad_input_is_one_line(args, message):
+def test_bad_input_is_one_line(args, message, tmp_path, monkeypatch, capsys):
     with pytest.raises(ConfigError, match=message) as caught:
         validate(compose_config("algorithm=local_sgd", "outer=eager", *args))
     assert "\n" not in str(caught.value)
+    # on the command line: exit 2, one `error:` line, before any worker starts
+    cli = [*SMALL_512, "algorithm=local_sgd", "outer=eager", *args]
+    code, _, err = run_main(cli, tmp_path, monkeypatch, capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert list(tmp_path.iterdir()) == []

@@ -21,6 +21,11 @@ exact average of the workers' models into a pseudo-gradient and steps a global m
   later; meanwhile the workers keep training. The merge mixes: x_i,f ← (1−α)·θ̃_f + α·x_i,f
   with α = `mix` (0: take the outer result, the paper's α = 0.5: average it with the local
   progress). F = 1, τ = 0, α = 0 is DiLoCo.
+- One-step-delayed outer steps and eager updates (Kale et al. 2025; `outer.delay`,
+  `overlap.py`): a round's exchange runs behind the whole next round (τ replaced by H) and is
+  applied at that round's end — late (delayed), or with each worker's own fresh Δ_i standing in
+  for its share (eager; every worker then steps its own anchor row θ_i with its own outer
+  optimizer state). The run's last exchange is applied at once.
 - SparseLoCo (Sarfi et al. 2025, Algorithm 1; `outer=sparseloco`): no outer momentum, each
   worker's decayed error-feedback accumulator stands in for it. Per outer step, Δ_i = θ − x_i:
       e_i ← β·e_i + Δ_i;  m_i = Q(TopK_chunk(e_i));  e_i ← e_i − m_i;  θ ← θ − α·(1/K)·Σ_i m_i
@@ -49,7 +54,7 @@ of a fragment in flight are recorded as hidden behind τ steps (`CommLedger.hidd
 the network model charges only what τ steps of `network.compute_step_s` do not hide. On real
 ranks, an uncompressed fragment with τ > 0 is a background allreduce where the communicator can
 overlap (`start_all_reduce_sum`), waited for at the merge. A fragment whose merge would come
-after the run's last step is not sent.
+after the run's last step is not sent (under `delay`: is merged at once).
 
 Compressed pseudo-gradients (`compressor`, `error_feedback`: the groups' nodes, e.g.
 compressor@outer.compressor=topk error_feedback@outer.error_feedback=ef14): each fragment's Δ
@@ -62,7 +67,8 @@ seeds random codecs and counts `start_after_steps`. A compressed fragment is exc
 is sent (never in the background); with τ > 0 its traffic is still priced as hidden.
 
 Evaluation (`evaluate`): "anchor" (the global model θ, as DiLoCo evaluates; between outer steps
-it lags the workers) or "average" (the base algorithm's consensus).
+it lags the workers; under eager updates the mean of the workers' θ_i) or "average" (the base
+algorithm's consensus).
 """
 
 from __future__ import annotations
@@ -514,9 +520,23 @@ class OuterOptimizer(Algorithm):
             "outer/modeled_s_per_round": self.outer_modeled_s / rounds if rounds else 0.0,
             "outer/delta_norm": self.last_delta_norm,
             **self.diagnostics.metrics(),
-            "outer/momentum_norm": outer_momentum_norm(self.outer),
+            "outer/momentum_norm": self._momentum_norm(),
             **reducers_memory_norm(self.reducers or []),
         }
+
+    def _momentum_norm(self) -> float:
+        """The outer momentum's norm; under eager updates, where every worker has its own, the
+        root mean square over all K workers of their norms (one "metrics" allreduce)."""
+        if not self.overlap.eager:
+            return outer_momentum_norm(self.outer)
+        squares = self.anchor.params.new_tensor(
+            [
+                [outer_momentum_norm(opts[row] for opts in self.outer_by_fragment) ** 2]
+                for row in range(self.anchor.params.shape[0])
+            ]
+        )
+        self.comm.all_reduce(squares, op="mean", record="metrics")
+        return float(squares[0, 0]) ** 0.5
 
     def describe(self) -> dict[str, Any]:
         return {
