@@ -257,6 +257,21 @@ def test_modeled_clock_hides_the_allreduce_behind_the_next_round(tmp_path):
         }, name
 
 
+def test_modeled_clock_streaming_fragment_waited_for_at_its_merge(tmp_path):
+    """The same rule for Streaming DiLoCo's τ: a fragment sent at step 5 (when the slow worker
+    arrives, 3.75 s) is waited for at its merge τ = 2 steps later; the one of step 10 would
+    merge after the run and is not sent."""
+    t = allreduce_s()
+    streaming = ["outer=streaming", "outer.fragments=1", "outer.overlap=2", "train.steps=10"]
+    train(compose_config(*CLOCK, *streaming), tmp_path)
+    clock = {m["step"]: m["time/modeled_s"] for m in metric_lines(tmp_path)}
+    merged = max(H5 * SLOW * C + 2 * SLOW * C, H5 * SLOW * C + t)  # slow worker vs the allreduce
+    expected = {5: H5 * SLOW * C, 7: merged, 10: merged + 3 * SLOW * C}
+    assert {s: clock[s] for s in expected} == {
+        s: pytest.approx(v, rel=1e-12) for s, v in expected.items()
+    }
+
+
 # -- D: resume, gloo, batched, bad input ---------------------------------------------------------
 @pytest.mark.parametrize("delay", ["eager", "delayed"])
 def test_killed_and_resumed_with_an_exchange_in_flight(delay, tmp_path, one_thread):
