@@ -272,6 +272,56 @@ def spawn_sequence(world: int, calls: Sequence[tuple[Callable[..., Any], tuple]]
     )
 
 
+def reference_start(cfg: DictConfig) -> tuple[Any, Any, int, torch.nn.Module]:
+    """What a reference written against torch starts from, as the run does: the data set (its
+    validation split held out), the IID partitioner over `cfg.workers`, the batches per
+    epoch, and the initial model (built under torch's default dtype now)."""
+    from hydra.utils import instantiate
+
+    torch.manual_seed(cfg.seed)
+    data = instantiate(cfg.data, device="cpu").hold_out(cfg.train.val_size)
+    partitioner = data.make_partitioner(cfg.workers, cfg.seed)
+    per_epoch = partitioner.samples_per_worker // cfg.train.batch_size
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model, num_classes=data.num_classes, input_shape=data.input_shape)
+    return data, partitioner, per_epoch, model
+
+
+def trainers_on_gloo(
+    rank: int,
+    world: int,
+    port: int,
+    out: str,
+    cases: dict[str, list[str]],
+    keep: Callable[[Trainer, dict], Any],
+) -> None:
+    """This process as rank `rank` of `world` gloo processes (for `spawn_sequence`): each case
+    of `cases` (overrides of SMALL_512) trained in float64 (`build_trainer`), `keep(trainer,
+    summary)` of each saved to `out/rank{rank}.pt` as {case: kept}."""
+    from dpresearch.comm.distributed import DistributedCommunicator
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    results = {}
+    for name, args in cases.items():
+        cfg = compose_config(*SMALL_512, *args)
+        trainer = build_trainer(cfg, DistributedCommunicator(network_model(cfg)), torch.float64)
+        results[name] = keep(trainer, trainer.run())
+    torch.save(results, f"{out}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def cases_on_gloo(
+    world: int, out: Path, cases: dict[str, list[str]], keep: Callable[[Trainer, dict], Any]
+) -> list[dict]:
+    """`trainers_on_gloo` on `world` processes: what each rank kept, rank by rank."""
+    spawn_sequence(world, [(trainers_on_gloo, (world, free_port(), str(out), cases, keep))])
+    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
 def train_rank(rank: int, world: int, cfg: dict, run_dir: str, port: int) -> None:
     """This process as rank `rank` of a `world`-process run of `cfg` (rank 0 writes
     `run_dir`): the environment torch's launcher would give it, then `run_as_worker`."""

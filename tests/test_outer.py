@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import SMALL_512 as QUICK
 from helpers import (
@@ -32,15 +31,14 @@ from helpers import (
     build_trainer,
     compose_config,
     default_dtype,
-    free_port,
     gap,
+    reference_start,
     run_cli,
 )
 from helpers import finished_run as run
 from hydra.utils import instantiate
 
 from dpresearch.algorithms.outer.fragments import Schedule, blocks_of, split
-from dpresearch.comm.distributed import DistributedCommunicator
 from dpresearch.comm.ledger import CommOp
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
@@ -177,14 +175,7 @@ def diloco_reference(cfg, steps: int, period: int, streaming=None):
 
 def _diloco_reference(cfg, steps: int, period: int, streaming=None):
     k, batch = cfg.workers, cfg.train.batch_size
-    torch.manual_seed(cfg.seed)
-    data = instantiate(cfg.data, device="cpu").hold_out(cfg.train.val_size)
-    partitioner = data.make_partitioner(k, cfg.seed)
-    per_epoch = partitioner.samples_per_worker // batch
-    torch.manual_seed(cfg.seed)
-    global_model = instantiate(
-        cfg.model, num_classes=data.num_classes, input_shape=data.input_shape
-    )
+    data, partitioner, per_epoch, global_model = reference_start(cfg)
     workers = [copy.deepcopy(global_model) for _ in range(k)]
     options = {k: v for k, v in cfg.optimizer.items() if not k.startswith(("_", "exclude"))}
     inner_class = getattr(torch.optim, cfg.optimizer._target_.rsplit(".", 1)[-1])
@@ -603,33 +594,16 @@ GLOO_CASES = {
 EXACT = ("diloco_topk",)
 
 
-def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    results = {}
-    for name, args in GLOO_CASES.items():
-        cfg = compose_config(*QUICK, *args)
-        trainer = build_trainer(cfg, DistributedCommunicator(network_model(cfg)), F64)
-        summary = trainer.run()
-        results[name] = (
-            trainer.replicas.params[0].clone(),
-            trainer.replicas.buffers[0].clone(),
-            summary,
-        )
-    torch.save(results, f"{out}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+def kept_on_gloo(trainer: Trainer, summary: dict) -> tuple:
+    return trainer.replicas.params[0].clone(), trainer.replicas.buffers[0].clone(), summary
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_every_worker_matches_between_simulated_and_gloo(tmp_path):
-    from helpers import spawn_sequence
+    from helpers import cases_on_gloo
 
-    spawn_sequence(4, [(_gloo_worker, (4, free_port(), str(tmp_path)))])
-    real = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    real = cases_on_gloo(4, tmp_path, GLOO_CASES, kept_on_gloo)
     for name, args in GLOO_CASES.items():
         simulated = run(*args, dtype=F64)
         params, buffers, summary = simulated.replicas.params, simulated.replicas.buffers, {}

@@ -20,9 +20,18 @@ A step without communication leaves the workers apart, each at its own speed. So
 - gossip (D-PSGD, CHOCO, SGP): every gossip step is treated as a round of all workers (the
   slowest worker holds everyone back) — an upper bound on a worker that waits only for its
   in-peers;
-- compression, hierarchy, Streaming DiLoCo's fragments: communication priced as recorded
-  (compressed bytes, each tier on its link, fragments hidden behind τ steps charged only what
-  they do not hide); a step with a fragment in flight is a round like any other.
+- compression, hierarchy: communication priced as recorded (compressed bytes, each tier on
+  its link).
+
+An exchange that runs behind computation (ops recorded `hidden_behind(h)`: a Streaming DiLoCo
+fragment merged τ steps later, a one-step-delayed or eager outer round merged H steps later)
+is a background transfer on one link: it starts when its last participant sends it and the
+link is free, s = max(max_w t_w, link free), takes its full modeled seconds T (what the
+network model charges without hiding), and h steps later every worker waits for it,
+t_w ← max(t_w, s + T); the workers are not gathered when it is sent. So a delayed outer round
+t ends for worker w at max(its own arrival, the end of round t − 1's allreduce): the
+communication hides behind the next round's compute, what it does not hide is waited for. An
+exposed op starts when the link is free too.
 
 `time/modeled_s` is max_w t_w: when the last worker is done. Algorithms that run their own
 event simulator (asynchronous SGD, AD-PSGD: an `EventClock` as `algorithm.clock`) already
@@ -59,6 +68,8 @@ class ModeledClock:
         self.times = [0.0] * workers
         self._comm_at_begin = 0.0
         self._ops_at_begin = 0
+        self.link_free = 0.0  # when the link finishes what was sent on it
+        self.pending: list[list[float]] = []  # [steps left, ready at] of background exchanges
 
     @classmethod
     def for_run(cls, cfg: Any, algorithm: Any, ledger: CommLedger, workers: int) -> ModeledClock:
@@ -84,9 +95,29 @@ class ModeledClock:
         for w in range(len(times)):
             times[w] += self.speed.draw(w)
         comm = self.ledger.modeled_s - self._comm_at_begin
-        ops = self.ledger.step_ops[self._ops_at_begin :]
-        if comm > 0 or any(op.purpose not in OFF_STEP_PURPOSES for op in ops):
-            times[:] = [max(times) + comm] * len(times)
+        ops = [
+            op
+            for op in self.ledger.step_ops[self._ops_at_begin :]
+            if op.purpose not in OFF_STEP_PURPOSES
+        ]
+        hidden = [op for op in ops if op.hidden_steps]
+        arrived = max(times)
+        for entry in self.pending:
+            entry[0] -= 1
+        if hidden:  # background exchanges: their full seconds, charged here only when waited for
+            network = self.ledger.network_of
+            comm -= sum(network(op).op_seconds(op) for op in hidden)
+            start = max(arrived, self.link_free)
+            self.link_free = start + sum(
+                network(op).seconds(op.kind, op.nbytes, op.group, op.peers) for op in hidden
+            )
+            self.pending.append([float(max(op.hidden_steps for op in hidden)), self.link_free])
+        if len(hidden) < len(ops) or (not hidden and comm > 0):
+            self.link_free = max(arrived, self.link_free) + comm
+            times[:] = [self.link_free] * len(times)
+        for _, ready in [entry for entry in self.pending if entry[0] <= 0]:
+            times[:] = [max(t, ready) for t in times]
+        self.pending = [entry for entry in self.pending if entry[0] > 0]
 
     def seconds(self, algorithm_metrics: dict[str, Any]) -> float:
         """`time/modeled_s` now: the last worker's time, or the algorithm's own clock."""
@@ -98,6 +129,8 @@ class ModeledClock:
         return {
             "times": list(self.times),
             "speed": self.speed.state_dict() if self.speed is not None else None,
+            "link_free": self.link_free,
+            "pending": [list(entry) for entry in self.pending],
         }
 
     def load_state_dict(self, state: dict | None) -> None:
@@ -106,5 +139,7 @@ class ModeledClock:
         if state is None:
             return
         self.times = [float(t) for t in state["times"]]
+        self.link_free = float(state.get("link_free", max(self.times)))
+        self.pending = [[float(a), float(b)] for a, b in state.get("pending", [])]
         if self.speed is not None and state["speed"] is not None:
             self.speed.load_state_dict(state["speed"])

@@ -21,6 +21,11 @@ exact average of the workers' models into a pseudo-gradient and steps a global m
   later; meanwhile the workers keep training. The merge mixes: x_i,f ← (1−α)·θ̃_f + α·x_i,f
   with α = `mix` (0: take the outer result, the paper's α = 0.5: average it with the local
   progress). F = 1, τ = 0, α = 0 is DiLoCo.
+- One-step-delayed outer steps and eager updates (Kale et al. 2025; `outer.delay`,
+  `overlap.py`): a round's exchange runs behind the whole next round (τ replaced by H) and is
+  applied at that round's end — late (delayed), or with each worker's own fresh Δ_i standing in
+  for its share (eager; every worker then steps its own anchor row θ_i with its own outer
+  optimizer state). The run's last exchange is applied at once.
 - SparseLoCo (Sarfi et al. 2025, Algorithm 1; `outer=sparseloco`): no outer momentum, each
   worker's decayed error-feedback accumulator stands in for it. Per outer step, Δ_i = θ − x_i:
       e_i ← β·e_i + Δ_i;  m_i = Q(TopK_chunk(e_i));  e_i ← e_i − m_i;  θ ← θ − α·(1/K)·Σ_i m_i
@@ -49,7 +54,7 @@ of a fragment in flight are recorded as hidden behind τ steps (`CommLedger.hidd
 the network model charges only what τ steps of `network.compute_step_s` do not hide. On real
 ranks, an uncompressed fragment with τ > 0 is a background allreduce where the communicator can
 overlap (`start_all_reduce_sum`), waited for at the merge. A fragment whose merge would come
-after the run's last step is not sent.
+after the run's last step is not sent (under `delay`: is merged at once).
 
 Compressed pseudo-gradients (`compressor`, `error_feedback`: the groups' nodes, e.g.
 compressor@outer.compressor=topk error_feedback@outer.error_feedback=ef14): each fragment's Δ
@@ -62,7 +67,8 @@ seeds random codecs and counts `start_after_steps`. A compressed fragment is exc
 is sent (never in the background); with τ > 0 its traffic is still priced as hidden.
 
 Evaluation (`evaluate`): "anchor" (the global model θ, as DiLoCo evaluates; between outer steps
-it lags the workers) or "average" (the base algorithm's consensus).
+it lags the workers; under eager updates the mean of the workers' θ_i) or "average" (the base
+algorithm's consensus).
 """
 
 from __future__ import annotations
@@ -95,6 +101,7 @@ from dpresearch.algorithms.outer.fragments import (
     split,
     take,
 )
+from dpresearch.algorithms.outer.overlap import OverlapOptions, eager_estimate
 from dpresearch.comm.base import Communicator
 from dpresearch.comm.ledger import BUFFERS
 from dpresearch.compress import CompressedReducer, build_reducer, check_compatibility
@@ -119,6 +126,7 @@ class InFlight:
     mean: Tensor | None = None
     buffers: Tensor | None = None
     finish: Callable[[], Tensor] | None = None
+    own: Tensor | None = None  # eager updates: this process's rows Δ_i of the round
 
 
 class OuterOptimizer(Algorithm):
@@ -128,7 +136,8 @@ class OuterOptimizer(Algorithm):
     group's form), built once per fragment over the anchor's parameters. period: H (None: the
     base algorithm's own averaging period). fragments / fragment_pattern / overlap / mix:
     Streaming DiLoCo's F, pattern, τ and α. scale_by_inner_lr: SlowMo's γ_t scaling.
-    inner_state / buffers / evaluate: see the module docstring.
+    inner_state / buffers / evaluate: see the module docstring. delay: "none", or the
+    one-step-delayed and eager outer steps of `overlap.py` (`OverlapOptions`).
     """
 
     def __init__(
@@ -150,9 +159,12 @@ class OuterOptimizer(Algorithm):
         compressor: Mapping[str, Any] | None = None,
         error_feedback: Mapping[str, Any] | None = None,
         seed: int = 0,
+        delay: str = OverlapOptions.delay,
     ) -> None:
         super().__init__(replicas, comm, optimizers)
         check_options(inner_state, buffers, evaluate, mix, fragment_pattern)
+        self.overlap = OverlapOptions(delay)
+        self.overlap.check(int(overlap), compresses(compressor, error_feedback))
         if not base.traits.drifts:
             raise ValueError(no_drift_message(type(base).__name__))
         self.base = base
@@ -169,20 +181,24 @@ class OuterOptimizer(Algorithm):
         device = replicas.params.device
         model = replicas.models[0]
         channels_last = any(p.dim() == 4 and not p.is_contiguous() for p in model.parameters())
-        # The anchor θ: one more replica, whose parameters the outer optimizers step.
-        self.anchor = Replicas(model, 1, device, channels_last)
-        self.anchor.params.copy_(replicas.params[:1])
-        self.anchor.buffers.copy_(replicas.buffers[:1])
+        # The anchor θ: one more replica, whose parameters the outer optimizers step; under
+        # eager updates one per local worker (θ_i: each worker steps its own estimate).
+        rows = replicas.num_local if self.overlap.eager else 1
+        self.anchor = Replicas(model, rows, device, channels_last)
+        self.anchor.params.copy_(replicas.params[:1].expand(rows, -1))
+        self.anchor.buffers.copy_(replicas.buffers[:1].expand(rows, -1))
         self.fragments = [
             on_device(f, device)
             for f in split(blocks_of(model), self.schedule.fragments, fragment_pattern)
         ]
-        anchor_params = [p for p in self.anchor.models[0].parameters() if p.requires_grad]
-        self.outer = [
-            build_optimizer(optimizer, [anchor_params[t] for t in f.tensors])
+        anchor_params = [[p for p in m.parameters() if p.requires_grad] for m in self.anchor.models]
+        # per fragment, one outer optimizer per anchor row; `outer` lists them fragment-major
+        self.outer_by_fragment = [
+            [build_optimizer(optimizer, [ps[t] for t in f.tensors]) for ps in anchor_params]
             for f in self.fragments
         ]
-        self.outer_lrs = [[g["lr"] for g in opt.param_groups] for opt in self.outer]
+        self.outer = [opt for opts in self.outer_by_fragment for opt in opts]
+        self.outer_lrs = [[g["lr"] for g in o[0].param_groups] for o in self.outer_by_fragment]
         # each fragment's outer step as one functional call per group on its columns of the
         # anchor's row (`stacked_step`), its momentum packed there
         self._outer_rows = [FlatRows(self.anchor.params, self.anchor.grads) for _ in self.outer]
@@ -196,7 +212,7 @@ class OuterOptimizer(Algorithm):
         # plain allreduce (identity without memory, which may run in the background).
         self.reducers: list[CompressedReducer] | None = None
         if compresses(compressor, error_feedback):
-            shapes = [tuple(p.shape) for p in anchor_params]
+            shapes = [tuple(p.shape) for p in anchor_params[0]]
             self.reducers = [
                 build_reducer(
                     compressor,
@@ -233,6 +249,10 @@ class OuterOptimizer(Algorithm):
         if period is None:
             raise ValueError(PERIOD_MESSAGE.format(name=base.__name__))
         Schedule(int(period), int(node.get("fragments", 1)), int(node.get("overlap", 0)))
+        OverlapOptions.from_node(node).check(
+            int(node.get("overlap", 0)),
+            compresses(node.get("compressor"), node.get("error_feedback")),
+        )
         check_options(
             node.get("inner_state", "keep"),
             node.get("buffers", "average"),
@@ -306,14 +326,24 @@ class OuterOptimizer(Algorithm):
         self.base.drop_step(step)
         self._outer(step)
 
+    @property
+    def hidden_steps(self) -> int:
+        """Steps of computation an exchange runs behind: τ, or under `outer.delay` the whole
+        next round (H)."""
+        return self.schedule.period if self.overlap.delayed else self.schedule.overlap
+
     def _outer(self, step: int) -> None:
         done = step + 1
         with self._accounted() as sent:
-            for f in self.schedule.launches(done):
-                if done + self.schedule.overlap <= self.total_steps:  # else never merged
-                    self._launch(f, step)
-            for f in self.schedule.merges(done):
-                self._merge(f)
+            if self.overlap.delayed:
+                for f in self.schedule.launches(done):
+                    self._delayed_round(f, step)
+            else:
+                for f in self.schedule.launches(done):
+                    if done + self.schedule.overlap <= self.total_steps:  # else never merged
+                        self.in_flight[f] = self._launch(f, step, self.schedule.overlap)
+                for f in self.schedule.merges(done):
+                    self._merge(f)
         self.peak_step_bytes = max(self.peak_step_bytes, sent[0])
 
     @contextmanager
@@ -330,22 +360,68 @@ class OuterOptimizer(Algorithm):
             self.outer_bytes += sent[0]
             self.outer_modeled_s += ledger.modeled_s - seconds_before
 
-    def _launch(self, f: int, step: int) -> None:
-        """Send fragment f's pseudo-gradients (and average its buffers)."""
+    def _launch(self, f: int, step: int, hidden: int) -> InFlight:
+        """Send fragment f's pseudo-gradients Δ_i = θ(_i) − x_i (and average its buffers),
+        hidden behind `hidden` steps of computation; the exchange in flight."""
         frag, delta = self.fragments[f], self._deltas[f]
-        anchor = take(self.anchor.params[0], frag.params)
-        torch.sub(anchor.unsqueeze(0), take(self.base.model_rows(), frag.params), out=delta)
+        anchor = take(self.anchor.params, frag.params)  # [1, n], or [W, n] under eager updates
+        torch.sub(anchor, take(self.base.model_rows(), frag.params), out=delta)
         self.diagnostics.observe(f, delta, self.comm)  # before averaging overwrites the rows
-        flight = InFlight(merge_at=step + 1 + self.schedule.overlap)
-        with self.comm.ledger.hidden_behind(self.schedule.overlap):
-            flight.finish = self._average(f, delta, step // self.schedule.period)
+        flight = InFlight(merge_at=step + 1 + hidden)
+        if self.overlap.eager:
+            flight.own = delta.clone()
+        with self.comm.ledger.hidden_behind(hidden):
+            flight.finish = self._average(f, delta, step // self.schedule.period, hidden)
             if self.buffer_mode == "average" and frag.buffer_numel:
                 buffers = take(self.replicas.buffers, frag.buffers).clone()
                 self.comm.all_reduce(buffers, op="mean", record=BUFFERS)
                 flight.buffers = buffers[0].clone()
-        self.in_flight[f] = flight
+        return flight
 
-    def _average(self, f: int, delta: Tensor, round_: int) -> Callable[[], Tensor]:
+    def _delayed_round(self, f: int, step: int) -> None:
+        """Fragment f's round under `outer.delay` (`overlap.py`): send this round's Δ_i
+        behind the next round, step on the previous round's mean (delayed) or on the eager
+        estimate; a round whose exchange would be merged after the run's last step is
+        completed and applied at once (the run's last exchange)."""
+        last = step + 1 + self.schedule.period > self.total_steps
+        before = self.in_flight.pop(f, None)
+        if before is not None:
+            self._resolve(before)
+        flight = self._launch(f, step, 0 if last else self.schedule.period)
+        world = self.comm.world_size
+        if self.overlap.eager:
+            assert flight.own is not None
+            own_before = None if before is None else before.own
+            mean_before = None if before is None else before.mean
+            estimate = eager_estimate(flight.own, world, mean_before, own_before)
+            self._apply(f, estimate, before)
+        else:
+            self._apply(f, None if before is None else before.mean, before)
+        if not last:
+            self.in_flight[f] = flight
+            return
+        self._resolve(flight)
+        assert flight.mean is not None
+        missing = flight.mean if flight.own is None else flight.mean - flight.own / world
+        self._apply(f, missing, flight)
+
+    def _apply(self, f: int, grads: Tensor | None, arrived: InFlight | None) -> None:
+        """Step fragment f's anchor row(s) on `grads` (`[n]`, or `[W, n]` one per anchor
+        row; None: no outer step, as before any mean arrived) and restart the workers from it;
+        `arrived`: the exchange whose mean (and averaged buffers) this applies, if any."""
+        frag = self.fragments[f]
+        if grads is not None:
+            self._outer_step(f, grads)
+        if arrived is not None:
+            assert arrived.mean is not None
+            self.last_delta_norm = float(arrived.mean.double().norm())
+            self.merges += 1
+        self._restart(frag, None if arrived is None else arrived.buffers)
+        self._inner_state(frag)
+        if len(self.fragments) == 1 and self.mix == 0.0:
+            self.base.restarted()
+
+    def _average(self, f: int, delta: Tensor, round_: int, hidden: int) -> Callable[[], Tensor]:
         """Begin averaging fragment f's `[W, n]` pseudo-gradient rows over all K workers (its
         `round_`-th send, 0-based); the returned function gives the mean `[n]`. Compressed:
         the fragment's reducer, synchronously (its memory compensates Δ before encoding and
@@ -355,7 +431,7 @@ class OuterOptimizer(Algorithm):
             mean = delta[0].clone()
             return lambda: mean
         world = self.comm.world_size
-        if self.schedule.overlap and self.comm.can_overlap:
+        if hidden and self.comm.can_overlap:
             pending = self.comm.start_all_reduce_sum(delta)
 
             def finish() -> Tensor:
@@ -370,7 +446,7 @@ class OuterOptimizer(Algorithm):
     def _resolve(self, flight: InFlight) -> None:
         """Complete `flight`'s exchange (its traffic still counted as hidden)."""
         if flight.finish is not None:
-            with self.comm.ledger.hidden_behind(self.schedule.overlap):
+            with self.comm.ledger.hidden_behind(self.hidden_steps):
                 flight.mean = flight.finish()
             flight.finish = None
 
@@ -379,37 +455,36 @@ class OuterOptimizer(Algorithm):
         fragment from it (mixed with their progress by `mix`)."""
         flight = self.in_flight.pop(f)
         self._resolve(flight)
-        frag, opt = self.fragments[f], self.outer[f]
-        mean = flight.mean
-        assert mean is not None
-        self.last_delta_norm = float(mean.double().norm())
-        grad = self.anchor.grads[0]
+        self._apply(f, flight.mean, flight)
+
+    def _outer_step(self, f: int, grads: Tensor) -> None:
+        """One outer optimizer step of fragment f's anchor row(s), `grads` as their gradient
+        (`[n]` for every row, or one `[W, n]` row each)."""
+        frag, opts = self.fragments[f], self.outer_by_fragment[f]
+        grad = self.anchor.grads
         if self.scale_by_inner_lr:
             gamma = float(self.optimizers[0].param_groups[0]["lr"])
-            put(grad, frag.params, mean / gamma if gamma > 0 else torch.zeros_like(mean))
-            for group, base_lr in zip(opt.param_groups, self.outer_lrs[f], strict=True):
-                group["lr"] = base_lr * gamma
+            put(grad, frag.params, grads / gamma if gamma > 0 else torch.zeros_like(grads))
+            for opt in opts:
+                for group, base_lr in zip(opt.param_groups, self.outer_lrs[f], strict=True):
+                    group["lr"] = base_lr * gamma
         else:
-            put(grad, frag.params, mean)
-        step_together([opt], self._outer_rows[f])
-        self._restart(frag, flight.buffers)
-        self._inner_state(frag)
-        self.merges += 1
-        if len(self.fragments) == 1 and self.mix == 0.0:
-            self.base.restarted()
+            put(grad, frag.params, grads)
+        step_together(opts, self._outer_rows[f])
 
     def _restart(self, frag: Fragment, buffers: Tensor | None) -> None:
-        params, anchor = self.replicas.params, take(self.anchor.params[0], frag.params)
+        params, anchor = self.replicas.params, take(self.anchor.params, frag.params)
         put(params, frag.params, self._mixed(take(params, frag.params), anchor))
         if buffers is not None:
-            put(self.anchor.buffers[0], frag.buffers, buffers)
+            put(self.anchor.buffers, frag.buffers, buffers)
             rows = self.replicas.buffers
-            put(rows, frag.buffers, self._mixed(take(rows, frag.buffers), buffers))
+            put(rows, frag.buffers, self._mixed(take(rows, frag.buffers), buffers.unsqueeze(0)))
 
     def _mixed(self, local: Tensor, outer: Tensor) -> Tensor:
-        """(1 − α)·outer + α·local for every row (α = 0: the outer result itself)."""
+        """(1 − α)·outer + α·local for every row (α = 0: the outer result itself); `outer`:
+        one row for all, or one per local row."""
         if self.mix == 0.0:
-            return outer.unsqueeze(0).expand_as(local)
+            return outer.expand_as(local)
         return local * self.mix + outer * (1.0 - self.mix)
 
     def _inner_state(self, frag: Fragment) -> None:
@@ -428,6 +503,11 @@ class OuterOptimizer(Algorithm):
     def consensus(self) -> tuple[Tensor, Tensor]:
         if self.evaluate == "average":
             return self.base.consensus()
+        if self.overlap.eager:  # the mean of the workers' own outer parameters θ_i
+            params, buffers = self.anchor.params.clone(), self.anchor.buffers.clone()
+            self.comm.all_reduce(params, op="mean", record="eval")
+            self.comm.all_reduce(buffers, op="mean", record="eval")
+            return params[0], buffers[0]
         return self.anchor.params[0].clone(), self.anchor.buffers[0].clone()
 
     def metrics(self) -> dict[str, float]:
@@ -440,9 +520,23 @@ class OuterOptimizer(Algorithm):
             "outer/modeled_s_per_round": self.outer_modeled_s / rounds if rounds else 0.0,
             "outer/delta_norm": self.last_delta_norm,
             **self.diagnostics.metrics(),
-            "outer/momentum_norm": outer_momentum_norm(self.outer),
+            "outer/momentum_norm": self._momentum_norm(),
             **reducers_memory_norm(self.reducers or []),
         }
+
+    def _momentum_norm(self) -> float:
+        """The outer momentum's norm; under eager updates, where every worker has its own, the
+        root mean square over all K workers of their norms (one "metrics" allreduce)."""
+        if not self.overlap.eager:
+            return outer_momentum_norm(self.outer)
+        squares = self.anchor.params.new_tensor(
+            [
+                [outer_momentum_norm(opts[row] for opts in self.outer_by_fragment) ** 2]
+                for row in range(self.anchor.params.shape[0])
+            ]
+        )
+        self.comm.all_reduce(squares, op="mean", record="metrics")
+        return float(squares[0, 0]) ** 0.5
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -450,6 +544,7 @@ class OuterOptimizer(Algorithm):
             "outer/period": self.schedule.period,
             "outer/fragments": len(self.fragments),
             "outer/overlap": self.schedule.overlap,
+            "outer/delay": self.overlap.delay,
             "outer/fragment_numel": [f.numel for f in self.fragments],
         }
 
@@ -464,7 +559,7 @@ class OuterOptimizer(Algorithm):
             "anchor_buffers": self.anchor.buffers,
             "outer": [opt.state_dict() for opt in self.outer],
             "in_flight": {
-                f: {"merge_at": fl.merge_at, "mean": fl.mean, "buffers": fl.buffers}
+                f: {"merge_at": fl.merge_at, "mean": fl.mean, "buffers": fl.buffers, "own": fl.own}
                 for f, fl in self.in_flight.items()
             },
             "merges": self.merges,
@@ -488,6 +583,7 @@ class OuterOptimizer(Algorithm):
                 merge_at=int(fl["merge_at"]),
                 mean=fl["mean"].to(device),
                 buffers=None if fl["buffers"] is None else fl["buffers"].to(device),
+                own=None if fl.get("own") is None else fl["own"].to(device),
             )
             for f, fl in state["in_flight"].items()
         }
