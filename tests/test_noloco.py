@@ -27,10 +27,12 @@ from helpers import (
     compose_config,
     free_port,
     gap,
+    least_squares_shards,
     run_main,
+    tiny_tanh_forward,
+    tiny_tanh_model,
 )
 from helpers import finished_run as run
-from torch import nn
 
 from dpresearch.algorithms.local_sgd import LocalSGD
 from dpresearch.algorithms.outer.noloco import NoLoCo, NoLoCoOptions, pairing
@@ -75,18 +77,6 @@ K, H, ROUNDS, INNER_LR, SEED = 4, 3, 6, 0.1, 11
 ALPHA, BETA, GAMMA = 0.6, 0.8, 0.3
 
 
-def tiny_model() -> nn.Module:
-    """6 → 24 → 3 (tanh), float64: tensors of 144, 24, 72, 3."""
-    torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Linear(24, 3)).double()
-
-
-def forward(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The tiny model's output from its flat parameter vector (W1, b1, W2, b2)."""
-    w1, b1, w2, b2 = flat.split([144, 24, 72, 3])
-    return torch.tanh(x @ w1.view(24, 6).T + b1) @ w2.view(3, 24).T + b2
-
-
 def reference_peers(round_: int) -> list[int]:
     """The round's pairs as the docs state them: the pairs (π₀, π₁), (π₂, π₃) of
     randperm(K) under the seed stream_seed("noloco", seed, round) (the seed contract every
@@ -108,15 +98,8 @@ def test_the_update_is_nolocos_written_apart(one_thread):
     the workers agree to 1e-9 (`helpers.TOL64`); the logged diagnostics of the last round are
     their definitions: drift mean_k ‖θ_k − θ̄‖, momentum norm mean_k ‖Δ_k‖, pseudo-gradient
     cosines over the pairs k < j of δ rows, and the evaluated model is mean_k φ_k."""
-    gen = torch.Generator().manual_seed(5)
-    data = [
-        (
-            torch.randn(32, 6, generator=gen, dtype=torch.float64),
-            torch.randn(32, 3, generator=gen, dtype=torch.float64),
-        )
-        for _ in range(K)
-    ]
-    model = tiny_model()
+    data = least_squares_shards(K)
+    model = tiny_tanh_model()
     start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     replicas = Replicas(model, K, torch.device("cpu"))
     comm = SimulatedCommunicator(K, NET, deterministic=True)
@@ -139,7 +122,7 @@ def test_the_update_is_nolocos_written_apart(one_thread):
             t = phi[w].clone()
             for _ in range(H):
                 flat = t.clone().requires_grad_(True)
-                (grad,) = torch.autograd.grad(F.mse_loss(forward(flat, x), y), flat)
+                (grad,) = torch.autograd.grad(F.mse_loss(tiny_tanh_forward(flat, x), y), flat)
                 t = t - INNER_LR * grad
             theta.append(t)
         peer = reference_peers(round_)

@@ -28,11 +28,13 @@ from helpers import (
     compose_config,
     free_port,
     gap,
+    least_squares_shards,
     run_main,
+    tiny_tanh_forward,
+    tiny_tanh_model,
 )
 from helpers import SMALL_512 as QUICK
 from helpers import finished_run as run
-from torch import nn
 
 from dpresearch.algorithms.local_sgd import LocalSGD
 from dpresearch.algorithms.outer import OuterOptimizer
@@ -184,18 +186,6 @@ K, H, ROUNDS, INNER_LR = 4, 3, 5, 0.1
 ALPHA, BETA, CHUNK, DENSITY = 0.8, 0.9, 64, 0.1
 
 
-def tiny_model() -> nn.Module:
-    """6 → 24 → 3 (tanh), float64: tensors of 144 (blocks 64, 64, 16), 24, 72 (64, 8), 3."""
-    torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Linear(24, 3)).double()
-
-
-def forward(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The tiny model's output from its flat parameter vector (W1, b1, W2, b2)."""
-    w1, b1, w2, b2 = flat.split([144, 24, 72, 3])
-    return torch.tanh(x @ w1.view(24, 6).T + b1) @ w2.view(3, 24).T + b2
-
-
 def test_the_update_is_sparselocos_algorithm_1_written_apart(one_thread):
     """Ours (the outer optimizer over local SGD, the `outer=sparseloco` nodes with α = 0.8,
     β = 0.9, blocks of 64 at 10 %) against SparseLoCo's Algorithm 1 on plain float64 tensors:
@@ -213,16 +203,9 @@ def test_the_update_is_sparselocos_algorithm_1_written_apart(one_thread):
         f"outer.optimizer.lr={ALPHA}",
         f"outer.error_feedback.decay={BETA}",
     ).outer
-    gen = torch.Generator().manual_seed(5)
-    data = [
-        (
-            torch.randn(32, 6, generator=gen, dtype=torch.float64),
-            torch.randn(32, 3, generator=gen, dtype=torch.float64),
-        )
-        for _ in range(K)
-    ]
+    data = least_squares_shards(K)
 
-    model = tiny_model()
+    model = tiny_tanh_model()
     theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     replicas = Replicas(model, K, torch.device("cpu"))
     comm = SimulatedCommunicator(K, NET, deterministic=True)
@@ -250,7 +233,7 @@ def test_the_update_is_sparselocos_algorithm_1_written_apart(one_thread):
         for w, (x, y) in enumerate(data):
             for _ in range(H):
                 flat = workers[w].clone().requires_grad_(True)
-                (grad,) = torch.autograd.grad(F.mse_loss(forward(flat, x), y), flat)
+                (grad,) = torch.autograd.grad(F.mse_loss(tiny_tanh_forward(flat, x), y), flat)
                 workers[w] = workers[w] - INNER_LR * grad
         sent = []
         for w in range(K):
@@ -265,7 +248,10 @@ def test_the_update_is_sparselocos_algorithm_1_written_apart(one_thread):
     (reducer,) = ours.reducers
     assert gap(reducer.memory.memory, torch.stack(memory)) <= TOL64
     assert min(m.abs().max().item() for m in memory) > 1e-3  # the memories hold a residual
-    assert gap(theta, torch.cat([p.detach().reshape(-1) for p in tiny_model().parameters()])) > 0.01
+    assert (
+        gap(theta, torch.cat([p.detach().reshape(-1) for p in tiny_tanh_model().parameters()]))
+        > 0.01
+    )
 
 
 def test_outer_sparseloco_composes_the_papers_defaults():
