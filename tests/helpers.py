@@ -1081,3 +1081,23 @@ def least_squares_shards(workers: int) -> list[tuple[torch.Tensor, torch.Tensor]
         )
         for _ in range(workers)
     ]
+
+
+SHAKESPEARE_WORKS = SHARED / "data" / "shakespeare" / "works"
+
+
+def gpt_shakespeare_losses(run_dir: Path, *overrides: str) -> tuple[list[float], dict]:
+    """A 100-step gpt_tiny run on the Shakespeare corpus (block 16, batch 8, lr 0.003, local
+    SGD with H = 5) + `overrides` (the workers, the outer method), written to `run_dir`: its
+    training losses (every 10 steps) and summary."""
+    from dpresearch.train import train
+
+    args = ["data=shakespeare", f"data.root={SHAKESPEARE_WORKS}", "model=gpt_tiny",
+            "model.block_size=16", "data.eval_tokens=256", "data.sample_tokens=0",
+            "train.batch_size=8", "train.progress=false", "backend.threads=1",
+            "schedule.warmup_steps=5", "optimizer.lr=0.003", "train.steps=100",
+            "train.log_every=10", "train.eval_every=100", "algorithm=local_sgd",
+            "algorithm.period=5", *overrides]  # fmt: skip
+    train(compose_config(*args), run_dir)
+    losses = [m["train/loss"] for m in metric_lines(run_dir) if "train/loss" in m]
+    return losses, json.loads((run_dir / "summary.json").read_text())

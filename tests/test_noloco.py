@@ -13,7 +13,6 @@ D. The YAML's defaults are the options' defaults; bad values are one `error:` li
 
 from __future__ import annotations
 
-import json
 from dataclasses import fields
 from pathlib import Path
 
@@ -21,13 +20,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import (
-    SHARED,
+    SHAKESPEARE_WORKS,
     SYNTHETIC_SMALL,
     TOL64,
     build_trainer,
     compose_config,
     free_port,
     gap,
+    gpt_shakespeare_losses,
     least_squares_shards,
     run_main,
     tiny_tanh_forward,
@@ -46,12 +46,10 @@ from dpresearch.replicas import Replicas
 from dpresearch.run.build import network_model
 from dpresearch.run.checkpoint_files import latest_checkpoint
 from dpresearch.run.trainer import InjectedFailure
-from dpresearch.train import train
 
 NET = NetworkModel.preset("10gbe")
 NOLOCO = ["algorithm=local_sgd", "algorithm.period=4", "outer=noloco"]
 MLP_PARAMS = 32 * 16 + 32 + 10 * 32 + 10  # the default MLP: 874
-WORKS = SHARED / "data" / "shakespeare" / "works"
 
 
 # -- A: the pairing ------------------------------------------------------------------------------
@@ -283,24 +281,14 @@ def test_kill_9_then_resume_auto_is_exact(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not WORKS.is_dir(), reason=f"no Shakespeare corpus at {WORKS}")
+@pytest.mark.skipif(not SHAKESPEARE_WORKS.is_dir(), reason="no Shakespeare corpus")
 def test_noloco_trains_the_gpt_on_shakespeare(tmp_path, one_thread):
     """`algorithm=local_sgd outer=noloco` (H = 5, AdamW inner steps, α = 0.5) on gpt_tiny, 4
     workers: the training loss falls by more than 0.8 in 100 steps (from about 4.1 over the
     first 10), the held-out loss ends below 3.5, 20 rounds of one row each."""
-    args = ["data=shakespeare", f"data.root={WORKS}", "model=gpt_tiny", "model.block_size=16",
-            "data.eval_tokens=256", "data.sample_tokens=0", "workers=4", "train.batch_size=8",
-            "train.progress=false", "backend.threads=1", "schedule.warmup_steps=5",
-            "optimizer=adamw", "optimizer.lr=0.003", "train.steps=100", "train.log_every=10",
-            "train.eval_every=100", "algorithm=local_sgd", "algorithm.period=5",
-            "outer=noloco", "outer.momentum=0.5"]  # fmt: skip
-    train(compose_config(*args), tmp_path / "run")
-    losses = [
-        m["train/loss"]
-        for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
-        if "train/loss" in m
-    ]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    losses, summary = gpt_shakespeare_losses(
+        tmp_path / "run", "workers=4", "optimizer=adamw", "outer=noloco", "outer.momentum=0.5"
+    )
     assert losses[0] - losses[-1] > 0.8, losses
     assert summary["val/loss"] < 3.5
     assert summary["outer/rounds"] == 20

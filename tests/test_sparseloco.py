@@ -13,7 +13,6 @@ D. decay = 1 is EF14 as it was; bad values are one `error:` line.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -21,13 +20,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import (
-    SHARED,
+    SHAKESPEARE_WORKS,
     SYNTHETIC_SMALL,
     TOL64,
     build_trainer,
     compose_config,
     free_port,
     gap,
+    gpt_shakespeare_losses,
     least_squares_shards,
     run_main,
     tiny_tanh_forward,
@@ -47,10 +47,8 @@ from dpresearch.replicas import Replicas
 from dpresearch.run.build import network_model
 from dpresearch.run.checkpoint_files import latest_checkpoint
 from dpresearch.run.trainer import InjectedFailure
-from dpresearch.train import train
 
 NET = NetworkModel.preset("10gbe")
-WORKS = SHARED / "data" / "shakespeare" / "works"
 SPARSELOCO = ["algorithm=local_sgd", "algorithm.period=4", "outer=sparseloco"]
 # small blocks, so that the MLP's tensors have several blocks, a partial last one, k > 1
 SMALL_BLOCKS = ["outer.compressor.chunk_size=64", "outer.compressor.density=0.1"]
@@ -357,25 +355,13 @@ def test_kill_9_then_resume_auto_is_exact(tmp_path):
     assert same(final_params(run_dir), final_params(reference))
 
 
-@pytest.mark.skipif(not WORKS.is_dir(), reason=f"no Shakespeare corpus at {WORKS}")
+@pytest.mark.skipif(not SHAKESPEARE_WORKS.is_dir(), reason="no Shakespeare corpus")
 def test_sparseloco_trains_the_gpt_on_shakespeare(tmp_path, one_thread):
     """`algorithm=local_sgd outer=sparseloco` (H = 5, AdamW inner steps) on gpt_tiny, 2
     workers: the training loss falls by more than 0.8 in 100 steps (from about 4.2 over the
     first 10), the held-out loss ends below 3.5, and each outer round sends under 1 % of the
     dense fp32 bytes (1.56 % of the entries at 2 + 12 bits each, plus the codebooks)."""
-    args = ["data=shakespeare", f"data.root={WORKS}", "model=gpt_tiny", "model.block_size=16",
-            "data.eval_tokens=256", "data.sample_tokens=0", "workers=2", "train.batch_size=8",
-            "train.progress=false", "backend.threads=1", "schedule.warmup_steps=5",
-            "optimizer.lr=0.003", "train.steps=100", "train.log_every=10",
-            "train.eval_every=100", "algorithm=local_sgd", "algorithm.period=5",
-            "outer=sparseloco"]  # fmt: skip
-    train(compose_config(*args), tmp_path / "run")
-    losses = [
-        m["train/loss"]
-        for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
-        if "train/loss" in m
-    ]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    losses, summary = gpt_shakespeare_losses(tmp_path / "run", "workers=2", "outer=sparseloco")
     assert losses[0] - losses[-1] > 0.8, losses
     assert summary["val/loss"] < 3.5
     assert summary["outer/rounds"] == 20
