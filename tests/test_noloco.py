@@ -29,6 +29,7 @@ from helpers import (
     gap,
     gpt_shakespeare_losses,
     least_squares_shards,
+    metric_lines,
     run_main,
     tiny_tanh_forward,
     tiny_tanh_model,
@@ -38,6 +39,8 @@ from helpers import finished_run as run
 
 from dpresearch.algorithms.local_sgd import LocalSGD
 from dpresearch.algorithms.outer.noloco import NoLoCo, NoLoCoOptions, pairing
+from dpresearch.asynchrony.options import AsyncOptions
+from dpresearch.asynchrony.speed import SpeedModel
 from dpresearch.comm.distributed import DistributedCommunicator
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
@@ -46,6 +49,7 @@ from dpresearch.replicas import Replicas
 from dpresearch.run.build import network_model
 from dpresearch.run.checkpoint_files import latest_checkpoint
 from dpresearch.run.trainer import InjectedFailure
+from dpresearch.train import train
 
 NET = NetworkModel.preset("10gbe")
 NOLOCO = ["algorithm=local_sgd", "algorithm.period=4", "outer=noloco"]
@@ -205,6 +209,56 @@ def test_batched_workers_equal_the_loop(one_thread):
     assert gap(loop.replicas.params, batched.replicas.params) <= TOL64
     assert gap(loop.replicas.buffers, batched.replicas.buffers) <= TOL64
     assert gap(loop.replicas.params[0], loop.replicas.params[1]) > 1e-4
+
+
+# K = 4, worker 3 three times slower, c = 0.25 s a step, 1 GbE (50 µs, 1 Gbit/s)
+C, SLOW = 0.25, 3.0
+STRAGGLER = ["workers=4", f"async.compute_s={C}", "async.slow_workers=[3]",
+             f"async.slowdown={SLOW}", "network=1gbe", "train.steps=10"]  # fmt: skip
+P2P_S = 50e-6 + 4 * MLP_PARAMS / (1e9 / 8)  # one row to one peer, by hand
+
+
+def modeled_clock(tmp_path: Path, *overrides: str) -> dict[int, float]:
+    """`time/modeled_s` of every logged step of a NoLoCo run (H = 5) of `overrides`."""
+    args = [*QUICK, *NOLOCO[:1], "algorithm.period=5", "outer=noloco", *overrides]
+    train(compose_config(*args), tmp_path)
+    return {m["step"]: m["time/modeled_s"] for m in metric_lines(tmp_path)}
+
+
+def test_a_straggler_holds_back_the_last_arrival_as_the_closed_form(tmp_path):
+    """One worker 3× slower, H = 5: the run ends when the slow worker has done its rounds,
+    each its 5 steps at 3c and then the exchange with its peer (one p2p row, 4·874 bytes):
+    2·(15c + p) after 10 steps; at step 8, 15c + p + 9c."""
+    rows = modeled_clock(tmp_path, *STRAGGLER)
+    round_s = 5 * SLOW * C + P2P_S
+    expected = {5: round_s, 8: round_s + 3 * SLOW * C, 10: 2 * round_s}
+    assert {s: rows[s] for s in expected} == {
+        s: pytest.approx(t, rel=1e-12) for s, t in expected.items()
+    }
+
+
+def test_a_round_waits_for_the_peer_only(tmp_path):
+    """Log-normal speeds (cv 1), K = 4, H = 5, 20 steps: `time/modeled_s` is the pairwise
+    rule replayed here from the same seeded speed streams — after each round, each pair ends
+    at max(t_i, t_j) + p — and not the all-worker rule (every worker at max_w t_w + p), which
+    would be later."""
+    args = [*STRAGGLER[:1], "async.speed=lognormal", "async.cv=1.0", f"async.compute_s={C}",
+            "network=1gbe", "train.steps=20"]  # fmt: skip
+    rows = modeled_clock(tmp_path, *args)
+    cfg = compose_config(*QUICK, *args)
+    speed = SpeedModel.from_options(AsyncOptions.from_node(cfg["async"]), 4, cfg.seed)
+    pairwise, everyone = [0.0] * 4, [0.0] * 4
+    for step in range(20):
+        for w in range(4):
+            seconds = speed.draw(w)
+            pairwise[w] += seconds
+            everyone[w] += seconds
+        if (step + 1) % 5 == 0:
+            peer = pairing(4, cfg.seed, step // 5)
+            pairwise = [max(pairwise[w], pairwise[peer[w]]) + P2P_S for w in range(4)]
+            everyone = [max(everyone) + P2P_S] * 4
+    assert rows[20] == pytest.approx(max(pairwise), rel=1e-12)
+    assert max(everyone) > max(pairwise) * 1.05
 
 
 GLOO_ARGS = [*NOLOCO, "model.batch_norm=true", "optimizer.momentum=0.9", "workers=4",

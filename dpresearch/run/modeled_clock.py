@@ -20,6 +20,9 @@ A step without communication leaves the workers apart, each at its own speed. So
 - gossip (D-PSGD, CHOCO, SGP): every gossip step is treated as a round of all workers (the
   slowest worker holds everyone back) — an upper bound on a worker that waits only for its
   in-peers;
+- NoLoCo (no all-reduce: a worker meets only its peer of the round): the algorithm names the
+  groups that met in the step (`meetings()`, each a tuple of worker ids), and each group ends
+  apart: t_w ← max_{v∈g} t_v + Δc for w in g — a slow worker holds back its peer only;
 - compression, hierarchy, Streaming DiLoCo's fragments: communication priced as recorded
   (compressed bytes, each tier on its link, fragments hidden behind τ steps charged only what
   they do not hide); a step with a fragment in flight is a round like any other.
@@ -40,6 +43,7 @@ continues the same clock.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dpresearch.asynchrony.clock import EventClock
@@ -54,8 +58,16 @@ class ModeledClock:
     """Per-worker modeled seconds of a run (see the module docstring). `speed`: the run's
     speed model over all K workers, or None when the algorithm keeps its own clock."""
 
-    def __init__(self, speed: SpeedModel | None, workers: int, ledger: CommLedger) -> None:
+    def __init__(
+        self,
+        speed: SpeedModel | None,
+        workers: int,
+        ledger: CommLedger,
+        meetings: Callable[[], Sequence[Sequence[int]] | None] | None = None,
+    ) -> None:
         self.speed, self.ledger = speed, ledger
+        # the groups that met in the step (None: everyone, a round of all workers)
+        self.meetings = meetings
         self.times = [0.0] * workers
         self._comm_at_begin = 0.0
         self._ops_at_begin = 0
@@ -70,7 +82,8 @@ class ModeledClock:
         if own:
             return cls(None, workers, ledger)
         opts = AsyncOptions.from_node(cfg.get("async"))
-        return cls(SpeedModel.from_options(opts, workers, cfg.seed), workers, ledger)
+        speed = SpeedModel.from_options(opts, workers, cfg.seed)
+        return cls(speed, workers, ledger, getattr(algorithm, "meetings", None))
 
     def step_begins(self) -> None:
         self._comm_at_begin = self.ledger.modeled_s
@@ -85,8 +98,13 @@ class ModeledClock:
             times[w] += self.speed.draw(w)
         comm = self.ledger.modeled_s - self._comm_at_begin
         ops = self.ledger.step_ops[self._ops_at_begin :]
-        if comm > 0 or any(op.purpose not in OFF_STEP_PURPOSES for op in ops):
-            times[:] = [max(times) + comm] * len(times)
+        groups = self.meetings() if self.meetings is not None else None
+        if not (comm > 0 or any(op.purpose not in OFF_STEP_PURPOSES for op in ops)):
+            return
+        for group in groups if groups is not None else [range(len(times))]:
+            end = max(times[w] for w in group) + comm
+            for w in group:
+                times[w] = end
 
     def seconds(self, algorithm_metrics: dict[str, Any]) -> float:
         """`time/modeled_s` now: the last worker's time, or the algorithm's own clock."""

@@ -20,8 +20,8 @@ One message per worker and round. Rewritten as
 the pair's step needs only the peer's m_j: each worker sends one `[D]` row to its peer (a
 point-to-point exchange), 4·D bytes in fp32 — where sending φ_j and δ_j would take twice that.
 Float buffers (BatchNorm statistics) are averaged with the peer (`buffers=average`, "buffers"
-traffic) or left (`local`). The modeled clock treats a round as one of all workers, as for
-gossip (an upper bound: a worker waits only for its peer).
+traffic) or left (`local`). On the modeled clock (`time/modeled_s`) a round is one of each pair: a
+worker waits for its peer only (`meetings`).
 
 Evaluation: the mean of the K slow weights φ̄ (one allreduce, "eval" traffic).
 
@@ -162,6 +162,7 @@ class NoLoCo(OuterOptimizer):
         self.velocity = torch.zeros_like(self.slow)
         self.rounds = 0
         self.drift = OuterDiagnostics(1)  # over the θ rows: only its drift is read
+        self._met: list[tuple[int, int]] | None = None  # the pairs of this step's round
 
     @classmethod
     def check_config(cls, cfg: DictConfig) -> None:
@@ -196,6 +197,7 @@ class NoLoCo(OuterOptimizer):
         self.last_delta_norm = float(delta[0].double().norm())
         peer = pairing(comm.world_size, o.seed, round_)
         peers = [(p,) for p in peer]
+        self._met = [(i, p) for i, p in enumerate(peer) if i < p]
         message = delta.mul_(o.lr).sub_(self.slow, alpha=o.gamma)  # m_i = β·δ_i − γ·φ_i
         received = comm.neighbor_exchange(message, peers, peers)[:, 0]
         pair_mean = message.add_(received).mul_(0.5)
@@ -210,6 +212,12 @@ class NoLoCo(OuterOptimizer):
         self.base.restarted()
         self.rounds += 1
         self.merges += 1
+
+    def meetings(self) -> list[tuple[int, int]] | None:
+        """The pairs that met in the step just taken (None: no round; the modeled clock asks
+        once per step, `run/modeled_clock.py`)."""
+        met, self._met = self._met, None
+        return met
 
     # -- evaluation, reporting ---------------------------------------------------------------------
     def consensus(self) -> tuple[Tensor, Tensor]:
