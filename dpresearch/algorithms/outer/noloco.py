@@ -89,9 +89,8 @@ class NoLoCoOptions:
     def check(self) -> None:
         """ValueError (one line naming the fix) for a value NoLoCo cannot run."""
         period = self.period
-        if period is not None and (isinstance(period, bool) or not isinstance(period, int)):
-            raise ValueError(f"outer.period={period}: a whole number of steps >= 1, or null")
-        if period is not None and period < 1:
+        whole = isinstance(period, int) and not isinstance(period, bool)
+        if period is not None and not (whole and period >= 1):
             raise ValueError(f"outer.period={period}: a whole number of steps >= 1, or null")
         for key in ("momentum", "lr", "gamma"):
             value = getattr(self, key)
@@ -157,6 +156,7 @@ class NoLoCo(OuterOptimizer):
         )
         if self.base.hand_over_averaging() is None:
             raise ValueError(base_message(type(base).__name__))
+        self._deltas = []  # the all-reduce's Δ buffers (W·D): NoLoCo forms its rows per round
         # φ_i and Δ_i of the local workers, `[W, D]`
         self.slow = self.base.model_rows().clone()
         self.velocity = torch.zeros_like(self.slow)
@@ -211,7 +211,6 @@ class NoLoCo(OuterOptimizer):
             rows.add_(theirs).mul_(0.5)
         self.base.restarted()
         self.rounds += 1
-        self.merges += 1
 
     def meetings(self) -> list[tuple[int, int]] | None:
         """The pairs that met in the step just taken (None: no round; the modeled clock asks
@@ -273,7 +272,7 @@ class NoLoCo(OuterOptimizer):
         self.base.load_state_dict(state["base"])
         self.slow.copy_(state["slow"])
         self.velocity.copy_(state["velocity"])
-        self.rounds = self.merges = int(state["rounds"])
+        self.rounds = int(state["rounds"])
         self.peak_step_bytes = int(state["peak_step_bytes"])
         self.outer_bytes = int(state["outer_bytes"])
         self.outer_modeled_s = float(state["outer_modeled_s"])
