@@ -1103,3 +1103,51 @@ def fp4_reference(
     scales = torch.stack(scales)
     per_entry = torch.repeat_interleave(scales.double(), bucket)[: v.numel()]
     return codes, scales, (values[codes] * per_entry).float()
+
+
+def tiny_tanh_model() -> torch.nn.Module:
+    """6 → 24 → 3 (tanh), float64, seeded: tensors of 144, 24, 72, 3 (the outer methods'
+    from-paper reference tests)."""
+    torch.manual_seed(3)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3)
+    ).double()
+
+
+def tiny_tanh_forward(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`tiny_tanh_model`'s output from its flat parameter vector (W1, b1, W2, b2), written on
+    plain tensors (x @ W.T + b)."""
+    w1, b1, w2, b2 = flat.split([144, 24, 72, 3])
+    return torch.tanh(x @ w1.view(24, 6).T + b1) @ w2.view(3, 24).T + b2
+
+
+def least_squares_shards(workers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per worker, 32 float64 samples (6 inputs, 3 targets) of its own, seeded."""
+    gen = torch.Generator().manual_seed(5)
+    return [
+        (
+            torch.randn(32, 6, generator=gen, dtype=torch.float64),
+            torch.randn(32, 3, generator=gen, dtype=torch.float64),
+        )
+        for _ in range(workers)
+    ]
+
+
+SHAKESPEARE_WORKS = SHARED / "data" / "shakespeare" / "works"
+
+
+def gpt_shakespeare_losses(run_dir: Path, *overrides: str) -> tuple[list[float], dict]:
+    """A 100-step gpt_tiny run on the Shakespeare corpus (block 16, batch 8, lr 0.003, local
+    SGD with H = 5) + `overrides` (the workers, the outer method), written to `run_dir`: its
+    training losses (every 10 steps) and summary."""
+    from dpresearch.train import train
+
+    args = ["data=shakespeare", f"data.root={SHAKESPEARE_WORKS}", "model=gpt_tiny",
+            "model.block_size=16", "data.eval_tokens=256", "data.sample_tokens=0",
+            "train.batch_size=8", "train.progress=false", "backend.threads=1",
+            "schedule.warmup_steps=5", "optimizer.lr=0.003", "train.steps=100",
+            "train.log_every=10", "train.eval_every=100", "algorithm=local_sgd",
+            "algorithm.period=5", *overrides]  # fmt: skip
+    train(compose_config(*args), run_dir)
+    losses = [m["train/loss"] for m in metric_lines(run_dir) if "train/loss" in m]
+    return losses, json.loads((run_dir / "summary.json").read_text())

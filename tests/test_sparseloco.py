@@ -13,7 +13,6 @@ D. decay = 1 is EF14 as it was; bad values are one `error:` line.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -21,18 +20,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import (
-    SHARED,
+    SHAKESPEARE_WORKS,
     SYNTHETIC_SMALL,
     TOL64,
     build_trainer,
     compose_config,
     free_port,
     gap,
+    gpt_shakespeare_losses,
+    least_squares_shards,
     run_main,
+    tiny_tanh_forward,
+    tiny_tanh_model,
 )
 from helpers import SMALL_512 as QUICK
 from helpers import finished_run as run
-from torch import nn
 
 from dpresearch.algorithms.local_sgd import LocalSGD
 from dpresearch.algorithms.outer import OuterOptimizer
@@ -45,10 +47,8 @@ from dpresearch.replicas import Replicas
 from dpresearch.run.build import network_model
 from dpresearch.run.checkpoint_files import latest_checkpoint
 from dpresearch.run.trainer import InjectedFailure
-from dpresearch.train import train
 
 NET = NetworkModel.preset("10gbe")
-WORKS = SHARED / "data" / "shakespeare" / "works"
 SPARSELOCO = ["algorithm=local_sgd", "algorithm.period=4", "outer=sparseloco"]
 # small blocks, so that the MLP's tensors have several blocks, a partial last one, k > 1
 SMALL_BLOCKS = ["outer.compressor.chunk_size=64", "outer.compressor.density=0.1"]
@@ -184,18 +184,6 @@ K, H, ROUNDS, INNER_LR = 4, 3, 5, 0.1
 ALPHA, BETA, CHUNK, DENSITY = 0.8, 0.9, 64, 0.1
 
 
-def tiny_model() -> nn.Module:
-    """6 → 24 → 3 (tanh), float64: tensors of 144 (blocks 64, 64, 16), 24, 72 (64, 8), 3."""
-    torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Linear(24, 3)).double()
-
-
-def forward(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The tiny model's output from its flat parameter vector (W1, b1, W2, b2)."""
-    w1, b1, w2, b2 = flat.split([144, 24, 72, 3])
-    return torch.tanh(x @ w1.view(24, 6).T + b1) @ w2.view(3, 24).T + b2
-
-
 def test_the_update_is_sparselocos_algorithm_1_written_apart(one_thread):
     """Ours (the outer optimizer over local SGD, the `outer=sparseloco` nodes with α = 0.8,
     β = 0.9, blocks of 64 at 10 %) against SparseLoCo's Algorithm 1 on plain float64 tensors:
@@ -213,16 +201,9 @@ def test_the_update_is_sparselocos_algorithm_1_written_apart(one_thread):
         f"outer.optimizer.lr={ALPHA}",
         f"outer.error_feedback.decay={BETA}",
     ).outer
-    gen = torch.Generator().manual_seed(5)
-    data = [
-        (
-            torch.randn(32, 6, generator=gen, dtype=torch.float64),
-            torch.randn(32, 3, generator=gen, dtype=torch.float64),
-        )
-        for _ in range(K)
-    ]
+    data = least_squares_shards(K)
 
-    model = tiny_model()
+    model = tiny_tanh_model()
     theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     replicas = Replicas(model, K, torch.device("cpu"))
     comm = SimulatedCommunicator(K, NET, deterministic=True)
@@ -250,7 +231,7 @@ def test_the_update_is_sparselocos_algorithm_1_written_apart(one_thread):
         for w, (x, y) in enumerate(data):
             for _ in range(H):
                 flat = workers[w].clone().requires_grad_(True)
-                (grad,) = torch.autograd.grad(F.mse_loss(forward(flat, x), y), flat)
+                (grad,) = torch.autograd.grad(F.mse_loss(tiny_tanh_forward(flat, x), y), flat)
                 workers[w] = workers[w] - INNER_LR * grad
         sent = []
         for w in range(K):
@@ -265,7 +246,10 @@ def test_the_update_is_sparselocos_algorithm_1_written_apart(one_thread):
     (reducer,) = ours.reducers
     assert gap(reducer.memory.memory, torch.stack(memory)) <= TOL64
     assert min(m.abs().max().item() for m in memory) > 1e-3  # the memories hold a residual
-    assert gap(theta, torch.cat([p.detach().reshape(-1) for p in tiny_model().parameters()])) > 0.01
+    assert (
+        gap(theta, torch.cat([p.detach().reshape(-1) for p in tiny_tanh_model().parameters()]))
+        > 0.01
+    )
 
 
 def test_outer_sparseloco_composes_the_papers_defaults():
@@ -371,25 +355,13 @@ def test_kill_9_then_resume_auto_is_exact(tmp_path):
     assert same(final_params(run_dir), final_params(reference))
 
 
-@pytest.mark.skipif(not WORKS.is_dir(), reason=f"no Shakespeare corpus at {WORKS}")
+@pytest.mark.skipif(not SHAKESPEARE_WORKS.is_dir(), reason="no Shakespeare corpus")
 def test_sparseloco_trains_the_gpt_on_shakespeare(tmp_path, one_thread):
     """`algorithm=local_sgd outer=sparseloco` (H = 5, AdamW inner steps) on gpt_tiny, 2
     workers: the training loss falls by more than 0.8 in 100 steps (from about 4.2 over the
     first 10), the held-out loss ends below 3.5, and each outer round sends under 1 % of the
     dense fp32 bytes (1.56 % of the entries at 2 + 12 bits each, plus the codebooks)."""
-    args = ["data=shakespeare", f"data.root={WORKS}", "model=gpt_tiny", "model.block_size=16",
-            "data.eval_tokens=256", "data.sample_tokens=0", "workers=2", "train.batch_size=8",
-            "train.progress=false", "backend.threads=1", "schedule.warmup_steps=5",
-            "optimizer.lr=0.003", "train.steps=100", "train.log_every=10",
-            "train.eval_every=100", "algorithm=local_sgd", "algorithm.period=5",
-            "outer=sparseloco"]  # fmt: skip
-    train(compose_config(*args), tmp_path / "run")
-    losses = [
-        m["train/loss"]
-        for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
-        if "train/loss" in m
-    ]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    losses, summary = gpt_shakespeare_losses(tmp_path / "run", "workers=2", "outer=sparseloco")
     assert losses[0] - losses[-1] > 0.8, losses
     assert summary["val/loss"] < 3.5
     assert summary["outer/rounds"] == 20

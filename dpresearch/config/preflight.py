@@ -174,7 +174,8 @@ def check_fragments(cfg: DictConfig, model: torch.nn.Module) -> None:
     if node is not None:
         count, pattern = node.get("fragments", 1), node.get("fragment_pattern", "sequential")
         _call("outer", lambda: split(blocks_of(model), int(count), pattern))
-        _call("outer", lambda: make_optimizer(node.optimizer, model))
+        if node.get("optimizer") is not None:  # (NoLoCo steps by hand, without one)
+            _call("outer", lambda: make_optimizer(node.optimizer, model))
 
 
 def _build(group: str, node: DictConfig, **runtime: Any) -> Any:

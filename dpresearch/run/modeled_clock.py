@@ -20,6 +20,9 @@ A step without communication leaves the workers apart, each at its own speed. So
 - gossip (D-PSGD, CHOCO, SGP): every gossip step is treated as a round of all workers (the
   slowest worker holds everyone back) — an upper bound on a worker that waits only for its
   in-peers;
+- NoLoCo (no all-reduce: a worker meets only its peer of the round): the algorithm names the
+  groups that met in the step (`meetings()`, each a tuple of worker ids), and each group ends
+  apart: t_w ← max_{v∈g} t_v + Δc for w in g — a slow worker holds back its peer only;
 - compression, hierarchy: communication priced as recorded (compressed bytes, each tier on
   its link).
 
@@ -49,6 +52,7 @@ continues the same clock.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dpresearch.asynchrony.clock import EventClock
@@ -63,8 +67,16 @@ class ModeledClock:
     """Per-worker modeled seconds of a run (see the module docstring). `speed`: the run's
     speed model over all K workers, or None when the algorithm keeps its own clock."""
 
-    def __init__(self, speed: SpeedModel | None, workers: int, ledger: CommLedger) -> None:
+    def __init__(
+        self,
+        speed: SpeedModel | None,
+        workers: int,
+        ledger: CommLedger,
+        meetings: Callable[[], Sequence[Sequence[int]] | None] | None = None,
+    ) -> None:
         self.speed, self.ledger = speed, ledger
+        # the groups that met in the step (None: everyone, a round of all workers)
+        self.meetings = meetings
         self.times = [0.0] * workers
         self._comm_at_begin = 0.0
         self._ops_at_begin = 0
@@ -81,7 +93,8 @@ class ModeledClock:
         if own:
             return cls(None, workers, ledger)
         opts = AsyncOptions.from_node(cfg.get("async"))
-        return cls(SpeedModel.from_options(opts, workers, cfg.seed), workers, ledger)
+        speed = SpeedModel.from_options(opts, workers, cfg.seed)
+        return cls(speed, workers, ledger, getattr(algorithm, "meetings", None))
 
     def step_begins(self) -> None:
         self._comm_at_begin = self.ledger.modeled_s
@@ -113,8 +126,15 @@ class ModeledClock:
             )
             self.pending.append([float(max(op.hidden_steps for op in hidden)), self.link_free])
         if len(hidden) < len(ops) or (not hidden and comm > 0):
-            self.link_free = max(arrived, self.link_free) + comm
-            times[:] = [self.link_free] * len(times)
+            groups = self.meetings() if self.meetings is not None else None
+            if groups is None:
+                self.link_free = max(arrived, self.link_free) + comm
+                times[:] = [self.link_free] * len(times)
+            else:  # NoLoCo: each group that met ends apart, on its own link
+                for group in groups:
+                    end = max(times[w] for w in group) + comm
+                    for w in group:
+                        times[w] = end
         for _, ready in [entry for entry in self.pending if entry[0] <= 0]:
             times[:] = [max(t, ready) for t in times]
         self.pending = [entry for entry in self.pending if entry[0] > 0]

@@ -27,9 +27,13 @@ def algorithm_name(cfg: DictConfig) -> str:
 
 
 def check_config(cfg: DictConfig) -> None:
-    """The outer node's own checks (ValueError, one line naming the fix); nothing for none."""
-    if outer_node(cfg) is not None:
-        OuterOptimizer.check_config(cfg)
+    """The outer node's own checks (ValueError, one line naming the fix): those of the class
+    its `_target_` names (`OuterOptimizer`, `NoLoCo`); nothing for none."""
+    from hydra.utils import get_object
+
+    node = outer_node(cfg)
+    if node is not None:
+        get_object(node._target_).check_config(cfg)
 
 
 def wrap(cfg: DictConfig, algorithm: Algorithm, **runtime: Any) -> Algorithm:
