@@ -10,6 +10,7 @@ hand-written run directories for the analysis tests; small pieces shared by two 
 
 from __future__ import annotations
 
+import copy
 import gc
 import hashlib
 import json
@@ -32,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
@@ -1053,3 +1055,22 @@ def fp4_reference(
     scales = torch.stack(scales)
     per_entry = torch.repeat_interleave(scales.double(), bucket)[: v.numel()]
     return codes, scales, (values[codes] * per_entry).float()
+
+
+def reference_workers(cfg: DictConfig) -> tuple[Any, Any, int, torch.nn.Module, list, list]:
+    """What an independent reference of a drifting method starts from, in torch's current
+    default dtype: the data set (validation split held out), its IID partitioner, batches per
+    epoch, the initial model (seeded as the run seeds it), K copies and each copy's own inner
+    optimizer of `cfg.optimizer`'s class and options."""
+    k, batch = cfg.workers, cfg.train.batch_size
+    torch.manual_seed(cfg.seed)
+    data = instantiate(cfg.data, device="cpu").hold_out(cfg.train.val_size)
+    partitioner = data.make_partitioner(k, cfg.seed)
+    per_epoch = partitioner.samples_per_worker // batch
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model, num_classes=data.num_classes, input_shape=data.input_shape)
+    workers = [copy.deepcopy(model) for _ in range(k)]
+    options = {n: v for n, v in cfg.optimizer.items() if not n.startswith(("_", "exclude"))}
+    inner_class = getattr(torch.optim, cfg.optimizer._target_.rsplit(".", 1)[-1])
+    inner = [inner_class(m.parameters(), **options) for m in workers]
+    return data, partitioner, per_epoch, model, workers, inner

@@ -20,6 +20,12 @@ A step without communication leaves the workers apart, each at its own speed. So
 - gossip (D-PSGD, CHOCO, SGP): every gossip step is treated as a round of all workers (the
   slowest worker holds everyone back) — an upper bound on a worker that waits only for its
   in-peers;
+- a two-level cluster (`comm.hierarchy`, G workers a node): a step whose communication all
+  stayed inside the nodes (the intra tier: hierarchical DiLoCo's per-step gradient average,
+  `algorithm=node_sync`) is a round of each node on its own, t_w ← max_{v ∈ node(w)} t_v + Δc
+  (every node's collective runs at once, priced once); a step with any other op is a round of
+  all workers. So hierarchical DiLoCo's outer round takes
+  T_round = max_nodes Σ_{h<H} (max_{w ∈ node} c_w,h + c_intra) + c_outer;
 - compression, hierarchy, Streaming DiLoCo's fragments: communication priced as recorded
   (compressed bytes, each tier on its link, fragments hidden behind τ steps charged only what
   they do not hide); a step with a fragment in flight is a round like any other.
@@ -45,6 +51,7 @@ from typing import Any
 from dpresearch.asynchrony.clock import EventClock
 from dpresearch.asynchrony.options import AsyncOptions
 from dpresearch.asynchrony.speed import SpeedModel
+from dpresearch.comm.hierarchy import INTRA
 from dpresearch.comm.ledger import OFF_STEP_PURPOSES, CommLedger
 
 OWN_CLOCK = "time/simulated_s"  # the metric of an algorithm that simulates its own clock
@@ -52,10 +59,17 @@ OWN_CLOCK = "time/simulated_s"  # the metric of an algorithm that simulates its 
 
 class ModeledClock:
     """Per-worker modeled seconds of a run (see the module docstring). `speed`: the run's
-    speed model over all K workers, or None when the algorithm keeps its own clock."""
+    speed model over all K workers, or None when the algorithm keeps its own clock.
+    `per_node`: G of a two-level cluster (None: flat), whose intra-only steps are node rounds."""
 
-    def __init__(self, speed: SpeedModel | None, workers: int, ledger: CommLedger) -> None:
-        self.speed, self.ledger = speed, ledger
+    def __init__(
+        self,
+        speed: SpeedModel | None,
+        workers: int,
+        ledger: CommLedger,
+        per_node: int | None = None,
+    ) -> None:
+        self.speed, self.ledger, self.per_node = speed, ledger, per_node
         self.times = [0.0] * workers
         self._comm_at_begin = 0.0
         self._ops_at_begin = 0
@@ -70,7 +84,9 @@ class ModeledClock:
         if own:
             return cls(None, workers, ledger)
         opts = AsyncOptions.from_node(cfg.get("async"))
-        return cls(SpeedModel.from_options(opts, workers, cfg.seed), workers, ledger)
+        per_node = cfg.get("comm", {}).get("hierarchy", {}).get("workers_per_node")
+        speed = SpeedModel.from_options(opts, workers, cfg.seed)
+        return cls(speed, workers, ledger, per_node)
 
     def step_begins(self) -> None:
         self._comm_at_begin = self.ledger.modeled_s
@@ -84,8 +100,18 @@ class ModeledClock:
         for w in range(len(times)):
             times[w] += self.speed.draw(w)
         comm = self.ledger.modeled_s - self._comm_at_begin
-        ops = self.ledger.step_ops[self._ops_at_begin :]
-        if comm > 0 or any(op.purpose not in OFF_STEP_PURPOSES for op in ops):
+        ops = [
+            op
+            for op in self.ledger.step_ops[self._ops_at_begin :]
+            if op.purpose not in OFF_STEP_PURPOSES
+        ]
+        if not (comm > 0 or ops):
+            return
+        g = self.per_node
+        if g and all(op.tier == INTRA for op in ops):  # each node waits for its own workers
+            for start in range(0, len(times), g):
+                times[start : start + g] = [max(times[start : start + g]) + comm] * g
+        else:
             times[:] = [max(times) + comm] * len(times)
 
     def seconds(self, algorithm_metrics: dict[str, Any]) -> float:
