@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,10 @@ from helpers import (
     reference_workers,
     run_cli,
 )
+from omegaconf import OmegaConf
 
+from dpresearch import CONF_DIR
+from dpresearch.algorithms.node_sync import NodeSyncOptions
 from dpresearch.asynchrony.options import AsyncOptions
 from dpresearch.asynchrony.speed import SpeedModel
 from dpresearch.comm.hierarchy import Hierarchy
@@ -39,6 +43,7 @@ from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.compress import Identity, TopK
 from dpresearch.compress.reducer import HierarchicalReducer
+from dpresearch.compress.topk import kept
 from dpresearch.config.validate import ConfigError, validate
 from dpresearch.run.build import build_communicator, hierarchy_of
 from dpresearch.run.trainer import InjectedFailure, Trainer
@@ -272,6 +277,32 @@ def test_replicated_nodes_reducer_sends_only_between_leaders_and_broadcasts(comp
     assert comm.ledger.bytes_by_tier["inter"] == [payload * x for x in leader]
     assert {op.kind for op in comm.ledger.step_ops} >= {"broadcast"}
     assert "reduce" not in {op.kind for op in comm.ledger.step_ops}
+
+
+def test_topk_between_nodes_memory_on_the_leaders_and_bytes():
+    """`compressor@outer.compressor=topk` + EF14 over node_sync: the leaders compress (one
+    memory row per node), each sends the top 10 % of every tensor of Δ (value + index, 8 bytes
+    each in float32) between nodes and broadcasts the decoded mean (dense) inside its node."""
+    steps, period, workers, per_node = 12, 4, 4, 2
+    topk = ["compressor@outer.compressor=topk", "outer.compressor.ratio=0.1",
+            "error_feedback@outer.error_feedback=ef14"]  # fmt: skip
+    ours = trained(*hier(workers, per_node, period, f"train.steps={steps}", *topk),
+                   dtype=torch.float32)  # fmt: skip
+    (reducer,) = ours.algorithm.reducers
+    d = ours.summary["num_params"]
+    assert reducer.memory.memory.shape == (workers // per_node, d)
+    assert reducer.memory.memory.abs().sum() > 0
+    sizes = [p.numel() for p in ours.replicas.models[0].parameters()]
+    payload = sum(8 * kept(n, 0.1) for n in sizes)
+    rounds = steps // period
+    assert ours.summary["comm/bytes_inter"] == rounds * payload / per_node
+    assert ours.summary["comm/bytes_intra"] == steps * 4 * d + rounds * 4 * d / per_node
+
+
+def test_yaml_carries_the_options_defaults():
+    node = OmegaConf.load(CONF_DIR / "algorithm" / "node_sync.yaml")
+    declared = {f.name: f.default for f in fields(NodeSyncOptions)}
+    assert {k: v for k, v in node.items() if k != "_target_"} == declared
 
 
 # -- C. gloo, resume, batched, bad input --------------------------------------------------------
