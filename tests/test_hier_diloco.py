@@ -401,6 +401,7 @@ def test_bad_input_is_one_line(args, fragment):
     assert "\n" not in message and fragment in message, message
 
 
+@pytest.mark.slow  # a subprocess; the messages themselves are the rows above
 def test_bad_input_on_the_command_line_is_one_line_exit_2(tmp_path):
     out = run_cli(
         [*SMALL_512, "algorithm=node_sync", "workers=4", "outer=nesterov", "outer.period=4"],
