@@ -371,11 +371,17 @@ def test_kill_9_resumes_exactly(tmp_path):
     assert clock == [m["time/modeled_s"] for m in metric_lines(ref)]
 
 
-def test_batched_workers_equal_the_loop():
-    args = hier(4, 2, 4, "train.steps=12", "optimizer=adamw", "optimizer.lr=0.003")
+@pytest.mark.parametrize("more", [[], ["model.batch_norm=true"]], ids=["mlp", "batch_norm"])
+def test_batched_workers_equal_the_loop(more):
+    """`train.batched_workers=true` (the workers' forward/backward as one computation) ends
+    where the loop does, float64 (14 steps: the nodes apart after the outer step at 12); with
+    BatchNorm each node's leader's statistics broadcast inside the node before every forward."""
+    args = hier(4, 2, 4, "train.steps=14", "optimizer=adamw", "optimizer.lr=0.003", *more)
     loop = trained(*args, "train.batched_workers=false")
     batched = trained(*args, "train.batched_workers=true")
+    assert loop.compute.batched is None and batched.compute.batched is not None
     assert gap(loop.replicas.params, batched.replicas.params) <= TOL64
+    assert gap(loop.replicas.buffers, batched.replicas.buffers) <= TOL64
 
 
 BAD = [
