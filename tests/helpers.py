@@ -10,6 +10,7 @@ hand-written run directories for the analysis tests; small pieces shared by two 
 
 from __future__ import annotations
 
+import copy
 import gc
 import hashlib
 import json
@@ -1151,3 +1152,13 @@ def gpt_shakespeare_losses(run_dir: Path, *overrides: str) -> tuple[list[float],
     train(compose_config(*args), run_dir)
     losses = [m["train/loss"] for m in metric_lines(run_dir) if "train/loss" in m]
     return losses, json.loads((run_dir / "summary.json").read_text())
+
+def reference_workers(cfg: DictConfig) -> tuple[Any, Any, int, torch.nn.Module, list, list]:
+    """`reference_start` and, for a drifting method, K copies of the initial model and each
+    copy's own inner optimizer of `cfg.optimizer`'s class and options."""
+    data, partitioner, per_epoch, model = reference_start(cfg)
+    workers = [copy.deepcopy(model) for _ in range(cfg.workers)]
+    options = {n: v for n, v in cfg.optimizer.items() if not n.startswith(("_", "exclude"))}
+    inner_class = getattr(torch.optim, cfg.optimizer._target_.rsplit(".", 1)[-1])
+    inner = [inner_class(m.parameters(), **options) for m in workers]
+    return data, partitioner, per_epoch, model, workers, inner

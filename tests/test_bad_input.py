@@ -22,6 +22,8 @@ SUBSET = SHARED / "data" / "cifar10-subset"
 # (overrides, a fragment the error line must hold). "{tmp}" is the test's own directory.
 SHAKESPEARE = SHARED / "data" / "shakespeare" / "works"
 TEXT = ["data=shakespeare", f"data.root={SHAKESPEARE}", "model=gpt_tiny"]
+NODE_SYNC = ["algorithm=node_sync", "comm.hierarchy.workers_per_node=2", "outer=nesterov",
+             "outer.period=4"]  # fmt: skip
 BAD = [
     # The 20 that gave tracebacks (issue 9, "Why").
     (["data.partition=foo"], "data.partition=foo; choose one of: iid, dirichlet"),
@@ -118,6 +120,9 @@ BAD = [
         "comm.hierarchy.intra_algorithm=chain; choose one of: tree, ring",
     ),
     (["comm.hierarchy.intra_algorithm=ring"], "set comm.hierarchy.workers_per_node too"),
+    # hierarchical DiLoCo's inner algorithm (tests/test_hier_diloco.py has its own rows)
+    ([*NODE_SYNC, "algorithm.bucket_mb=0"], "algorithm.bucket_mb=0: must be a number > 0"),
+    ([*NODE_SYNC, "algorithm.overlap=3"], "algorithm.overlap=3: must be true or false"),
     (["optimizer=onebit_adam", "compressor=topk"], "optimizer=onebit_adam compresses its"),
     (["optimizer=zero_one_adam", "error_feedback=ef14"], "drop compressor=/error_feedback="),
     (["optimizer=onebit_adam", "algorithm=local_sgd"], "runs its own algorithm"),

@@ -17,7 +17,15 @@ SELECTED_BY = {
     ("algorithm", "demo"): ["optimizer=demo"],
 }
 # Options with a mandatory value (`???`): composed with one (validate reads no data).
-REQUIRED = {("data", "text"): ["data.root=corpus.txt"]}
+REQUIRED = {
+    ("data", "text"): ["data.root=corpus.txt"],
+    # hierarchical DiLoCo's inner algorithm: nodes, and an outer optimizer to join them
+    ("algorithm", "node_sync"): [
+        "comm.hierarchy.workers_per_node=2",
+        "outer=nesterov",
+        "outer.period=4",
+    ],
+}
 
 
 def options(group: str) -> list[str]:

@@ -15,7 +15,6 @@ Bad input: one line naming the fix, before any worker starts.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -32,7 +31,7 @@ from helpers import (
     compose_config,
     default_dtype,
     gap,
-    reference_start,
+    reference_workers,
     run_cli,
 )
 from helpers import finished_run as run
@@ -174,12 +173,8 @@ def diloco_reference(cfg, steps: int, period: int, streaming=None):
 
 
 def _diloco_reference(cfg, steps: int, period: int, streaming=None):
-    k, batch = cfg.workers, cfg.train.batch_size
-    data, partitioner, per_epoch, global_model = reference_start(cfg)
-    workers = [copy.deepcopy(global_model) for _ in range(k)]
-    options = {k: v for k, v in cfg.optimizer.items() if not k.startswith(("_", "exclude"))}
-    inner_class = getattr(torch.optim, cfg.optimizer._target_.rsplit(".", 1)[-1])
-    inner = [inner_class(m.parameters(), **options) for m in workers]
+    batch = cfg.train.batch_size
+    data, partitioner, per_epoch, global_model, workers, inner = reference_workers(cfg)
     fragments, overlap, mix, pattern = streaming or (1, 0, 0.0, "sequential")
     blocks = split(blocks_of(global_model), fragments, pattern)
     names = [n for n, p in global_model.named_parameters()]

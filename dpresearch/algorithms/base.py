@@ -89,6 +89,10 @@ class Traits:
     drifts: the workers' models drift apart between the algorithm's synchronisations (local
     SGD, gossip), so an outer optimizer has pseudo-gradients to work on (synchronous SGD's
     workers always hold one model, a parameter server's workers none of their own).
+    node_replicas: on a two-level cluster (`comm.hierarchy`) the workers of each node always
+    hold one model (synchronous inside the node, nodes drifting apart: `algorithm=node_sync`),
+    so an outer optimizer exchanges its pseudo-gradients among the node leaders only and
+    broadcasts the result inside each node.
     compression_note: why an algorithm without `compressor`/`error_feedback` options takes
     none, shown when a configuration gives one (empty: the generic line).
     """
@@ -97,6 +101,7 @@ class Traits:
     skippable: bool = True
     extra_processes: int = 0
     drifts: bool = False
+    node_replicas: bool = False
     lockstep: bool = True
     messages: bool = False
     compression_note: str = ""

@@ -62,10 +62,14 @@ def gram_metrics(centered: Tensor, to_mean: Tensor, mean_sq: Tensor) -> dict[str
 
 
 class OuterDiagnostics:
-    """Per fragment, the latest sync's Gram parts (see `gram_metrics`)."""
+    """Per fragment, the latest sync's Gram parts (see `gram_metrics`). `group`: the rows come
+    in runs of `group` equal rows (a node of hierarchical DiLoCo, `Traits.node_replicas`), so
+    the pairs are taken between the runs' first rows: cosines between nodes (the drift, equal
+    on a node's workers, is the same either way)."""
 
-    def __init__(self, fragments: int) -> None:
+    def __init__(self, fragments: int, group: int = 1) -> None:
         self.parts: list[tuple[Tensor, Tensor, Tensor] | None] = [None] * fragments
+        self.group = group
 
     def observe(self, fragment: int, delta: Tensor, comm: Communicator) -> None:
         """Fragment `fragment`'s local Δ rows `[W, n]`, before they are averaged."""
@@ -90,7 +94,11 @@ class OuterDiagnostics:
         seen = [p for p in self.parts if p is not None]
         if not seen:
             return {}
-        return gram_metrics(*(sum(parts) for parts in zip(*seen, strict=True)))
+        gram, to_mean, mean_sq = (sum(parts) for parts in zip(*seen, strict=True))
+        if self.group > 1:
+            firsts = torch.arange(0, gram.shape[0], self.group)
+            gram, to_mean = gram[firsts][:, firsts], to_mean[firsts]
+        return gram_metrics(gram, to_mean, mean_sq)
 
     def state_dict(self) -> dict:
         return {"parts": list(self.parts)}

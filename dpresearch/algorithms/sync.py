@@ -40,15 +40,25 @@ TIERS = (INTRA, INTER)
 
 
 def tier_bytes(comm: Communicator, device: torch.device) -> dict[str, float]:
-    """`comm/bytes_<tier>`: the mean over all K workers of the algorithm's bytes each sent in
-    each tier of a two-level cluster (one gather, recorded as metrics traffic)."""
+    """Per tier of a two-level cluster: `comm/bytes_<tier>`, the mean over all K workers of
+    the algorithm's bytes each sent in that tier, and `comm/modeled_s_<tier>`, the modeled
+    seconds of that tier's ops (the most any process recorded: on real ranks only leaders
+    take part in the inter tier). One gather, recorded as metrics traffic."""
     ledger = comm.ledger
     zeros = [0] * comm.num_local
+    seconds = ledger.modeled_by_tier()
     mine = torch.tensor(
-        [ledger.bytes_by_tier.get(t, zeros) for t in TIERS], dtype=torch.float64, device=device
+        [ledger.bytes_by_tier.get(t, zeros) for t in TIERS]
+        + [[seconds.get(t, 0.0)] * comm.num_local for t in TIERS],
+        dtype=torch.float64,
+        device=device,
     ).T.contiguous()
-    means = comm.all_gather(mine, record="metrics").mean(0).tolist()
-    return {f"comm/bytes_{t}": m for t, m in zip(TIERS, means, strict=True)}
+    every = comm.all_gather(mine, record="metrics")
+    means, most = every[:, : len(TIERS)].mean(0).tolist(), every[:, len(TIERS) :].amax(0).tolist()
+    return {
+        **{f"comm/bytes_{t}": m for t, m in zip(TIERS, means, strict=True)},
+        **{f"comm/modeled_s_{t}": s for t, s in zip(TIERS, most, strict=True)},
+    }
 
 
 class SyncSGD(Algorithm):
@@ -80,6 +90,7 @@ class SyncSGD(Algorithm):
         super().__init__(replicas, comm, optimizers)
         check_buffers(buffers)
         self.buffer_mode = buffers
+        comm = self.gradient_comm()
         self.reducer = build_reducer(
             compressor,
             error_feedback,
@@ -101,6 +112,10 @@ class SyncSGD(Algorithm):
             else None
         )
 
+    def gradient_comm(self) -> Communicator:
+        """The communicator the gradients are averaged over: all K workers."""
+        return self.comm
+
     @classmethod
     def check_config(cls, cfg: DictConfig) -> None:
         """The buffer mode, before any worker starts (the compressor: `check_compatibility`)."""
@@ -116,7 +131,7 @@ class SyncSGD(Algorithm):
 
     def before_forward(self, step: int) -> None:
         if self.buffer_mode == "broadcast" and self.replicas.buffers.shape[1] > 0:
-            self.comm.broadcast(self.replicas.buffers, src=0, record="buffers")
+            self.gradient_comm().broadcast(self.replicas.buffers, src=0, record="buffers")
 
     def drop_step(self, step: int) -> None:
         if self.overlap is not None:

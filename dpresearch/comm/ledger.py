@@ -238,6 +238,15 @@ class CommLedger:
         self._fold_messages()
         return self._op_totals
 
+    def modeled_by_tier(self) -> dict[str, float]:
+        """`modeled_s` split by the tier each op crossed ("" for the run's one network):
+        the op table priced tier by tier, each op on its tier's link."""
+        seconds: dict[str, float] = {}
+        for op, count in self.op_totals.items():
+            priced = count * self.network_of(op).op_seconds(op)
+            seconds[op.tier] = seconds.get(op.tier, 0.0) + priced
+        return seconds
+
     @property
     def purpose_op_counts(self) -> Counter:
         """Ops recorded per (purpose, kind)."""

@@ -26,10 +26,16 @@ def build_reducer(
     collective: str = "auto",
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    replicated_nodes: bool = False,
 ) -> CompressedReducer | HierarchicalReducer:
     """The reducer for these config nodes; worker w draws its streams with (seed, w). On a
-    two-level cluster (`comm.tiers`) the `HierarchicalReducer` (node leaders' ids draw)."""
+    two-level cluster (`comm.tiers`) the `HierarchicalReducer` (node leaders' ids draw);
+    `replicated_nodes`: its rows are equal inside each node (`HierarchicalReducer`)."""
+    if replicated_nodes and comm.tiers is None:
+        raise ValueError("replicated_nodes needs a two-level cluster (comm.tiers)")
     reducer = HierarchicalReducer if comm.tiers is not None else CompressedReducer
+    # only the two-level reducer knows the keyword; a flat run calls exactly as before
+    extra = {"replicated_nodes": True} if replicated_nodes else {}
     return reducer(
         build_compressor(compressor_cfg, seed),
         comm,
@@ -40,6 +46,7 @@ def build_reducer(
         collective,
         dtype,
         device,
+        **extra,
     )
 
 

@@ -116,12 +116,17 @@ class HierarchicalReducer:
     the leaders the compressor's payload (inter), the broadcast charges the leaders (intra;
     priced as a ring, `comm.hierarchy.intra_algorithm=ring`, every worker of the chain but the
     node's last); each op is priced on its tier's link.
+
+    With `replicated_nodes` every node's G rows are known to be equal (each node one model,
+    `Traits.node_replicas`): the intra reduce is skipped, the leader's row is its node's mean,
+    and only the inter aggregation and the intra broadcast travel.
     """
 
     passthrough = False
 
     def __init__(self, compressor: Compressor, comm: Communicator, layout: ParamLayout,
-                 memory: ErrorFeedback | None = None, *args, **kwargs) -> None:  # fmt: skip
+                 memory: ErrorFeedback | None = None, *args,
+                 replicated_nodes: bool = False, **kwargs) -> None:  # fmt: skip
         tiers = comm.tiers
         if tiers is None:
             raise ValueError("HierarchicalReducer needs a communicator with tiers")
@@ -136,17 +141,20 @@ class HierarchicalReducer:
         )
         self.leaders = torch.tensor(tiers.leaders, dtype=torch.long)
         self.rows: Tensor | None = None
+        self.replicated_nodes = replicated_nodes
 
     def reduce(self, grads: Tensor, step: int) -> None:
         """In place: every row of `grads` [W, D] becomes the aggregated gradient."""
         intra = self.tiers.intra
-        intra.reduce(grads, dst=0)  # leaders' rows: their node's sum
+        if not self.replicated_nodes:
+            intra.reduce(grads, dst=0)  # leaders' rows: their node's sum
         if self.inner is not None:
             leaders = self.leaders.to(grads.device)
             if self.rows is None:
                 self.rows = grads.new_empty(len(self.leaders), grads.shape[1])
             torch.index_select(grads, 0, leaders, out=self.rows)
-            self.rows.div_(self.nodes_size)
+            if not self.replicated_nodes:
+                self.rows.div_(self.nodes_size)
             self.inner.reduce(self.rows, step)
             grads.index_copy_(0, leaders, self.rows)
         intra.broadcast(grads, src=0)

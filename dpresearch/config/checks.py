@@ -39,7 +39,10 @@ _MISSING = object()
 REDUCTIONS = ("ring", "centralized")
 P2P_SCHEDULES = ("auto", "by_distance", "one_batch")
 WANDB_MODES = ("online", "offline", "disabled")
-HIERARCHICAL_ALGORITHMS = ("dpresearch.algorithms.sync.SyncSGD",)
+HIERARCHICAL_ALGORITHMS = (
+    "dpresearch.algorithms.sync.SyncSGD",
+    "dpresearch.algorithms.node_sync.NodeSyncSGD",
+)
 DEFAULT_PROTOCOL = "dpresearch.asynchrony.protocol.ASGD"
 
 
@@ -265,7 +268,7 @@ def check_hierarchy(cfg: DictConfig) -> None:
         )
     if cfg.algorithm._target_ not in HIERARCHICAL_ALGORITHMS:
         raise ConfigError(
-            f"comm.hierarchy is a two-level gradient reduction for algorithm=sync; drop "
+            "comm.hierarchy is a two-level cluster for algorithm=sync or node_sync; drop "
             f"comm.hierarchy.workers_per_node for {cfg.algorithm._target_.rsplit('.', 1)[-1]}"
         )
 

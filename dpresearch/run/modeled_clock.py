@@ -23,6 +23,12 @@ A step without communication leaves the workers apart, each at its own speed. So
 - NoLoCo (no all-reduce: a worker meets only its peer of the round): the algorithm names the
   groups that met in the step (`meetings()`, each a tuple of worker ids), and each group ends
   apart: t_w ← max_{v∈g} t_v + Δc for w in g — a slow worker holds back its peer only;
+- a two-level cluster (`comm.hierarchy`, G workers a node): a step whose communication all
+  stayed inside the nodes (the intra tier: hierarchical DiLoCo's per-step gradient average,
+  `algorithm=node_sync`) is a round of each node on its own, t_w ← max_{v ∈ node(w)} t_v + Δc
+  (every node's collective runs at once, priced once); a step with any other op is a round of
+  all workers. So hierarchical DiLoCo's outer round takes
+  T_round = max_nodes Σ_{h<H} (max_{w ∈ node} c_w,h + c_intra) + c_outer;
 - compression, hierarchy: communication priced as recorded (compressed bytes, each tier on
   its link).
 
@@ -58,6 +64,7 @@ from typing import Any
 from dpresearch.asynchrony.clock import EventClock
 from dpresearch.asynchrony.options import AsyncOptions
 from dpresearch.asynchrony.speed import SpeedModel
+from dpresearch.comm.hierarchy import INTRA
 from dpresearch.comm.ledger import OFF_STEP_PURPOSES, CommLedger
 
 OWN_CLOCK = "time/simulated_s"  # the metric of an algorithm that simulates its own clock
@@ -65,7 +72,8 @@ OWN_CLOCK = "time/simulated_s"  # the metric of an algorithm that simulates its 
 
 class ModeledClock:
     """Per-worker modeled seconds of a run (see the module docstring). `speed`: the run's
-    speed model over all K workers, or None when the algorithm keeps its own clock."""
+    speed model over all K workers, or None when the algorithm keeps its own clock.
+    `per_node`: G of a two-level cluster (None: flat), whose intra-only steps are node rounds."""
 
     def __init__(
         self,
@@ -73,8 +81,9 @@ class ModeledClock:
         workers: int,
         ledger: CommLedger,
         meetings: Callable[[], Sequence[Sequence[int]] | None] | None = None,
+        per_node: int | None = None,
     ) -> None:
-        self.speed, self.ledger = speed, ledger
+        self.speed, self.ledger, self.per_node = speed, ledger, per_node
         # the groups that met in the step (None: everyone, a round of all workers)
         self.meetings = meetings
         self.times = [0.0] * workers
@@ -93,8 +102,9 @@ class ModeledClock:
         if own:
             return cls(None, workers, ledger)
         opts = AsyncOptions.from_node(cfg.get("async"))
+        per_node = cfg.get("comm", {}).get("hierarchy", {}).get("workers_per_node")
         speed = SpeedModel.from_options(opts, workers, cfg.seed)
-        return cls(speed, workers, ledger, getattr(algorithm, "meetings", None))
+        return cls(speed, workers, ledger, getattr(algorithm, "meetings", None), per_node)
 
     def step_begins(self) -> None:
         self._comm_at_begin = self.ledger.modeled_s
@@ -127,10 +137,13 @@ class ModeledClock:
             self.pending.append([float(max(op.hidden_steps for op in hidden)), self.link_free])
         if len(hidden) < len(ops) or (not hidden and comm > 0):
             groups = self.meetings() if self.meetings is not None else None
+            g = self.per_node
+            if groups is None and g and ops and all(op.tier == INTRA for op in ops):
+                groups = [range(start, start + g) for start in range(0, len(times), g)]
             if groups is None:
                 self.link_free = max(arrived, self.link_free) + comm
                 times[:] = [self.link_free] * len(times)
-            else:  # NoLoCo: each group that met ends apart, on its own link
+            else:  # NoLoCo's pairs, a cluster's nodes: each group ends apart, on its own link
                 for group in groups:
                     end = max(times[w] for w in group) + comm
                     for w in group:

@@ -66,6 +66,12 @@ mean of the decoded messages; the reducer's step is the fragment's outer round (
 seeds random codecs and counts `start_after_steps`. A compressed fragment is exchanged when it
 is sent (never in the background); with τ > 0 its traffic is still priced as hidden.
 
+Hierarchical DiLoCo (`algorithm=node_sync`, `comm.hierarchy`): the base averages gradients
+inside each node every step, so a node's workers hold one model and Δ is the same on all of
+them; the mean over nodes is then exchanged by the node leaders only (the inter-node tier) and
+broadcast inside each node (the intra tier) — the reducer above with `replicated_nodes`,
+compressed between nodes or not.
+
 Evaluation (`evaluate`): "anchor" (the global model θ, as DiLoCo evaluates; between outer steps
 it lags the workers; under eager updates the mean of the workers' θ_i) or "average" (the base
 algorithm's consensus).
@@ -106,6 +112,7 @@ from dpresearch.comm.base import Communicator
 from dpresearch.comm.ledger import BUFFERS
 from dpresearch.compress import CompressedReducer, build_reducer, check_compatibility
 from dpresearch.compress.layout import ParamLayout
+from dpresearch.compress.reducer import HierarchicalReducer
 from dpresearch.grad_clip import GradClip
 from dpresearch.optim import build_optimizer
 from dpresearch.replicas import Replicas
@@ -210,8 +217,12 @@ class OuterOptimizer(Algorithm):
         ]
         # One reducer (codec + error-feedback memory) per fragment, over its Δ rows; None: the
         # plain allreduce (identity without memory, which may run in the background).
-        self.reducers: list[CompressedReducer] | None = None
-        if compresses(compressor, error_feedback):
+        # Over a base whose nodes are replicas (`Traits.node_replicas`, `algorithm=node_sync`)
+        # the mean over nodes is the leaders' exchange, broadcast inside each node (even
+        # uncompressed: a flat allreduce would price every worker on the inter-node link).
+        self.reducers: list[HierarchicalReducer | CompressedReducer] | None = None
+        by_leaders = base.traits.node_replicas and comm.tiers is not None
+        if by_leaders or compresses(compressor, error_feedback):
             shapes = [tuple(p.shape) for p in anchor_params[0]]
             self.reducers = [
                 build_reducer(
@@ -222,6 +233,7 @@ class OuterOptimizer(Algorithm):
                     seed,
                     dtype=replicas.params.dtype,
                     device=device,
+                    replicated_nodes=by_leaders,
                 )
                 for f in self.fragments
             ]
@@ -231,7 +243,8 @@ class OuterOptimizer(Algorithm):
         self.peak_step_bytes = 0  # the most the outer optimizer sent in one step
         self.outer_bytes, self.outer_modeled_s = 0, 0.0  # its traffic so far
         self.last_delta_norm = 0.0
-        self.diagnostics = OuterDiagnostics(len(self.fragments))
+        group = comm.tiers.hierarchy.workers_per_node if by_leaders and comm.tiers else 1
+        self.diagnostics = OuterDiagnostics(len(self.fragments), group)
 
     # -- configuration checks ----------------------------------------------------------------------
     @classmethod
