@@ -1153,6 +1153,7 @@ def gpt_shakespeare_losses(run_dir: Path, *overrides: str) -> tuple[list[float],
     losses = [m["train/loss"] for m in metric_lines(run_dir) if "train/loss" in m]
     return losses, json.loads((run_dir / "summary.json").read_text())
 
+
 def reference_workers(cfg: DictConfig) -> tuple[Any, Any, int, torch.nn.Module, list, list]:
     """`reference_start` and, for a drifting method, K copies of the initial model and each
     copy's own inner optimizer of `cfg.optimizer`'s class and options."""
