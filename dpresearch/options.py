@@ -134,29 +134,33 @@ def options_of(target: str) -> type[Options] | None:
 
 
 def document() -> str:
-    """`docs/options.md`: one table per declaration that a YAML of `GROUPS` names, in file
-    order (each declaration once)."""
+    """`docs/options.md`: one table per declaration that a YAML of `GROUPS` names (with every
+    YAML naming it), in file order."""
     import yaml
 
+    named: dict[type[Options], list[str]] = {}
+    for group in GROUPS:
+        for path in node_files(group):
+            target = (yaml.safe_load(path.read_text()) or {}).get("_target_")
+            declared = options_of(target) if target else None
+            if declared is not None:
+                named.setdefault(declared, []).append(f"`{group}={path.stem}`")
     parts = [
         "# Options of each algorithm and outer optimizer",
         "",
         "Generated from the declarations (`python -m dpresearch.options > docs/options.md`);",
         "a test keeps this file, the classes and the YAML defaults equal.",
     ]
-    seen: set[type] = set()
-    for group in GROUPS:
-        for path in node_files(group):
-            target = (yaml.safe_load(path.read_text()) or {}).get("_target_")
-            declared = options_of(target) if target else None
-            if declared is None or declared in seen:
-                continue
-            seen.add(declared)
-            summary = (inspect.getdoc(declared) or "").split("\n\n")[0]
-            parts += ["", f"## `{group}={path.stem}`: `{declared.__name__}`", ""]
-            parts += [" ".join(summary.split()), "", declared.table()]
+    for declared, names in named.items():
+        summary = " ".join((inspect.getdoc(declared) or "").split("\n\n")[0].split())
+        parts += ["", f"## {', '.join(names)}: `{declared.__name__}`", "", summary, ""]
+        parts.append(declared.table())
     return "\n".join(parts) + "\n"
 
 
 if __name__ == "__main__":
-    print(document(), end="")
+    # the package's own module: the algorithms' declarations subclass its `Options`, not
+    # this `__main__` copy's
+    from dpresearch import options
+
+    print(options.document(), end="")
