@@ -28,13 +28,15 @@ T = TypeVar("T", bound="Options")
 CONF = Path(__file__).resolve().parent / "conf"
 # The node groups whose YAML files name a class declaring its options (`options_of`).
 GROUPS = ("algorithm", "outer")
+# Typed nodes of the schema declared the same way (no YAML: the schema is the declaration).
+SCHEMA_NODES = ("dpresearch.asynchrony.options.AsyncOptions",)
 
 
-@dataclasses.dataclass(frozen=True)
 class Options:
-    """Base of every declaration. Subclasses are frozen dataclasses; `NODE` is the config path
-    their messages name (`algorithm`, `outer`); `check` raises ValueError, one line naming the
-    fix, for values that cannot run (the default: none)."""
+    """Base of every declaration. Subclasses are dataclasses (frozen, but for a typed node of
+    the schema that OmegaConf must be able to change, `async`); `NODE` is the config path
+    their messages and tables name (`algorithm`, `outer`); `check` raises ValueError, one line
+    naming the fix, for values that cannot run (the default: none)."""
 
     NODE: ClassVar[str] = "algorithm"
 
@@ -151,6 +153,10 @@ def document() -> str:
         "Generated from the declarations (`python -m dpresearch.options > docs/options.md`);",
         "a test keeps this file, the classes and the YAML defaults equal.",
     ]
+    for path in SCHEMA_NODES:
+        module, _, name = path.rpartition(".")
+        declared = getattr(importlib.import_module(module), name)
+        named[declared] = [f"`{declared.NODE}` (schema node)"]
     for declared, names in named.items():
         summary = " ".join((inspect.getdoc(declared) or "").split("\n\n")[0].split())
         parts += ["", f"## {', '.join(names)}: `{declared.__name__}`", "", summary, ""]

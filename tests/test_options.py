@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from dpresearch.asynchrony.options import AsyncOptions
 from dpresearch.options import CONF, GROUPS, Options, document, node_files, options_of
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dpresearch"
@@ -161,11 +162,15 @@ def test_no_module_reads_a_node_key_with_a_literal_default():
     assert offenders == {}
 
 
-@pytest.mark.parametrize(
-    "options", sorted({d for g, p in nodes() if (d := declared(g, p))}, key=lambda d: d.__name__)
-)
+def declarations() -> list[type[Options]]:
+    found = {d for g, p in nodes() if (d := declared(g, p))}
+    return sorted(found, key=lambda d: d.__name__) + [AsyncOptions]
+
+
+@pytest.mark.parametrize("options", declarations(), ids=lambda d: d.__name__)
 def test_every_declaration_is_frozen_with_a_docstring_per_field(options):
-    assert options.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    """Frozen, but for the schema's typed `async` node (overrides change it)."""
+    assert options.__dataclass_params__.frozen is (options is not AsyncOptions)  # type: ignore[attr-defined]
     assert options.__doc__ and not options.__doc__.startswith(options.__name__ + "(")
     assert {k: v for k, v in options.docs().items() if not v} == {}
     assert options.from_node(options.defaults()) == options()

@@ -164,7 +164,7 @@ def check_unused_nodes(cfg: DictConfig, overrides: Sequence[str] = ()) -> None:
             continue
         changed = [k for k in given if k == node or k.startswith(node + ".")]
         if node == "async":
-            defaults = OmegaConf.to_container(OmegaConf.structured(AsyncOptions))
+            defaults = AsyncOptions.defaults()
             now = OmegaConf.to_container(cfg[node], resolve=True)
             changed += [f"async.{k}" for k, v in now.items() if v != defaults.get(k, v)]
             # the speed model is every family's (`time/modeled_s`, `run/modeled_clock.py`)
