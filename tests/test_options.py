@@ -15,8 +15,11 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers import compose_config
 
 from dpresearch.asynchrony.options import AsyncOptions
+from dpresearch.config.checks import check_compression
+from dpresearch.errors import ConfigError
 from dpresearch.options import CONF, GROUPS, Options, document, node_files, options_of
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dpresearch"
@@ -226,3 +229,25 @@ def test_field_docstrings_are_read_from_the_source():
     assert Example.docs() == {"period": "steps between averages", "gamma": "a step size"}
     assert "| `algorithm.period` | `8` | steps between averages |" in Example.table()
     assert Example.from_node({"period": 3, "_target_": "x"}) == Example(period=3)
+
+
+# -- compression left as it is, by what the nodes build (not by target strings) -----------------
+@pytest.mark.parametrize(
+    ("overrides", "refused"),
+    [
+        ((), False),
+        (("compressor=identity", "error_feedback=none"), False),
+        (("error_feedback.start_after_steps=5",), True),  # an active memory, mode none
+        (("error_feedback.momentum=0.5",), True),
+        (("compressor=topk",), True),
+    ],
+)
+def test_compression_is_left_alone_as_the_built_objects_say(overrides, refused):
+    """An algorithm without compressed messages runs with the nodes only where they build the
+    identity and an inactive memory (`compress.channel.is_identity` / `is_inactive`)."""
+    cfg = compose_config("algorithm=local_sgd", *overrides)
+    if not refused:
+        check_compression(cfg)
+        return
+    with pytest.raises(ConfigError, match="LocalSGD does not use compressor/error_feedback"):
+        check_compression(cfg)

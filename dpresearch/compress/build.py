@@ -99,9 +99,12 @@ def check_algorithm_node(
 ) -> None:
     """`check_compatibility` for an `algorithm` config node holding `compressor` and,
     optionally, `error_feedback` (else `error_feedback`, the run's node), consumed as the
-    algorithm declares (`use`), with the `CHANNEL_KEYS` its declared `options` take (read from
-    the node by the algorithm's `OPTIONS`)."""
-    knobs = {f.name: getattr(options, f.name) for f in fields(options or Options())}
+    algorithm declares (`use`), with the `CHANNEL_KEYS` the node sets, a missing one at the
+    default of the algorithm's declared `options` (`OPTIONS.from_node(node)`; None: none
+    declared)."""
+    knobs = {k: algorithm[k] for k in CHANNEL_KEYS if k in algorithm}
+    if options is not None:  # (a missing key: the declared default)
+        knobs |= {f.name: getattr(options, f.name) for f in fields(options)}
     check_compatibility(
         algorithm.get("compressor"),
         algorithm.get("error_feedback", error_feedback),
