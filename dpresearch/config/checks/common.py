@@ -27,10 +27,12 @@ def as_config_error(check: Callable[[], object]) -> None:
 
 
 def is_number(value: Any) -> bool:
+    """An int or a float, not a bool (YAML's true is no number of steps)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def show(value: Any) -> str:
+    """`value` as the command line writes it (a list as `[1,2]`, no spaces)."""
     if isinstance(value, (DictConfig, ListConfig)):
         value = OmegaConf.to_container(value)
     return json.dumps(value).replace(" ", "") if isinstance(value, list) else str(value)
