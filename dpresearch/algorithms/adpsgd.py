@@ -47,6 +47,7 @@ are the ordinary lockstep ones).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ from omegaconf import DictConfig
 
 from dpresearch.algorithms.base import StepPlan, Traits
 from dpresearch.algorithms.choco import check_gamma
-from dpresearch.algorithms.gossip import Gossip, build_topology
+from dpresearch.algorithms.gossip import Gossip, GossipOptions, build_topology
 from dpresearch.asynchrony.clock import EventClock, transfer_seconds
 from dpresearch.asynchrony.options import AsyncOptions, check_options
 from dpresearch.asynchrony.speed import DrawStream, SpeedModel
@@ -62,6 +63,7 @@ from dpresearch.asynchrony.staleness import count_tau, mean_tau
 from dpresearch.comm.base import Communicator
 from dpresearch.comm.topology import Topology
 from dpresearch.compress import ChannelNeeds, Codec, open_channel
+from dpresearch.compress.build import ChannelOptions
 from dpresearch.compress.rng import stream_seed
 from dpresearch.optim import set_lr
 from dpresearch.replicas import Replicas
@@ -124,6 +126,20 @@ class Pairing:
             stream.load_state_dict(saved)
 
 
+@dataclass(frozen=True)
+class ADPSGDOptions(GossipOptions, ChannelOptions):
+    """AD-PSGD's keys (`algorithm=adpsgd`; speeds and the real order: the `async` node)."""
+
+    pairing: str = "random"
+    """random (a uniform neighbour) | bipartite (the paper's active/passive split)"""
+    gamma: float = 1.0
+    """CHOCO-gossip step size on each pair's compressed exchange, in (0, 1] (identity and 1:
+    the plain average)"""
+
+    def check(self) -> None:
+        check_gamma(self.gamma)
+
+
 class ADPSGD(Gossip):
     """AD-PSGD (see the module docstring). `options`: the `async` node (speed model, real
     order); `pairing`: "random" or "bipartite"; `seed`: the run's (pairing and speed streams)."""
@@ -131,6 +147,7 @@ class ADPSGD(Gossip):
     # one gradient per step; a dropped one would leave its worker without a next event
     traits = Traits(skippable=False, messages=True)
     channel = ChannelNeeds.gossip("AD-PSGD")
+    OPTIONS = ADPSGDOptions
 
     def __init__(
         self,
@@ -139,14 +156,14 @@ class ADPSGD(Gossip):
         optimizers: list[torch.optim.Optimizer],
         topology: Mapping[str, Any] | None = None,
         options: Mapping[str, Any] | None = None,
-        pairing: str = "random",
+        pairing: str = ADPSGDOptions.pairing,
         compressor: Mapping[str, Any] | None = None,
-        gamma: float = 1.0,
+        gamma: float = ADPSGDOptions.gamma,
         seed: int = 0,
-        granularity: str = "tensor",
-        bucket_mb: float = 25.0,
-        mix_buffers: bool = True,
-        eval_local_models: bool = True,
+        granularity: str = ADPSGDOptions.granularity,
+        bucket_mb: float = ADPSGDOptions.bucket_mb,
+        mix_buffers: bool = ADPSGDOptions.mix_buffers,
+        eval_local_models: bool = ADPSGDOptions.eval_local_models,
     ) -> None:
         super().__init__(replicas, comm, optimizers, topology, mix_buffers, eval_local_models)
         k = comm.world_size
@@ -228,12 +245,13 @@ class ADPSGD(Gossip):
         node = alg.get("topology") or cls.default_topology
         topology = build_topology(node, cfg.workers)
         cls.check_topology(topology)
-        Pairing(alg.get("pairing", "random"), topology, 0)
+        own = ADPSGDOptions.from_node(alg)
+        Pairing(own.pairing, topology, 0)
         opts = AsyncOptions.from_node(alg.get("options"))
         check_options(opts, cfg.workers)
         if opts.delay is not None:
             raise ValueError("algorithm=adpsgd has no fixed-delay mode; drop async.delay")
-        check_gamma(alg.get("gamma", 1.0))
+        own.check()
         if cfg.backend.name != "simulated" and opts.order != "seeded":
             raise ValueError(
                 f"algorithm=adpsgd on real processes (backend={cfg.backend.name}) replays the "

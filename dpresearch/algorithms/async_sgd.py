@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,7 +56,6 @@ from torch import Tensor
 
 from dpresearch.algorithms.base import Algorithm, StepPlan, Traits, Verdict
 from dpresearch.algorithms.diagnostics import memory_norm
-from dpresearch.algorithms.outer.optimizer import compresses
 from dpresearch.asynchrony.clock import EventClock, transfer_seconds
 from dpresearch.asynchrony.options import AsyncOptions, check_options
 from dpresearch.asynchrony.protocol import ASGD, Protocol
@@ -79,6 +79,8 @@ from dpresearch.asynchrony.transport import (
 )
 from dpresearch.comm.base import Communicator
 from dpresearch.compress import ChannelNeeds, open_channel
+from dpresearch.compress.build import ChannelOptions
+from dpresearch.compress.channel import compresses
 from dpresearch.replicas import Replicas
 
 DEFAULT_PROTOCOL = {"_target_": "dpresearch.asynchrony.protocol.ASGD"}
@@ -116,6 +118,13 @@ def verdict_of(kind: int, signum: int) -> Verdict:
     )
 
 
+@dataclass(frozen=True)
+class AsyncSGDOptions(ChannelOptions):
+    """Asynchronous SGD's own keys (`algorithm=async_sgd`): the compression units of its
+    pushes (speeds, lr policy and the real order: the `async` node, `AsyncOptions`; the
+    server's rule: the `protocol` node)."""
+
+
 class AsyncSGD(Algorithm):
     """Asynchronous SGD, the server's side (see the module docstring); `options` is the
     `async` config node (`AsyncOptions`), `protocol` the `protocol` node.
@@ -133,6 +142,7 @@ class AsyncSGD(Algorithm):
     # next arrival, so it is refused. Real ranks: a server process besides the K workers.
     traits = Traits(skippable=False, extra_processes=1, lockstep=False, messages=True)
     channel = ChannelNeeds.push()
+    OPTIONS = AsyncSGDOptions
 
     def __init__(
         self,
@@ -144,8 +154,8 @@ class AsyncSGD(Algorithm):
         compressor: Mapping[str, Any] | None = None,
         error_feedback: Mapping[str, Any] | None = None,
         seed: int = 0,
-        granularity: str = "tensor",
-        bucket_mb: float = 25.0,
+        granularity: str = AsyncSGDOptions.granularity,
+        bucket_mb: float = AsyncSGDOptions.bucket_mb,
     ) -> None:
         super().__init__(replicas, comm, optimizers)
         k = comm.num_workers
@@ -206,6 +216,7 @@ class AsyncSGD(Algorithm):
         """Raise ValueError (one line naming the fix) for options or protocols that
         asynchronous training cannot run (compressors and error feedback: `channel`, checked by
         the configuration's compression check)."""
+        super().check_config(cfg)
         alg = cfg.algorithm
         opts = AsyncOptions.from_node(alg.get("options"))
         check_options(opts, cfg.workers)
@@ -479,6 +490,7 @@ class AsyncWorker(Algorithm):
         self.options = opts = AsyncOptions.from_node(node.get("options"))
         self.worker = comm.worker_of(comm.local_workers[0])
         seed = node.get("seed", 0)
+        own = AsyncSGDOptions.from_node(node)
         self.codec = open_channel(
             AsyncSGD.channel,
             replicas.models[0],
@@ -487,8 +499,8 @@ class AsyncWorker(Algorithm):
             node.get("compressor"),
             node.get("error_feedback"),
             seed,
-            node.get("granularity", "tensor"),
-            node.get("bucket_mb", 25.0),
+            own.granularity,
+            own.bucket_mb,
         )
         self.speed = SpeedModel.from_options(opts, comm.num_workers, seed)  # (injected delays)
         params, buffers = replicas.params[0], replicas.buffers[0]

@@ -31,6 +31,7 @@ from dpresearch.comm.base import Communicator
 from dpresearch.compress.pairing import ChannelNeeds
 from dpresearch.grad_clip import GradClip
 from dpresearch.optim import set_lr
+from dpresearch.options import Options
 from dpresearch.replicas import Replicas
 from dpresearch.stacked_step import FlatRows, step_together
 
@@ -128,22 +129,28 @@ class Verdict:
 class Algorithm(ABC):
     """Base class; subclasses implement `after_backward` and may override the rest.
 
-    `traits` (class level): see `Traits`. `channel` (class level): what its compressed
-    messages need (`compress.ChannelNeeds`: sync aggregation, gossip or pushes), read by the
-    configuration checks (`compressor` / `error_feedback` pairing) and by `compress.open_channel`;
-    None: it takes no compressor. `evaluates_local_models` (instance level, may be a config
-    option): the workers' models differ (gossip, local SGD between averages), so evaluation
-    also reports each worker's own model (`test/acc_local_mean`, `_min`).
+    `traits` (class level): see `Traits`. `OPTIONS` (class level): the declaration of its
+    config node's own keys (`dpresearch.options.Options`: defaults, docs, check). `channel`
+    (class level): what its compressed messages need (`compress.ChannelNeeds`: sync
+    aggregation, gossip or pushes), read by the configuration checks (`compressor` /
+    `error_feedback` pairing) and by `compress.open_channel`; None: it takes no compressor.
+    `evaluates_local_models` (instance level, may be a config option): the workers' models
+    differ (gossip, local SGD between averages), so evaluation also reports each worker's own
+    model (`test/acc_local_mean`, `_min`).
     """
 
     traits: ClassVar[Traits] = Traits()
     channel: ClassVar[ChannelNeeds | None] = None
+    OPTIONS: ClassVar[type[Options] | None] = None
     evaluates_local_models: bool = False
 
     @classmethod
     def check_config(cls, cfg: DictConfig) -> None:
         """Raise ValueError (one line naming the fix) for a configuration this algorithm
-        cannot run; called with the whole composed config before any worker starts."""
+        cannot run; called with the whole composed config before any worker starts. By
+        default: its declared options' own check (`OPTIONS.check_node(cfg.algorithm)`)."""
+        if cls.OPTIONS is not None:
+            cls.OPTIONS.check_node(cfg.algorithm)
 
     @classmethod
     def part(cls, comm: Communicator) -> type[Algorithm]:

@@ -31,7 +31,8 @@ update. docs/CONVENTIONS.md lists them.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -40,6 +41,7 @@ from dpresearch.algorithms.base import Algorithm, Traits
 from dpresearch.algorithms.sync import BUFFER_MODES
 from dpresearch.comm.base import Communicator
 from dpresearch.compress.onebit_allreduce import OneBitAllreduce
+from dpresearch.options import Options
 from dpresearch.replicas import Replicas
 
 
@@ -262,6 +264,21 @@ class PerParameterOneBitAllreduce:
             part.load_state_dict({key: state[f"{n}.{key}"] for key in part.state_dict()})
 
 
+@dataclass(frozen=True)
+class CompressedAdamOptions(Options):
+    """1-bit Adam's and 0/1 Adam's algorithm keys (`optimizer=onebit_adam|zero_one_adam`; their
+    hyper-parameters live in the optimizer node)."""
+
+    buffers: str = "broadcast"
+    """broadcast (worker 0's BatchNorm statistics, as sync) | local"""
+
+    def check(self) -> None:
+        if self.buffers not in BUFFER_MODES:
+            raise ValueError(
+                f"algorithm.buffers={self.buffers}; choose one of: {', '.join(BUFFER_MODES)}"
+            )
+
+
 class CompressedAdam(Algorithm):
     """What both methods share: the optimizer check, per-column weight decay, the Adam state
     over flat rows, the 1-bit allreduce, sync's buffer rule and checkpoints."""
@@ -271,13 +288,14 @@ class CompressedAdam(Algorithm):
         compression_note="compresses its momentum itself (1 bit, error-compensated on the "
         "worker and the server side)"
     )
+    OPTIONS = CompressedAdamOptions
 
     def __init__(
         self,
         replicas: Replicas,
         comm: Communicator,
         optimizers: list[torch.optim.Optimizer],
-        buffers: Literal["broadcast", "local"] = "broadcast",  # (checked by config.validate)
+        buffers: str = CompressedAdamOptions.buffers,
     ) -> None:
         super().__init__(replicas, comm, optimizers)
         wanted = self.optimizer_class
@@ -285,8 +303,7 @@ class CompressedAdam(Algorithm):
             raise ValueError(
                 f"this algorithm runs {wanted.__name__}: select it with {wanted.option}"
             )
-        if buffers not in BUFFER_MODES:
-            raise ValueError(f"algorithm.buffers={buffers!r}; choose one of: {BUFFER_MODES}")
+        CompressedAdamOptions(buffers).check()
         self.buffer_mode = buffers
         self.hyper: OwnedOptimizer = optimizers[0]  # type: ignore[assignment]
         params = replicas.params
@@ -312,9 +329,10 @@ class CompressedAdam(Algorithm):
     @classmethod
     def check_config(cls, cfg: Any) -> None:
         """Refuse an optimizer other than this method's (a compressor or error feedback is
-        refused by `config.checks.check_compression` with `traits.compression_note`)."""
-
+        refused by `config.checks.check_compression` with `traits.compression_note`), then
+        the declared options' check."""
         require_owned_optimizer(cfg, cls.optimizer_class)
+        super().check_config(cfg)
         if cfg.train.get("grad_clip") is not None:
             raise ValueError(
                 f"train.grad_clip={cfg.train.grad_clip}: {cls.optimizer_class.option} steps on "

@@ -59,6 +59,7 @@ own).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,6 +77,7 @@ from dpresearch.compress.chunks import Chunk
 from dpresearch.compress.dct import ChunkedDCT, DCTTopK, DCTTopKCodec, block_side
 from dpresearch.compress.error_feedback import ErrorFeedback
 from dpresearch.compress.layout import param_layout
+from dpresearch.options import Options
 from dpresearch.replicas import Replicas
 from dpresearch.sign_sgd import decoupled_step
 
@@ -126,6 +128,39 @@ def check_options(beta: Any, topk: Any, chunk: Any, average: Any, buffers: Any,
             raise ValueError(f"algorithm.{name}={value}: must be true or false")
 
 
+@dataclass(frozen=True)
+class DeMoOptions(Options):
+    """DeMo's algorithm keys (`algorithm=demo` or `optimizer=demo`; its lr and weight decay:
+    the optimizer node). Defaults: the paper's OLMo runs."""
+
+    beta: float = 0.999
+    """momentum decay β, in [0, 1)"""
+    topk: int = 32
+    """coefficients kept per chunk (>= 1; fewer than chunk²)"""
+    chunk: int = 64
+    """DCT block side: each dimension in blocks of its largest divisor <= chunk"""
+    sign: bool = True
+    """θ ← θ − lr·sign(Q) (the reference); false: θ ← θ − lr·Q (Algorithm 1)"""
+    average: str = "all"
+    """all: Σ_k q_k / K | senders: each coefficient's mean over the workers that sent it (the
+    reference)"""
+    lr_in_momentum: bool = False
+    """true: m ← β·m + lr·g (the reference)"""
+    buffers: str = "broadcast"
+    """broadcast (worker 0's BatchNorm statistics, as sync) | local"""
+
+    def check(self) -> None:
+        check_options(
+            self.beta,
+            self.topk,
+            self.chunk,
+            self.average,
+            self.buffers,
+            self.sign,
+            self.lr_in_momentum,
+        )
+
+
 # -- the algorithm ------------------------------------------------------------------------------
 
 
@@ -140,19 +175,20 @@ class DeMoAlgorithm(Algorithm):
         compression_note="compresses its momentum itself (top-k coefficients of a chunked DCT, "
         "the rest kept in the momentum)"
     )
+    OPTIONS = DeMoOptions
 
     def __init__(
         self,
         replicas: Replicas,
         comm: Communicator,
         optimizers: list[torch.optim.Optimizer],
-        beta: float = 0.999,
-        topk: int = 32,
-        chunk: int = 64,
-        sign: bool = True,
-        average: str = "all",
-        lr_in_momentum: bool = False,
-        buffers: str = "broadcast",
+        beta: float = DeMoOptions.beta,
+        topk: int = DeMoOptions.topk,
+        chunk: int = DeMoOptions.chunk,
+        sign: bool = DeMoOptions.sign,
+        average: str = DeMoOptions.average,
+        lr_in_momentum: bool = DeMoOptions.lr_in_momentum,
+        buffers: str = DeMoOptions.buffers,
     ) -> None:
         super().__init__(replicas, comm, optimizers)
         check_options(beta, topk, chunk, average, buffers, sign, lr_in_momentum)
@@ -183,12 +219,7 @@ class DeMoAlgorithm(Algorithm):
         """The optimizer (`optimizer=demo` only) and the node's values (a compressor or error
         feedback is refused by `config.checks.check_compression` with the traits' note)."""
         require_owned_optimizer(cfg, DeMo)
-        alg = cfg.algorithm
-        check_options(
-            alg.get("beta", 0.999), alg.get("topk", 32), alg.get("chunk", 64),
-            alg.get("average", "all"), alg.get("buffers", "broadcast"), alg.get("sign", True),
-            alg.get("lr_in_momentum", False),
-        )  # fmt: skip
+        super().check_config(cfg)
 
     @property
     def bytes_per_step(self) -> int:

@@ -23,6 +23,7 @@ Conventions shared by every gossip algorithm:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -35,6 +36,7 @@ from dpresearch.comm.base import Communicator, PendingOp
 from dpresearch.comm.ledger import BUFFERS, METRICS
 from dpresearch.comm.topology import Topology
 from dpresearch.compress.workspace import Workspace
+from dpresearch.options import Options
 from dpresearch.replicas import Replicas
 
 ORDERS = ("combine_then_adapt", "adapt_then_combine")
@@ -69,6 +71,34 @@ def consensus_distance(comm: Communicator, x: Tensor, workspace: Workspace | Non
     return sq[0, 0].item() / comm.world_size
 
 
+@dataclass(frozen=True)
+class GossipOptions(Options):
+    """The keys every gossip algorithm takes (`algorithm=sgp` has these only)."""
+
+    mix_buffers: bool = True
+    """mix float buffers (BatchNorm statistics) with the neighbours' every step, with the same
+    weights ("buffers" traffic)"""
+    eval_local_models: bool = True
+    """at evaluation points also evaluate every worker's own model (test/acc_local_mean,
+    _min)"""
+
+
+@dataclass(frozen=True)
+class DPSGDOptions(GossipOptions):
+    """D-PSGD's keys (`algorithm=dpsgd`; Gossip-PGA with `global_average_every`)."""
+
+    order: str = "combine_then_adapt"
+    """combine_then_adapt (Lian: mix, then step on the gradient at the pre-mixing point) |
+    adapt_then_combine (step, then mix)"""
+    overlap: bool = True
+    """with combine_then_adapt, exchange x_t while the forward/backward at x_t computes"""
+    global_average_every: int | None = None
+    """H: an exact average of all workers every H steps (Gossip-PGA); null: none"""
+
+    def check(self) -> None:
+        check_dpsgd_options(self.order, self.global_average_every)
+
+
 class Gossip(Algorithm):
     """Base class: graph, mixing weights, neighbour averaging, consensus metrics.
 
@@ -79,6 +109,7 @@ class Gossip(Algorithm):
 
     evaluates_local_models = True
     traits = Traits(drifts=True)
+    OPTIONS: ClassVar[type[Options]] = GossipOptions
     # the graph when the `topology` node names none
     default_topology: ClassVar[Mapping[str, Any]] = {"_target_": "dpresearch.comm.topology.Ring"}
 
@@ -88,8 +119,8 @@ class Gossip(Algorithm):
         comm: Communicator,
         optimizers: list[torch.optim.Optimizer],
         topology: Mapping[str, Any] | None = None,
-        mix_buffers: bool = True,
-        eval_local_models: bool = True,
+        mix_buffers: bool = GossipOptions.mix_buffers,
+        eval_local_models: bool = GossipOptions.eval_local_models,
     ) -> None:
         super().__init__(replicas, comm, optimizers)
         self.topology = build_topology(topology or self.default_topology, comm.world_size)
@@ -109,7 +140,8 @@ class Gossip(Algorithm):
     def check_config(cls, cfg: DictConfig) -> None:
         """Raise ValueError (one line naming the fix) for a configuration this algorithm cannot
         run: a topology impossible for `workers`, or one whose weights the algorithm cannot
-        use."""
+        use; then its declared options' own check."""
+        super().check_config(cfg)
         if cfg.workers < 2:
             raise ValueError(f"workers={cfg.workers}: gossip needs at least 2 workers")
         topology = build_topology(
@@ -235,17 +267,19 @@ class DPSGD(Gossip):
     parameters and buffers), after the gossip step.
     """
 
+    OPTIONS = DPSGDOptions
+
     def __init__(
         self,
         replicas: Replicas,
         comm: Communicator,
         optimizers: list[torch.optim.Optimizer],
         topology: Mapping[str, Any] | None = None,
-        order: str = "combine_then_adapt",
-        overlap: bool = True,
-        global_average_every: int | None = None,
-        mix_buffers: bool = True,
-        eval_local_models: bool = True,
+        order: str = DPSGDOptions.order,
+        overlap: bool = DPSGDOptions.overlap,
+        global_average_every: int | None = DPSGDOptions.global_average_every,
+        mix_buffers: bool = GossipOptions.mix_buffers,
+        eval_local_models: bool = GossipOptions.eval_local_models,
     ) -> None:
         super().__init__(replicas, comm, optimizers, topology, mix_buffers, eval_local_models)
         check_dpsgd_options(order, global_average_every)
@@ -253,12 +287,6 @@ class DPSGD(Gossip):
         self.overlap = overlap and order == "combine_then_adapt"
         self.global_average_every = global_average_every
         self._pending: PendingOp | None = None
-
-    @classmethod
-    def check_config(cls, cfg: DictConfig) -> None:
-        super().check_config(cfg)
-        alg = cfg.algorithm
-        check_dpsgd_options(alg.get("order", "combine_then_adapt"), alg.get("global_average_every"))
 
     def before_forward(self, step: int) -> None:
         if self.overlap:

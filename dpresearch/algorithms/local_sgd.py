@@ -14,14 +14,33 @@ from the switch.
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
 from dpresearch.algorithms.base import Algorithm, Traits
 from dpresearch.comm.base import Communicator
+from dpresearch.options import Options
 from dpresearch.replicas import Replicas
+
+
+@dataclass(frozen=True)
+class LocalSGDOptions(Options):
+    """Local SGD's keys (`algorithm=local_sgd`)."""
+
+    period: int = 8
+    """average the parameters every N >= 1 steps (1 with plain SGD: synchronous SGD)"""
+    average_buffers: bool = True
+    """average the float buffers (BatchNorm statistics) with the parameters ("buffers"
+    traffic)"""
+    average_optimizer_state: bool = False
+    """average the optimizers' state (momentum) too; false keeps it local (Lin et al.)"""
+    sync_epochs: float = 0.0
+    """post-local SGD: average every step for the first E epochs, then every `period`"""
+
+    def check(self) -> None:
+        check_options(self.period, self.sync_epochs)
 
 
 class LocalSGD(Algorithm):
@@ -32,16 +51,17 @@ class LocalSGD(Algorithm):
     `outer.period` says otherwise, and the algorithm itself no longer averages."""
 
     traits = Traits(drifts=True)
+    OPTIONS = LocalSGDOptions
 
     def __init__(
         self,
         replicas: Replicas,
         comm: Communicator,
         optimizers: list[torch.optim.Optimizer],
-        period: int = 8,
-        average_buffers: bool = True,
-        average_optimizer_state: bool = False,
-        sync_epochs: float = 0.0,
+        period: int = LocalSGDOptions.period,
+        average_buffers: bool = LocalSGDOptions.average_buffers,
+        average_optimizer_state: bool = LocalSGDOptions.average_optimizer_state,
+        sync_epochs: float = LocalSGDOptions.sync_epochs,
     ) -> None:
         super().__init__(replicas, comm, optimizers)
         check_options(period, sync_epochs)
@@ -51,28 +71,23 @@ class LocalSGD(Algorithm):
         self.average_optimizer_state = average_optimizer_state
         self.handed_over = False  # an outer optimizer does the averaging
 
-    @classmethod
-    def check_config(cls, cfg: DictConfig) -> None:
-        """The averaging period and the synchronous start, before any worker starts."""
-        alg = cfg.algorithm
-        check_options(alg.get("period", 8), alg.get("sync_epochs", 0.0))
-
     def set_run_length(self, steps_per_epoch: int, total_steps: int) -> None:
         self.sync_steps = round(self.sync_epochs * steps_per_epoch)
 
     @classmethod
     def outer_handover(cls, node: Any) -> int | None:
-        if float(node.get("sync_epochs", 0.0) or 0.0) > 0:
+        opts = LocalSGDOptions.from_node(node)
+        if float(opts.sync_epochs or 0.0) > 0:
             raise ValueError(
                 "post-local SGD's dense phase cannot run under an outer optimizer; set "
                 "algorithm.sync_epochs=0"
             )
-        if node.get("average_optimizer_state", False):
+        if opts.average_optimizer_state:
             raise ValueError(
                 "under an outer optimizer the inner optimizer state is the outer's: set "
                 "algorithm.average_optimizer_state=false and outer.inner_state=average"
             )
-        return int(node.get("period", 8))
+        return int(opts.period)
 
     def hand_over_averaging(self) -> int | None:
         self.handed_over = True

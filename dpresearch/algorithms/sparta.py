@@ -63,21 +63,39 @@ Metric: `sparta/consensus_distance` Ξ² = (1/K) Σ_i ‖x_i − x̄‖² (float
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import Tensor
 
 from dpresearch.algorithms.base import Algorithm, Traits
 from dpresearch.algorithms.gossip import consensus_distance
 from dpresearch.comm.base import Communicator
 from dpresearch.compress.rng import generator, stream_seed
+from dpresearch.options import Options
 from dpresearch.replicas import Replicas
 
 SELECTIONS = ("fixed", "bernoulli")
 # Where 3k > D a permutation of D is cheaper than rejecting repeated draws.
 DENSE = 3
+
+
+@dataclass(frozen=True)
+class SPARTAOptions(Options):
+    """SPARTA's keys (`algorithm=sparta`; its `seed` is the run's)."""
+
+    p: float = 0.005
+    """fraction of the parameter entries averaged every step, in (0, 1] (EXO Gym's 0.005; 1:
+    parameter averaging every step)"""
+    selection: str = "fixed"
+    """fixed (exactly max(1, round(p·D)) entries) | bernoulli (each entry with probability p,
+    EXO Gym's RandomIndexSelector)"""
+    eval_local_models: bool = True
+    """also evaluate every worker's own model"""
+
+    def check(self) -> None:
+        check_options(self.p, self.selection, allow_zero=False)
 
 
 class SPARTA(Algorithm):
@@ -90,28 +108,23 @@ class SPARTA(Algorithm):
     worker's own model."""
 
     traits = Traits(drifts=True)
+    OPTIONS = SPARTAOptions
 
     def __init__(
         self,
         replicas: Replicas,
         comm: Communicator,
         optimizers: list[torch.optim.Optimizer],
-        p: float = 0.005,
-        selection: str = "fixed",
+        p: float = SPARTAOptions.p,
+        selection: str = SPARTAOptions.selection,
         seed: int = 0,
-        eval_local_models: bool = True,
+        eval_local_models: bool = SPARTAOptions.eval_local_models,
     ) -> None:
         super().__init__(replicas, comm, optimizers)
         check_options(p, selection, allow_zero=True)
         self.p, self.selection, self.seed = float(p), selection, int(seed)
         self.evaluates_local_models = bool(eval_local_models)
         self.last_entries = 0
-
-    @classmethod
-    def check_config(cls, cfg: DictConfig) -> None:
-        """p in (0, 1] and a known selection, before any worker starts."""
-        alg = cfg.algorithm
-        check_options(alg.get("p", 0.005), alg.get("selection", "fixed"), allow_zero=False)
 
     # -- the subsets ------------------------------------------------------------------------------
     def indices(self, step: int) -> Tensor:

@@ -20,6 +20,7 @@ only, not the trajectory.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,11 +33,31 @@ from dpresearch.algorithms.overlap import OverlappedGradientAverage
 from dpresearch.comm.base import Communicator
 from dpresearch.comm.hierarchy import INTER, INTRA
 from dpresearch.compress import ChannelNeeds, build_reducer, param_layout
+from dpresearch.compress.build import ChannelOptions
 from dpresearch.compress.channel import uncompressed
 from dpresearch.replicas import Replicas
 
 BUFFER_MODES = ("broadcast", "local")
 TIERS = (INTRA, INTER)
+
+
+@dataclass(frozen=True)
+class SyncOptions(ChannelOptions):
+    """Synchronous SGD's keys (`algorithm=sync`; its codec: the `compressor` and
+    `error_feedback` nodes)."""
+
+    buffers: str = "broadcast"
+    """broadcast (DDP's default: worker 0's BatchNorm statistics before every forward) |
+    local"""
+    granularity: str = "auto"
+    """what one compressor call sees: auto | tensor | bucket | model"""
+    collective: str = "auto"
+    """auto | allreduce | allgather: how the compressed messages are aggregated"""
+    overlap: bool = True
+    """average uncompressed gradients during backward on one-worker processes (as DDP)"""
+
+    def check(self) -> None:
+        check_buffers(self.buffers)
 
 
 def tier_bytes(comm: Communicator, device: torch.device) -> dict[str, float]:
@@ -72,20 +93,21 @@ class SyncSGD(Algorithm):
     """
 
     channel = ChannelNeeds()  # every worker's gradients aggregated by a collective
+    OPTIONS = SyncOptions
 
     def __init__(
         self,
         replicas: Replicas,
         comm: Communicator,
         optimizers: list[torch.optim.Optimizer],
-        buffers: str = "broadcast",
+        buffers: str = SyncOptions.buffers,
         compressor: Mapping[str, Any] | None = None,
         error_feedback: Mapping[str, Any] | None = None,
         seed: int = 0,
-        granularity: str = "auto",
-        bucket_mb: float = 25.0,
-        collective: str = "auto",
-        overlap: bool = True,
+        granularity: str = SyncOptions.granularity,
+        bucket_mb: float = SyncOptions.bucket_mb,
+        collective: str = SyncOptions.collective,
+        overlap: bool = SyncOptions.overlap,
     ) -> None:
         super().__init__(replicas, comm, optimizers)
         check_buffers(buffers)
@@ -119,9 +141,9 @@ class SyncSGD(Algorithm):
     @classmethod
     def check_config(cls, cfg: DictConfig) -> None:
         """The buffer mode, before any worker starts (the compressor: `check_compatibility`)."""
-        buffers = cfg.algorithm.get("buffers", "broadcast")
-        check_buffers(buffers)
-        if buffers == "broadcast" and cfg.train.get("eval_bn_stats") == "average":
+        opts = SyncOptions.from_node(cfg.algorithm)
+        opts.check()
+        if opts.buffers == "broadcast" and cfg.train.get("eval_bn_stats") == "average":
             # Broadcast before every forward, the workers' statistics are worker 0's but for
             # the last step's update: their mean would not be the workers' own.
             raise ValueError(

@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
+
+from dpresearch.options import Options
 
 ORDERS = ("arrival", "seeded")
 SPEEDS = ("constant", "exponential", "lognormal", "uniform")
@@ -21,44 +23,53 @@ SPEED_KEYS = frozenset(
 
 
 @dataclass
-class AsyncOptions:
-    """Asynchronous training (`algorithm=async_sgd`).
+class AsyncOptions(Options):
+    """Asynchronous training: the `async` node (`algorithm=async_sgd`, `algorithm=adpsgd`; its
+    speed keys, `SPEED_KEYS`, are every algorithm's compute model for `time/modeled_s`,
+    `run/modeled_clock.py`).
 
     When the server applies gradients and whom it releases is the `protocol` node's (its own
-    config group: `protocol=asgd|ssp|softsync|sync`, `asynchrony/protocol.py`).
-    delay: fixed-delay mode (overrides the simulator): step t applies g(x_{t−delay}) computed by
-    worker t mod K, i.e. x_{t+1} = x_t − η·g(x_{t−τ}) with τ = min(t, delay).
-    speed: compute-time model, mean `compute_s` seconds per gradient: "constant",
-    "exponential", "lognormal" (coefficient of variation `cv`) or "uniform" (mean 1, `cv`);
-    times `slowdown` on the workers in `slow_workers`, and times `straggler_factor` with
-    probability `straggler_prob` on any one gradient. These speed keys (`SPEED_KEYS`) are also
-    every other algorithm's compute model for `time/modeled_s` (`run/modeled_clock.py`).
-    lr_policy: "constant", "inverse" (η/max(1, τ), Zhang et al. 2016), "delay_adaptive"
-    (η·K/max(K, τ), Mishchenko et al. 2022) or "drop" (gradients with τ > `tau_max` are
-    discarded); `delay_compensation` = λ > 0 adds DC-ASGD's λ·g⊙g⊙(x_now − x_read)
-    (Zheng et al. 2017).
-    inject_delay: real mode only: each worker sleeps this many seconds per gradient, scaled by
-    its speed model's draw ÷ compute_s (so slow workers and stragglers are slow for real).
-    timeout_s: real mode: the server stops with an error when no push arrives for this long.
-    order: real mode: "arrival" (the server takes pushes as they arrive) or "seeded" (in the
-    event simulator's order for this seed and speed model, so a real run replays the simulated
-    one exactly, whatever the processes' timing).
+    config group: `protocol=asgd|ssp|softsync|sync`, `asynchrony/protocol.py`). Not frozen:
+    it is the schema's typed node, which overrides change.
     """
 
+    NODE: ClassVar[str] = "async"
+
     delay: int | None = None
+    """fixed-delay mode (overrides the simulator): step t applies g(x_{t−delay}) computed by
+    worker t mod K, x_{t+1} = x_t − η·g(x_{t−τ}) with τ = min(t, delay); null: the event
+    simulator"""
     speed: str = "constant"
+    """compute-time model, mean `compute_s` seconds per gradient: constant | exponential |
+    lognormal (coefficient of variation `cv`) | uniform (mean 1, `cv`)"""
     compute_s: float = 0.1
+    """mean seconds per gradient"""
     cv: float = 0.5
+    """coefficient of variation of lognormal and uniform times"""
     slow_workers: list[int] = field(default_factory=list)
+    """workers whose times are multiplied by `slowdown`"""
     slowdown: float = 1.0
+    """the slow workers' factor (4: four times slower)"""
     straggler_prob: float = 0.0
+    """probability that any one gradient takes `straggler_factor` times longer"""
     straggler_factor: float = 10.0
+    """a straggling gradient's factor"""
     lr_policy: str = "constant"
+    """constant | inverse (η/max(1, τ), Zhang et al. 2016) | delay_adaptive (η·K/max(K, τ),
+    Mishchenko et al. 2022) | drop (gradients with τ > `tau_max` are discarded)"""
     tau_max: int | None = None
+    """the staleness above which lr_policy=drop discards a gradient"""
     delay_compensation: float = 0.0
+    """λ > 0 adds DC-ASGD's λ·g⊙g⊙(x_now − x_read) (Zheng et al. 2017); 0: off"""
     inject_delay: float = 0.0
+    """real mode: each worker sleeps this many seconds per gradient, scaled by its speed
+    model's draw ÷ compute_s (so slow workers and stragglers are slow for real)"""
     timeout_s: float = 120.0
+    """real mode: the server stops with an error when no push arrives for this long"""
     order: str = "arrival"
+    """real mode: arrival (the server takes pushes as they arrive) | seeded (in the event
+    simulator's order for this seed and speed model: a real run replays the simulated one
+    exactly)"""
 
     @classmethod
     def from_node(cls, node: Mapping[str, Any] | None) -> AsyncOptions:

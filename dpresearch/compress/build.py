@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -13,6 +14,21 @@ from dpresearch.compress.channel import build_compressor, build_memory
 from dpresearch.compress.layout import GRANULARITIES, ParamLayout
 from dpresearch.compress.pairing import SYNC, ChannelNeeds, check_pairing
 from dpresearch.compress.reducer import CompressedReducer, HierarchicalReducer
+from dpresearch.options import Options
+
+# The channel's keys an algorithm node may carry beside its compressor (`check_algorithm_node`).
+CHANNEL_KEYS = ("granularity", "bucket_mb", "collective")
+
+
+@dataclass(frozen=True)
+class ChannelOptions(Options):
+    """The keys of an algorithm whose messages go through a compressor (declarations that
+    derive from this one take them; a default may be re-declared)."""
+
+    granularity: str = "tensor"
+    """what one compressor call sees: tensor (one chunk per parameter) | bucket | model"""
+    bucket_mb: float = 25.0
+    """size of a communication bucket, MB (granularity=bucket)"""
 
 
 def build_reducer(
@@ -86,19 +102,23 @@ def check_algorithm_node(
     use: ChannelNeeds | str,
     optimizer_momentum: float = 0.0,
     error_feedback: Mapping[str, Any] | None = None,
+    options: Options | None = None,
 ) -> None:
     """`check_compatibility` for an `algorithm` config node holding `compressor` and,
-    optionally, `error_feedback` (else `error_feedback`, the run's node), `granularity`,
-    `bucket_mb` and `collective`, consumed as the algorithm declares (`use`)."""
+    optionally, `error_feedback` (else `error_feedback`, the run's node), consumed as the
+    algorithm declares (`use`), with the `CHANNEL_KEYS` the node sets, a missing one at the
+    default of the algorithm's declared `options` (`OPTIONS.from_node(node)`; None: none
+    declared)."""
+    knobs = {k: algorithm[k] for k in CHANNEL_KEYS if k in algorithm}
+    if options is not None:  # (a missing key: the declared default)
+        knobs |= {f.name: getattr(options, f.name) for f in fields(options)}
     check_compatibility(
         algorithm.get("compressor"),
         algorithm.get("error_feedback", error_feedback),
-        algorithm.get("granularity", "auto"),
-        algorithm.get("bucket_mb", 25.0),
-        algorithm.get("collective", "auto"),
-        optimizer_momentum,
-        "algorithm",
-        use,
+        optimizer_momentum=optimizer_momentum,
+        where="algorithm",
+        use=use,
+        **{k: v for k, v in knobs.items() if k in CHANNEL_KEYS},
     )
 
 

@@ -67,6 +67,31 @@ def uncompressed(compressor: Compressor, memory: ErrorFeedback) -> bool:
     return type(compressor) is Identity and not memory.active
 
 
+def is_identity(compressor_cfg: Mapping[str, Any] | None) -> bool:
+    """Whether a `compressor` node builds the identity (a node that does not build is not)."""
+    try:
+        return type(build_compressor(compressor_cfg, 0)) is Identity
+    except Exception:
+        return False
+
+
+def is_inactive(error_feedback_cfg: Mapping[str, Any] | None) -> bool:
+    """Whether an `error_feedback` node builds a memory that changes nothing (`active`; a node
+    that does not build is not inactive)."""
+    try:
+        return not build_memory(error_feedback_cfg).active
+    except Exception:
+        return False
+
+
+def compresses(
+    compressor_cfg: Mapping[str, Any] | None, error_feedback_cfg: Mapping[str, Any] | None
+) -> bool:
+    """Whether these nodes change the messages: `uncompressed`'s test on what they build, so
+    the classes' own defaults decide, not target strings."""
+    return not (is_identity(compressor_cfg) and is_inactive(error_feedback_cfg))
+
+
 def parameter_chunks(
     model: nn.Module, granularity: str, bucket_mb: float, itemsize: int
 ) -> list[Chunk]:

@@ -168,12 +168,13 @@ def check_fragments(cfg: DictConfig, model: torch.nn.Module) -> None:
     optimizer node builds for the model's parameters."""
     from dpresearch.algorithms.outer import outer_node
     from dpresearch.algorithms.outer.fragments import blocks_of, split
+    from dpresearch.algorithms.outer.optimizer import OuterOptions
     from dpresearch.optim import make_optimizer
 
     node = outer_node(cfg)
     if node is not None:
-        count, pattern = node.get("fragments", 1), node.get("fragment_pattern", "sequential")
-        _call("outer", lambda: split(blocks_of(model), int(count), pattern))
+        opts = OuterOptions.from_node(node)
+        _call("outer", lambda: split(blocks_of(model), int(opts.fragments), opts.fragment_pattern))
         if node.get("optimizer") is not None:  # (NoLoCo steps by hand, without one)
             _call("outer", lambda: make_optimizer(node.optimizer, model))
 

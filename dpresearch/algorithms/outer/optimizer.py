@@ -111,16 +111,70 @@ from dpresearch.algorithms.outer.overlap import OverlapOptions, eager_estimate
 from dpresearch.comm.base import Communicator
 from dpresearch.comm.ledger import BUFFERS
 from dpresearch.compress import CompressedReducer, build_reducer, check_compatibility
+from dpresearch.compress.channel import compresses
 from dpresearch.compress.layout import ParamLayout
 from dpresearch.compress.reducer import HierarchicalReducer
 from dpresearch.grad_clip import GradClip
 from dpresearch.optim import build_optimizer
+from dpresearch.options import Options
 from dpresearch.replicas import Replicas
 from dpresearch.stacked_step import FlatRows, step_together
 
 INNER_STATES = ("keep", "reset", "average")
 BUFFER_MODES = ("average", "local")
 EVALUATIONS = ("anchor", "average")
+
+
+@dataclass(frozen=True)
+class OuterOptions(Options):
+    """The outer node's own keys (`outer=sgd|nesterov|slowmo|streaming|...`; its `optimizer`,
+    `compressor` and `error_feedback` are nodes of their own groups)."""
+
+    NODE: ClassVar[str] = "outer"
+
+    period: int | None = None
+    """H, steps between outer steps; null takes the base algorithm's own averaging period
+    (local SGD's `algorithm.period`, whose averaging the outer step replaces); gossip bases
+    need it"""
+    fragments: int = 1
+    """F fragments of whole blocks (Streaming DiLoCo); fragment f is sent at steps
+    ≡ ⌊f·H/F⌋ (mod H)"""
+    fragment_pattern: str = "sequential"
+    """how blocks form fragments: sequential (consecutive, ≈ D/F parameters each) | strided"""
+    overlap: int = 0
+    """τ: a fragment is merged τ steps after it is sent, the workers training meanwhile"""
+    mix: float = 0.0
+    """α in [0, 1): the merge sets x_i ← (1−α)·θ̃ + α·x_i (the share of local progress kept)"""
+    scale_by_inner_lr: bool = False
+    """SlowMo's form: Δ / γ_t and outer lr × γ_t, with γ_t the inner lr now"""
+    inner_state: str = "keep"
+    """the inner optimizers' state at each outer step: keep (DiLoCo) | reset | average"""
+    buffers: str = "average"
+    """BatchNorm statistics averaged with their fragment (average) | local"""
+    evaluate: str = "anchor"
+    """test/acc of the anchor θ (anchor, as DiLoCo) | of the base algorithm's consensus
+    (average)"""
+    delay: str = "none"
+    """none: the average is applied when it arrives (DiLoCo; Streaming DiLoCo after τ =
+    `overlap` steps) | delayed: applied one round late | eager: applied one round late, with
+    the worker's own fresh pseudo-gradient standing in for its share of the missing average
+    (Kale et al. 2025; `outer/overlap.py`)"""
+
+    def check(self) -> None:
+        """The choice keys, each with the line naming its choices, and α in [0, 1)."""
+        for key, value, choices in (
+            ("inner_state", self.inner_state, INNER_STATES),
+            ("buffers", self.buffers, BUFFER_MODES),
+            ("evaluate", self.evaluate, EVALUATIONS),
+            ("fragment_pattern", self.fragment_pattern, PATTERNS),
+        ):
+            if value not in choices:
+                raise ValueError(f"outer.{key}={value}; choose one of: {', '.join(choices)}")
+        if not 0.0 <= float(self.mix) < 1.0:
+            raise ValueError(
+                f"outer.mix={self.mix}: the share of local progress kept at a merge must be "
+                "in [0, 1)"
+            )
 
 
 @dataclass
@@ -143,9 +197,11 @@ class OuterOptimizer(Algorithm):
     group's form), built once per fragment over the anchor's parameters. period: H (None: the
     base algorithm's own averaging period). fragments / fragment_pattern / overlap / mix:
     Streaming DiLoCo's F, pattern, τ and α. scale_by_inner_lr: SlowMo's γ_t scaling.
-    inner_state / buffers / evaluate: see the module docstring. delay: "none", or the
-    one-step-delayed and eager outer steps of `overlap.py` (`OverlapOptions`).
+    inner_state / buffers / evaluate / delay (the one-step-delayed and eager outer steps of
+    `overlap.py`): see the module docstring. Their defaults and meaning: `OuterOptions`.
     """
+
+    OPTIONS = OuterOptions
 
     def __init__(
         self,
@@ -154,22 +210,29 @@ class OuterOptimizer(Algorithm):
         optimizers: list[torch.optim.Optimizer],
         base: Algorithm,
         optimizer: Mapping[str, Any],
-        period: int | None = None,
-        fragments: int = 1,
-        fragment_pattern: str = "sequential",
-        overlap: int = 0,
-        mix: float = 0.0,
-        scale_by_inner_lr: bool = False,
-        inner_state: str = "keep",
-        buffers: str = "average",
-        evaluate: str = "anchor",
+        period: int | None = OuterOptions.period,
+        fragments: int = OuterOptions.fragments,
+        fragment_pattern: str = OuterOptions.fragment_pattern,
+        overlap: int = OuterOptions.overlap,
+        mix: float = OuterOptions.mix,
+        scale_by_inner_lr: bool = OuterOptions.scale_by_inner_lr,
+        inner_state: str = OuterOptions.inner_state,
+        buffers: str = OuterOptions.buffers,
+        evaluate: str = OuterOptions.evaluate,
         compressor: Mapping[str, Any] | None = None,
         error_feedback: Mapping[str, Any] | None = None,
         seed: int = 0,
-        delay: str = OverlapOptions.delay,
+        delay: str = OuterOptions.delay,
     ) -> None:
         super().__init__(replicas, comm, optimizers)
-        check_options(inner_state, buffers, evaluate, mix, fragment_pattern)
+        choices = OuterOptions(
+            fragment_pattern=fragment_pattern,
+            mix=mix,
+            inner_state=inner_state,
+            buffers=buffers,
+            evaluate=evaluate,
+        )
+        choices.check()
         self.overlap = OverlapOptions(delay)
         self.overlap.check(int(overlap), compresses(compressor, error_feedback))
         if not base.traits.drifts:
@@ -257,21 +320,14 @@ class OuterOptimizer(Algorithm):
         if not base.traits.drifts:
             raise ValueError(no_drift_message(base.__name__))
         handed = base.outer_handover(cfg.algorithm)
-        period = node.get("period")
-        period = period if period is not None else handed
+        opts = OuterOptions.from_node(node)
+        period = opts.period if opts.period is not None else handed
         if period is None:
             raise ValueError(PERIOD_MESSAGE.format(name=base.__name__))
-        Schedule(int(period), int(node.get("fragments", 1)), int(node.get("overlap", 0)))
-        OverlapOptions.from_node(node).check(
-            int(node.get("overlap", 0)),
-            compresses(node.get("compressor"), node.get("error_feedback")),
-        )
-        check_options(
-            node.get("inner_state", "keep"),
-            node.get("buffers", "average"),
-            node.get("evaluate", "anchor"),
-            node.get("mix", 0.0),
-            node.get("fragment_pattern", "sequential"),
+        Schedule(int(period), int(opts.fragments), int(opts.overlap))
+        opts.check()
+        OverlapOptions(opts.delay).check(
+            int(opts.overlap), compresses(node.get("compressor"), node.get("error_feedback"))
         )
         try:
             check_compatibility(node.get("compressor"), node.get("error_feedback"), where="outer")
@@ -624,22 +680,7 @@ def no_drift_message(name: str) -> str:
     )
 
 
-IDENTITY = "dpresearch.compress.casts.Identity"
 GROUP_CHOICE = r"\b(compressor|error_feedback)="  # "use error_feedback=none" in a pairing line
-
-
-def compresses(
-    compressor: Mapping[str, Any] | None, error_feedback: Mapping[str, Any] | None
-) -> bool:
-    """Whether the pseudo-gradients go through a codec or a memory (else: one plain allreduce,
-    the identity compressor without error feedback)."""
-    plain = compressor is None or compressor.get("_target_") == IDENTITY
-    quiet = error_feedback is None or (
-        error_feedback.get("mode", "none") == "none"
-        and not error_feedback.get("momentum", 0.0)
-        and not error_feedback.get("start_after_steps", 0)
-    )
-    return not (plain and quiet)
 
 
 def fragment_layout(fragment: Fragment, shapes: list[tuple[int, ...]]) -> ParamLayout:
@@ -649,21 +690,3 @@ def fragment_layout(fragment: Fragment, shapes: list[tuple[int, ...]]) -> ParamL
         layout.append((offset, shapes[t]))
         offset += math.prod(shapes[t])
     return layout
-
-
-def check_options(
-    inner_state: str, buffers: str, evaluate: str, mix: float, fragment_pattern: str
-) -> None:
-    """The outer node's choice keys, each with the line naming its choices."""
-    for key, value, choices in (
-        ("inner_state", inner_state, INNER_STATES),
-        ("buffers", buffers, BUFFER_MODES),
-        ("evaluate", evaluate, EVALUATIONS),
-        ("fragment_pattern", fragment_pattern, PATTERNS),
-    ):
-        if value not in choices:
-            raise ValueError(f"outer.{key}={value}; choose one of: {', '.join(choices)}")
-    if not 0.0 <= float(mix) < 1.0:
-        raise ValueError(
-            f"outer.mix={mix}: the share of local progress kept at a merge must be in [0, 1)"
-        )

@@ -23,9 +23,7 @@ applied, as DiLoCo's are (the same messages, one round later).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 from torch import Tensor
 
@@ -34,19 +32,10 @@ DELAYS = ("none", "delayed", "eager")
 
 @dataclass(frozen=True)
 class OverlapOptions:
-    """The outer node's overlap of a round's exchange with the next round's compute."""
+    """The outer node's overlap of a round's exchange with the next round's compute:
+    `delay` is `OuterOptions.delay` (declared there, with its meaning)."""
 
-    delay: str = "none"
-    """none: the average is applied when it arrives (DiLoCo; Streaming DiLoCo after τ =
-    `outer.overlap` steps); delayed: applied one round late; eager: applied one round late,
-    with the worker's own fresh pseudo-gradient standing in for its share of the missing
-    average (see the module docstring)."""
-
-    @classmethod
-    def from_node(cls, node: Mapping[str, Any] | None) -> OverlapOptions:
-        """The options of an `outer` node (or mapping); missing keys take the defaults."""
-        node = node or {}
-        return cls(**{f.name: node[f.name] for f in fields(cls) if f.name in node})
+    delay: str
 
     @property
     def delayed(self) -> bool:

@@ -1,0 +1,253 @@
+"""Each algorithm's and outer optimizer's options are declared once (`dpresearch.options`): the
+YAML of every node names a class whose `OPTIONS` declares each key it sets, with the YAML's
+value as the default; constructors take their defaults from the declaration; no module of
+`algorithms/` or `config/` reads a node key with a literal default of its own; the docs table
+is the one the declarations generate. New algorithms are found through their YAML files."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from helpers import compose_config
+
+from dpresearch.asynchrony.options import AsyncOptions
+from dpresearch.config.checks import check_compression
+from dpresearch.errors import ConfigError
+from dpresearch.options import CONF, GROUPS, Options, document, node_files, options_of
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dpresearch"
+# Modules that read config nodes: they take a node's values from its declaration.
+READERS = (PACKAGE / "algorithms", PACKAGE / "config")
+NOT_OPTIONS = {"_target_", "_recursive_", "defaults"}
+
+
+def load(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def wiring(value: Any) -> bool:
+    """A value that refers to another node (`${seed}`, `${compressor}`) or is a node itself."""
+    return isinstance(value, dict) or (isinstance(value, str) and value.startswith("${"))
+
+
+def target_of(group: str, node: dict[str, Any]) -> str | None:
+    """The `_target_` of a node, or of the preset it extends (its `defaults` list's entry of
+    the same group, e.g. `- sgd`), followed to the file that sets one."""
+    if "_target_" in node:
+        return node["_target_"]
+    for entry in node.get("defaults") or []:
+        if isinstance(entry, str) and entry != "_self_" and not entry.startswith("/"):
+            return target_of(group, load(CONF / group / f"{entry}.yaml"))
+    return None
+
+
+def nodes() -> list[tuple[str, Path]]:
+    return [(group, path) for group in GROUPS for path in node_files(group)]
+
+
+def declared(group: str, path: Path) -> type[Options] | None:
+    target = target_of(group, load(path))
+    return options_of(target) if target else None
+
+
+def yaml_problems(node: dict[str, Any], options: type[Options], base: bool) -> list[str]:
+    """What a node's YAML writes differently from its declaration: a literal key the
+    declaration lacks; for a base node (one with `_target_`, not a preset) a value other than
+    the declared default, or a declared key it does not show."""
+    defaults = options.defaults()
+    problems = []
+    for key, value in node.items():
+        if key in NOT_OPTIONS or wiring(value):
+            continue
+        if key not in defaults:
+            problems.append(f"{key}: not declared in {options.__name__}")
+        elif base and value != defaults[key]:
+            problems.append(f"{key}: YAML {value!r} but {options.__name__} {defaults[key]!r}")
+    if base:
+        problems += [f"{key}: declared, missing in the YAML" for key in defaults if key not in node]
+    return problems
+
+
+def literal_defaults(source: str, keys: set[str]) -> list[int]:
+    """Lines calling `<x>.get("<key>", <default>)` for a node key: the default written there
+    instead of read from the declaration."""
+    lines = []
+    for call in ast.walk(ast.parse(source)):
+        if (
+            isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute)
+            and call.func.attr == "get"
+            and len(call.args) == 2
+            and isinstance(call.args[0], ast.Constant)
+            and call.args[0].value in keys
+        ):
+            lines.append(call.lineno)
+    return lines
+
+
+def literal_parameters(function: Any, options: type[Options]) -> list[str]:
+    """Parameters of `function` named as declared options whose default is a literal in the
+    source or differs from the declared default."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0]
+    args = tree.args  # type: ignore[attr-defined]
+    positional = args.posonlyargs + args.args
+    pairs = list(
+        zip(positional[len(positional) - len(args.defaults) :], args.defaults, strict=True)
+    ) + [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d is not None]
+    defaults = options.defaults()
+    signature = inspect.signature(function).parameters
+    bad = []
+    for arg, node in pairs:
+        if arg.arg not in defaults:
+            continue
+        if isinstance(node, ast.Constant):
+            bad.append(f"{arg.arg}={ast.unparse(node)} (a literal)")
+        elif signature[arg.arg].default != defaults[arg.arg]:
+            bad.append(f"{arg.arg}={signature[arg.arg].default!r} (declared {defaults[arg.arg]!r})")
+    return bad
+
+
+def node_keys() -> set[str]:
+    """Every declared option and every literal key of a node YAML."""
+    keys = set()
+    for group, path in nodes():
+        keys |= {k for k, v in load(path).items() if k not in NOT_OPTIONS and not wiring(v)}
+        options = declared(group, path)
+        keys |= set(options.defaults()) if options else set()
+    return keys
+
+
+@pytest.mark.parametrize(("group", "path"), nodes(), ids=lambda p: getattr(p, "stem", p))
+def test_every_yaml_value_is_its_declared_default(group, path):
+    """A node with a `_target_` writes exactly the declared defaults; a preset (it extends
+    another file, e.g. `outer=streaming`) sets declared keys only."""
+    node = load(path)
+    options = declared(group, path)
+    if options is None:
+        assert target_of(group, node) is None, f"{path.name}: its class declares no OPTIONS"
+        return  # (outer=none: no node)
+    assert yaml_problems(node, options, base="_target_" in node) == []
+
+
+@pytest.mark.parametrize(("group", "path"), nodes(), ids=lambda p: getattr(p, "stem", p))
+def test_constructors_take_their_defaults_from_the_declaration(group, path):
+    target = target_of(group, load(path))
+    if target is None:
+        return
+    module, _, name = target.rpartition(".")
+    cls = getattr(__import__(module, fromlist=[name]), name)
+    options = options_of(target)
+    bad = {
+        klass.__name__: found
+        for klass in cls.__mro__
+        if inspect.isfunction(vars(klass).get("__init__"))
+        and (found := literal_parameters(klass.__init__, options))
+    }
+    assert bad == {}
+
+
+def test_no_module_reads_a_node_key_with_a_literal_default():
+    keys = node_keys()
+    assert {"period", "gamma", "fragments"} <= keys  # the walk found the declarations
+    offenders = {
+        str(path.relative_to(PACKAGE)): lines
+        for root in READERS
+        for path in sorted(root.rglob("*.py"))
+        if (lines := literal_defaults(path.read_text(), keys))
+    }
+    assert offenders == {}
+
+
+def declarations() -> list[type[Options]]:
+    found = {d for g, p in nodes() if (d := declared(g, p))}
+    return sorted(found, key=lambda d: d.__name__) + [AsyncOptions]
+
+
+@pytest.mark.parametrize("options", declarations(), ids=lambda d: d.__name__)
+def test_every_declaration_is_frozen_with_a_docstring_per_field(options):
+    """Frozen, but for the schema's typed `async` node (overrides change it)."""
+    assert options.__dataclass_params__.frozen is (options is not AsyncOptions)  # type: ignore[attr-defined]
+    assert options.__doc__ and not options.__doc__.startswith(options.__name__ + "(")
+    assert {k: v for k, v in options.docs().items() if not v} == {}
+    assert options.from_node(options.defaults()) == options()
+
+
+def test_the_docs_table_is_the_declarations():
+    """docs/options.md is what `python -m dpresearch.options` writes."""
+    written = (PACKAGE.parent / "docs" / "options.md").read_text()
+    assert written == document(), "regenerate: python -m dpresearch.options > docs/options.md"
+
+
+# -- the checks above can fail -------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Example(Options):
+    """An example declaration."""
+
+    period: int = 8
+    """steps between averages"""
+    gamma: float | None = None
+    """a step size"""
+
+
+def test_a_yaml_that_differs_from_its_declaration_is_found():
+    assert yaml_problems({"_target_": "x", "period": 8, "gamma": None}, Example, base=True) == []
+    assert yaml_problems({"period": 4, "seed": "${seed}"}, Example, base=True) == [
+        "period: YAML 4 but Example 8",
+        "gamma: declared, missing in the YAML",
+    ]
+    assert yaml_problems({"period": 4, "extra": 1}, Example, base=False) == [
+        "extra: not declared in Example"
+    ]
+
+
+def test_a_literal_default_is_found():
+    source = "def f(alg, state):\n    a = alg.get('period', 8)\n    return state.get('x', 0)\n"
+    assert literal_defaults(source, {"period"}) == [2]
+
+
+def literal_init(self, period: int = 8, gamma: float | None = Example.gamma, seed: int = 0):
+    """A constructor writing one declared default again."""
+
+
+def drifted_init(self, period: int = Example.gamma, gamma: float | None = Example.gamma):  # type: ignore[assignment]
+    """A constructor reading the wrong field."""
+
+
+def test_a_constructor_default_written_again_is_found():
+    assert literal_parameters(literal_init, Example) == ["period=8 (a literal)"]
+    assert literal_parameters(drifted_init, Example) == ["period=None (declared 8)"]
+
+
+def test_field_docstrings_are_read_from_the_source():
+    assert Example.docs() == {"period": "steps between averages", "gamma": "a step size"}
+    assert "| `algorithm.period` | `8` | steps between averages |" in Example.table()
+    assert Example.from_node({"period": 3, "_target_": "x"}) == Example(period=3)
+
+
+# -- compression left as it is, by what the nodes build (not by target strings) -----------------
+@pytest.mark.parametrize(
+    ("overrides", "refused"),
+    [
+        ((), False),
+        (("compressor=identity", "error_feedback=none"), False),
+        (("error_feedback.start_after_steps=5",), True),  # an active memory, mode none
+        (("error_feedback.momentum=0.5",), True),
+        (("compressor=topk",), True),
+    ],
+)
+def test_compression_is_left_alone_as_the_built_objects_say(overrides, refused):
+    """An algorithm without compressed messages runs with the nodes only where they build the
+    identity and an inactive memory (`compress.channel.is_identity` / `is_inactive`)."""
+    cfg = compose_config("algorithm=local_sgd", *overrides)
+    if not refused:
+        check_compression(cfg)
+        return
+    with pytest.raises(ConfigError, match="LocalSGD does not use compressor/error_feedback"):
+        check_compression(cfg)
