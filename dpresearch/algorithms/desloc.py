@@ -23,29 +23,35 @@ after the last step.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from dpresearch.algorithms.local_sgd import LocalSGD, average_optimizer_state
+from dpresearch.algorithms.local_sgd import LocalSGD, LocalSGDOptions, average_optimizer_state
+from dpresearch.algorithms.outer.optimizer import OuterOptions
 from dpresearch.comm.base import Communicator
 from dpresearch.replicas import Replicas
 
 PARAMS = "params"
 
 
+# The paper's recommendation for K_x = 8: K_u = 3·K_x, K_v = 6·K_x (read-only: a default).
+PAPER_PERIODS: Mapping[str, int] = MappingProxyType({"exp_avg": 24, "exp_avg_sq": 48})
+
+
 def paper_periods() -> dict[str, int]:
-    """The paper's recommendation for K_x = 8: K_u = 3·K_x, K_v = 6·K_x."""
-    return {"exp_avg": 24, "exp_avg_sq": 48}
+    """`PAPER_PERIODS`, a fresh dict."""
+    return dict(PAPER_PERIODS)
 
 
 @dataclass(frozen=True)
-class DeslocOptions:
-    """DES-LOC's own options (`algorithm=desloc`); the rest of its node is local SGD's
-    (`period` is K_x)."""
+class DeslocOptions(LocalSGDOptions):
+    """DES-LOC's keys (`algorithm=desloc`): local SGD's (`period` is K_x) and the states'
+    periods."""
 
     state_periods: dict[str, int] = field(default_factory=paper_periods)
     """Optimizer state name → its averaging period in steps (torch's names: Adam's first
@@ -58,9 +64,10 @@ class DeslocOptions:
         takes its default. Raise ValueError (one line) for a period that is not a whole
         number >= 1."""
         node = node or {}
+        local = {f.name: node[f.name] for f in fields(LocalSGDOptions) if f.name in node}
         raw = node.get("state_periods")
         if raw is None:
-            return cls()
+            return cls(**local)
         if isinstance(raw, DictConfig):
             raw = OmegaConf.to_container(raw, resolve=True)
         if not isinstance(raw, Mapping):
@@ -73,7 +80,7 @@ class DeslocOptions:
                 raise ValueError(
                     f"algorithm.state_periods.{key}={period}: average every N >= 1 steps"
                 )
-        return cls(state_periods={str(k): int(v) for k, v in raw.items()})
+        return cls(**local, state_periods={str(k): int(v) for k, v in raw.items()})
 
 
 class DesLoc(LocalSGD):
@@ -81,16 +88,18 @@ class DesLoc(LocalSGD):
     docstring). `state_periods`: `DeslocOptions.state_periods`; every other argument is
     `LocalSGD`'s (named here so that the configuration check knows every key)."""
 
+    OPTIONS = DeslocOptions
+
     def __init__(
         self,
         replicas: Replicas,
         comm: Communicator,
         optimizers: list[torch.optim.Optimizer],
-        period: int = 8,
-        average_buffers: bool = True,
-        average_optimizer_state: bool = False,
-        sync_epochs: float = 0.0,
-        state_periods: Mapping[str, int] | None = None,
+        period: int = DeslocOptions.period,
+        average_buffers: bool = DeslocOptions.average_buffers,
+        average_optimizer_state: bool = DeslocOptions.average_optimizer_state,
+        sync_epochs: float = DeslocOptions.sync_epochs,
+        state_periods: Mapping[str, int] = PAPER_PERIODS,
     ) -> None:
         super().__init__(
             replicas,
@@ -114,9 +123,7 @@ class DesLoc(LocalSGD):
         super().check_config(cfg)
         alg = cfg.algorithm
         options = DeslocOptions.from_node(alg)
-        check_combination(
-            bool(alg.get("average_optimizer_state", False)), alg.get("sync_epochs", 0.0)
-        )
+        check_combination(bool(options.average_optimizer_state), options.sync_epochs)
         states = optimizer_states(cfg.optimizer)
         if states is not None:
             for key in options.state_periods:
@@ -128,7 +135,7 @@ class DesLoc(LocalSGD):
                         "use optimizer=adamw (DES-LOC is local Adam) or name its states"
                     )
         outer = cfg.get("outer")
-        if outer and outer.get("_target_") and outer.get("inner_state", "keep") != "keep":
+        if outer and outer.get("_target_") and OuterOptions.from_node(outer).inner_state != "keep":
             raise ValueError(
                 f"outer.inner_state={outer.inner_state}: DES-LOC averages the optimizer states "
                 "at algorithm.state_periods itself; set outer.inner_state=keep"

@@ -18,8 +18,7 @@ compressor inside the node (the fast link; the outer node compresses between nod
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
@@ -27,11 +26,12 @@ from omegaconf import DictConfig
 from dpresearch.algorithms.base import Algorithm, Traits
 from dpresearch.algorithms.sync import SyncSGD, check_buffers
 from dpresearch.comm.base import Communicator
+from dpresearch.options import Options
 from dpresearch.replicas import Replicas
 
 
 @dataclass(frozen=True)
-class NodeSyncOptions:
+class NodeSyncOptions(Options):
     """The `algorithm=node_sync` node (its YAML carries these defaults)."""
 
     buffers: str = "broadcast"
@@ -41,12 +41,6 @@ class NodeSyncOptions:
     """Average the gradients during backward where a process holds one worker (as DDP)."""
     bucket_mb: float = 25.0
     """Size of the buckets averaged during backward (with `overlap`)."""
-
-    @classmethod
-    def from_node(cls, node: Any) -> NodeSyncOptions:
-        """The options a config node gives (absent keys: the defaults)."""
-        node = node or {}
-        return cls(**{f.name: node[f.name] for f in fields(cls) if f.name in node})
 
     def check(self) -> None:
         """One line naming the fix for a bad value."""
@@ -80,6 +74,7 @@ class NodeSyncSGD(SyncSGD):
         "pseudo-gradients between nodes with compressor@outer.compressor=... instead",
     )
     channel = None  # nothing compressed inside a node
+    OPTIONS = NodeSyncOptions
 
     def __init__(
         self,

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from omegaconf import DictConfig
@@ -53,14 +53,18 @@ from dpresearch.algorithms.outer.optimizer import OuterOptimizer, no_drift_messa
 from dpresearch.comm.base import Communicator
 from dpresearch.comm.ledger import BUFFERS, METRICS
 from dpresearch.compress.rng import generator, stream_seed
+from dpresearch.options import Options
 from dpresearch.replicas import Replicas
 
 BUFFER_MODES = ("average", "local")
 
 
 @dataclass(frozen=True)
-class NoLoCoOptions:
-    """The `outer=noloco` node (`dpresearch/conf/outer/noloco.yaml` carries these defaults)."""
+class NoLoCoOptions(Options):
+    """The `outer=noloco` node (`dpresearch/conf/outer/noloco.yaml` carries these defaults;
+    its `seed` is the run's, wiring)."""
+
+    NODE: ClassVar[str] = "outer"
 
     period: int | None = None
     """H, inner steps per outer round; null takes local SGD's `algorithm.period`."""
@@ -72,14 +76,14 @@ class NoLoCoOptions:
     """γ, the pull toward the pair's mean slow weights (the authors' code: equal to β)."""
     buffers: str = "average"
     """Float buffers (BatchNorm statistics): averaged with the peer, or kept `local`."""
-    seed: int = 0
-    """Seeds the pairings (the run's `seed`)."""
 
     @classmethod
     def from_node(cls, node: Mapping[str, Any] | None) -> NoLoCoOptions:
         """Options from the `outer` node (missing keys: the defaults); `_target_` and
         `_recursive_` are Hydra's. ValueError (one line) for an unknown key."""
-        values = {k: v for k, v in (node or {}).items() if not str(k).startswith("_")}
+        values = {
+            k: v for k, v in (node or {}).items() if not str(k).startswith("_") and k != "seed"
+        }
         known = [f.name for f in fields(cls)]
         for key in values:
             if key not in known:
@@ -129,20 +133,23 @@ class NoLoCo(OuterOptimizer):
     model per worker and steps it by hand).
     """
 
+    OPTIONS = NoLoCoOptions
+
     def __init__(
         self,
         replicas: Replicas,
         comm: Communicator,
         optimizers: list[torch.optim.Optimizer],
         base: Algorithm,
-        period: int | None = None,
+        period: int | None = NoLoCoOptions.period,
         momentum: float = NoLoCoOptions.momentum,
         lr: float = NoLoCoOptions.lr,
         gamma: float = NoLoCoOptions.gamma,
         buffers: str = NoLoCoOptions.buffers,
-        seed: int = NoLoCoOptions.seed,
+        seed: int = 0,
     ) -> None:
-        self.options = NoLoCoOptions(period, momentum, lr, gamma, buffers, seed)
+        self.options = NoLoCoOptions(period, momentum, lr, gamma, buffers)
+        self.seed = seed  # the pairings' (the run's seed)
         self.options.check()
         check_world(comm.world_size)
         super().__init__(
@@ -195,7 +202,7 @@ class NoLoCo(OuterOptimizer):
         self.diagnostics.observe(0, delta, comm)
         self.drift.observe(0, theta, comm)
         self.last_delta_norm = float(delta[0].double().norm())
-        peer = pairing(comm.world_size, o.seed, round_)
+        peer = pairing(comm.world_size, self.seed, round_)
         peers = [(p,) for p in peer]
         self._met = [(i, p) for i, p in enumerate(peer) if i < p]
         message = delta.mul_(o.lr).sub_(self.slow, alpha=o.gamma)  # m_i = β·δ_i − γ·φ_i

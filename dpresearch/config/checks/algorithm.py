@@ -97,7 +97,7 @@ def check_compression(cfg: DictConfig) -> None:
         check_algorithm_node(
             alg,
             cls.channel,
-            float(cfg.optimizer.get("momentum", 0.0) or 0.0),
+            float(cfg.optimizer.get("momentum") or 0.0),
             error_feedback=cfg.error_feedback,
             options=cls.OPTIONS.from_node(alg) if cls.OPTIONS is not None else None,
         )
