@@ -15,6 +15,7 @@ Which parameters are hidden matrices needs the model: `split_param_groups(groups
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -172,6 +173,20 @@ class MuonAdamW(torch.optim.Optimizer):
         torch_optimizer = optimizer(params, **hyper)
         torch_optimizer.state = self.state
         torch_optimizer.step()
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
+    """The lr torch's `Muon` steps an A × B matrix with (A, B = shape[:2]): lr·√max(1, A/B)
+    for "original" (or None), lr·0.2·√max(A, B) for "match_rms_adamw", the ratio computed
+    first as torch computes it, so the product rounds alike."""
+    a, b = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, a / b))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(a, b))
+    else:
+        ratio = 1.0
+    return lr * ratio
 
 
 def newton_schulz(x: Tensor, coefficients: Sequence[float], steps: int, eps: float) -> Tensor:

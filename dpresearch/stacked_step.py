@@ -38,9 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.optim import optimizer as _torch_optimizer
-from torch.optim.optimizer import _get_scalar_dtype
 
-from dpresearch.muon import MuonAdamW, newton_schulz
+from dpresearch.muon import MuonAdamW, adjusted_lr, newton_schulz
 
 # Group keys that never take part in the comparison of the workers' groups.
 _NOT_HYPER = ("params", "initial_lr")
@@ -64,6 +63,12 @@ def step_together(
         return
     for opt in optimizers:
         opt.step()
+
+
+def step_dtype() -> torch.dtype:
+    """The dtype torch's (non-fused) Adam and AdamW keep a step count in: float64 under a
+    float64 default dtype, else float32 (so a packed state loads into theirs as it is)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
 def stackable(optimizers: Sequence[torch.optim.Optimizer]) -> type | None:
@@ -389,7 +394,7 @@ def _ready(span: Span, kind: type, group: dict[str, Any]) -> bool:
             for key in keys:
                 _bind(span, key, new(rows, width))
         if counted:
-            _bind_steps(span, torch.zeros(rows, len(span.pairs) // rows, dtype=_get_scalar_dtype()))
+            _bind_steps(span, torch.zeros(rows, len(span.pairs) // rows, dtype=step_dtype()))
         return True
     if any(v is None for k in keys for v in found[k]) or (
         counted and any("step" not in s for s in states)  # type: ignore[operator]
@@ -515,8 +520,6 @@ def _muon_adamw_step(rows: FlatRows, span: Span, group: dict[str, Any]) -> None:
     if not group["use_muon"]:
         _adam_step(rows, span, group)
         return
-    from torch.optim._muon import _adjust_lr
-
     momentum, lr, decay = group["momentum"], group["lr"], group["weight_decay"]
     packed = span.state["momentum_buffer"]
     for g, buf in zip(span.grads, span.state_runs("momentum_buffer"), strict=True):
@@ -538,7 +541,7 @@ def _muon_adamw_step(rows: FlatRows, span: Span, group: dict[str, Any]) -> None:
         stacked = stacked.flatten(0, 1)
         ortho = newton_schulz(stacked, group["ns_coefficients"], group["ns_steps"], group["eps"])
         ortho = ortho.view(len(targets), -1, *shape)
-        step = -_adjust_lr(lr, group["adjust_lr_fn"], torch.Size(shape))
+        step = -adjusted_lr(lr, group["adjust_lr_fn"], shape)
         for target, o in zip(targets, ortho, strict=True):
             target.add_(o, alpha=step)
 

@@ -145,6 +145,21 @@ def test_tables_read_as_the_study_report(tmp_path):
     assert not any(h.startswith(("cfg.", "choice.")) for h in headers(grid).values())
 
 
+def test_raw_byte_metrics_read_in_megabytes_as_the_study_report(tmp_path):
+    """Byte counters asked for by name are shown as the derived MB columns are (the mean alone,
+    three significant figures, the unit in every cell and the header): 10 steps of 1000 bytes
+    are "0.0100 MB", 5000 bytes per epoch "0.00500 MB", never "1e+04 ± 0.0e+00"."""
+    spec = ReportSpec(metrics=["comm/bytes", "comm/bytes_per_epoch"])
+    report = load_report([write_mixed(tmp_path / "runs")], spec)
+    shown = markdown_table(report.table, report.columns, FORMATS, headers(report.columns))
+    head, _, *rows = shown.splitlines()
+    assert head.startswith(
+        "| case | n | data sent per worker (MB) | MB sent per worker per epoch |"
+    ), head
+    row = next(line for line in rows if line.startswith("| sync |"))
+    assert row.startswith("| sync | 2 | 0.0100 MB | 0.00500 MB |"), row
+
+
 @pytest.mark.parametrize(
     "column,head",
     [

@@ -266,6 +266,14 @@ FIRST_HOUR = [
         ["optimizer=demo", "algorithm.topk=5000", "algorithm.chunk=64"],
         "algorithm.topk=5000 keeps every coefficient: a block holds at most chunk² = 4096",
     ),
+    (
+        ["optimizer=demo", "model.hidden=[30,30]", "algorithm.topk=1000"],
+        "algorithm.topk=1000 sends every coefficient: this model's largest DCT block holds 960",
+    ),
+    (
+        ["compressor=dct_topk", "error_feedback=ef14", "algorithm.granularity=bucket"],
+        "compressor.topk=32 sends every coefficient: this model's largest DCT block holds 6",
+    ),
     (["algorithm._target_=nowhere.Algo"], "algorithm._target_=nowhere.Algo cannot be imported"),
     (["model._target_=dpresearch.models.Nope"], "'Nope' is importable from module"),
 ]

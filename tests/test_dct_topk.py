@@ -21,7 +21,7 @@ from helpers import finished_run
 from torch import nn
 
 from dpresearch.compress.chunks import Chunk
-from dpresearch.compress.dct import DCTTopK
+from dpresearch.compress.dct import DCTTopK, whole_blocks_note
 from dpresearch.compress.layout import param_layout
 
 
@@ -79,6 +79,24 @@ def test_wire_bytes_are_demos_hand_count():
     assert codec.wire_bytes == 320
     square = DCTTopK().codec(chunks_of(nn.Linear(64, 64, bias=False)), torch.float32)
     assert square.wire_bytes == 192 == DCTTopK().payload_bytes(4096, (64, 64), torch.float32)
+
+
+def test_a_topk_that_sends_every_block_whole_is_refused_and_most_bytes_warned():
+    """Shapes 30 × 32, 30 and 10 × 30 at chunk 64: blocks 30 × 32 (960), 1 × 30 and 10 × 30
+    (300). topk 960 sends all three whole: refused. topk 300 sends the last two whole: 300 +
+    30 + 300 = 630 coefficients of 4 + 2 bytes (largest block 960: int16 indices) = 3780 bytes
+    of the dense 1290·4 = 5160 (73 %): warned, naming 2 of 3 blocks. topk 32: 32 + 30 + 32 = 94
+    coefficients, 564 bytes (11 %): nothing said."""
+    shapes = [(30, 32), (30,), (10, 30)]
+    with pytest.raises(ValueError, match=r"^algorithm.topk=960 sends every coefficient: this "
+                       r"model's largest DCT block holds 960 .* all 3 blocks .* use "
+                       r"algorithm.topk < 960$"):  # fmt: skip
+        whole_blocks_note(shapes, 64, 960, "algorithm")
+    note = whole_blocks_note(shapes, 64, 300, "compressor")
+    assert note is not None
+    assert note.startswith("compressor.topk=300 sends 73% of the dense bytes")
+    assert "2 of this model's 3 DCT blocks hold at most 300 coefficients" in note
+    assert whole_blocks_note(shapes, 64, 32, "compressor") is None
 
 
 # -- B: DeMo as a composition ---------------------------------------------------------------------

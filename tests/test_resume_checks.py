@@ -119,19 +119,39 @@ def test_a_deliberate_change_is_let_through_by_name(finished, tmp_path, monkeypa
     assert steps == list(range(1, 15))
 
 
-def test_a_checkpoint_past_the_runs_end_is_refused(finished, tmp_path, monkeypatch, capsys):
+# Resumes refused whatever train.resume_allow_changes lets by: (changes, allowed, fragments).
+# A checkpoint past the run's end; a compute clock that drew nothing at async.speed=constant
+# resumed with an exponential one, whose streams the checkpoint does not hold (before: the
+# speed model's ValueError from inside the trainer).
+ALLOWED_YET_REFUSED = [
+    (["train.steps=6"], "train", ["step_8.pt is at step 8, past this run's train.steps=6"]),
+    (
+        ["async.speed=exponential"],
+        "async.speed",
+        [
+            "step_8.pt holds the random streams of async.speed=constant",
+            "resume with async.speed=constant, async.straggler_prob=0.0",
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("changes,allowed,fragments", ALLOWED_YET_REFUSED)
+def test_a_resume_that_cannot_continue_is_refused_even_when_allowed(
+    changes, allowed, fragments, finished, tmp_path, monkeypatch, capsys
+):
     run_dir = copy_run(finished, tmp_path, unfinished=True)
     before = snapshot(run_dir)
     args = [
         *RUN,
-        "train.steps=6",
+        *changes,
         "train.resume=auto",
-        "train.resume_allow_changes=[train]",
+        f"train.resume_allow_changes=[{allowed}]",
         f"hydra.run.dir={run_dir}",
     ]
     code, _, err = run_main(args, tmp_path, monkeypatch, capsys)
     line = one_error_line(err)
-    assert code == 2 and "step_8.pt is at step 8, past this run's train.steps=6" in line
+    assert code == 2 and all(f in line for f in fragments), line
     assert snapshot(run_dir) == before
 
 

@@ -379,3 +379,37 @@ def test_trained_with_stacked_steps_equals_per_worker_steps(family, monkeypatch)
     else:
         bound = 12 * 0.02 * 2 * BF16_BOUND  # steps · lr · the largest √max(1, m/n) · bound
         assert max_diff(on_rows, alone) <= bound  # bit for bit in the runs seen so far
+
+
+@pytest.mark.parametrize("fn", ["original", None, "match_rms_adamw"])
+@pytest.mark.parametrize("shape", [(64, 16), (16, 64), (48, 48), (7, 3, 3, 3)])
+def test_own_muon_lr_and_step_dtype_are_torchs_to_the_bit(fn, shape):
+    """`muon.adjusted_lr` and `stacked_step.step_dtype` stand for torch's private
+    `_adjust_lr` and `_get_scalar_dtype` (the module imports neither): the same float, bit for
+    bit, and the same dtype under either default dtype."""
+    import ast
+    import inspect
+
+    from torch.optim._muon import _adjust_lr
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    import dpresearch.stacked_step as module
+    from dpresearch.muon import adjusted_lr
+    from dpresearch.stacked_step import step_dtype
+
+    for lr in (0.02, 1e-3, 0.7):
+        assert adjusted_lr(lr, fn, shape) == _adjust_lr(lr, fn, torch.Size(shape))
+    default = torch.get_default_dtype()
+    try:
+        for dtype in (torch.float64, torch.float32):
+            torch.set_default_dtype(dtype)
+            assert step_dtype() == _get_scalar_dtype()
+    finally:
+        torch.set_default_dtype(default)
+    imported = [
+        alias.name
+        for node in ast.walk(ast.parse(inspect.getsource(module)))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch")
+        for alias in node.names
+    ]
+    assert not [name for name in imported if name.startswith("_")], imported

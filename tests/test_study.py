@@ -351,3 +351,8 @@ def test_a_study_without_grids_says_nothing_was_selected(tmp_path):
     assert "seeds 0,1 at each case's one lr: nothing selected" in text
     assert "which the selection favours" not in text and "picks:" not in text
     assert "| dense | 0.1 |" in text and "| 2 |" in text  # n = both seeds
+    every = text.split("Every run, by case (one lr each, nothing selected):", 1)[1]
+    head = every.strip().splitlines()[0]
+    assert head.startswith("| case | lr | seeds | "), head
+    assert "tuning" not in head and "final" not in head and "selected" not in head, head
+    assert "(SE)" not in every.split("\n\n", 2)[1]

@@ -1012,6 +1012,19 @@ CLAIMS = [
         r"extensions\) \+ (\d+) final seeds",
         lambda: (roles(LM)["grid"] + roles(LM)["extensions"], *roles(LM).values()),
     ),
+    Claim(
+        "main/lm-probe",
+        ".",
+        r"`experiments/lm_shakespeare/probe_clip\.yaml` \| [^|]* \| (\d+) \((\d+) cases × seeds "
+        r"(\d)–(\d), (nothing) selected\)",
+        lambda: (
+            len(runs(LP)),
+            len(report(LP).study.cases),
+            min(runs(LP)["cfg.seed"]),
+            max(runs(LP)["cfg.seed"]),
+            "nothing" if untuned(report(LP).study) else "a pick",
+        ),
+    ),
 ]
 
 

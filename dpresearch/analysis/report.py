@@ -355,7 +355,9 @@ FORMATS = {"MB/epoch": "MB", "MB": "MB", "tta/MB": "MB", "n": "d", "test/acc": "
            "best/test_acc": "%", "val/acc": "%", "train/acc": "%", "test/acc_local_mean": "%",
            "test/acc_local_min": "%", "train/loss": ".3g", "tta/epoch": ".3g",
            "tta/wall_s": ".3g", "tta/simulated_s": ".3g",
-           "tta/modeled_s": ".3g"}  # fmt: skip
+           "tta/modeled_s": ".3g", "comm/bytes": "bytes", "comm/bytes_per_epoch": "bytes",
+           "comm/bytes_max": "bytes", "outer/bytes_per_round": "bytes",
+           "tta/bytes": "bytes"}  # fmt: skip
 
 
 # Shown names of the columns the report derives (metrics are named by `plots.axis_label`).
@@ -363,6 +365,10 @@ HEADS = {
     "MB/epoch": "MB sent per worker per epoch",
     "MB": "MB sent per worker",
     "tta/MB": "MB sent per worker to the target",
+    "comm/bytes_per_epoch": "MB sent per worker per epoch",
+    "comm/bytes_max": "MB sent by the busiest worker",
+    "outer/bytes_per_round": "MB sent per worker per outer round",
+    "tta/bytes": "MB sent per worker to the target",
     "tta/epoch": "epochs to the target",
     "tta/wall_s": "measured wall time to the target (s)",
     "tta/simulated_s": "simulated time to the target (s)",

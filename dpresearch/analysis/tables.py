@@ -5,8 +5,9 @@ A metric column `m` that has a partner `m std` (as `aggregate` writes) is shown 
 significant figures with the spread to the same decimal place, accuracies in % with one
 decimal, bytes as the mean alone — and as two numeric columns in CSV, so the CSV stays
 machine-readable. Missing values are shown as "–". Besides Python format specs, a column's
-format may be "%" (a fraction shown as a percentage with one decimal) or "MB" (an amount in
-MB shown with three significant figures, in GB from 1000 MB).
+format may be "%" (a fraction shown as a percentage with one decimal), "MB" (an amount in
+MB shown with three significant figures, in GB from 1000 MB) or "bytes" (an amount in bytes
+shown as "MB" shows it).
 """
 
 from __future__ import annotations
@@ -69,12 +70,17 @@ def megabytes(value: Any) -> str:
     return f"{significant(value / 1000)} GB" if abs(value) >= 1000 else f"{significant(value)} MB"
 
 
+def bytes_in_megabytes(value: Any) -> str:
+    """An amount in bytes as `megabytes` shows it (2.82e6 → "2.82 MB")."""
+    return megabytes(float(value) / 1e6) if _finite(value) else MISSING
+
+
 def _finite(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # Format names `_cell` understands besides Python's format specs.
-SPECIAL = {"%": percent, "MB": megabytes}
+SPECIAL = {"%": percent, "MB": megabytes, "bytes": bytes_in_megabytes}
 
 
 def _cell(value: Any, fmt: str) -> str:
@@ -94,11 +100,12 @@ def _cell(value: Any, fmt: str) -> str:
 
 def _spread_cell(mean: Any, std: Any, fmt: str) -> str:
     """A metric with its spread, as a study's report prints it (`mean_std`): "%" both in %,
-    "MB" the mean alone (as the study's bytes column), anything else `with_spread`."""
+    "MB" and "bytes" the mean alone in MB (as the study's bytes column), anything else
+    `with_spread`."""
     if not _finite(mean):
         return _cell(mean, fmt)
-    if fmt == "MB":
-        return megabytes(mean)
+    if fmt in ("MB", "bytes"):
+        return SPECIAL[fmt](mean)
     return mean_std(mean, std, percent if fmt == "%" else None)
 
 

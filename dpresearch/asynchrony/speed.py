@@ -56,6 +56,16 @@ class DrawStream:
         self._block, self._pos = list(state["block"]), int(state["pos"])
 
 
+def drawn_streams(kind: str, straggler_prob: float) -> tuple[str, ...]:
+    """The per-worker streams a speed model draws from, as its `state_dict` holds them: "base"
+    unless `kind` is constant, "straggle" where `straggler_prob` > 0. A checkpoint's state
+    loads only into a model drawing the same ones (`run.resume.check_speed_streams`)."""
+    return (
+        *(("base",) if kind != "constant" else ()),
+        *(("straggle",) if straggler_prob > 0 else ()),
+    )
+
+
 class SpeedModel:
     """Compute seconds of every worker's successive gradients (see the module docstring)."""
 
@@ -76,13 +86,14 @@ class SpeedModel:
         self.scale = [self.compute_s * (slowdown if w in slow else 1.0) for w in range(workers)]
         self.straggler_prob, self.straggler_factor = straggler_prob, straggler_factor
         fill = self._base_fill()
+        drawn = drawn_streams(kind, straggler_prob)
         self._base = [
-            DrawStream(stream_seed("async.speed", kind, seed, w), fill) if fill else None
+            DrawStream(stream_seed("async.speed", kind, seed, w), fill) if "base" in drawn else None
             for w in range(workers)
         ]
         self._straggle = [
             DrawStream(stream_seed("async.straggler", seed, w), lambda g, n: g.random(n))
-            if straggler_prob > 0
+            if "straggle" in drawn
             else None
             for w in range(workers)
         ]

@@ -383,16 +383,10 @@ class Communicator(ABC):
                 # the sender's ledger row; a process without a worker is charged nothing
                 ledger.record_message(rows.get(src), nbytes, purpose, at)
 
-    def send(
-        self,
-        x: Message,
-        dst: int,
-        src: int | None = None,
-        record: bool | str = True,
-        at: float | None = None,
-    ) -> None:
-        """`isend(...)`, waited for."""
-        self.isend(x, dst, src, record, at).wait()
+    def send(self, *args: Any, **kwargs: Any) -> None:
+        """`isend` with the same arguments (x, dst, src, record, at), waited for: returns once
+        `x` may change again."""
+        self.isend(*args, **kwargs).wait()
 
     def recv_any(
         self,

@@ -106,6 +106,44 @@ def tensor_chunks(shape: tuple[int, ...], chunk: int, topk: int, offset: int = 0
     return TensorChunks(offset, rows, cols, h, w, min(topk, h * w), start)
 
 
+# Blocks of at most `topk` coefficients are sent whole (top min(topk, h·w)), as the reference's
+# `_clamp_topk` does for a bias or a small dimension. A message of more than this share of the
+# dense bytes compresses little: said once before the run (`whole_blocks_note`).
+DENSE_SHARE_NOTED = 0.5
+
+
+def whole_blocks_note(shapes: Sequence[tuple[int, ...]], chunk: int, topk: int, key: str,
+                      itemsize: int = 4) -> str | None:  # fmt: skip
+    """Check `topk` against the DCT blocks of tensors of `shapes` with values of `itemsize`
+    bytes (`key`: the config node holding topk and chunk). ValueError (one line) where every
+    block holds at most `topk` coefficients (each sent whole with its indices: more bytes than
+    no compression); a warning line, naming the blocks sent whole, where the message is more
+    than `DENSE_SHARE_NOTED` of the dense bytes; else None."""
+    tensors = [t for t in (tensor_chunks(tuple(s), chunk, topk) for s in shapes) if t is not None]
+    if not tensors:
+        return None
+    largest = max(t.h * t.w for t in tensors)
+    blocks = sum(t.blocks for t in tensors)
+    whole = sum(t.blocks for t in tensors if t.k == t.h * t.w)
+    sides = f"each dimension cut by its largest divisor <= {key}.chunk={chunk}"
+    if whole == blocks:
+        raise ValueError(
+            f"{key}.topk={topk} sends every coefficient: this model's largest DCT block holds "
+            f"{largest} ({sides}), so all {blocks} blocks would go whole, indices included; "
+            f"use {key}.topk < {largest}"
+        )
+    index = torch.empty((), dtype=index_dtype(largest)).element_size()
+    message = sum(t.entries for t in tensors) * (itemsize + index)
+    share = message / (sum(t.numel for t in tensors) * itemsize)
+    if share <= DENSE_SHARE_NOTED:
+        return None
+    return (
+        f"{key}.topk={topk} sends {share:.0%} of the dense bytes (values and indices): "
+        f"{whole} of this model's {blocks} DCT blocks hold at most {topk} coefficients and go "
+        f"whole ({sides}); a smaller {key}.topk compresses"
+    )
+
+
 class ChunkedDCT:
     """The chunked DCT of flat rows laid out as `layout` ((offset, shape) per tensor; see the
     module docstring), keeping `topk` coefficients per block. `encode` / `decode` work on one

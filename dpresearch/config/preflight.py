@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,8 @@ from dpresearch.data.base import Dataset
 # Configurations that passed in this process: the entry point checks a run before Hydra starts
 # and `train()` checks it again inside; the second time costs nothing.
 _PASSED: set[str] = set()
+# Warnings printed in this process (each once).
+_NOTED: set[str] = set()
 
 
 def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> Dataset:
@@ -50,6 +53,7 @@ def preflight(cfg: DictConfig, overrides: Sequence[str] = ()) -> Dataset:
     check_init_from(cfg, model, dataset)
     check_optimizer(cfg, model)
     check_fragments(cfg, model)
+    check_dct_blocks(cfg, model)
     check_batched(cfg, dataset)
     steps = cfg.train.steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
     schedule = _build("schedule", cfg.schedule, steps_per_epoch=steps_per_epoch, total_steps=steps)
@@ -177,6 +181,42 @@ def check_fragments(cfg: DictConfig, model: torch.nn.Module) -> None:
         _call("outer", lambda: split(blocks_of(model), int(opts.fragments), opts.fragment_pattern))
         if node.get("optimizer") is not None:  # (NoLoCo steps by hand, without one)
             _call("outer", lambda: make_optimizer(node.optimizer, model))
+
+
+def check_dct_blocks(cfg: DictConfig, model: torch.nn.Module) -> None:
+    """DCT top-k (DeMo's message, the `dct_topk` compressor) compresses this model's blocks:
+    one error line where every block would be sent whole, a warning line (once, by the process
+    that writes) where most coefficients would (`compress.dct.whole_blocks_note`)."""
+    from dpresearch.algorithms.demo import DeMoAlgorithm
+    from dpresearch.algorithms.outer import outer_node
+    from dpresearch.compress.channel import build_compressor, parameter_chunks
+    from dpresearch.compress.dct import DCTTopK, chunk_shape, whole_blocks_note
+    from dpresearch.launch.processes import global_rank, under_torchrun
+
+    tensors = [p.shape for p in model.parameters() if p.requires_grad]
+    found: list[tuple[str, list, int, int]] = []  # (node, shapes, chunk, topk)
+    if cfg.algorithm._target_.endswith(f".{DeMoAlgorithm.__name__}"):
+        found.append(("algorithm", tensors, cfg.algorithm.chunk, cfg.algorithm.topk))
+    outer = outer_node(cfg)
+    nodes = [("compressor", cfg.get("compressor"), cfg.algorithm)]
+    nodes.append(("outer.compressor", outer and outer.get("compressor"), {}))
+    for key, node, holder in nodes:
+        compressor = build_compressor(node, 0) if node else None  # (validate checked the node)
+        if isinstance(compressor, DCTTopK):
+            granularity = holder.get("granularity", "auto")
+            if granularity == "auto":
+                granularity = compressor.default_granularity
+            chunks = parameter_chunks(model, granularity, holder.get("bucket_mb", 25.0), 4)
+            shapes = [chunk_shape(ch) for ch in chunks]
+            found.append((key, shapes, compressor.chunk, compressor.topk))
+    for key, shapes, chunk, topk in found:
+        try:
+            note = whole_blocks_note(shapes, chunk, topk, key)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if note is not None and note not in _NOTED and not (under_torchrun() and global_rank()):
+            _NOTED.add(note)
+            print(f"warning: {note}", file=sys.stderr, flush=True)
 
 
 def _build(group: str, node: DictConfig, **runtime: Any) -> Any:

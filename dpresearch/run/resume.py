@@ -211,6 +211,30 @@ def check_started_from(saved: Mapping[str, Any], cfg: DictConfig, path: Path) ->
         )
 
 
+def check_speed_streams(saved: Mapping[str, Any], cfg: DictConfig, path: Path) -> None:
+    """The speed model (`async.speed`, every run's compute clock) draws the same random streams
+    as the checkpoint's, whose state it continues (`asynchrony.speed.drawn_streams`); raises
+    `ConfigError` otherwise, whatever `train.resume_allow_changes` says (a change between two
+    random kinds, or of straggler_prob above 0, continues the saved streams)."""
+    from dpresearch.asynchrony.options import AsyncOptions
+    from dpresearch.asynchrony.speed import drawn_streams
+
+    default = AsyncOptions()
+    shown, streams = [], []
+    for node in (saved.get("async") or {}, cfg.get("async") or {}):
+        kind = node.get("speed", default.speed)
+        prob = node.get("straggler_prob", default.straggler_prob)
+        shown.append(f"async.speed={kind}, async.straggler_prob={prob}")
+        streams.append(drawn_streams(kind, prob))
+    if streams[0] != streams[1]:
+        raise ConfigError(
+            f"checkpoint {path} holds the random streams of {shown[0]}, which {shown[1]} does "
+            "not draw: a resume may change async.speed only between random kinds and "
+            f"async.straggler_prob only above 0; resume with {shown[0]}, or start a new run "
+            "without train.resume"
+        )
+
+
 def check_resume(cfg: DictConfig, run_dir: Path | None, processes: int) -> None:
     """The checkpoint `train.resume` names (in `run_dir` for auto) can continue this run of
     `processes` processes; raises `ConfigError` (one line) otherwise. Nothing to resume (no
@@ -253,6 +277,7 @@ def check_resume(cfg: DictConfig, run_dir: Path | None, processes: int) -> None:
                 f"{show_changes(differing, saved, cfg)}; resume with the run's own configuration, "
                 f"or name deliberate changes: train.resume_allow_changes=[{','.join(differing)}]"
             )
+        check_speed_streams(saved, cfg, path)
     steps = cfg.train.steps
     if steps is not None and int(header.get("step", 0)) >= steps:
         raise ConfigError(

@@ -371,9 +371,11 @@ def render(report: StudyReport, plots: Sequence[tuple[Path, Any]], command: str)
         grid = grid_frame(report, horizon)
         title = "Results" if len(report.horizons) == 1 else f"Results at {horizon.label}"
         lines += [f"## {title}", "", markdown_table(shown, list(shown.columns)), ""]
+        at = "" if len(report.horizons) == 1 else f" at {horizon.label}"
         lines += [
-            f"Every lr tried{'' if len(report.horizons) == 1 else f' at {horizon.label}'} "
-            "(tuning and final seeds apart):",
+            f"Every run{at}, by case (one lr each, nothing selected):"
+            if untuned(study)
+            else f"Every lr tried{at} (tuning and final seeds apart):",
             "",
             markdown_table(grid, list(grid.columns)),
             "",

@@ -228,12 +228,19 @@ def results_frame(report: StudyReport, horizon: Horizon):
 
 
 def grid_frame(report: StudyReport, horizon: Horizon):
-    """Every lr tried, tuning seeds and final seeds in separate columns (strings)."""
+    """Every lr tried, tuning seeds and final seeds in separate columns (strings); in a study
+    that selects nothing (`untuned`), every seed's runs under plain heads ("seeds", the
+    metrics as mean ± std), with no selected column: no seed there tunes anything."""
     import pandas as pd
 
     study, metric = report.study, report.selection.metric
     runs = horizon.runs
     main = study.claim.metric if study.claim else study.target_metric
+    plain = untuned(study)
+
+    def head(role: str, column: str) -> str:
+        return column if plain else f"{role}: {column}"
+
     rows = []
     for case in study.cases:
         frame = runs[runs["case"] == case.name]
@@ -251,29 +258,30 @@ def grid_frame(report: StudyReport, horizon: Horizon):
             row = {"case": case.name, _lr_head(study): f"{setting[0]:g}"}
             for key, value in _also_values(study, case.name, setting).items():
                 row[key] = value if value == MISSING else f"{value:g}"
-            for name, part in (("tuning", tuning), ("final", final)):
+            parts = (("", at),) if plain else (("tuning", tuning), ("final", final))
+            for name, part in parts:
                 seeds = ",".join(str(int(s)) for s in sorted(part["cfg.seed"]))
-                row[f"{name} seeds"] = seeds or MISSING
+                row[f"{name} seeds".strip()] = seeds or MISSING
                 text, mean, std, n = mean_cell(
                     part, metric, report.include_failed, _fmt_for(metric)
                 )
                 if name == "tuning" and n:
                     se = standard_error(mean, std, n, examples_behind(runs, metric))
                     text = f"{_pm(mean, se, metric)} (SE)" if math.isfinite(se) else text
-                row[f"{name}: {metric}"] = text if len(part) else MISSING
+                row[head(name, metric)] = text if len(part) else MISSING
                 if main != metric:
-                    row[f"{name}: {main}"] = (
+                    row[head(name, main)] = (
                         mean_cell(part, main, report.include_failed, _fmt_for(main))[0]
                         if len(part)
                         else MISSING
                     )
                 failed = _statuses(part)
-                row[f"{name}: not usable"] = failed
-            row["selected"] = "✓" if pick is not None and pick.setting == setting else ""
+                row[head(name, "not usable")] = failed
+            if not plain:
+                row["selected"] = "✓" if pick is not None and pick.setting == setting else ""
             rows.append(row)
     frame = pd.DataFrame(rows)
-    for name in ("tuning", "final"):
-        column = f"{name}: not usable"
+    for column in ("not usable",) if plain else ("tuning: not usable", "final: not usable"):
         if column in frame and not frame[column].astype(bool).any():
             frame = frame.drop(columns=column)
     return frame

@@ -23,12 +23,13 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
 STEP_KEYS = ("time/compute_s", "time/comm_s")
+T = TypeVar("T")
 
 
 # `cpu`: this thread's CPU time, which other jobs on a shared machine inflate far less than
@@ -92,6 +93,67 @@ def logged_steps(warmup: int, block: int, blocks: int) -> int:
     return -(-warmup // block) * block + block * blocks
 
 
+def timed_run(warmup: int, block: int, blocks: int) -> list[str]:
+    """The overrides of a run that `logged_block_times` reads: `logged_steps` steps, logged
+    once a block, no evaluation before the end, no progress lines, no model saved."""
+    steps = logged_steps(warmup, block, blocks)
+    return [
+        f"train.steps={steps}",
+        f"train.log_every={block}",
+        f"train.eval_every={100 * steps}",
+        "train.progress=false",
+        "train.save_model=false",
+    ]
+
+
+def simulated_trainer(
+    cfg: Any,
+    run_dir: Path | None,
+    device: str = "cpu",
+    data: Any = None,
+    evaluate: Callable[[], dict[str, float]] | None = None,
+) -> Any:
+    """The trainer of a simulated run of `cfg` (its communicator over `cfg.workers` on the
+    run's network model) on `device`, writing to `run_dir` (None: nothing); `data`: the data
+    set already loaded (None: the trainer loads it); `evaluate`: replaces the evaluation (a
+    timed loop then holds training alone)."""
+    from dpresearch.comm.simulated import SimulatedCommunicator
+    from dpresearch.run.build import network_model
+    from dpresearch.run.trainer import Trainer
+
+    comm = SimulatedCommunicator(cfg.workers, network_model(cfg))
+    trainer = Trainer(cfg, comm, torch.device(device), run_dir, data)
+    if evaluate is not None:
+        trainer.metrics.evaluate = evaluate
+    return trainer
+
+
+def time_beside_run(
+    cfg: Any,
+    block: int,
+    warmup: int,
+    probe: Callable[[Any], T],
+    probe_first: bool,
+    clock: Callable[[], float],
+) -> tuple[float, T]:
+    """Train a fresh simulated run of `cfg` on the CPU (its trainer's loop timed by `clock`,
+    files in a temporary directory) and call `probe(trainer)` before the run (`probe_first`)
+    or after it; returns (the run's median step time over its blocks, `logged_block_times`,
+    and what `probe` returned)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        trainer = simulated_trainer(cfg, Path(tmp))
+        if probe_first:
+            probed = probe(trainer)
+        with loop_clock(clock):
+            trainer.run()
+        steps = logged_block_times(Path(tmp) / "metrics.jsonl", block, warmup)
+        if not probe_first:
+            probed = probe(trainer)
+    return statistics.median(steps), probed
+
+
 def timed_block_times(
     step: Callable[[], None], block: int, warmup: int, steps: int, sync: Callable[[], None]
 ) -> list[float]:
@@ -144,6 +206,11 @@ class Results:
     def add(self, **record: Any) -> None:
         self.data["measurements"].append(record)
         self.write()
+
+    def finish(self, **extra: Any) -> None:
+        """The last `write` (`extra` and the time it finished), and a line naming the file."""
+        self.write(**extra, finished=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        print(f"wrote {self.path}")
 
     def write(self, **extra: Any) -> None:
         self.data.update(extra)

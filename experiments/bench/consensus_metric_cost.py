@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -37,20 +36,14 @@ from bench_cases import compose as compose_run  # noqa: E402
 
 
 def compose(args):
-    steps = bt.logged_steps(args.warmup, args.block, args.blocks)
-    overrides = [
+    return compose_run(
         *MODELS["mlp"],
         "algorithm=dpsgd",
         f"workers={args.workers}",
-        f"train.steps={steps}",
-        f"train.log_every={args.block}",
-        f"train.eval_every={10 * steps}",
-        "train.progress=false",
-        "train.save_model=false",
+        *bt.timed_run(args.warmup, args.block, args.blocks),
         "data.num_test=256",
         "algorithm.eval_local_models=false",
-    ]
-    return compose_run(*overrides)
+    )
 
 
 def old_metric(algorithm) -> float:
@@ -66,41 +59,23 @@ def old_metric(algorithm) -> float:
 
 
 def one_round(args, metric_first: bool) -> dict[str, float]:
-    from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.run.build import network_model
-    from dpresearch.run.trainer import Trainer
-
     clock = bt.CLOCKS[args.clock]
-    cfg = compose(args)
-    with tempfile.TemporaryDirectory(prefix="bench-consensus-") as tmp:
-        trainer = Trainer(
-            cfg,
-            SimulatedCommunicator(cfg.workers, network_model(cfg)),
-            torch.device("cpu"),
-            Path(tmp),
-        )
+
+    def time_metrics(trainer) -> tuple[float, float, float, float]:
         algorithm = trainer.algorithm
+        algorithm.metrics()  # warm
+        start = clock()
+        for _ in range(args.calls):
+            new = algorithm.metrics()["gossip/consensus_distance"]
+        new_s = (clock() - start) / args.calls
+        start = clock()
+        for _ in range(args.calls):
+            old = old_metric(algorithm)
+        return new_s, (clock() - start) / args.calls, new, old
 
-        def time_metrics() -> tuple[float, float, float, float]:
-            algorithm.metrics()  # warm
-            start = clock()
-            for _ in range(args.calls):
-                new = algorithm.metrics()["gossip/consensus_distance"]
-            new_s = (clock() - start) / args.calls
-            start = clock()
-            for _ in range(args.calls):
-                old = old_metric(algorithm)
-            return new_s, (clock() - start) / args.calls, new, old
-
-        if metric_first:
-            new_s, old_s, new, old = time_metrics()
-        with bt.loop_clock(clock):
-            trainer.run()
-        step = statistics.median(
-            bt.logged_block_times(Path(tmp) / "metrics.jsonl", args.block, args.warmup)
-        )
-        if not metric_first:
-            new_s, old_s, new, old = time_metrics()
+    step, (new_s, old_s, new, old) = bt.time_beside_run(
+        compose(args), args.block, args.warmup, time_metrics, metric_first, clock
+    )
     assert abs(new - old) <= 1e-9 * max(abs(old), 1e-30), (new, old)
     return {
         "step_s": step,

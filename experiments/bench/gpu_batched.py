@@ -75,18 +75,13 @@ def dataset(args):
 
 
 def compose(args, mode: str):
-    steps = bt.logged_steps(args.warmup, args.block, args.blocks)
     overrides = [
         "data=cifar10",
         f"data.root={SUBSET}",
         "model=resnet20",
         f"workers={args.workers}",
         f"train.batch_size={args.batch}",
-        f"train.steps={steps}",
-        f"train.log_every={args.block}",
-        f"train.eval_every={100 * steps}",
-        "train.progress=false",
-        "train.save_model=false",
+        *bt.timed_run(args.warmup, args.block, args.blocks),
         f"train.device={args.device}",
         f"train.batched_workers={mode}",
         f"train.channels_last={str(args.channels_last).lower()}",
@@ -100,20 +95,15 @@ def compose(args, mode: str):
 
 def ours(args, data, mode: str) -> tuple[float, str]:
     """Median step time of the training loop with `train.batched_workers=mode`."""
-    from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.run.build import network_model
-    from dpresearch.run.trainer import Trainer
-
     cfg = compose(args, mode)
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
-        trainer = Trainer(
+        trainer = bt.simulated_trainer(
             cfg,
-            SimulatedCommunicator(cfg.workers, network_model(cfg)),
-            torch.device(args.device),
             Path(tmp),
-            data,
+            device=args.device,
+            data=data,
+            evaluate=lambda: {"test/loss": 0.0, "test/acc": 0.0},
         )
-        trainer.metrics.evaluate = lambda: {"test/loss": 0.0, "test/acc": 0.0}
         trainer.run()
         times = bt.logged_block_times(Path(tmp) / "metrics.jsonl", args.block, args.warmup)
     return statistics.median(times), trainer.compute.mode

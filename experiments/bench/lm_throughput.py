@@ -39,7 +39,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -68,7 +67,6 @@ ALGORITHMS = {
 
 
 def compose(args, workers: int):
-    steps = bt.logged_steps(args.warmup, args.block, args.blocks)
     overrides = [
         "data=shakespeare",
         f"data.root={CORPUS}",
@@ -77,11 +75,7 @@ def compose(args, workers: int):
         "train.grad_clip=null",  # as the shipped figures ran (before the LM data clipped)
         f"workers={workers}",
         f"train.batch_size={args.batch}",
-        f"train.steps={steps}",
-        f"train.log_every={args.block}",
-        f"train.eval_every={100 * steps}",
-        "train.progress=false",
-        "train.save_model=false",
+        *bt.timed_run(args.warmup, args.block, args.blocks),
         "data.sample_tokens=0",
         f"train.device={args.device}",
         f"train.batched_workers={args.batched}",
@@ -95,20 +89,11 @@ def compose(args, workers: int):
 
 def ours(args, data, workers: int) -> tuple[float, str]:
     """Median step time of the training loop with `workers` simulated workers."""
-    from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.run.build import network_model
-    from dpresearch.run.trainer import Trainer
-
     cfg = compose(args, workers)
     with tempfile.TemporaryDirectory(prefix="bench-lm-") as tmp, bt.loop_clock(args.read):
-        trainer = Trainer(
-            cfg,
-            SimulatedCommunicator(cfg.workers, network_model(cfg)),
-            torch.device(args.device),
-            Path(tmp),
-            data,
+        trainer = bt.simulated_trainer(
+            cfg, Path(tmp), device=args.device, data=data, evaluate=lambda: {"test/loss": 0.0}
         )
-        trainer.metrics.evaluate = lambda: {"test/loss": 0.0}
         trainer.run()
         times = bt.logged_block_times(Path(tmp) / "metrics.jsonl", args.block, args.warmup)
     return statistics.median(times), trainer.compute.mode
@@ -251,8 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {a} ÷ {b} | | {statistics.median(ratio):.3f} {bt.fmt_range(ratio)} | {goal} |"
             )
     print(f"simulated side: {took}")
-    results.write(summary=summary, finished=time.strftime("%Y-%m-%dT%H:%M:%S"))
-    print(f"wrote {results.path}")
+    results.finish(summary=summary)
     return 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -37,58 +36,36 @@ from bench_cases import compose as compose_run  # noqa: E402
 
 
 def compose(args):
-    steps = bt.logged_steps(args.period, args.period, args.blocks)
     return compose_run(
         *MODELS["mlp"],
         "algorithm=local_sgd",
         f"algorithm.period={args.period}",
         "outer=nesterov",
         f"workers={args.workers}",
-        f"train.steps={steps}",
-        f"train.log_every={args.period}",
-        f"train.eval_every={10 * steps}",
-        "train.progress=false",
-        "train.save_model=false",
+        *bt.timed_run(args.period, args.period, args.blocks),
         "data.num_test=256",
     )
 
 
 def one_round(args, diagnostics_first: bool) -> dict[str, float]:
     from dpresearch.algorithms.diagnostics import outer_momentum_norm
-    from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.run.build import network_model
-    from dpresearch.run.trainer import Trainer
 
     clock = bt.CLOCKS[args.clock]
-    cfg = compose(args)
-    with tempfile.TemporaryDirectory(prefix="bench-outer-diag-") as tmp:
-        trainer = Trainer(
-            cfg,
-            SimulatedCommunicator(cfg.workers, network_model(cfg)),
-            torch.device("cpu"),
-            Path(tmp),
-        )
+
+    def time_diagnostics(trainer) -> float:
         outer = trainer.algorithm
+        delta = outer.anchor.params[0] - outer.base.model_rows()
+        outer.diagnostics.observe(0, delta, outer.comm)  # warm
+        start = clock()
+        for _ in range(args.calls):
+            outer.diagnostics.observe(0, delta, outer.comm)
+            outer.diagnostics.metrics()
+            outer_momentum_norm(outer.outer)
+        return (clock() - start) / args.calls
 
-        def time_diagnostics() -> float:
-            delta = outer.anchor.params[0] - outer.base.model_rows()
-            outer.diagnostics.observe(0, delta, outer.comm)  # warm
-            start = clock()
-            for _ in range(args.calls):
-                outer.diagnostics.observe(0, delta, outer.comm)
-                outer.diagnostics.metrics()
-                outer_momentum_norm(outer.outer)
-            return (clock() - start) / args.calls
-
-        if diagnostics_first:
-            diag_s = time_diagnostics()
-        with bt.loop_clock(clock):
-            trainer.run()
-        step = statistics.median(
-            bt.logged_block_times(Path(tmp) / "metrics.jsonl", args.period, args.period)
-        )
-        if not diagnostics_first:
-            diag_s = time_diagnostics()
+    step, diag_s = bt.time_beside_run(
+        compose(args), args.period, args.period, time_diagnostics, diagnostics_first, clock
+    )
     round_s = args.period * step
     return {"step_s": step, "round_s": round_s, "diagnostics_s": diag_s, "share": diag_s / round_s}
 

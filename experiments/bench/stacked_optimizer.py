@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -127,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     print(f"{bt.load()} at the end")
-    results.write(summary=summary, finished=time.strftime("%Y-%m-%dT%H:%M:%S"))
-    print(f"wrote {results.path}")
+    results.finish(summary=summary)
     return 0
 
 

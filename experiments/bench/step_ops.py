@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_timing as bt  # noqa: E402
 from bench_cases import compose  # noqa: E402
 from lm_throughput import CORPUS  # noqa: E402
 
@@ -49,10 +50,6 @@ CASES = {
 
 def count(case: str, args) -> dict[str, float]:
     """Per measured step: aten ops, Python calls, Python calls inside torch.optim."""
-    from dpresearch.comm.simulated import SimulatedCommunicator
-    from dpresearch.run.build import network_model
-    from dpresearch.run.trainer import Trainer
-
     cfg = compose(
         "data=shakespeare", f"data.root={CORPUS}", f"model={args.model}",
         f"workers={args.workers}", "train.batch_size=4", f"train.steps={args.steps}",
@@ -63,13 +60,7 @@ def count(case: str, args) -> dict[str, float]:
     ops = calls = optim_calls = 0
     measured = 0
     with tempfile.TemporaryDirectory(prefix="bench-ops-") as tmp:
-        trainer = Trainer(
-            cfg,
-            SimulatedCommunicator(cfg.workers, network_model(cfg)),
-            torch.device("cpu"),
-            Path(tmp),
-        )
-        trainer.metrics.evaluate = lambda: {"test/loss": 0.0}
+        trainer = bt.simulated_trainer(cfg, Path(tmp), evaluate=lambda: {"test/loss": 0.0})
         algorithm = trainer.built.algorithm
         inner = algorithm.after_backward
 

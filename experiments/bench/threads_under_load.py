@@ -112,21 +112,13 @@ def child(case: str, threads: int, run_dir: Path, args) -> None:
     `threads.for_simulated`), without the final evaluation (the test set is not the point)."""
     import torch
 
-    from dpresearch.comm.simulated import SimulatedCommunicator
     from dpresearch.config.preflight import preflight
     from dpresearch.launch.threads import describe, for_simulated
-    from dpresearch.run.build import network_model
-    from dpresearch.run.trainer import Trainer
 
-    steps = bt.logged_steps(args.warmup, args.block, args.blocks)
     fixed = [f"backend.threads={threads}"] if threads else []
     overrides = [
         *CASES[case],
-        f"train.steps={steps}",
-        f"train.log_every={args.block}",
-        f"train.eval_every={100 * steps}",
-        "train.save_model=false",
-        "train.progress=false",
+        *bt.timed_run(args.warmup, args.block, args.blocks),
         *fixed,
     ]
     cfg = compose(*overrides)
@@ -134,14 +126,9 @@ def child(case: str, threads: int, run_dir: Path, args) -> None:
     n, why = for_simulated(cfg, dataset, "cpu")
     torch.set_num_threads(n)
     print(describe(n, why), flush=True)
-    trainer = Trainer(
-        cfg,
-        SimulatedCommunicator(cfg.workers, network_model(cfg)),
-        torch.device("cpu"),
-        run_dir,
-        dataset,
+    trainer = bt.simulated_trainer(
+        cfg, run_dir, data=dataset, evaluate=lambda: {"test/loss": 0.0, "test/acc": 0.0}
     )
-    trainer.metrics.evaluate = lambda: {"test/loss": 0.0, "test/acc": 0.0}
     trainer.run()
 
 
@@ -182,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             f"load {' '.join(f'{v:.2f}' for v in os.getloadavg())}",
             flush=True,
         )
+        (REPO / "runs").mkdir(exist_ok=True)  # (git-ignored: absent from a fresh clone)
         with tempfile.TemporaryDirectory(prefix="bench-threads-", dir=REPO / "runs") as tmp:
             for case in cases:
                 ratios, choices = [], set()

@@ -143,13 +143,9 @@ def model_state_mb(model: str, vocab: int) -> float:
 def throughput(args, small: Path) -> dict[str, list[float]]:
     """Per round: time per token of the loop on `small` mapped and in memory, and of the
     gather alone, alternating sides."""
-    from dpresearch.comm.simulated import SimulatedCommunicator
     from dpresearch.data.text import TextDataset
-    from dpresearch.run.build import network_model
-    from dpresearch.run.trainer import Trainer
 
     block, warmup = 10, 10
-    steps = bt.logged_steps(warmup, block, max(1, args.tp_steps // block))
     cfg = compose_run(
         "data=text",
         f"data.root={small}",
@@ -157,11 +153,7 @@ def throughput(args, small: Path) -> dict[str, list[float]]:
         f"model={args.model}",
         f"workers={args.workers}",
         f"train.batch_size={args.batch}",
-        f"train.steps={steps}",
-        f"train.log_every={block}",
-        f"train.eval_every={100 * steps}",
-        "train.progress=false",
-        "train.save_model=false",
+        *bt.timed_run(warmup, block, max(1, args.tp_steps // block)),
         "backend.threads=1",
         *SMALL_EVAL,
     )
@@ -174,14 +166,9 @@ def throughput(args, small: Path) -> dict[str, list[float]]:
 
     def loop(side: str) -> float:
         with tempfile.TemporaryDirectory(prefix="bench-tokens-") as tmp, bt.loop_clock(args.read):
-            trainer = Trainer(
-                cfg,
-                SimulatedCommunicator(cfg.workers, network_model(cfg)),
-                torch.device("cpu"),
-                Path(tmp),
-                data[side],
+            trainer = bt.simulated_trainer(
+                cfg, Path(tmp), data=data[side], evaluate=lambda: {"test/loss": 0.0}
             )
-            trainer.metrics.evaluate = lambda: {"test/loss": 0.0}
             trainer.run()
             return statistics.median(
                 bt.logged_block_times(Path(tmp) / "metrics.jsonl", block, warmup)
@@ -304,8 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         results.write(throughput=got, ratio=ratio, gather_ratio=gather)
     print(f"{before} -> {bt.load()}")
-    results.write(finished=time.strftime("%Y-%m-%dT%H:%M:%S"))
-    print(f"wrote {results.path}")
+    results.finish()
     return 0
 
 
