@@ -154,7 +154,7 @@ class AsyncSGD(Algorithm):
         self.protocol: Protocol = instantiate(protocol or DEFAULT_PROTOCOL, workers=k)
         self.server = ParameterServer(
             replicas.models[0],
-            optimizers[0],
+            self.server_optimizer(replicas, optimizers),
             self.protocol,
             StalenessPolicy(opts.lr_policy, k, opts.tau_max),
             opts.delay_compensation,
@@ -192,6 +192,13 @@ class AsyncSGD(Algorithm):
         self.mode: Streamed | FixedDelay = (
             FixedDelay(self, opts.delay) if opts.delay is not None else Streamed(self)
         )
+
+    def server_optimizer(
+        self, replicas: Replicas, optimizers: list[torch.optim.Optimizer]
+    ) -> torch.optim.Optimizer:
+        """The optimizer the server's copy of it steps with (over `replicas.models[0]`):
+        the workers' own (asynchronous SGD); asynchronous Local-SGD's outer optimizer."""
+        return optimizers[0]
 
     @classmethod
     def part(cls, comm: Communicator) -> type[Algorithm]:
