@@ -29,8 +29,10 @@ the same outer optimizer object as DiLoCo's (N = 1: it steps on every arrival);
 `dynamic_local_updates` (DyLU): worker k runs H_k = max(1, ⌊H·v_k/v_max⌋) local steps, v_k its
 mean speed under the speed model (1 / (compute_s × its slowdown)).
 
-Simulated only: on real ranks a worker would run H steps per pull while the server takes one
-step per push, which the run loop's shared step count does not express (refused).
+Real ranks (`backend=gloo|nccl`): K workers and a server as for asynchronous SGD; a worker
+(`AsyncLocalWorker`) runs its H_w steps per pull on its own rank and pushes Δ; the server takes
+the push at a round's first step and applies it at its H_w-th, so `train.steps` counts the same
+local steps and, with `async.order=seeded`, a real run computes what the simulator computes.
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from dpresearch.algorithms.async_sgd import AsyncSGD
+from dpresearch.algorithms.async_sgd import AsyncSGD, AsyncWorker
 from dpresearch.algorithms.base import Algorithm, StepPlan
 from dpresearch.asynchrony.options import AsyncOptions
+from dpresearch.asynchrony.transport import ProcessTransport
 from dpresearch.comm.base import Communicator
 from dpresearch.optim import build_optimizer
 from dpresearch.replicas import Replicas
@@ -115,13 +118,14 @@ class AsyncLocalSGD(AsyncSGD):
         self.local.check()
         self.outer_node = outer_optimizer
         super().__init__(replicas, comm, optimizers, **node)
-        if not self.transport.computes_here:
-            raise ValueError(SIMULATED_ONLY.format(backend="real processes"))
         self.local_steps = local_steps(self.local, self.speed.scale)
         self.clock.steps = self.local_steps  # (nothing started yet: the first plan begins)
         self.start = replicas.params.new_empty(replicas.params.shape[1])  # x_start of the pusher
         self.left = 0  # local steps the current worker has still to run
-        self._own_plans = [StepPlan((w,)) for w in range(comm.world_size)]
+        # a round's later steps: the pusher's row here; on real ranks the server computes nothing
+        self._own_plans = [
+            StepPlan((w,) if self.transport.computes_here else ()) for w in range(comm.world_size)
+        ]
         self.window: Replicas | None = None  # Delayed Nesterov's θ_s, its outer optimizer
         if self.local.delayed_nesterov > 1:
             self.window = Replicas(replicas.models[0], 1, replicas.params.device)
@@ -150,8 +154,6 @@ class AsyncLocalSGD(AsyncSGD):
         super().check_config(cfg)
         alg = cfg.algorithm
         AsyncLocalOptions.from_node(alg).check()
-        if cfg.backend.name != "simulated":
-            raise ValueError(SIMULATED_ONLY.format(backend=f"backend={cfg.backend.name}"))
         opts = AsyncOptions.from_node(alg.get("options"))
         if opts.delay is not None:
             raise ValueError(
@@ -182,24 +184,41 @@ class AsyncLocalSGD(AsyncSGD):
     def attach_compute(self, compute: Any) -> None:
         """Nothing is computed ahead: a worker's next steps depend on its previous ones."""
 
+    @classmethod
+    def part(cls, comm: Communicator) -> type[Algorithm]:
+        """The server on rank 0 (and in a simulating process), `AsyncLocalWorker` on worker
+        ranks."""
+        return cls if super().part(comm) is cls else AsyncLocalWorker
+
     def plan(self, step: int) -> StepPlan:
-        if self.left == 0:  # the clock names the next worker to push; it starts its H_w steps
+        """A round's first step: the next push (the clock's next arrival; on real ranks, the
+        push received); then its H_w steps (on real ranks, the worker ran them on its own
+        rank: the server waits them out, so the update lands at the same step)."""
+        if self.left == 0:
             plan = self.mode.plan(step)
             w = self._worker
             self.left = self.local_steps[w]
-            self.start.copy_(self.replicas.params[w])  # its pull, untouched since its release
+            transport = self.transport
+            if isinstance(transport, ProcessTransport):
+                transport.keep_received()  # applied H_w steps on: other pushes arrive meanwhile
+            else:
+                self.start.copy_(self.replicas.params[w])  # its pull, untouched since released
             return plan
         return self._own_plans[self._worker]
 
     def after_backward(self, step: int) -> None:
         w = self._worker
-        self.step_optimizer(w)
+        here = self.transport.computes_here
+        if here:
+            self.step_optimizer(w)
         self.left -= 1
         if self.left:
+            self.tell_workers()  # (a checkpoint or the end reaches the workers at any step)
             return
         self.steps += 1
         replicas = self.replicas
-        torch.sub(self.start, replicas.params[w], out=replicas.grads[w])  # Δ = x_start − x_end
+        if here:  # Δ = x_start − x_end, pushed from the gradient row
+            torch.sub(self.start, replicas.params[w], out=replicas.grads[w])
         push = self.transport.take(w)
         version = self.server.version
         released = self.server.push(w, push.gradient, push.read_version, None, push.buffers)
@@ -224,8 +243,17 @@ class AsyncLocalSGD(AsyncSGD):
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Asynchronous SGD's state, the current worker's start and steps left, and Delayed
-        Nesterov's window (θ_s, Σ g, the outer optimizer's momentum)."""
-        state = super().state_dict()
+        Nesterov's window (θ_s, Σ g, the outer optimizer's momentum). On real ranks inside a
+        round, the push received and not yet applied is saved first among the pushes held."""
+        transport = self.transport
+        current = self.left > 0 and isinstance(transport, ProcessTransport)
+        if current:
+            transport.held.appendleft(transport.received)
+        try:
+            state = super().state_dict()
+        finally:
+            if current:
+                transport.held.popleft()
         state["local"] = {"start": self.start, "left": self.left}
         if self.window is not None:
             state["local"]["window"] = {
@@ -240,6 +268,8 @@ class AsyncLocalSGD(AsyncSGD):
         local = state["local"]
         self.start.copy_(local["start"])
         self.left = int(local["left"])
+        if self.left and isinstance(self.transport, ProcessTransport):
+            self.transport.received = self.transport.held.popleft()  # the round's own push
         if self.window is not None:
             saved = local["window"]
             self.window.params.copy_(saved["params"])
@@ -247,8 +277,55 @@ class AsyncLocalSGD(AsyncSGD):
             self.outer.load_state_dict(saved["outer"])
 
 
-SIMULATED_ONLY = (
-    "algorithm=async_local_sgd runs on the event simulator only (on {backend} a worker's H "
-    "local steps per pull and the server's one step per push have no shared step count): "
-    "use backend=simulated"
-)
+class AsyncLocalWorker(AsyncWorker):
+    """Asynchronous Local-SGD, a worker's side on real ranks (`AsyncLocalSGD.part`): a pull
+    starts a round of H_w local steps of its own optimizer, one per loop step, on its own
+    batches; the last one pushes Δ = x_start − x_end (through `AsyncWorker`'s push: header,
+    compressed wire, buffers). Control messages arrive between rounds."""
+
+    def __init__(
+        self,
+        replicas: Replicas,
+        comm: Communicator,
+        optimizers: list[torch.optim.Optimizer],
+        **node: Any,
+    ) -> None:
+        super().__init__(replicas, comm, optimizers, **node)
+        options = AsyncLocalOptions.from_node(node)
+        self.local_steps = local_steps(options, self.speed.scale)[self.worker]
+        self.start = replicas.params[0].clone()
+        self.left = 0
+        self._round = StepPlan((0,))
+
+    def set_lr(self, multiplier: float) -> None:
+        """The worker's own optimizer, by its own step count (a schedule other than constant
+        makes the real run differ from the simulator's, which counts every worker's steps)."""
+        Algorithm.set_lr(self, multiplier)
+
+    def plan(self, step: int) -> StepPlan:
+        if self.left:
+            return self._round
+        plan = super().plan(step)  # the server's next message
+        if self._control is None:
+            self.left = self.local_steps
+            self.start.copy_(self.replicas.params[0])
+        return plan
+
+    def after_backward(self, step: int) -> None:
+        if self._control is not None:
+            return
+        self.step_optimizer(0)
+        self.left -= 1
+        if self.left:
+            return
+        torch.sub(self.start, self.replicas.params[0], out=self.replicas.grads[0])
+        super().after_backward(step)
+
+    def state_dict(self) -> dict:
+        """`AsyncWorker`'s, and the round (a checkpoint comes between rounds: none open)."""
+        return {**super().state_dict(), "left": self.left, "start": self.start}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.left = int(state["left"])
+        self.start.copy_(state["start"])
