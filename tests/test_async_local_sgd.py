@@ -39,6 +39,7 @@ from omegaconf import OmegaConf
 from dpresearch.algorithms.async_local_sgd import AsyncLocalOptions
 from dpresearch.config.validate import ConfigError, validate
 from dpresearch.data.synthetic import make_synthetic
+from dpresearch.run.checkpoint_files import latest_checkpoint
 from dpresearch.run.trainer import InjectedFailure
 from dpresearch.train import train
 
@@ -241,6 +242,34 @@ def test_seeded_real_run_equals_the_simulator(tmp_path):
     assert [[m.get(k) for k in keys] for m in metric_lines(tmp_path / "real")] == [
         [m.get(k) for k in keys] for m in metric_lines(tmp_path / "sim")
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_real_run_that_failed_resumes_to_the_simulated_result(tmp_path):
+    """Worker 1 fails at its 15th local step on its own rank (the job ends); `train.resume=auto`
+    continues from the server's last checkpoint (pushes held included) and ends where the
+    uninterrupted simulated run ends, bit for bit."""
+    args = [
+        *CHECKPOINTED,
+        *RANDOM,
+        "workers=3",
+        "async.slow_workers=[2]",
+        "async.order=seeded",
+        "backend.threads=1",
+        "train.checkpoint_every=10",
+    ]
+    train(compose_config(*args), tmp_path / "sim")
+    real = tmp_path / "real"
+    with pytest.raises(Exception):  # noqa: B017 (the launcher's: the rank's failure inside)
+        train(
+            compose_config(*args, "backend=gloo", "debug.fail_worker=1", "debug.fail_at_step=15"),
+            real,
+        )
+    assert latest_checkpoint(real) is not None and not (real / "summary.json").exists()
+    summary = train(compose_config(*args, "backend=gloo", "train.resume=auto"), real)
+    assert summary["status"] == "finished"
+    assert same(final_params(tmp_path / "sim"), final_params(real))
 
 
 def test_yaml_defaults_are_the_options_defaults():
