@@ -199,6 +199,7 @@ def test_kill_and_resume_bit_for_bit(tmp_path):
     lines = [untimed(m) for m in metric_lines(resumed)]
     assert lines == [untimed(m) for m in metric_lines(tmp_path / "reference")]
     assert metric_lines(resumed)[-1]["async/updates"] > 10
+    assert metric_lines(resumed)[-1]["outer/momentum_norm"] > 0  # (Delayed Nesterov's θ_s)
 
 
 def test_batched_compute_equals_the_loop(tmp_path):

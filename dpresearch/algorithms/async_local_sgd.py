@@ -47,6 +47,7 @@ from omegaconf import DictConfig
 
 from dpresearch.algorithms.async_sgd import AsyncSGD, AsyncWorker
 from dpresearch.algorithms.base import Algorithm, StepPlan
+from dpresearch.algorithms.diagnostics import outer_momentum_norm
 from dpresearch.asynchrony.options import AsyncOptions
 from dpresearch.asynchrony.transport import ProcessTransport
 from dpresearch.comm.base import Communicator
@@ -239,6 +240,11 @@ class AsyncLocalSGD(AsyncSGD):
         step_together([self.outer], self._window_rows)
         window.grads.zero_()
         self.server.params.copy_(window.params[0])
+
+    def metrics(self) -> dict[str, float]:
+        """Asynchronous SGD's (staleness, updates, the clock) and `outer/momentum_norm`."""
+        outer = self.outer if self.window is not None else self.server.optimizer
+        return {**super().metrics(), "outer/momentum_norm": outer_momentum_norm([outer])}
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
