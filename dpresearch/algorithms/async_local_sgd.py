@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from dpresearch.algorithms.async_sgd import AsyncSGD, AsyncWorker
+from dpresearch.algorithms.async_sgd import AsyncSGD, AsyncWorker, uses_channels_last
 from dpresearch.algorithms.base import Algorithm, StepPlan
 from dpresearch.algorithms.diagnostics import outer_momentum_norm
 from dpresearch.asynchrony.options import AsyncOptions
@@ -129,7 +129,8 @@ class AsyncLocalSGD(AsyncSGD):
         ]
         self.window: Replicas | None = None  # Delayed Nesterov's θ_s, its outer optimizer
         if self.local.delayed_nesterov > 1:
-            self.window = Replicas(replicas.models[0], 1, replicas.params.device)
+            device, nhwc = replicas.params.device, uses_channels_last(replicas)
+            self.window = Replicas(replicas.models[0], 1, device, nhwc)  # the server's layout
             self.window.params.copy_(self.server.params)
             params = [p for p in self.window.models[0].parameters() if p.requires_grad]
             self.outer = build_optimizer(self.outer_node, params)
