@@ -232,6 +232,7 @@ def test_seeded_real_run_equals_the_simulator(tmp_path):
         "compressor=topk",  # Δ compressed, each worker's EF14 memory on its own rank
         "compressor.ratio=0.2",
         "error_feedback=ef14",
+        "train.grad_clip=0.5",  # each local step's gradient, on its worker's rank
     ]
     simulated = train(compose_config(*args), tmp_path / "sim")
     real = train(compose_config(*args, "backend=gloo"), tmp_path / "real")
@@ -283,6 +284,15 @@ def test_yaml_defaults_are_the_options_defaults():
     assert OmegaConf.to_container(node.outer_optimizer) == OmegaConf.to_container(
         compose_config("optimizer=outer_nesterov").optimizer
     )
+
+
+def test_workers_clip_their_own_steps_on_real_ranks():
+    """`train.grad_clip` clips each local step's gradient on its worker's rank (the pushed Δ is
+    not a gradient): compressed pushes on gloo are accepted, unlike asynchronous SGD's."""
+    real = ["backend=gloo", "train.grad_clip=1.0", "compressor=topk", "error_feedback=ef14"]
+    validate(compose_config(ALSGD, *real))
+    with pytest.raises(ConfigError, match="clips the gradient the server receives"):
+        validate(compose_config("algorithm=async_sgd", *real))
 
 
 BAD = [

@@ -104,6 +104,8 @@ class AsyncLocalSGD(AsyncSGD):
     `period`, `delayed_nesterov`, `dynamic_local_updates`: `AsyncLocalOptions`; the rest as
     `AsyncSGD` takes them."""
 
+    server_clips = False  # `train.grad_clip`: each worker clips its local steps' gradients
+
     def __init__(
         self,
         replicas: Replicas,

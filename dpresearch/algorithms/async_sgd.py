@@ -133,6 +133,9 @@ class AsyncSGD(Algorithm):
     # next arrival, so it is refused. Real ranks: a server process besides the K workers.
     traits = Traits(skippable=False, extra_processes=1, lockstep=False, messages=True)
     channel = ChannelNeeds.push()
+    # On real ranks the server clips the pushed gradient (`train.grad_clip`); a subclass whose
+    # workers clip their own steps (asynchronous Local-SGD) sets False.
+    server_clips = True
 
     def __init__(
         self,
@@ -219,6 +222,7 @@ class AsyncSGD(Algorithm):
         real = cfg.backend.name != "simulated"
         if (
             cfg.train.get("grad_clip") is not None
+            and cls.server_clips
             and real
             and compresses(alg.get("compressor"), alg.get("error_feedback"))
         ):
