@@ -213,6 +213,7 @@ def test_batched_compute_equals_the_loop(tmp_path):
     assert max_diff(runs["false"], runs["true"]) <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_seeded_real_run_equals_the_simulator(tmp_path):
     """A server and 3 gloo workers in the event clock's order compute what the simulator
