@@ -1,5 +1,6 @@
 """`time/modeled_s`: every worker's compute under the speed model plus the network model's
-communication, a round ending when its last participant arrives (`run/modeled_clock.py`)."""
+communication, a round ending when its last participant arrives (`run/modeled_clock.py`); for
+asynchronous Local-SGD, its event simulator's push arrivals."""
 
 from __future__ import annotations
 
@@ -60,6 +61,66 @@ def test_diloco_round_ends_when_the_slowest_worker_arrives(tmp_path):
     tta = time_to_accuracy(load_metrics_many([tmp_path]), "step", 8)
     assert tta["tta/modeled_s"].tolist() == [pytest.approx(expected[8], rel=1e-12)]
     assert axis_label("time/modeled_s", {})[0].startswith("modeled wall-clock time")
+
+
+# asynchronous Local-SGD: a worker pulls (a message of the parameters), runs its H steps at its own
+# speed and pushes Δ (a message of a 4-number float64 header and Δ); no buffers in the MLP
+ASYNC_LOCAL = ["algorithm=async_local_sgd", f"algorithm.period={H}"]
+PULL_BYTES, PUSH_BYTES = 8 * 3 + 4 * PARAMS, 8 * 4 + 4 * PARAMS
+
+
+def message_s(nbytes: int) -> float:
+    """One point-to-point message of `nbytes` on 1 GbE (50 µs, 1 Gbit/s), by hand."""
+    return 50e-6 + nbytes / (1e9 / 8)
+
+
+def async_local(tmp_path, *overrides: str) -> list[dict]:
+    args = [*SMALL_512, *STRAGGLER, *ASYNC_LOCAL, "train.steps=50", *overrides]
+    train(compose_config(*args), tmp_path)
+    return metric_lines(tmp_path)
+
+
+def test_async_local_sgd_workers_push_at_their_own_speed(tmp_path):
+    # a fast round: pull, H·c, push; the slow worker's 3·H·c: the three fast workers push
+    # twice (steps 1–30, H steps each, worker by worker) before it arrives (steps 31–35; 32 is
+    # the epoch's end), then their third time (36–50); `comm/bytes`: the mean over K workers of
+    # the pushes so far
+    transfer = message_s(PULL_BYTES) + message_s(PUSH_BYTES)
+    fast, slow = H * C + transfer, H * SLOW * C + transfer
+    rounds = {5: fast, 10: fast, 15: fast, 20: 2 * fast, 25: 2 * fast, 30: 2 * fast}
+    expected = {**rounds, 32: slow, 35: slow, 40: 3 * fast, 45: 3 * fast, 50: 3 * fast}
+    rows = async_local(tmp_path)
+    assert {m["step"]: m["time/modeled_s"] for m in rows} == {
+        s: pytest.approx(t, rel=1e-12) for s, t in expected.items()
+    }
+    assert {m["step"]: m["comm/bytes"] for m in rows} == {
+        s: s // H * PUSH_BYTES / K for s in expected
+    }
+    assert rows[-1]["async/applied_per_worker_min"] == 1  # the slow worker: once
+    # synchronous DiLoCo's second round ends at 2·(H·3c + allreduce): the fast workers'
+    # third push came earlier
+    assert 3 * fast < 2 * (H * SLOW * C + allreduce_s(4 * PARAMS))
+
+
+def test_dynamic_local_updates_give_the_slow_worker_fewer_steps(tmp_path):
+    # DyLU: H_3 = ⌊H · (1/3c) / (1/c)⌋ = 1 local step a round (0.75 s), the others H = 5 (1.25 s)
+    transfer = message_s(PULL_BYTES) + message_s(PUSH_BYTES)
+    fast, slow = H * C + transfer, SLOW * C + transfer
+    expected = {
+        1: slow,
+        16: fast,
+        17: 2 * slow,
+        18: 3 * slow,
+        33: 2 * fast,
+        34: 4 * slow,
+        49: 3 * fast,  # 3.75 + 3 transfers: before the slow worker's 3.75 + 5
+        50: 5 * slow,
+    }
+    rows = async_local(tmp_path, "algorithm.dynamic_local_updates=true", "train.log_every=1")
+    clock = {m["step"]: m["time/modeled_s"] for m in rows}
+    assert {s: clock[s] for s in expected} == {
+        s: pytest.approx(t, rel=1e-12) for s, t in expected.items()
+    }
 
 
 def test_speed_keys_are_every_familys_and_checked():

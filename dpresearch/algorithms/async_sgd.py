@@ -143,6 +143,9 @@ class AsyncSGD(Algorithm):
     traits = Traits(skippable=False, extra_processes=1, lockstep=False, messages=True)
     channel = ChannelNeeds.push()
     OPTIONS = AsyncSGDOptions
+    # On real ranks the server clips the pushed gradient (`train.grad_clip`); a subclass whose
+    # workers clip their own steps (asynchronous Local-SGD) sets False.
+    server_clips = True
 
     def __init__(
         self,
@@ -164,7 +167,7 @@ class AsyncSGD(Algorithm):
         self.protocol: Protocol = instantiate(protocol or DEFAULT_PROTOCOL, workers=k)
         self.server = ParameterServer(
             replicas.models[0],
-            optimizers[0],
+            self.server_optimizer(replicas, optimizers),
             self.protocol,
             StalenessPolicy(opts.lr_policy, k, opts.tau_max),
             opts.delay_compensation,
@@ -203,6 +206,13 @@ class AsyncSGD(Algorithm):
             FixedDelay(self, opts.delay) if opts.delay is not None else Streamed(self)
         )
 
+    def server_optimizer(
+        self, replicas: Replicas, optimizers: list[torch.optim.Optimizer]
+    ) -> torch.optim.Optimizer:
+        """The optimizer the server's copy of it steps with (over `replicas.models[0]`):
+        the workers' own (asynchronous SGD); asynchronous Local-SGD's outer optimizer."""
+        return optimizers[0]
+
     @classmethod
     def part(cls, comm: Communicator) -> type[Algorithm]:
         """The server on rank 0 (and in a simulating process), `AsyncWorker` on worker ranks."""
@@ -223,6 +233,7 @@ class AsyncSGD(Algorithm):
         real = cfg.backend.name != "simulated"
         if (
             cfg.train.get("grad_clip") is not None
+            and cls.server_clips
             and real
             and compresses(alg.get("compressor"), alg.get("error_feedback"))
         ):

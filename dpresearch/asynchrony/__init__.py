@@ -16,6 +16,8 @@ Pieces, one job each:
   goes through a `compress.Channel`.
 
 The algorithms using these pieces are `dpresearch.algorithms.async_sgd.AsyncSGD` (the server's
-side, over either transport) with `AsyncWorker` (a worker's side on real ranks), and
-`dpresearch.algorithms.adpsgd.ADPSGD`; this package imports nothing of `algorithms`.
+side, over either transport) with `AsyncWorker` (a worker's side on real ranks), its subclass
+`dpresearch.algorithms.async_local_sgd.AsyncLocalSGD` (H local steps per push, an outer
+optimizer on the server; simulated), and `dpresearch.algorithms.adpsgd.ADPSGD`; this package
+imports nothing of `algorithms`.
 """

@@ -16,6 +16,7 @@ pure function of the configuration.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 
 from dpresearch.asynchrony.speed import SpeedModel
 from dpresearch.comm.network import NetworkModel
@@ -28,16 +29,29 @@ def transfer_seconds(network: NetworkModel, nbytes: int) -> float:
 
 
 class EventClock:
-    """Pending arrivals of in-flight workers and the simulated time `now`."""
+    """Pending arrivals of in-flight workers and the simulated time `now`. `steps[w]`: the
+    speed model's draws worker w computes between a pull and its push (None: one each, a
+    gradient; asynchronous Local-SGD: its H_w local steps, summed in order)."""
 
-    def __init__(self, speed: SpeedModel, pull_s: float, push_s: float) -> None:
+    def __init__(
+        self,
+        speed: SpeedModel,
+        pull_s: float,
+        push_s: float,
+        steps: Sequence[int] | None = None,
+    ) -> None:
         self.speed, self.pull_s, self.push_s = speed, pull_s, push_s
+        self.steps = list(steps) if steps is not None else None
         self.now = 0.0
         self._heap: list[tuple[float, int]] = []
 
     def start(self, worker: int) -> None:
-        """`worker` pulls at `now` and starts its next gradient."""
-        arrival = self.now + self.pull_s + self.speed.draw(worker) + self.push_s
+        """`worker` pulls at `now` and starts its next gradient (or its next `steps`)."""
+        draws = 1 if self.steps is None else self.steps[worker]
+        compute = self.speed.draw(worker)
+        for _ in range(draws - 1):
+            compute += self.speed.draw(worker)
+        arrival = self.now + self.pull_s + compute + self.push_s
         heapq.heappush(self._heap, (arrival, worker))
 
     def next_arrival(self) -> int:

@@ -114,6 +114,12 @@ class ParameterServer:
         self._multiplier = state["multiplier"]
 
     @property
+    def applied(self) -> Tensor:
+        """The flat gradient the last update stepped on (the open group's scaled mean, or the
+        pushed tensor itself): valid until the next push."""
+        return self._bound
+
+    @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 

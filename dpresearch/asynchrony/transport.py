@@ -220,6 +220,22 @@ class ProcessTransport:
         self._push = push
         return push.worker, ()
 
+    @property
+    def received(self) -> Push | None:
+        """The push `next_push` received last (None: none yet); settable (a resumed round's)."""
+        return self._push
+
+    @received.setter
+    def received(self, push: Push | None) -> None:
+        self._push = push
+
+    def keep_received(self) -> None:
+        """Copy the push `next_push` received out of the receive buffers, so that later
+        receives leave it whole (a server that applies it steps later)."""
+        push = self._push
+        if push is not None:
+            self._push = replace(push, gradient=push.gradient.clone(), buffers=push.buffers.clone())
+
     def take(self, w: int) -> Push:
         """The push `next_push` received."""
         push = self._push

@@ -189,24 +189,31 @@ def check_dct_blocks(cfg: DictConfig, model: torch.nn.Module) -> None:
     that writes) where most coefficients would (`compress.dct.whole_blocks_note`)."""
     from dpresearch.algorithms.demo import DeMoAlgorithm
     from dpresearch.algorithms.outer import outer_node
+    from dpresearch.compress.build import ChannelOptions
     from dpresearch.compress.channel import build_compressor, parameter_chunks
     from dpresearch.compress.dct import DCTTopK, chunk_shape, whole_blocks_note
     from dpresearch.launch.processes import global_rank, under_torchrun
+    from dpresearch.options import options_of
 
     tensors = [p.shape for p in model.parameters() if p.requires_grad]
     found: list[tuple[str, list, int, int]] = []  # (node, shapes, chunk, topk)
     if cfg.algorithm._target_.endswith(f".{DeMoAlgorithm.__name__}"):
         found.append(("algorithm", tensors, cfg.algorithm.chunk, cfg.algorithm.topk))
     outer = outer_node(cfg)
-    nodes = [("compressor", cfg.get("compressor"), cfg.algorithm)]
-    nodes.append(("outer.compressor", outer and outer.get("compressor"), {}))
-    for key, node, holder in nodes:
+    declared = options_of(cfg.algorithm._target_)
+    # the compression units: the algorithm's declared ones; the outer node's reducer: auto
+    nodes = [
+        ("compressor", cfg.get("compressor"), declared and declared.from_node(cfg.algorithm)),
+        ("outer.compressor", outer and outer.get("compressor"), None),
+    ]
+    for key, node, units in nodes:
         compressor = build_compressor(node, 0) if node else None  # (validate checked the node)
         if isinstance(compressor, DCTTopK):
-            granularity = holder.get("granularity", "auto")
+            granularity = getattr(units, "granularity", "auto")
             if granularity == "auto":
                 granularity = compressor.default_granularity
-            chunks = parameter_chunks(model, granularity, holder.get("bucket_mb", 25.0), 4)
+            bucket_mb = getattr(units, "bucket_mb", ChannelOptions.bucket_mb)
+            chunks = parameter_chunks(model, granularity, bucket_mb, 4)
             shapes = [chunk_shape(ch) for ch in chunks]
             found.append((key, shapes, compressor.chunk, compressor.topk))
     for key, shapes, chunk, topk in found:

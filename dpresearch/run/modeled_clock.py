@@ -45,10 +45,10 @@ exposed op starts when the link is free too.
 `time/modeled_s` is max_w t_w: when the last worker is done. Algorithms that run their own
 event simulator (asynchronous SGD, AD-PSGD: an `EventClock` as `algorithm.clock`) already
 price each worker's compute under the same speed model and every transfer on the network:
-their `time/simulated_s` is the modeled clock and this one draws nothing. An asynchronous
-outer method (asynchronous Local-SGD) plugs in the same way: its event clock takes H draws of
-a worker per push (`EventClock.start` per push with the H-step sum) and reports
-`time/simulated_s`.
+their `time/simulated_s` is the modeled clock and this one draws nothing. Asynchronous
+Local-SGD (`algorithm=async_local_sgd`) is one of them: its event clock draws a worker's H_w
+step times per push (`EventClock.steps`), so a push arrives at pull + Σ_h c_w,h + push after
+the worker's release, and a step's time is the arrival of the push it belongs to.
 
 Every process of a lockstep run holds all K workers' streams and draws the same times from
 the run's seed, and every process records the same collectives, so the clock is identical on
