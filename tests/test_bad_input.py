@@ -515,6 +515,10 @@ ASYNC_BAD = [
     (["error_feedback=ef21"], "support error_feedback=none or ef14"),
     (["async.delay=2", "backend=gloo"], "use backend=simulated"),
     (["train.on_nonfinite=skip_step"], "skip_step is not supported"),
+    (
+        ["algorithm=async_local_sgd", "algorithm.dynamic_local_updates=2"],
+        "algorithm.dynamic_local_updates=2: must be true or false",
+    ),
 ]
 
 
