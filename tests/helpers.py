@@ -117,6 +117,20 @@ def compose_config(*overrides: str) -> DictConfig:
         return compose(config_name="config", overrides=with_selected_choices(overrides))
 
 
+def check_command_line(args: list[str]) -> DictConfig:
+    """What `python -m dpresearch.train ARGS` checks before Hydra starts (no directory is
+    claimed): raises `ConfigError`. Returns the composed configuration with its `hydra` node
+    (`hydra.runtime.choices`: the option taken in each group; a sweep: its first point)."""
+    from dpresearch.config.cli_check import compose_command_line, parse_command_line, task_config
+    from dpresearch.config.preflight import preflight
+
+    cmd = parse_command_line(with_selected_choices(args))  # as the CLI's main does
+    composed = compose_command_line(cmd, CONF_DIR)
+    if cmd.runs:
+        preflight(task_config(composed), cmd.overrides)
+    return composed
+
+
 SUBSET = SHARED / "data" / "cifar10-subset"  # the CIFAR-10 subset, where present
 needs_subset = pytest.mark.skipif(not SUBSET.is_dir(), reason=f"no CIFAR subset at {SUBSET}")
 # SMALL with 512 examples and batches of 16 (the outer-optimizer and SparseLoCo tests).

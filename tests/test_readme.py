@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, SHARED, cli_env, load_scaled, ramp, write_run
+from helpers import REPO, SHARED, check_command_line, cli_env, load_scaled, ramp, write_run
 
 README = REPO / "README.md"
 SUBSET = SHARED / "data" / "cifar10-subset"
@@ -286,20 +286,6 @@ def _points(args: list[str]) -> list[list[str]]:
         else:
             points = [[*p, f"{ov.get_key_element()}={v}"] for p in points for v in values]
     return points
-
-
-def check_command_line(args: list[str]) -> None:
-    """What `python -m dpresearch.train ARGS` checks before Hydra starts (no directory is
-    claimed): raises `ConfigError`."""
-    from dpresearch import CONF_DIR
-    from dpresearch.config.cli_check import compose_command_line, parse_command_line, task_config
-    from dpresearch.config.preflight import preflight
-    from dpresearch.config.selects import with_selected_choices
-
-    cmd = parse_command_line(with_selected_choices(args))  # as the CLI's main does
-    composed = compose_command_line(cmd, CONF_DIR)
-    if cmd.runs:
-        preflight(task_config(composed), cmd.overrides)
 
 
 def train_source(run_dir: str, cwd: Path) -> None:
