@@ -54,7 +54,8 @@ def data_value(node: DictConfig, key: str) -> Any:
 
 
 def check_data(cfg: DictConfig) -> None:
-    """The partition options every `Dataset` takes, and the download deadline."""
+    """The partition options every `Dataset` takes, and the download deadline; a key the node
+    leaves out is checked at the data set's declared default (`data_value`)."""
     node = cfg.data
     partition = data_value(node, "partition")
     partitions = partitions_of(node)
