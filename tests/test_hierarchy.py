@@ -4,6 +4,7 @@ its own link; bytes are kept per tier; simulated ≡ gloo × 4 with 2 workers pe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -263,3 +264,18 @@ def test_ring_priced_two_level_simulated_equals_gloo(tmp_path):
     assert sim["comm/bytes_intra"] == 1.5 * dense * sim["total_steps"]
     assert real["comm/bytes_intra"] == sim["comm/bytes_intra"]
     assert real["comm/modeled_s"] == pytest.approx(sim["comm/modeled_s"], rel=1e-12)
+
+
+@pytest.mark.parametrize("positional", [True, False])
+def test_the_collective_is_checked_however_it_is_passed(positional):
+    """On a process that leads no node (no inter tier, so no flat reducer that would check it),
+    the two-level reducer checks the collective as `CompressedReducer` takes it: given by
+    position (as `build_reducer` passes it) or by name."""
+    comm = cluster(4, 2)
+    comm.tiers = dataclasses.replace(comm.tiers, inter=None, leaders=[])
+    args, kwargs = ("auto", 25.0, "allreduce"), {}
+    if not positional:
+        args, kwargs = (), {"collective": "allreduce"}
+    with pytest.raises(ValueError, match="collective=allreduce but TopK payloads are not linear"):
+        HierarchicalReducer(TopK(ratio=0.05), comm, LAYOUT, None, *args, **kwargs)
+    HierarchicalReducer(TopK(ratio=0.05), comm, LAYOUT, None)  # auto: allgather

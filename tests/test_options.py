@@ -16,11 +16,23 @@ from typing import Any
 import pytest
 import yaml
 from helpers import compose_config
+from hydra.utils import get_object
+from omegaconf import OmegaConf
 
+from dpresearch.asynchrony import protocol as protocol_module
 from dpresearch.asynchrony.options import AsyncOptions
-from dpresearch.config.checks import check_compression
+from dpresearch.asynchrony.protocol import DEFAULT_PROTOCOL
+from dpresearch.config import schema
+from dpresearch.config.checks import (
+    check_compression,
+    check_data,
+    check_hierarchy,
+    check_protocol,
+)
+from dpresearch.config.checks.plugins import NOT_TAKEN, data_value
 from dpresearch.errors import ConfigError
 from dpresearch.options import CONF, GROUPS, Options, document, node_files, options_of
+from dpresearch.run.build import algorithm_class
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dpresearch"
 # Modules that read config nodes: they take a node's values from its declaration.
@@ -75,9 +87,10 @@ def yaml_problems(node: dict[str, Any], options: type[Options], base: bool) -> l
     return problems
 
 
-def literal_defaults(source: str, keys: set[str]) -> list[int]:
+def literal_defaults(source: str, keys: set[str], literal_only: bool = False) -> list[int]:
     """Lines calling `<x>.get("<key>", <default>)` for a node key: the default written there
-    instead of read from the declaration."""
+    instead of read from the declaration (`literal_only`: only where it is a literal, so that
+    `.get(key, TrainConfig.key)` reads the declaration)."""
     lines = []
     for call in ast.walk(ast.parse(source)):
         if (
@@ -87,6 +100,7 @@ def literal_defaults(source: str, keys: set[str]) -> list[int]:
             and len(call.args) == 2
             and isinstance(call.args[0], ast.Constant)
             and call.args[0].value in keys
+            and (not literal_only or isinstance(call.args[1], ast.Constant))
         ):
             lines.append(call.lineno)
     return lines
@@ -163,6 +177,54 @@ def test_no_module_reads_a_node_key_with_a_literal_default():
         if (lines := literal_defaults(path.read_text(), keys))
     }
     assert offenders == {}
+
+
+def run_node_keys() -> set[str]:
+    """The keys of the typed run nodes (`config/schema.py`'s dataclasses below `Config`) and
+    every literal key of a data set's YAML, at any depth: their defaults are declared by the
+    schema or by the data set's signature."""
+    keys = {
+        f.name
+        for obj in vars(schema).values()
+        if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj is not schema.Config
+        for f in dataclasses.fields(obj)
+    }
+
+    def walk(node: dict[str, Any]) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value)
+            elif key not in NOT_OPTIONS:
+                keys.add(key)
+
+    for path in (CONF / "data").glob("*.yaml"):
+        walk(load(path))
+    return keys
+
+
+def test_no_module_writes_a_run_node_default_again():
+    """The checks read a run node's default from the schema (`TrainConfig.eval_bn_stats`) and
+    a data key's from the data set's signature, never a literal of their own."""
+    keys = run_node_keys()
+    assert {"eval_bn_stats", "intra_algorithm", "compute_step_s"} <= keys  # the schema
+    assert {"partition", "alpha", "download_timeout_s"} <= keys  # the data YAMLs
+    offenders = {
+        str(path.relative_to(PACKAGE)): lines
+        for root in READERS
+        for path in sorted(root.rglob("*.py"))
+        if (lines := literal_defaults(path.read_text(), keys, literal_only=True))
+    }
+    assert offenders == {}
+
+
+def test_a_written_run_node_default_is_found():
+    source = (
+        "def f(tc):\n"
+        "    a = tc.get('eval_bn_stats', 'consensus')\n"
+        "    return tc.get('eval_bn_stats', TrainConfig.eval_bn_stats)\n"
+    )
+    assert literal_defaults(source, {"eval_bn_stats"}, literal_only=True) == [2]
+    assert literal_defaults(source, {"eval_bn_stats"}) == [2, 3]
 
 
 def declarations() -> list[type[Options]]:
@@ -251,3 +313,62 @@ def test_compression_is_left_alone_as_the_built_objects_say(overrides, refused):
         return
     with pytest.raises(ConfigError, match="LocalSGD does not use compressor/error_feedback"):
         check_compression(cfg)
+
+
+# -- behaviour decided by declarations: traits, the default protocol, data sets' signatures ----
+@pytest.mark.parametrize(
+    ("algorithm", "two_level"), [("sync", True), ("node_sync", True), ("local_sgd", False)]
+)
+def test_a_two_level_cluster_is_for_the_algorithms_that_declare_it(algorithm, two_level):
+    """`comm.hierarchy` is refused exactly where the class's `Traits.two_level` is false; the
+    check reads the trait (flipping it flips the verdict), not a list of targets."""
+    cfg = compose_config(f"algorithm={algorithm}", "workers=4", "comm.hierarchy.workers_per_node=2")
+    cls = algorithm_class(cfg)
+    assert cls.traits.two_level is two_level
+    for declared_two_level in (two_level, not two_level):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cls, "traits", dataclasses.replace(cls.traits, two_level=declared_two_level))
+            if declared_two_level:
+                check_hierarchy(cfg)
+            else:
+                with pytest.raises(ConfigError, match="two-level cluster for algorithm=sync"):
+                    check_hierarchy(cfg)
+
+
+def test_the_default_protocol_is_the_yaml_default():
+    """The protocol a run gets without `protocol=` is `DEFAULT_PROTOCOL`, and only it is left
+    alone for an algorithm without a protocol."""
+    assert get_object(compose_config().protocol._target_) is DEFAULT_PROTOCOL
+    check_protocol(compose_config("algorithm=sync"))
+    with pytest.raises(ConfigError, match="does not use a protocol; .* leave protocol=asgd"):
+        check_protocol(compose_config("algorithm=sync", "protocol=ssp"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(protocol_module, "DEFAULT_PROTOCOL", protocol_module.SSP)
+        with pytest.raises(ConfigError, match="leave protocol=ssp"):
+            check_protocol(compose_config("algorithm=sync"))
+
+
+def bad_alpha_data(partition: str = "iid", alpha: float = 0.0) -> None:
+    """A data set whose declared Dirichlet concentration is out of range."""
+
+
+@pytest.mark.parametrize(
+    ("node", "key", "value"),
+    [
+        ({"_target_": "dpresearch.data.least_squares.make_least_squares"}, "partition", "shared"),
+        ({"_target_": "dpresearch.data.cifar.CIFAR10.load"}, "download_timeout_s", 1800.0),
+        ({"_target_": "dpresearch.data.cifar.CIFAR10.load", "alpha": 0.5}, "alpha", 0.5),
+        ({"_target_": "dpresearch.data.synthetic.make_synthetic"}, "download_timeout_s", None),
+        ({"_target_": "no.such.target"}, "partition", None),
+    ],
+)
+def test_a_data_key_not_given_is_the_data_sets_declared_default(node, key, value):
+    found = data_value(OmegaConf.create(node), key)
+    assert (found is NOT_TAKEN) if value is None else (found == value)
+
+
+def test_a_declared_data_default_is_checked():
+    cfg = OmegaConf.create({"data": {"_target_": f"{__name__}.bad_alpha_data"}})
+    with pytest.raises(ConfigError, match="data.alpha=0.0: the Dirichlet concentration"):
+        check_data(cfg)
+    check_data(OmegaConf.create({"data": {"_target_": f"{__name__}.bad_alpha_data", "alpha": 2}}))

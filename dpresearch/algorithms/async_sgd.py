@@ -43,6 +43,7 @@ message and float buffers; a pull is sent by the server and charged to nobody),
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Mapping
@@ -58,7 +59,7 @@ from dpresearch.algorithms.base import Algorithm, StepPlan, Traits, Verdict
 from dpresearch.algorithms.diagnostics import memory_norm
 from dpresearch.asynchrony.clock import EventClock, transfer_seconds
 from dpresearch.asynchrony.options import AsyncOptions, check_options
-from dpresearch.asynchrony.protocol import ASGD, Protocol
+from dpresearch.asynchrony.protocol import ASGD, DEFAULT_PROTOCOL, Protocol
 from dpresearch.asynchrony.server import ParameterServer
 from dpresearch.asynchrony.speed import SpeedModel
 from dpresearch.asynchrony.staleness import StalenessPolicy
@@ -82,8 +83,6 @@ from dpresearch.compress import ChannelNeeds, open_channel
 from dpresearch.compress.build import ChannelOptions
 from dpresearch.compress.channel import compresses
 from dpresearch.replicas import Replicas
-
-DEFAULT_PROTOCOL = {"_target_": "dpresearch.asynchrony.protocol.ASGD"}
 
 
 def uses_channels_last(replicas: Replicas) -> bool:
@@ -164,7 +163,9 @@ class AsyncSGD(Algorithm):
         k = comm.num_workers
         self.options = opts = AsyncOptions.from_node(options)
         check_options(opts, k)
-        self.protocol: Protocol = instantiate(protocol or DEFAULT_PROTOCOL, workers=k)
+        self.protocol: Protocol = (
+            instantiate(protocol, workers=k) if protocol else DEFAULT_PROTOCOL(workers=k)
+        )
         self.server = ParameterServer(
             replicas.models[0],
             self.server_optimizer(replicas, optimizers),
@@ -251,7 +252,12 @@ class AsyncSGD(Algorithm):
                     f"backend=simulated, or drop async.delay for real processes "
                     f"({cfg.backend.name})"
                 )
-            protocol = instantiate(alg.get("protocol") or DEFAULT_PROTOCOL, workers=cfg.workers)
+            node = alg.get("protocol")
+            protocol = (
+                instantiate(node, workers=cfg.workers)
+                if node
+                else DEFAULT_PROTOCOL(workers=cfg.workers)
+            )
             if type(protocol) is not ASGD:
                 raise ValueError(
                     "async.delay fixes τ and replaces the protocol; drop async.delay or set "
@@ -500,7 +506,7 @@ class AsyncWorker(Algorithm):
         super().__init__(replicas, comm, optimizers)
         self.options = opts = AsyncOptions.from_node(node.get("options"))
         self.worker = comm.worker_of(comm.local_workers[0])
-        seed = node.get("seed", 0)
+        seed = node.get("seed", inspect.signature(AsyncSGD).parameters["seed"].default)
         own = AsyncSGDOptions.from_node(node)
         self.codec = open_channel(
             AsyncSGD.channel,

@@ -94,6 +94,10 @@ class Traits:
     hold one model (synchronous inside the node, nodes drifting apart: `algorithm=node_sync`),
     so an outer optimizer exchanges its pseudo-gradients among the node leaders only and
     broadcasts the result inside each node.
+    two_level: reduces in two levels on a two-level cluster (`comm.hierarchy`: exact inside
+    each node, then between the node leaders); the checks refuse `comm.hierarchy` for an
+    algorithm without it. Declared by each class that has it, as every trait (a subclass
+    restates its traits).
     compression_note: why an algorithm without `compressor`/`error_feedback` options takes
     none, shown when a configuration gives one (empty: the generic line).
     """
@@ -103,6 +107,7 @@ class Traits:
     extra_processes: int = 0
     drifts: bool = False
     node_replicas: bool = False
+    two_level: bool = False
     lockstep: bool = True
     messages: bool = False
     compression_note: str = ""

@@ -70,6 +70,7 @@ class NodeSyncSGD(SyncSGD):
     traits = Traits(
         drifts=True,
         node_replicas=True,
+        two_level=True,
         compression_note="averages its gradients uncompressed inside each node; compress the "
         "pseudo-gradients between nodes with compressor@outer.compressor=... instead",
     )

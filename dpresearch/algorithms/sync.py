@@ -27,7 +27,7 @@ import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
-from dpresearch.algorithms.base import Algorithm
+from dpresearch.algorithms.base import Algorithm, Traits
 from dpresearch.algorithms.diagnostics import reducers_memory_norm
 from dpresearch.algorithms.overlap import OverlappedGradientAverage
 from dpresearch.comm.base import Communicator
@@ -92,6 +92,7 @@ class SyncSGD(Algorithm):
     `overlap.py`); the result is the same as after backward.
     """
 
+    traits = Traits(two_level=True)  # a `HierarchicalReducer` on `comm.hierarchy`
     channel = ChannelNeeds()  # every worker's gradients aggregated by a collective
     OPTIONS = SyncOptions
 

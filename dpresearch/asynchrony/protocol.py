@@ -94,6 +94,11 @@ class ASGD(Protocol):
         return self._close_group_of(1), [worker]
 
 
+# The protocol of a run that names none: conf/config.yaml's `protocol: asgd` (a test compares
+# them); the checks refuse any other for an algorithm that takes no protocol.
+DEFAULT_PROTOCOL: type[Protocol] = ASGD
+
+
 class SoftSync(Protocol):
     """Apply the mean of every `c` accepted gradients (Zhang et al.'s n-softsync: c = K/n)."""
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 
@@ -131,7 +133,12 @@ class HierarchicalReducer:
         if tiers is None:
             raise ValueError("HierarchicalReducer needs a communicator with tiers")
         memory = memory or ErrorFeedback(mode="none")
-        check_pairing(compressor, memory, SYNC, kwargs.get("collective", "auto"))
+        # the collective as the inner reducer takes it (positional or not, its declared default)
+        call = inspect.signature(CompressedReducer).bind(
+            compressor, tiers.inter, layout, memory, *args, **kwargs
+        )
+        call.apply_defaults()
+        check_pairing(compressor, memory, SYNC, call.arguments["collective"])
         self.tiers, self.compressor, self.memory = tiers, compressor, memory
         self.nodes_size = tiers.hierarchy.workers_per_node
         self.inner = (

@@ -194,10 +194,12 @@ def check_dct_blocks(cfg: DictConfig, model: torch.nn.Module) -> None:
     from dpresearch.compress.dct import DCTTopK, chunk_shape, whole_blocks_note
     from dpresearch.launch.processes import global_rank, under_torchrun
     from dpresearch.options import options_of
+    from dpresearch.run.build import algorithm_class
 
     tensors = [p.shape for p in model.parameters() if p.requires_grad]
     found: list[tuple[str, list, int, int]] = []  # (node, shapes, chunk, topk)
-    if cfg.algorithm._target_.endswith(f".{DeMoAlgorithm.__name__}"):
+    cls = algorithm_class(cfg)
+    if cls is not None and issubclass(cls, DeMoAlgorithm):
         found.append(("algorithm", tensors, cfg.algorithm.chunk, cfg.algorithm.topk))
     outer = outer_node(cfg)
     declared = options_of(cfg.algorithm._target_)

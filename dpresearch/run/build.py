@@ -79,15 +79,11 @@ def process_count(cfg: DictConfig) -> int:
 
 
 def network_model(cfg: DictConfig) -> NetworkModel:
-    """The α-β cost model of the `network` node."""
+    """The α-β cost model of the `network` node (a key it leaves out: `from_units`' default)."""
     net = cfg.network
+    optional = ("message_overhead_us", "allgather_factor", "allgather_latency_us", "compute_step_s")
     return NetworkModel.from_units(
-        net.latency_us,
-        net.bandwidth_gbit,
-        net.get("message_overhead_us", 0.0),
-        net.get("allgather_factor", 1.0),
-        net.get("allgather_latency_us", None),
-        net.get("compute_step_s", 0.0),
+        net.latency_us, net.bandwidth_gbit, **{key: net[key] for key in optional if key in net}
     )
 
 
@@ -105,7 +101,7 @@ def hierarchy_of(cfg: DictConfig) -> Hierarchy | None:
         int(per_node),
         NetworkModel.preset(net.get("intra") or "nvlink"),
         NetworkModel.preset(inter) if inter else network_model(cfg),
-        hierarchy.get("intra_algorithm", "tree"),
+        hierarchy.get("intra_algorithm", Hierarchy.intra_algorithm),
     )
 
 

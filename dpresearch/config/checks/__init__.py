@@ -18,7 +18,6 @@ from collections.abc import Callable
 from omegaconf import DictConfig
 
 from dpresearch.config.checks.algorithm import (
-    DEFAULT_PROTOCOL,
     REFERENCED_NODES,
     check_algorithm,
     check_compression,
@@ -39,7 +38,6 @@ from dpresearch.config.checks.plugins import (
 )
 from dpresearch.config.checks.run import (
     BACKENDS,
-    HIERARCHICAL_ALGORITHMS,
     check_backend,
     check_comm,
     check_device,
@@ -77,8 +75,6 @@ PLUGIN_CHECKS: dict[str, Callable[[DictConfig], None]] = {
 
 __all__ = [
     "BACKENDS",
-    "DEFAULT_PROTOCOL",
-    "HIERARCHICAL_ALGORITHMS",
     "NODE_CHECKS",
     "NON_NEGATIVE_OPTIMIZER_KEYS",
     "PARTITIONS",

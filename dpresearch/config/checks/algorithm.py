@@ -16,8 +16,6 @@ from dpresearch.config.checks.plugins import check_optimizer_values
 from dpresearch.errors import ConfigError
 from dpresearch.run.build import algorithm_class
 
-DEFAULT_PROTOCOL = "dpresearch.asynchrony.protocol.ASGD"
-
 
 def _owned_optimizer(cfg: DictConfig) -> type | None:
     """The optimizer class when an algorithm owns its step (`OwnedOptimizer`), else None."""
@@ -44,7 +42,7 @@ def check_optimizer_owner(cfg: DictConfig) -> None:
     """An optimizer stepped by its own algorithm (`OwnedOptimizer`: optimizer=onebit_adam) runs
     with that algorithm only."""
     optimizer = _owned_optimizer(cfg)
-    if optimizer is not None and cfg.algorithm._target_ != optimizer.algorithm:
+    if optimizer is not None and algorithm_class(cfg) is not get_object(optimizer.algorithm):
         name = cfg.algorithm._target_.rsplit(".", 1)[-1]
         raise ConfigError(
             f"{optimizer.option} runs its own algorithm ({optimizer.algorithm.rsplit('.', 1)[-1]}"
@@ -132,14 +130,20 @@ def check_protocol(cfg: DictConfig) -> None:
     is given one other than the default."""
     from hydra.utils import instantiate
 
+    from dpresearch.asynchrony.protocol import DEFAULT_PROTOCOL
+
     node = cfg.get("protocol")
     if node is None:
         return
     if "protocol" not in cfg.algorithm:
-        if node.get("_target_") != DEFAULT_PROTOCOL:
+        try:
+            default = get_object(node.get("_target_")) is DEFAULT_PROTOCOL
+        except Exception:
+            default = False
+        if not default:
             raise ConfigError(
                 f"{cfg.algorithm._target_.rsplit('.', 1)[-1]} does not use a protocol; use "
-                "algorithm=async_sgd, or leave protocol=asgd"
+                f"algorithm=async_sgd, or leave protocol={DEFAULT_PROTOCOL.name}"
             )
         return
     as_config_error(lambda: instantiate(node, workers=cfg.workers))

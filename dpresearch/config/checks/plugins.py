@@ -4,6 +4,7 @@ mid-start: `data`, `optimizer` (and an outer optimizer's node), `schedule`."""
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig
@@ -13,38 +14,61 @@ from dpresearch.data.base import Dataset
 from dpresearch.errors import ConfigError
 
 PARTITIONS = ("iid", "dirichlet", "shared")
+NOT_TAKEN = object()  # `data_value`: the data set neither is given nor declares the key
 # Optimizer hyper-parameters that torch requires to be non-negative numbers.
 NON_NEGATIVE_OPTIMIZER_KEYS = ("lr", "momentum", "weight_decay", "dampening", "eps")
+
+
+def _data_target(node: DictConfig) -> Any:
+    """What the data node's `_target_` names, or None where it does not import (the target
+    check reports it)."""
+    try:
+        return get_object(node._target_)
+    except Exception:
+        return None
 
 
 def partitions_of(node: DictConfig) -> tuple[str, ...]:
     """The partitions the data set of `node` declares (`Dataset.PARTITIONS`): its `_target_`'s
     class where the target is a class or one of its class methods, the default set otherwise."""
-    try:
-        target = get_object(node._target_)
-    except Exception:
-        return PARTITIONS
+    target = _data_target(node)
     owner = target.__self__ if inspect.ismethod(target) else target
     if isinstance(owner, type) and issubclass(owner, Dataset):
         return owner.PARTITIONS
     return PARTITIONS
 
 
+def data_value(node: DictConfig, key: str) -> Any:
+    """`data.<key>` as the data set will take it: the node's value, else the default its
+    `_target_` declares (its signature); `NOT_TAKEN` where neither gives one."""
+    if key in node:
+        return node[key]
+    target = _data_target(node)
+    try:
+        param = inspect.signature(target).parameters.get(key) if target else None
+    except (TypeError, ValueError):
+        param = None
+    if param is None or param.default is inspect.Parameter.empty:
+        return NOT_TAKEN
+    return param.default
+
+
 def check_data(cfg: DictConfig) -> None:
-    """The partition options every `Dataset` takes, and the download deadline."""
+    """The partition options every `Dataset` takes, and the download deadline; a key the node
+    leaves out is checked at the data set's declared default (`data_value`)."""
     node = cfg.data
-    partition = node.get("partition", "iid")
+    partition = data_value(node, "partition")
     partitions = partitions_of(node)
-    if partition not in partitions:
+    if partition is not NOT_TAKEN and partition not in partitions:
         raise ConfigError(f"data.partition={partition}; choose one of: {', '.join(partitions)}")
-    alpha = node.get("alpha", 1.0)
-    if not is_number(alpha) or alpha <= 0:
+    alpha = data_value(node, "alpha")
+    if alpha is not NOT_TAKEN and (not is_number(alpha) or alpha <= 0):
         raise ConfigError(
             f"data.alpha={show(alpha)}: the Dirichlet concentration must be a number > 0 "
             "(0.1: few classes per worker; 100: nearly iid)"
         )
-    deadline = node.get("download_timeout_s", 1.0)
-    if not is_number(deadline) or deadline <= 0:
+    deadline = data_value(node, "download_timeout_s")
+    if deadline is not NOT_TAKEN and (not is_number(deadline) or deadline <= 0):
         raise ConfigError(f"data.download_timeout_s={show(deadline)}: must be > 0 seconds")
 
 

@@ -7,6 +7,7 @@ import os
 
 from omegaconf import DictConfig, OmegaConf
 
+from dpresearch.config.schema import HierarchyConfig, NetworkConfig, TrainConfig
 from dpresearch.errors import ConfigError
 from dpresearch.launch.environment import check_distributed_environment
 from dpresearch.run.build import algorithm_class, process_count
@@ -21,10 +22,6 @@ _MISSING = object()
 REDUCTIONS = ("ring", "centralized")
 P2P_SCHEDULES = ("auto", "by_distance", "one_batch")
 WANDB_MODES = ("online", "offline", "disabled")
-HIERARCHICAL_ALGORITHMS = (
-    "dpresearch.algorithms.sync.SyncSGD",
-    "dpresearch.algorithms.node_sync.NodeSyncSGD",
-)
 
 
 def check_workers(cfg: DictConfig) -> None:
@@ -123,7 +120,7 @@ def check_train(cfg: DictConfig) -> None:
         )
     if tc.eval_batch_size < 1:
         raise ConfigError(f"train.eval_batch_size={tc.eval_batch_size}: must be at least 1")
-    if tc.get("eval_bn_stats", "consensus") not in BN_STATS:
+    if tc.get("eval_bn_stats", TrainConfig.eval_bn_stats) not in BN_STATS:
         raise ConfigError(
             f"train.eval_bn_stats={tc.eval_bn_stats}; choose one of: {', '.join(BN_STATS)}"
         )
@@ -211,13 +208,13 @@ def check_hierarchy(cfg: DictConfig) -> None:
     from dpresearch.comm.base import ROOTED_ALGORITHMS
 
     per_node = cfg.comm.hierarchy.workers_per_node
-    intra = cfg.comm.hierarchy.get("intra_algorithm", "tree")
+    intra = cfg.comm.hierarchy.get("intra_algorithm", HierarchyConfig.intra_algorithm)
     if intra not in ROOTED_ALGORITHMS:
         raise ConfigError(
             f"comm.hierarchy.intra_algorithm={intra}; choose one of: {', '.join(ROOTED_ALGORITHMS)}"
         )
     if per_node is None:
-        if intra != "tree":
+        if intra != HierarchyConfig.intra_algorithm:
             raise ConfigError(
                 f"comm.hierarchy.intra_algorithm={intra} prices the intra-node step of a "
                 "two-level cluster; set comm.hierarchy.workers_per_node too, or drop it"
@@ -233,7 +230,8 @@ def check_hierarchy(cfg: DictConfig) -> None:
             f"comm.hierarchy.workers_per_node={per_node} does not divide workers={cfg.workers} "
             f"into whole nodes; choose one of: {', '.join(map(str, divisors))}"
         )
-    if cfg.algorithm._target_ not in HIERARCHICAL_ALGORITHMS:
+    cls = algorithm_class(cfg)
+    if cls is not None and not cls.traits.two_level:
         raise ConfigError(
             "comm.hierarchy is a two-level cluster for algorithm=sync or node_sync; drop "
             f"comm.hierarchy.workers_per_node for {cfg.algorithm._target_.rsplit('.', 1)[-1]}"
@@ -261,7 +259,7 @@ def check_network(cfg: DictConfig) -> None:
         raise ConfigError(
             f"network.allgather_latency_us={ag_latency}: must be >= 0 (or null: latency_us)"
         )
-    if net.get("compute_step_s", 0.0) < 0:
+    if net.get("compute_step_s", NetworkConfig.compute_step_s) < 0:
         raise ConfigError(f"network.compute_step_s={net.compute_step_s}: must be >= 0 seconds")
 
 
