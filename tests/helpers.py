@@ -98,6 +98,55 @@ def in_quick_core(nodeid: str) -> bool:
 # -- configurations and paths ------------------------------------------------------------------
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+# What of the repository's root is the project's: the packages a subprocess imports from this
+# checkout. A user's own folders beside them (`my_research/`, `conf/`, as docs/extending.md
+# suggests) are not, and no test imports or scans them.
+PACKAGES = ("dpresearch", "hydra_plugins")
+
+
+def tracked_files(root: Path = REPO) -> set[Path] | None:
+    """The files git tracks (or has staged) in the checkout `root`; None outside a git
+    checkout (a source archive: every file there is the project's)."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "-z"], capture_output=True, timeout=60
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return {root / name for name in out.stdout.decode().split("\0") if name}
+
+
+def project_files(pattern: str, root: Path = REPO) -> list[Path]:
+    """The project's files matching `pattern` (a glob relative to `root`), sorted: in a git
+    checkout only those git tracks or has staged, so that a user's own files beside the
+    project's (a study of their own under experiments/, a folder at the root) are never taken
+    for the project's (`git add` a new file of the project for the suite to see it)."""
+    matches = sorted(root.glob(pattern))
+    tracked = tracked_files(root)
+    return matches if tracked is None else [p for p in matches if p in tracked]
+
+
+def importable_checkout(root: Path = REPO) -> Path:
+    """A folder holding only links to `root`'s packages (`PACKAGES`), for a subprocess's
+    PYTHONPATH in place of `root` itself: the checkout's code is imported, and a user's own
+    package at the root (`my_research/`) never shadows the one a test puts on the path. One
+    folder per pytest process and root, removed when the process ends."""
+    if root not in _IMPORTABLE:
+        import atexit
+        import shutil
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="dpresearch-tests-path-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        for name in PACKAGES:
+            (folder / name).symlink_to(root / name, target_is_directory=True)
+        _IMPORTABLE[root] = folder
+    return _IMPORTABLE[root]
+
+
+_IMPORTABLE: dict[Path, Path] = {}
 
 # A small, fast experiment: 1024 synthetic examples, a 16-32-10 MLP.
 SMALL = [
@@ -178,8 +227,11 @@ def terminal_signals() -> None:
 
 def cli_env(**extra: str) -> dict[str, str]:
     """This environment for a CLI subprocess, importing this checkout's package whatever its
-    working directory (an editable install elsewhere would otherwise win)."""
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    working directory (an editable install elsewhere would otherwise win), and nothing else of
+    the repository's root (`importable_checkout`)."""
+    path = os.pathsep.join(
+        p for p in (str(importable_checkout()), os.environ.get("PYTHONPATH")) if p
+    )
     return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path, **extra)
 
 
