@@ -622,6 +622,8 @@ def check_resumed(tmp_path: Path, args: list[str], failure: type[BaseException])
 
 
 def start_cli(args: list[str], cwd: Path) -> subprocess.Popen:
+    """Start `python -m dpresearch.train args` in `cwd` in a session of its own (stop the whole
+    job with `os.killpg(proc.pid, ...)`), output piped as text, W&B off."""
     return subprocess.Popen(
         [sys.executable, "-m", "dpresearch.train", *args],
         cwd=cwd,
