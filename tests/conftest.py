@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import QUICK_CORE, SMALL, compose_config, in_quick_core
+from helpers import QUICK_CORE, SMALL, compose_config, in_quick_core, slow_by_measure
 from omegaconf import DictConfig
 
 
@@ -63,8 +63,11 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(config, items):
-    """`-m quick`: the core of the suite (`helpers.QUICK_CORE`), slow tests left out."""
+    """`slow` on the tests `helpers.SLOW_BY_MEASURE` names; `-m quick`: the core of the suite
+    (`helpers.QUICK_CORE`), slow tests left out."""
     for item in items:
+        if slow_by_measure(item.nodeid):
+            item.add_marker(pytest.mark.slow)
         if in_quick_core(item.nodeid) and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.quick)
 

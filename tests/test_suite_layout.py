@@ -11,10 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import (
     PACKAGES,
     QUICK_CORE,
     REPO,
+    SLOW_BY_MEASURE,
     cli_env,
     importable_checkout,
     load_scaled,
@@ -144,6 +146,13 @@ def test_readme_test_counts_are_pytests():
     assert near(stated_slow, slow), f"README: {stated_slow} slow tests; pytest: {slow}"
     assert near(stated_default, not_slow), f"README: {stated_default} tests; pytest: {not_slow}"
     assert near(stated_total, slow + not_slow), f"README: {stated_total}; pytest: {slow + not_slow}"
+
+
+@pytest.mark.slow  # collects the whole suite, as the README's counts above
+def test_every_slow_by_measure_entry_selects_a_slow_test():
+    ids, _, _ = collected("-m", "slow")
+    stale = [e for e in SLOW_BY_MEASURE if not any(i == e or i.split("[")[0] == e for i in ids)]
+    assert not stale, "helpers.SLOW_BY_MEASURE names no test:\n" + "\n".join(stale)
 
 
 def test_quick_selects_every_entry_of_the_core():
