@@ -88,7 +88,7 @@ QUICK_CORE = (
 
 
 # -- slow by measure (conftest.py marks these `slow`: out of the default suite, run by CI) --------
-# The default suite is kept to ~8.5 minutes on a quiet 2-core machine. These tests were over it by
+# The default suite is kept to ~9 minutes on a quiet 2-core machine. These tests were over it by
 # measure (per-test durations of the whole default suite, scaled to its quiet total): the 2nd..nth
 # cases of a parametrised test over ~1 s (its cheapest case stays), and single tests over ~1.5 s
 # that repeat a path the default suite already covers with a faster test (a real-process or
@@ -97,7 +97,6 @@ QUICK_CORE = (
 # An entry is a node id: with its parameters, one case; without, every case of the function.
 SLOW_BY_MEASURE = (
     "tests/test_analysis_mixed.py::test_figures_hold_their_legend_say_their_band_and_raise_no_warning",
-    "tests/test_async_remote.py::test_seeded_real_run_equals_the_simulator",
     "tests/test_bad_input.py::test_bad_input_on_the_command_line"
     "[backend=gloo workers=2 model=resnet20]",
     "tests/test_bad_input.py::test_bad_input_on_the_command_line[optimizer.lr=-1]",
@@ -182,7 +181,6 @@ SLOW_BY_MEASURE = (
     "tests/test_init_from.py::test_a_resumed_init_from_run_equals_an_uninterrupted_one",
     "tests/test_launch.py::test_crashing_worker_fails_the_job_fast_with_its_traceback",
     "tests/test_lifeline.py::test_a_worker_writes_nothing_once_its_launchers_lock_is_gone",
-    "tests/test_lifeline.py::test_the_fork_server_and_its_worker_die_with_the_launcher",
     "tests/test_lm_workload.py::test_batched_workers_equal_the_loop_in_float64[diloco]",
     "tests/test_lm_workload.py::test_ddp_hook_trains_the_gpt_as_the_simulated_reducer",
     "tests/test_lm_workload.py::test_kill_9_then_resume_equals_uninterrupted",
