@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             f"load {' '.join(f'{v:.2f}' for v in os.getloadavg())}",
             flush=True,
         )
+        (REPO / "runs").mkdir(exist_ok=True)  # git ignores it; a fresh clone has none
         with tempfile.TemporaryDirectory(prefix="bench-threads-", dir=REPO / "runs") as tmp:
             for case in cases:
                 ratios, choices = [], set()
