@@ -5,7 +5,7 @@
 #                                     #   ≈ 8 min on a 2-core machine (README, "Tests")
 #   bash scripts/test.sh --all        # every test, slow ones included (CI: .ci/run runs the
 #                                     #   default suite, then -m slow)
-#   bash scripts/test.sh -m quick     # the core in ≈ 30 s (helpers.QUICK_CORE)
+#   bash scripts/test.sh -m quick     # the core in ≈ 20 s (helpers.QUICK_CORE)
 #   bash scripts/test.sh -m slow      # the slow tests alone
 #   bash scripts/test.sh -k equivalence --durations=0   # other arguments go to pytest
 #
