@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The test command: set up .venv (with the dev extras) and run the test suite.
 #
-#   bash scripts/test.sh              # the default suite (minutes): slow tests (marked `slow`) left out
-#   bash scripts/test.sh --all        # every test, slow ones included (what CI runs: .ci/run)
-#   bash scripts/test.sh -m quick     # the core in about 2 minutes (helpers.QUICK_CORE)
+#   bash scripts/test.sh              # the default suite, slow tests (marked `slow`) left out:
+#                                     #   ≈ 8 min on a 2-core machine (README, "Tests")
+#   bash scripts/test.sh --all        # every test, slow ones included (CI: .ci/run runs the
+#                                     #   default suite, then -m slow)
+#   bash scripts/test.sh -m quick     # the core in ≈ 20 s (helpers.QUICK_CORE)
 #   bash scripts/test.sh -m slow      # the slow tests alone
 #   bash scripts/test.sh -k equivalence --durations=0   # other arguments go to pytest
 #

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import SMALL, compose_config, in_quick_core
+from helpers import QUICK_CORE, SMALL, compose_config, in_quick_core, slow_by_measure
 from omegaconf import DictConfig
 
 
@@ -52,10 +52,22 @@ def small_config() -> Callable[..., DictConfig]:
     return lambda *overrides: compose_config(*SMALL, *overrides)
 
 
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    """`-m quick`: only the test modules QUICK_CORE names are collected (collecting all of them
+    takes a good part of the core's own time)."""
+    if config.getoption("markexpr") != "quick" or not collection_path.name.startswith("test_"):
+        return None
+    quick_modules = {entry.split("::")[0].rsplit("/", 1)[-1] for entry in QUICK_CORE}
+    return True if collection_path.name not in quick_modules else None
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(config, items):
-    """`-m quick`: the core of the suite (`helpers.QUICK_CORE`), slow tests left out."""
+    """`slow` on the tests `helpers.SLOW_BY_MEASURE` names; `-m quick`: the core of the suite
+    (`helpers.QUICK_CORE`), slow tests left out."""
     for item in items:
+        if slow_by_measure(item.nodeid):
+            item.add_marker(pytest.mark.slow)
         if in_quick_core(item.nodeid) and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.quick)
 

@@ -54,12 +54,13 @@ __all__ = ["CONF_DIR"]  # re-exported: the config directory the tests compose fr
 
 
 # -- the quick core (`-m quick`; conftest.py marks these) --------------------------------------
-# The core in about 2 minutes on a busy 2-core machine: the sync equivalences (simulated ≡ gloo ≡
-# DDP ≡ single process: one gloo run), one independent reference for each family (gossip,
-# AD-PSGD, asynchronous SGD, the outer optimizers, compression), every bad input of the tables,
-# one exact resume, and the suite's own layout. Each entry is a test's node id, with or without
-# its parameters ([...]); tests/test_suite_layout.py checks that every entry still selects a
-# test of the default suite (a slow test named here stays out of it: conftest.py).
+# The core in under a minute on a 2-core machine (only its modules are collected: conftest.py):
+# the sync equivalences (simulated ≡ gloo ≡ DDP ≡ single process: one gloo run), one independent
+# reference for each family (gossip, AD-PSGD, asynchronous SGD, the outer optimizers,
+# compression), every bad input of the tables, one exact resume, and the suite's own layout.
+# Each entry is a test's node id, with or without its parameters ([...]);
+# tests/test_suite_layout.py checks that every entry still selects a test of the default suite
+# (a slow test named here stays out of it: conftest.py).
 QUICK_CORE = (
     "tests/test_equivalence.py::test_sync_simulated_gloo_ddp_and_single_process_agree",
     "tests/test_equivalence.py::test_sync_with_four_workers_equals_single_process_sgd",
@@ -80,10 +81,116 @@ QUICK_CORE = (
     "tests/test_bad_input.py::test_every_constrained_key_has_a_row",
     "tests/test_bad_input.py::test_bad_async_input_is_one_line",
     "tests/test_bad_input.py::test_bad_outer_input_is_one_line_before_any_worker",
-    "tests/test_checkpoint.py::test_killed_and_resumed_equals_uninterrupted_simulated[sync_qsgd_ef14]",
+    "tests/test_checkpoint.py::test_killed_and_resumed_equals_uninterrupted_simulated"
+    "[sync_qsgd_ef14]",
     "tests/test_suite_layout.py::test_no_test_module_imports_another_test_module_or_conftest",
     "tests/test_suite_layout.py::test_tests_holds_test_modules_and_the_helper_modules_only",
 )
+
+
+# -- slow by measure (conftest.py marks these `slow`: out of the default suite, run by CI) --------
+# The default suite is kept well under 10 minutes on a quiet 2-core machine. These tests were the
+# slowest by measure (per-test durations of a whole default-suite run, 2026-12-07, scaled by
+# a sample measured at low load): the 2nd..nth cases of a parametrised test over ≈ 2 s quiet
+# (its cheapest case stays), and single tests over ≈ 3.5 s quiet that repeat a path the default
+# suite already covers with a faster test (a real-process or command-line variant, a longer
+# training, a benchmark's smoke run, a report regenerated). Every family and feature keeps at
+# least one default test of each kind (equivalence or reference, resume, bad input).
+# An entry is a node id: with its parameters, one case; without, every case of the function.
+SLOW_BY_MEASURE = (
+    "tests/test_batched.py::test_every_shipped_model_batches_or_says_why[resnet20]",
+    "tests/test_bench_smoke.py::test_gpu_benchmark_skips_cleanly_without_a_gpu_and_runs_on_the_cpu",
+    "tests/test_bench_smoke.py::test_gpu_table_script_runs_on_the_cpu",
+    "tests/test_bench_smoke.py::test_lm_throughput_tiny",
+    "tests/test_bench_smoke.py::test_token_files_bench_runs_and_deletes_its_files",
+    "tests/test_bytes_by_purpose.py::test_resnet20_topk_counts_gradient_bytes_only",
+    "tests/test_checkpoint.py::test_kill_9_then_resume_equals_uninterrupted",
+    "tests/test_checkpoint.py::test_resumed_run_continues_the_same_wandb_run",
+    "tests/test_cli.py::test_tab_completion_of_overrides",
+    "tests/test_cli.py::test_train_help_is_hydras",
+    "tests/test_compressed_training.py::test_ddp_comm_hook_matches_our_sync",
+    "tests/test_compressors.py::test_terngrad_is_unbiased_and_ternary",
+    "tests/test_config.py::test_cfg_job_prints_composed_config",
+    "tests/test_ddp_hook.py::test_ddp_hook_matches_simulated_reducer",
+    "tests/test_demo.py::test_algorithm_demo_sweeps_from_the_command_line",
+    "tests/test_demo.py::test_simulated_equals_gloo",
+    "tests/test_download.py::test_sigterm_mid_download_leaves_nothing",
+    "tests/test_eval_bn_stats.py::test_average_simulated_equals_gloo",
+    "tests/test_extending.py::test_char_lstm_trains_on_the_shared_corpus",
+    "tests/test_gossip.py::test_bad_topology_on_the_command_line_exits_2_before_any_worker",
+    "tests/test_gossip.py::test_every_worker_matches_between_simulated_and_gloo",
+    "tests/test_gpt.py::test_generate_is_deterministic_per_generator_and_crops_the_context",
+    "tests/test_grad_clip.py::test_simulated_equals_gloo",
+    "tests/test_launch.py::test_crashing_worker_fails_the_job_fast_with_its_traceback",
+    "tests/test_lm_workload.py::test_ddp_hook_trains_the_gpt_as_the_simulated_reducer",
+    "tests/test_lm_workload.py::test_kill_9_then_resume_equals_uninterrupted",
+    "tests/test_lm_workload.py::test_killed_and_resumed_equals_uninterrupted_simulated[adamw]",
+    "tests/test_lm_workload.py::test_killed_and_resumed_equals_uninterrupted_simulated[demo]",
+    "tests/test_lm_workload.py::test_killed_and_resumed_equals_uninterrupted_simulated[diloco]",
+    "tests/test_lm_workload.py::test_killed_and_resumed_equals_uninterrupted_simulated"
+    "[diloco_dropout]",
+    "tests/test_lm_workload.py::test_killed_and_resumed_equals_uninterrupted_simulated[muon]",
+    "tests/test_lm_workload.py::test_killed_and_resumed_equals_uninterrupted_simulated[sparseloco]",
+    "tests/test_lm_workload.py::test_resume_on_another_vocabulary_is_one_line_before_any_worker",
+    "tests/test_lm_workload.py::test_simulated_equals_gloo",
+    "tests/test_lm_workload.py::test_stacked_workers_with_dropout_equal_the_loop_in_float64"
+    "[diloco]",
+    "tests/test_more_codecs.py::test_natural_rounds_to_a_neighbouring_power_of_two_unbiased_with_variance_below_an_eighth",
+    "tests/test_newcomer.py::test_offline_main_job_names_the_three_ways_out",
+    "tests/test_outer.py::test_every_compressor_of_the_library_runs_on_the_pseudo_gradients_with_its_bytes",
+    "tests/test_readme.py::test_readme_first_comparison_gives_two_cases_with_bands_in_every_plot",
+    "tests/test_readme.py::test_readme_yaml_blocks_parse_and_the_study_composes",
+    "tests/test_shipped_studies.py::test_report_regenerates_byte_for_byte_with_readable_figures"
+    "[compression_subset/ef_claim]",
+    "tests/test_shipped_studies.py::test_report_regenerates_byte_for_byte_with_readable_figures"
+    "[compression_subset/study]",
+    "tests/test_shipped_studies.py::test_report_regenerates_byte_for_byte_with_readable_figures"
+    "[compressors_more/adam]",
+    "tests/test_shipped_studies.py::test_report_regenerates_byte_for_byte_with_readable_figures"
+    "[compressors_more/codecs]",
+    "tests/test_shipped_studies.py::test_report_regenerates_byte_for_byte_with_readable_figures"
+    "[lm_shakespeare/gpu]",
+    "tests/test_shipped_studies.py::test_report_regenerates_byte_for_byte_with_readable_figures"
+    "[lm_shakespeare/probe_clip]",
+    "tests/test_shipped_studies.py::test_report_regenerates_byte_for_byte_with_readable_figures"
+    "[lm_shakespeare/study]",
+    "tests/test_shipped_studies.py::test_report_regenerates_byte_for_byte_with_readable_figures"
+    "[local_sgd/study]",
+    "tests/test_shipped_studies.py::test_report_regenerates_byte_for_byte_with_readable_figures"
+    "[outer/outer_lr]",
+    "tests/test_shipped_studies.py::test_report_regenerates_byte_for_byte_with_readable_figures"
+    "[outer/study]",
+    "tests/test_shipped_studies.py::test_report_regenerates_byte_for_byte_with_readable_figures"
+    "[powersgd_table6/study]",
+    "tests/test_sparseloco.py::test_simulated_k2_equals_two_gloo_processes",
+    "tests/test_sparta.py::test_kill_9_then_resume_auto_is_bit_identical",
+    "tests/test_sparta.py::test_simulated_equals_gloo",
+    "tests/test_stacked_step.py::test_trained_with_stacked_steps_equals_per_worker_steps[diloco]",
+    "tests/test_stacked_step.py::test_trained_with_stacked_steps_equals_per_worker_steps"
+    "[diloco_reset_streaming]",
+    "tests/test_stacked_step.py::test_trained_with_stacked_steps_equals_per_worker_steps"
+    "[sync_adam]",
+    "tests/test_stacked_step.py::test_trained_with_stacked_steps_equals_per_worker_steps"
+    "[sync_adamw]",
+    "tests/test_study.py::test_a_grown_study_runs_only_what_its_unpacked_run_data_lacks",
+    "tests/test_study.py::test_a_study_without_grids_says_nothing_was_selected",
+    "tests/test_study.py::test_shipped_studies_compose_and_validate"
+    "[experiments/gossip_subset/study.yaml]",
+    "tests/test_study.py::test_shipped_studies_compose_and_validate"
+    "[experiments/lm_shakespeare/study.yaml]",
+    "tests/test_study_status.py::test_status_of_a_shipped_study_reads_its_run_data_then_its_unpacked_runs",
+    "tests/test_suite_layout.py::test_readme_test_counts_are_pytests",
+    "tests/test_sweeps.py::test_slurm_launcher_settings_compose_for_a_gloo_sweep",
+    "tests/test_token_files.py::test_an_id_beyond_the_vocabulary_ends_the_run_at_its_batch[gloo]",
+)
+
+
+def slow_by_measure(nodeid: str) -> bool:
+    """Whether `nodeid` is one of SLOW_BY_MEASURE's tests."""
+    return nodeid in _SLOW or nodeid.split("[")[0] in _SLOW
+
+
+_SLOW = frozenset(SLOW_BY_MEASURE)
 
 
 def in_quick_core(nodeid: str) -> bool:
@@ -99,6 +206,55 @@ def in_quick_core(nodeid: str) -> bool:
 # -- configurations and paths ------------------------------------------------------------------
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+# What of the repository's root is the project's: the packages a subprocess imports from this
+# checkout. A user's own folders beside them (`my_research/`, `conf/`, as docs/extending.md
+# suggests) are not, and no test imports or scans them.
+PACKAGES = ("dpresearch", "hydra_plugins")
+
+
+def tracked_files(root: Path = REPO) -> set[Path] | None:
+    """The files git tracks (or has staged) in the checkout `root`; None outside a git
+    checkout (a source archive: every file there is the project's)."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "-z"], capture_output=True, timeout=60
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return {root / name for name in out.stdout.decode().split("\0") if name}
+
+
+def project_files(pattern: str, root: Path = REPO) -> list[Path]:
+    """The project's files matching `pattern` (a glob relative to `root`), sorted: in a git
+    checkout only those git tracks or has staged, so that a user's own files beside the
+    project's (a study of their own under experiments/, a folder at the root) are never taken
+    for the project's (`git add` a new file of the project for the suite to see it)."""
+    matches = sorted(root.glob(pattern))
+    tracked = tracked_files(root)
+    return matches if tracked is None else [p for p in matches if p in tracked]
+
+
+def importable_checkout(root: Path = REPO) -> Path:
+    """A folder holding only links to `root`'s packages (`PACKAGES`), for a subprocess's
+    PYTHONPATH in place of `root` itself: the checkout's code is imported, and a user's own
+    package at the root (`my_research/`) never shadows the one a test puts on the path. One
+    folder per pytest process and root, removed when the process ends."""
+    if root not in _IMPORTABLE:
+        import atexit
+        import shutil
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="dpresearch-tests-path-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        for name in PACKAGES:
+            (folder / name).symlink_to(root / name, target_is_directory=True)
+        _IMPORTABLE[root] = folder
+    return _IMPORTABLE[root]
+
+
+_IMPORTABLE: dict[Path, Path] = {}
 
 # A small, fast experiment: 1024 synthetic examples, a 16-32-10 MLP.
 SMALL = [
@@ -193,8 +349,11 @@ def terminal_signals() -> None:
 
 def cli_env(**extra: str) -> dict[str, str]:
     """This environment for a CLI subprocess, importing this checkout's package whatever its
-    working directory (an editable install elsewhere would otherwise win)."""
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    working directory (an editable install elsewhere would otherwise win), and nothing else of
+    the repository's root (`importable_checkout`)."""
+    path = os.pathsep.join(
+        p for p in (str(importable_checkout()), os.environ.get("PYTHONPATH")) if p
+    )
     return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path, **extra)
 
 
@@ -635,6 +794,8 @@ def check_resumed(tmp_path: Path, args: list[str], failure: type[BaseException])
 
 
 def start_cli(args: list[str], cwd: Path) -> subprocess.Popen:
+    """Start `python -m dpresearch.train args` in `cwd` in a session of its own (stop the whole
+    job with `os.killpg(proc.pid, ...)`), output piped as text, W&B off."""
     return subprocess.Popen(
         [sys.executable, "-m", "dpresearch.train", *args],
         cwd=cwd,

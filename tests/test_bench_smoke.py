@@ -25,15 +25,23 @@ BENCH = REPO / "experiments" / "bench"
 SUBSET = SHARED / "data" / "cifar10-subset"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("emulated_network", SCRIPT)
+def load(name: str):
+    """The benchmark script `experiments/bench/<name>.py` as a module (registered in
+    sys.modules: its dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
+# One measured round of one block of 1 (or 2) steps after one warm-up: the tiny schedule.
+ONE_ROUND = ("--rounds", "1", "--block", "1", "--blocks", "1", "--warmup", "1")
+ONE_ROUND_OF_2 = ("--rounds", "1", "--block", "2", "--blocks", "1", "--warmup", "1")
+
+
 def test_parse_rate() -> None:
-    bench = _load()
+    bench = load("emulated_network")
     assert bench.parse_rate("100mbit") == 100e6
     assert bench.parse_rate("1Gbit") == 1e9
     assert bench.parse_rate("2.5gbit") == 2.5e9
@@ -42,7 +50,7 @@ def test_parse_rate() -> None:
 
 
 def test_skips_when_not_root(monkeypatch, capsys) -> None:
-    bench = _load()
+    bench = load("emulated_network")
     monkeypatch.setattr(bench.os, "geteuid", lambda: 1000)
     assert bench.main(["--model", "mlp"]) == 0
     assert capsys.readouterr().out.strip() == (
@@ -51,7 +59,7 @@ def test_skips_when_not_root(monkeypatch, capsys) -> None:
 
 
 def test_skips_without_iproute2(monkeypatch, capsys) -> None:
-    bench = _load()
+    bench = load("emulated_network")
     monkeypatch.setattr(bench.os, "geteuid", lambda: 0)
     monkeypatch.setattr(bench.shutil, "which", lambda tool: None)
     assert bench.main(["--model", "mlp"]) == 0
@@ -59,7 +67,7 @@ def test_skips_without_iproute2(monkeypatch, capsys) -> None:
 
 
 def test_skips_when_namespaces_fail(monkeypatch, capsys) -> None:
-    bench = _load()
+    bench = load("emulated_network")
     monkeypatch.setattr(bench.os, "geteuid", lambda: 0)
     monkeypatch.setattr(bench.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
     calls: list[tuple[str, ...]] = []
@@ -111,20 +119,12 @@ def test_tiny_run_leaves_no_namespace() -> None:
     assert not any(name in listed for name in names)
 
 
-def _load_fit():
-    spec = importlib.util.spec_from_file_location("network_fit", SCRIPT.parent / "network_fit.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["network_fit"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_fit_recovers_a_per_message_overhead() -> None:
     """Cases built from a known overhead give it back; zero-residual cases give zero."""
     from dpresearch.comm.ledger import CommOp
     from dpresearch.comm.network import NetworkModel
 
-    fit = _load_fit()
+    fit = load("network_fit")
     base = NetworkModel(1e-4, 1e7, 0.0, 1.25, allgather_latency_s=3e-4)
     truth = NetworkModel(1e-4, 1e7, 2e-3, 1.25, allgather_latency_s=3e-4)
     shapes = {
@@ -143,7 +143,7 @@ def test_fit_recovers_the_gloo_terms_together() -> None:
     from dpresearch.comm.ledger import CommOp
     from dpresearch.comm.network import NetworkModel
 
-    fit = _load_fit()
+    fit = load("network_fit")
     given = NetworkModel(1e-4, 1e7, 0.0, 1.0, allgather_latency_s=2.5e-4)
     shapes = {
         "dense": [CommOp("allreduce", 1_000_000, 2)],
@@ -167,7 +167,7 @@ def test_fit_recovers_the_gloo_terms_together() -> None:
 
 
 def test_step_figures_and_ops_per_step() -> None:
-    fit = _load_fit()
+    fit = load("network_fit")
     rows = [
         {
             "time/comm_s": 0.1 * s,
@@ -190,7 +190,7 @@ def test_step_figures_and_ops_per_step() -> None:
 
 
 def test_peer_wait_is_the_union_of_waits() -> None:
-    fit = _load_fit()
+    fit = load("network_fit")
     # one step, three calls: two overlapping background waits, one synchronous call on time
     mine = [
         ["allreduce", 4, 0, 0, 1.0, 1.0],
@@ -210,11 +210,7 @@ def test_peer_wait_is_the_union_of_waits() -> None:
 def test_stacked_codecs_bench_runs_and_both_sides_agree(capsys) -> None:
     """The codec benchmark at a tiny size: both sides compute the same aggregate (top-k the
     same entries, sign the same scales), and it prints one ratio line per case."""
-    spec = importlib.util.spec_from_file_location(
-        "stacked_codecs", SCRIPT.parent / "stacked_codecs.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load("stacked_codecs")
     results = bench.main(["--workers", "2", "--rounds", "2", "--steps", "1", "--clock", "cpu"])
     assert [(r["compressor"], r["workers"]) for r in results] == [("topk", 2), ("sign", 2)]
     for r in results:
@@ -228,11 +224,7 @@ def test_codecs_vs_minimal_bench_runs_and_both_sides_agree(tmp_path, capsys) -> 
     """Issue 31's codec / 1-bit SGD / 1-bit Adam benchmark at K = 2, one round of one step:
     every case passes its bit-identity check (it exits with an error line otherwise), prints one
     ratio line and writes its JSON."""
-    spec = importlib.util.spec_from_file_location(
-        "codecs_vs_minimal", BENCH / "codecs_vs_minimal.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load("codecs_vs_minimal")
     out = tmp_path / "codecs.json"
     rows = bench.main(["--workers", "2", "--rounds", "1", "--steps", "1", "--json", str(out)])
     assert [(r["case"], r["workers"]) for r in rows] == [
@@ -261,13 +253,6 @@ def bench(script: str, *args: str, timeout: float = 300) -> subprocess.Completed
     return done
 
 
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_batched_vs_ensemble_tiny(tmp_path):
     out = tmp_path / "ens.json"
@@ -281,14 +266,7 @@ def test_batched_vs_ensemble_tiny(tmp_path):
         "false",
         "stacked",
         "vmap",
-        "--rounds",
-        "1",
-        "--block",
-        "2",
-        "--blocks",
-        "1",
-        "--warmup",
-        "1",
+        *ONE_ROUND_OF_2,
         "--floor",
         "--json",
         str(out),
@@ -311,14 +289,7 @@ def test_consensus_metric_cost_tiny(tmp_path):
         "consensus_metric_cost.py",
         "--workers",
         "2",
-        "--rounds",
-        "1",
-        "--block",
-        "2",
-        "--blocks",
-        "1",
-        "--warmup",
-        "1",
+        *ONE_ROUND_OF_2,
         "--calls",
         "1",
         "--json",
@@ -346,14 +317,7 @@ def test_gpu_benchmark_skips_cleanly_without_a_gpu_and_runs_on_the_cpu(tmp_path)
         "2",
         "--batch",
         "2",
-        "--rounds",
-        "1",
-        "--block",
-        "1",
-        "--blocks",
-        "1",
-        "--warmup",
-        "1",
+        *ONE_ROUND,
         "--random-images",
         "--gpt",
         "--gpt-model",
@@ -414,16 +378,9 @@ def test_threads_under_load_tiny(tmp_path):
         "threads_under_load.py",
         "--cases",
         "choco_mlp",
-        "--rounds",
-        "1",
         "--competitors",
         "1",
-        "--block",
-        "2",
-        "--blocks",
-        "1",
-        "--warmup",
-        "1",
+        *ONE_ROUND_OF_2,
         "--json",
         str(out),
         timeout=600,
@@ -521,14 +478,7 @@ def test_lm_throughput_tiny(tmp_path):
         "2",
         "--batch",
         "2",
-        "--rounds",
-        "1",
-        "--block",
-        "1",
-        "--blocks",
-        "1",
-        "--warmup",
-        "1",
+        *ONE_ROUND,
         "--json",
         str(out),
     )
@@ -643,9 +593,7 @@ def test_token_files_bench_runs_and_deletes_its_files(tmp_path, capsys) -> None:
     """Issue 42's token-file benchmark at a tiny size (a 2 MB train.bin, 64 ids, one
     command-line run, one round): the run measured (an RSS, a start-up), the throughput ratio
     printed, the JSON written, and the generated files gone."""
-    spec = importlib.util.spec_from_file_location("token_files", BENCH / "token_files.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load("token_files")
     out_json = tmp_path / "r.json"
     (tmp_path / "tmp").mkdir()
     args = [

@@ -15,17 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import SMALL, cli_env, load_scaled, worker_processes
+from helpers import SMALL, cli_env, load_scaled, start_cli, wait_for_step, worker_processes
 
 QUICK = [*SMALL, "data.num_train=256", "data.num_test=64", "train.log_every=1"]
-
-
-def wait_for_metrics(path: Path, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + load_scaled(timeout)
-    while not (path.exists() and path.read_text().strip()):
-        assert proc.poll() is None, "the run ended before it logged a step"
-        assert time.monotonic() < deadline, "no step logged in time"
-        time.sleep(0.2)
 
 
 def worker_pid(parent: int, rank: int) -> int:
@@ -52,11 +44,8 @@ def test_a_stopped_worker_ends_the_job_within_the_heartbeat(tmp_path):
     heartbeat_s = 5
     shared_machine_margin_s = 20
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
+    proc = start_cli(
         [
-            sys.executable,
-            "-m",
-            "dpresearch.train",
             "backend=gloo",
             "workers=2",
             f"backend.heartbeat_s={heartbeat_s}",
@@ -65,15 +54,10 @@ def test_a_stopped_worker_ends_the_job_within_the_heartbeat(tmp_path):
             *QUICK,
             f"hydra.run.dir={run_dir}",
         ],
-        cwd=tmp_path,
-        env=cli_env(WANDB_MODE="disabled"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+        tmp_path,
     )
     try:
-        wait_for_metrics(run_dir / "metrics.jsonl", proc, timeout=240)
+        wait_for_step(run_dir, proc, 1, timeout=240)
         frozen = worker_pid(proc.pid, rank=1)
         os.kill(frozen, signal.SIGSTOP)
         stopped_at = time.monotonic()
@@ -145,7 +129,7 @@ def test_gloo_run_survives_sighup_under_setsid_nohup(tmp_path):
         text=True,
     )
     try:
-        wait_for_metrics(run_dir / "metrics.jsonl", proc, timeout=240)
+        wait_for_step(run_dir, proc, 1, timeout=240)
         os.killpg(os.getpgid(proc.pid), signal.SIGHUP)  # the whole session: agent and workers
         _, err = proc.communicate(timeout=load_scaled(240))
     finally:

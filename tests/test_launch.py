@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from helpers import SMALL, cli_env, load_scaled, run_cli, torchrun_two_nodes
+from helpers import SMALL, cli_env, load_scaled, run_cli, start_cli, torchrun_two_nodes
 
 
 def run_dirs(root):
@@ -73,11 +73,8 @@ def test_crashing_worker_fails_the_job_fast_with_its_traceback(tmp_path):
     start-up of the processes, slow on a loaded machine, is not counted), its traceback shown,
     what was already logged kept."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
+    proc = start_cli(
         [
-            sys.executable,
-            "-m",
-            "dpresearch.train",
             "backend=gloo",
             "workers=2",
             "debug.fail_worker=1",
@@ -87,11 +84,7 @@ def test_crashing_worker_fails_the_job_fast_with_its_traceback(tmp_path):
             *SMALL[:-1],
             f"hydra.run.dir={run_dir}",
         ],
-        cwd=tmp_path,
-        env=cli_env(WANDB_MODE="disabled"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        tmp_path,
     )
     try:
         out, err = proc.communicate(timeout=load_scaled(240))

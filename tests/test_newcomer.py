@@ -10,11 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import REPO, importable_checkout
+
 from dpresearch.run import ending
 from dpresearch.study.__main__ import __doc__ as study_doc
 from dpresearch.study.__main__ import parser as study_parser
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_offline_main_job_names_the_three_ways_out(tmp_path):
@@ -37,7 +37,7 @@ def test_offline_main_job_names_the_three_ways_out(tmp_path):
     closed = "http://127.0.0.1:9"  # the discard port: the connection is refused at once
     env = dict(
         os.environ,
-        PYTHONPATH=str(REPO),
+        PYTHONPATH=str(importable_checkout()),
         DPRESEARCH_DATA=str(data),
         https_proxy=closed,
         HTTPS_PROXY=closed,

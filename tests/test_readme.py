@@ -298,8 +298,21 @@ def train_source(run_dir: str, cwd: Path) -> None:
     assert out.returncode == 0, f"{writer}\n{out.stderr[-3000:]}"
 
 
+def train_cases() -> list:
+    """The README's training commands; one that starts from another command's run trains that
+    run first (`train_source`): slow."""
+    return [
+        pytest.param(
+            c,
+            id=f"L{c.line}",
+            marks=[pytest.mark.slow] if any("train.init_from=" in a for a in c.args) else [],
+        )
+        for c in of_kind("train")
+    ]
+
+
 @pytest.mark.usefixtures("cifar_subset")
-@pytest.mark.parametrize("command", of_kind("train"), ids=ids(of_kind("train")))
+@pytest.mark.parametrize("command", train_cases())
 def test_readme_training_command_passes_the_checks(command, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_readme_files(tmp_path, tiny=False)

@@ -10,12 +10,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import REPO, project_files
 
 from dpresearch.study import load_study
 from dpresearch.study.report import build, load_data, relative, write
 
-STUDIES = sorted(p for p in REPO.glob("experiments/*/*.yaml") if load_study(p).data_path.exists())
+STUDIES = [p for p in project_files("experiments/*/*.yaml") if load_study(p).data_path.exists()]
 UNIT = re.compile(r"\([^()]+\)$")
 
 
@@ -79,7 +79,7 @@ def test_report_regenerates_byte_for_byte_with_readable_figures(path, tmp_path):
 def test_published_numbers_name_their_source_and_unit():
     """Every published value sits in a CSV row with its unit, set-up and a source a reader can
     open (a URL, or a paper with its table); its `case` is one of a study's in that folder."""
-    files = sorted(REPO.glob("experiments/*/published*.csv"))
+    files = project_files("experiments/*/published*.csv")
     assert files
     for path in files:
         cases = {c.name for s in path.parent.glob("*.yaml") for c in load_study(s).cases}
@@ -128,7 +128,7 @@ def test_published_rows_are_like_for_like_or_name_what_differs():
     names (empty `differs`) or names what differs; a row naming no case names what differs too.
     Each shipped report keeps the two apart: like-for-like rows in one table, the others in a
     "published, other setting" table headed by their case and what differs — no row in both."""
-    for path in sorted(REPO.glob("experiments/*/published*.csv")):
+    for path in project_files("experiments/*/published*.csv"):
         with path.open() as f:
             rows = list(csv.DictReader(f))
         assert rows and "differs" in rows[0], path.name

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import yaml
-from helpers import REPO, SMALL, compose_config
+from helpers import REPO, SMALL, compose_config, project_files
 
 from dpresearch.config.validate import validate
 from dpresearch.run.trainer import InjectedFailure
@@ -171,7 +171,9 @@ def test_hydra_launcher_runs_the_seeds_as_one_multirun(tmp_path, capsys):
         assert (out / "runs" / "dense" / "lr0.1" / f"seed{seed}" / "summary.json").exists()
 
 
-@pytest.mark.parametrize("path", sorted(REPO.glob("experiments/*/*.yaml")), ids=str)
+@pytest.mark.parametrize(
+    "path", project_files("experiments/*/*.yaml"), ids=lambda p: p.relative_to(REPO).as_posix()
+)
 def test_shipped_studies_compose_and_validate(path):
     """Every case of every study in experiments/ (subset and full scale) is a valid
     configuration (not run)."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import REPO
+from helpers import REPO, project_files
 
 from dpresearch.analysis.runs import FINISHED
 from dpresearch.study import load_study
@@ -1043,7 +1043,7 @@ def test_claim_ids_are_unique():
 
 SHIPPED = sorted(
     str(p.relative_to(REPO / "experiments").with_suffix(""))
-    for p in REPO.glob("experiments/*/*.yaml")
+    for p in project_files("experiments/*/*.yaml")
     if load_study(p).data_path.exists()
 )
 

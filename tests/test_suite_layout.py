@@ -5,12 +5,23 @@ test counts are pytest's, and `-m quick` selects the core it names (`helpers.QUI
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-from helpers import QUICK_CORE, REPO, cli_env, load_scaled
+import pytest
+from helpers import (
+    PACKAGES,
+    QUICK_CORE,
+    REPO,
+    SLOW_BY_MEASURE,
+    cli_env,
+    importable_checkout,
+    load_scaled,
+    project_files,
+)
 
 TESTS = Path(__file__).resolve().parent
 # Modules of tests/ that are not test modules: pytest's fixtures and hooks, and the helpers.
@@ -137,8 +148,97 @@ def test_readme_test_counts_are_pytests():
     assert near(stated_total, slow + not_slow), f"README: {stated_total}; pytest: {slow + not_slow}"
 
 
+@pytest.mark.slow  # collects the whole suite, as the README's counts above
+def test_every_slow_by_measure_entry_selects_a_slow_test():
+    ids, _, _ = collected("-m", "slow")
+    stale = [e for e in SLOW_BY_MEASURE if not any(i == e or i.split("[")[0] == e for i in ids)]
+    assert not stale, "helpers.SLOW_BY_MEASURE names no test:\n" + "\n".join(stale)
+
+
 def test_quick_selects_every_entry_of_the_core():
     ids, selected, _ = collected("-m", "quick")
     for entry in QUICK_CORE:
         assert any(i.startswith(entry) for i in ids), f"QUICK_CORE entry selects nothing: {entry}"
     assert 30 <= selected <= 400, selected  # the core, not the suite
+
+
+# -- sealed off from the user's own folders at the repository's root -----------------------------
+USER_FILES = {  # what docs/extending.md suggests a user keeps beside the project
+    "my_research/__init__.py": "",
+    "my_research/which.py": "WHO = 'the user folder at the root'\n",
+    "conf/model/mine.yaml": "_target_: my_research.which.Model\n",
+    "experiments/my_study/study.yaml": "name: mine\n",
+    "experiments/my_study/published_mine.csv": "a,b\n",
+}
+
+
+def checkout_with_a_user_folder(root: Path) -> Path:
+    """A git checkout at `root`: the project's packages (links to this checkout's) and a
+    shipped study tracked by git, and the user's own files (`USER_FILES`) beside them."""
+    root.mkdir()
+    for name in PACKAGES:
+        (root / name).symlink_to(REPO / name, target_is_directory=True)
+    shipped = root / "experiments" / "shipped" / "study.yaml"
+    shipped.parent.mkdir(parents=True)
+    shipped.write_text("name: shipped\n")
+    subprocess.run(["git", "init", "-q", str(root)], check=True, timeout=load_scaled(60))
+    subprocess.run(["git", "-C", str(root), "add", "."], check=True, timeout=load_scaled(60))
+    for name, text in USER_FILES.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_the_suites_scans_skip_a_user_folder_at_the_root(tmp_path):
+    """The files the suite scans are the ones git tracks: a study of the user's own under
+    experiments/ and a folder at the root are not the project's."""
+    checkout = checkout_with_a_user_folder(tmp_path / "checkout")
+    assert project_files("experiments/*/*.yaml", checkout) == [
+        checkout / "experiments" / "shipped" / "study.yaml"
+    ]
+    assert project_files("experiments/*/published*.csv", checkout) == []
+    assert project_files("my_research/*.py", checkout) == []
+    assert len(sorted(checkout.glob("experiments/*/*.yaml"))) == 2  # a plain glob takes both
+
+
+def test_no_test_module_scans_the_repository_root_itself():
+    """Every scan of the repository's files goes through `project_files` (a named package's
+    folder, `dpresearch/`, may be walked directly: nothing of the user's is inside it)."""
+    scans = re.compile(r"\bREPO\.(r?glob|iterdir|walk)\(|os\.(walk|listdir)\(\s*REPO\b")
+    found = [
+        f"{p.name}:{i}"
+        for p in [*_test_module_paths(), TESTS / "helpers.py"]
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if scans.search(line)
+    ]
+    assert found == [], "scan the project's files with helpers.project_files:\n" + "\n".join(found)
+
+
+def test_a_user_package_at_the_root_never_shadows_a_tests_own(tmp_path):
+    """A CLI subprocess imports the checkout's packages, not its root: the package of the same
+    name that a test puts on PYTHONPATH (tests/test_extending.py writes docs/extending.md's
+    `my_research`) is the one imported, though the user has their own at the root."""
+    checkout = checkout_with_a_user_folder(tmp_path / "checkout")
+    own = tmp_path / "own" / "my_research"
+    own.mkdir(parents=True)
+    (own / "__init__.py").write_text("")
+    (own / "which.py").write_text("WHO = 'the test'\n")
+    probe = "import dpresearch, my_research.which as w; print(w.WHO); print(dpresearch.SOURCE_ROOT)"
+
+    def imported(*path: Path) -> list[str]:
+        env = dict(cli_env(), PYTHONPATH=os.pathsep.join(map(str, path)))
+        out = subprocess.run(
+            [sys.executable, "-c", probe],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=load_scaled(60),
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.splitlines()
+
+    assert imported(importable_checkout(checkout), own.parent) == ["the test", str(REPO)]
+    assert imported(checkout, own.parent)[0] == "the user folder at the root"  # the root: shadowed
+    assert sorted(p.name for p in importable_checkout().iterdir()) == sorted(PACKAGES)
+    assert cli_env()["PYTHONPATH"].split(os.pathsep)[0] == str(importable_checkout())

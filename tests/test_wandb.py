@@ -9,7 +9,7 @@ import socket
 import pytest
 import yaml
 from helpers import SMALL, load_scaled, run_cli
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from dpresearch.run.logger import RunLogger
 from dpresearch.run.wandb_names import default_names
@@ -19,6 +19,23 @@ def closed_port() -> int:
     with socket.socket() as s:  # bound, then closed: nothing listens there
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def online_logger(init_timeout_s: float) -> DictConfig:
+    """A `logger` node for an online W&B run (project "p", run "n" in group "g")."""
+    return OmegaConf.create(
+        {
+            "wandb": True,
+            "mode": "online",
+            "project": "p",
+            "entity": None,
+            "name": "n",
+            "group": "g",
+            "job_type": None,
+            "tags": [],
+            "init_timeout_s": init_timeout_s,
+        }
+    )
 
 
 @pytest.mark.slow  # waits for W&B's connection timeout; the fallback in-process below stays
@@ -65,19 +82,7 @@ def test_a_server_that_never_answers_falls_back_within_15_s(tmp_path, monkeypatc
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     wandb.teardown()
-    cfg = OmegaConf.create(
-        {
-            "wandb": True,
-            "mode": "online",
-            "project": "p",
-            "entity": None,
-            "name": "n",
-            "group": "g",
-            "job_type": None,
-            "tags": [],
-            "init_timeout_s": 30,
-        }
-    )
+    cfg = online_logger(init_timeout_s=30)
     try:
         started = time.monotonic()
         logger = RunLogger(tmp_path / "run", {"seed": 0}, cfg)
@@ -98,19 +103,7 @@ def test_no_api_key_falls_back_to_offline(tmp_path, monkeypatch, capsys):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no saved login
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
-    cfg = OmegaConf.create(
-        {
-            "wandb": True,
-            "mode": "online",
-            "project": "p",
-            "entity": None,
-            "name": "n",
-            "group": "g",
-            "job_type": None,
-            "tags": [],
-            "init_timeout_s": 5,
-        }
-    )
+    cfg = online_logger(init_timeout_s=5)
     logger = RunLogger(tmp_path / "run", {"seed": 0}, cfg)
     logger.log({"step": 1, "train/loss": 1.0})
     logger.finish({"train/loss": 1.0})
