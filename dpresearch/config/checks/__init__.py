@@ -51,6 +51,7 @@ from dpresearch.config.checks.run import (
     check_workers,
 )
 from dpresearch.run.build import process_count
+from dpresearch.run.time_scenarios import check_config as check_time_scenarios
 
 # Every node's check, in the order `validate` runs them: the typed nodes, then (after the
 # plug-in targets are known to import and take their keys) the plug-in nodes.
@@ -73,6 +74,7 @@ PLUGIN_CHECKS: dict[str, Callable[[DictConfig], None]] = {
     "protocol": check_protocol,
     "algorithm": check_algorithm,
     "outer": check_outer,
+    "train.time_scenarios": check_time_scenarios,
 }
 
 __all__ = [
