@@ -131,9 +131,7 @@ class ModeledClock:
                 workers,
                 cfg.seed,
             )
-            clock.scenarios[name] = cls(
-                scenario_speed, workers, ledger, meetings, per_node, pricing
-            )
+            clock.scenarios[name] = cls(scenario_speed, workers, ledger, None, per_node, pricing)
         return clock
 
     def step_begins(self) -> None:
@@ -144,10 +142,17 @@ class ModeledClock:
 
     def step_ends(self) -> None:
         """Every worker computed one step; a step that communicated is a round."""
-        for scenario in self.scenarios.values():
-            scenario.step_ends()
         if self.speed is None:
             return
+        # asked once a step (NoLoCo hands its pairs over once), for every scenario's clock too
+        met = self.meetings() if self.meetings is not None else None
+        for scenario in self.scenarios.values():
+            scenario.advance(met)
+        self.advance(met)
+
+    def advance(self, met: Sequence[Sequence[int]] | None) -> None:
+        """`step_ends` with `met`, the groups that met in the step (None: everyone)."""
+        assert self.speed is not None
         times = self.times
         for w in range(len(times)):
             times[w] += self.speed.draw(w)
@@ -170,7 +175,7 @@ class ModeledClock:
             )
             self.pending.append([float(max(op.hidden_steps for op in hidden)), self.link_free])
         if len(hidden) < len(ops) or (not hidden and comm > 0):
-            groups = self.meetings() if self.meetings is not None else None
+            groups = met
             g = self.per_node
             if groups is None and g and ops and all(op.tier == INTRA for op in ops):
                 groups = [range(start, start + g) for start in range(0, len(times), g)]
