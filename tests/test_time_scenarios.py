@@ -5,7 +5,14 @@ equality) the `time/modeled_s` of a separate run configured with that scenario's
 from __future__ import annotations
 
 import pytest
-from helpers import CHECKPOINTED, SMALL_512, compose_config, kill_and_resume, metric_lines
+from helpers import (
+    CHECKPOINTED,
+    SMALL_512,
+    compose_config,
+    kill_and_resume,
+    metric_lines,
+    train_on_gloo,
+)
 
 from dpresearch.analysis.plots import axis_label
 from dpresearch.analysis.runs import load_metrics_many
@@ -107,3 +114,16 @@ def test_bad_time_scenarios_are_one_line(overrides, message):
     with pytest.raises(ConfigError, match="train.time_scenarios") as err:
         validate(cfg, given)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_gloo_ranks_log_the_simulated_scenario_clocks(tmp_path):
+    """On real ranks (every process holds all K workers' streams and records the same ops)
+    each scenario's clock is the simulator's."""
+    given = GIVEN.replace("slow_workers:[3]", "slow_workers:[1]")
+    args = [*SMALL_512, "workers=2", *BASE[1:], *DILOCO, given, "train.log_every=1"]
+    train(compose_config(*args), tmp_path / "simulated")
+    train_on_gloo(2, [(compose_config(*args, "backend=gloo"), tmp_path / "gloo")])
+    simulated = clocks(tmp_path / "simulated")
+    assert clocks(tmp_path / "gloo") == simulated
+    assert set(simulated[0]) == {"time/modeled_s", *(f"time/modeled_s@{n}" for n in SCENARIOS)}

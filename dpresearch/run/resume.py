@@ -117,6 +117,8 @@ def _declared_default(cfg: DictConfig, key: str) -> Any:
         return None
     for f in dataclasses.fields(kind):
         if f.name == leaf:
+            if f.default_factory is not dataclasses.MISSING:  # (`train.time_scenarios`: {})
+                return f.default_factory()
             return None if f.default is dataclasses.MISSING else f.default
     return None
 
