@@ -127,3 +127,22 @@ def test_gloo_ranks_log_the_simulated_scenario_clocks(tmp_path):
     simulated = clocks(tmp_path / "simulated")
     assert clocks(tmp_path / "gloo") == simulated
     assert set(simulated[0]) == {"time/modeled_s", *(f"time/modeled_s@{n}" for n in SCENARIOS)}
+
+
+def test_a_resume_that_changes_a_scenarios_streams_is_refused(tmp_path):
+    """A scenario's clock continues its checkpointed streams: a resume that makes it draw
+    others (constant → lognormal) is refused, whatever train.resume_allow_changes says; a
+    change between random kinds passes."""
+    from omegaconf import OmegaConf
+
+    from dpresearch.run.resume import check_speed_streams
+
+    def config(speed: str):
+        return compose_config(*SMALL_512, f"+train.time_scenarios={{a:{{speed:{speed}}}}}")
+
+    saved = OmegaConf.to_container(config("exponential"), resolve=True)
+    check_speed_streams(saved, config("lognormal"), tmp_path / "step_8.pt")
+    with pytest.raises(ConfigError) as err:
+        check_speed_streams(saved, config("constant"), tmp_path / "step_8.pt")
+    assert "train.time_scenarios.a.speed=exponential" in str(err.value)
+    assert "resume with train.time_scenarios.a.speed=exponential" in str(err.value)
