@@ -19,6 +19,7 @@ from dpresearch.analysis.runs import load_metrics_many
 from dpresearch.analysis.timing import time_to_accuracy
 from dpresearch.config.validate import ConfigError, validate
 from dpresearch.run.trainer import InjectedFailure
+from dpresearch.study.select import horizon_unit
 from dpresearch.train import train
 
 BASE = ["workers=4", "async.compute_s=0.25", "network=1gbe", "train.steps=12"]
@@ -91,6 +92,7 @@ def test_a_scenario_clock_is_an_analysis_axis(tmp_path):
     tta = time_to_accuracy(metrics, "train/loss", 100.0)  # reached at the first row
     assert tta["tta/time/modeled_s@slow4"].tolist() == [rows[0]["time/modeled_s@slow4"]]
     assert axis_label("time/modeled_s@slow4")[0] == "modeled wall-clock time, scenario slow4 (s)"
+    assert horizon_unit("time/modeled_s@slow4") == "modeled s (slow4)"
 
 
 @pytest.mark.parametrize(
