@@ -227,7 +227,7 @@ def check_speed_streams(saved: Mapping[str, Any], cfg: DictConfig, path: Path) -
     scenarios = [(saved.get("train") or {}).get("time_scenarios") or {}]
     scenarios.append(cfg.train.get("time_scenarios") or {})
     for key, nodes_of in [("async", nodes)] + [
-        (f"train.time_scenarios.{name}", [{**nodes[i], **scenarios[i][name]} for i in (0, 1)])
+        (f"train.time_scenarios.{name}", [_over(nodes[i], scenarios[i][name]) for i in (0, 1)])
         for name in scenarios[1]
         if name in scenarios[0]
     ]:
@@ -245,6 +245,12 @@ def check_speed_streams(saved: Mapping[str, Any], cfg: DictConfig, path: Path) -
                 f"{key}.straggler_prob only above 0; resume with {shown[0]}, or start a new run "
                 "without train.resume"
             )
+
+
+def _over(node: Mapping[str, Any], scenario: Any) -> dict[str, Any]:
+    """A time scenario's keys over the run's `async` node (its null keys: the run's own)."""
+    keys = scenario.items() if isinstance(scenario, Mapping) else ()
+    return {**node, **{k: v for k, v in keys if v is not None}}
 
 
 def check_resume(cfg: DictConfig, run_dir: Path | None, processes: int) -> None:
