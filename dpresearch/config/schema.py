@@ -72,7 +72,8 @@ class TrainConfig:
     `time_scenarios`: further modeled clocks of a lockstep run, name → {speed keys of the
     `async` node, `network: <preset>`} (a key left out is the run's own), each logged as
     `time/modeled_s@<name>`: what `time/modeled_s` of a run with those keys would read
-    (`dpresearch/run/time_scenarios.py`).
+    (`dpresearch/run/time_scenarios.py`); on the command line one at a time,
+    `+train.time_scenarios.slow4={slow_workers:[3],slowdown:4}`.
     """
 
     steps: int | None = None
