@@ -72,7 +72,7 @@ from dpresearch.asynchrony.options import AsyncOptions
 from dpresearch.asynchrony.speed import SpeedModel
 from dpresearch.comm.hierarchy import INTRA
 from dpresearch.comm.ledger import OFF_STEP_PURPOSES, CommLedger
-from dpresearch.run.time_scenarios import KEY, METRIC, repricing, scenarios_of
+from dpresearch.run.time_scenarios import KEY, METRIC, Repricing, scenarios_of
 
 OWN_CLOCK = "time/simulated_s"  # the metric of an algorithm that simulates its own clock
 
@@ -105,9 +105,17 @@ class ModeledClock:
         self.pending: list[list[float]] = []  # [steps left, ready at] of background exchanges
 
     @classmethod
-    def for_run(cls, cfg: Any, algorithm: Any, ledger: CommLedger, workers: int) -> ModeledClock:
+    def for_run(
+        cls,
+        cfg: Any,
+        algorithm: Any,
+        ledger: CommLedger,
+        workers: int,
+        pricings: dict[str, Repricing] | None = None,
+    ) -> ModeledClock:
         """The clock of a run: the `async` node's speed model for a lockstep algorithm, none
-        for one with its own event clock (or one whose processes do not step together)."""
+        for one with its own event clock (or one whose processes do not step together).
+        `pricings`: each time scenario's (`train.time_scenarios`) pricing of the ops."""
         own = not algorithm.traits.lockstep or isinstance(
             getattr(algorithm, "clock", None), EventClock
         )
@@ -124,7 +132,7 @@ class ModeledClock:
         clock = cls(speed, workers, ledger, meetings, per_node)
         run_async = OmegaConf.to_container(node, resolve=True) if node is not None else {}
         for name, scenario in scenarios.items():
-            pricing = repricing(cfg, scenario)
+            pricing = (pricings or {})[name]
             ledger.repricings.append(pricing)
             scenario_speed = SpeedModel.from_options(
                 scenario.speed_options(run_async),  # type: ignore[arg-type]

@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 from omegaconf import DictConfig, OmegaConf
 
 from dpresearch.asynchrony.options import SPEED_KEYS, AsyncOptions, check_options
-from dpresearch.comm.hierarchy import INTER, INTRA
+from dpresearch.comm.hierarchy import INTER, INTRA, Hierarchy
 from dpresearch.comm.ledger import OFF_STEP_PURPOSES, CommOp
 from dpresearch.comm.network import NetworkModel
 from dpresearch.errors import ConfigError
@@ -82,19 +82,20 @@ class ScenarioOptions(Options):
         return AsyncOptions.from_node(node)
 
     def network_node(self, run: Mapping[str, Any]) -> dict[str, Any]:
-        """The `network` node of a run with this scenario's preset (the run's own if none)."""
+        """The `network` node of a run with this scenario's preset (the run's own if none):
+        the preset's keys, the others at their defaults (`run.build.network_model`'s)."""
         if self.network is None:
             return dict(run)
-        node = {f.name: f.default for f in dataclasses.fields(_network_schema())}
-        node.update(preset_node(self.network))
+        node = preset_node(self.network)
         node.update({k: run[k] for k in RUN_NETWORK_KEYS if k in run})
         return node
 
-
-def _network_schema() -> type:
-    from dpresearch.config.schema import NetworkConfig
-
-    return NetworkConfig
+    def cluster(self, cfg: DictConfig) -> DictConfig:
+        """The `network` and `comm` nodes of a run of `cfg` with this scenario's network: what
+        `run.build.network_model` and `hierarchy_of` price it from."""
+        run = OmegaConf.to_container(cfg.network, resolve=True)
+        node = self.network_node(run)  # type: ignore[arg-type]
+        return OmegaConf.create({"network": node, "comm": cfg.get("comm") or {}})
 
 
 def presets() -> list[str]:
@@ -139,21 +140,20 @@ def scenarios_of(cfg: DictConfig) -> dict[str, ScenarioOptions]:
     return out
 
 
-def keeps_own_clock(cfg: DictConfig) -> bool:
-    """Whether the algorithm keeps its own event clock (its node references `${async}`, or it
-    does not step in lockstep): its trajectory depends on the speed model."""
-    from dpresearch.run.build import algorithm_class
-
+def keeps_own_clock(cfg: DictConfig, cls: type | None) -> bool:
+    """Whether the algorithm (`cls`: its class, None if unknown) keeps its own event clock (its
+    node references `${async}`, or it does not step in lockstep): its trajectory depends on
+    the speed model."""
     used = json.dumps(OmegaConf.to_container(cfg.algorithm, resolve=False))
-    cls = algorithm_class(cfg)
     return "${async}" in used or (cls is not None and not cls.traits.lockstep)
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Raise `ConfigError` (one line naming the fix) for scenarios that cannot be logged."""
+def check_config(cfg: DictConfig, cls: type | None) -> None:
+    """Raise `ConfigError` (one line naming the fix) for scenarios that cannot be logged by a
+    run of algorithm `cls` (None: not importable, reported by the target check)."""
     try:
         scenarios = scenarios_of(cfg)
-        if scenarios and keeps_own_clock(cfg):
+        if scenarios and keeps_own_clock(cfg, cls):
             name = cfg.algorithm._target_.rsplit(".", 1)[-1]
             raise ConfigError(
                 f"{KEY} is set but {name} keeps its own event clock (its trajectory depends "
@@ -206,13 +206,8 @@ class Repricing:
     def load_state_dict(self, state: dict) -> None:
         self.modeled_by_purpose = dict(state["modeled_by_purpose"])
 
-
-def repricing(cfg: DictConfig, opts: ScenarioOptions) -> Repricing:
-    """The pricing of a run of `cfg` on `opts`'s network (and its cluster's tiers)."""
-    from dpresearch.run.build import hierarchy_of, network_model
-
-    node = opts.network_node(OmegaConf.to_container(cfg.network, resolve=True))  # type: ignore[arg-type]
-    scenario = OmegaConf.create({"network": node, "comm": cfg.get("comm") or {}})
-    hierarchy = hierarchy_of(scenario)  # type: ignore[arg-type]
-    tiers = {INTRA: hierarchy.intra, INTER: hierarchy.inter} if hierarchy else {}
-    return Repricing(network_model(scenario), tiers)  # type: ignore[arg-type]
+    @classmethod
+    def on(cls, network: NetworkModel, hierarchy: Hierarchy | None) -> Repricing:
+        """Pricing on `network`, a two-level cluster's tiers on `hierarchy`'s links."""
+        tiers = {INTRA: hierarchy.intra, INTER: hierarchy.inter} if hierarchy else {}
+        return cls(network, tiers)

@@ -50,8 +50,14 @@ from dpresearch.config.checks.run import (
     check_train,
     check_workers,
 )
-from dpresearch.run.build import process_count
-from dpresearch.run.time_scenarios import check_config as check_time_scenarios
+from dpresearch.run.build import algorithm_class, process_count
+from dpresearch.run.time_scenarios import check_config
+
+
+def check_time_scenarios(cfg: DictConfig) -> None:
+    """`train.time_scenarios` (`run/time_scenarios.py`), for the configured algorithm."""
+    check_config(cfg, algorithm_class(cfg))
+
 
 # Every node's check, in the order `validate` runs them: the typed nodes, then (after the
 # plug-in targets are known to import and take their keys) the plug-in nodes.
