@@ -29,7 +29,10 @@ CONF = Path(__file__).resolve().parent / "conf"
 # The node groups whose YAML files name a class declaring its options (`options_of`).
 GROUPS = ("algorithm", "outer")
 # Typed nodes of the schema declared the same way (no YAML: the schema is the declaration).
-SCHEMA_NODES = ("dpresearch.asynchrony.options.AsyncOptions",)
+SCHEMA_NODES = (
+    "dpresearch.asynchrony.options.AsyncOptions",
+    "dpresearch.run.time_scenarios.ScenarioOptions",
+)
 
 
 class Options:

@@ -248,6 +248,14 @@ BAD = [
     ([*TEXT, "optimizer=muon", "+optimizer.ns_coefficients=[1]"], "optimizer.ns_coefficients"),
     ([*TEXT, "schedule.warmup_steps=-1"], "schedule.warmup_steps=-1: must be an integer >= 0"),
     (["train.grad_clip=-1"], "train.grad_clip=-1.0: must be a positive number"),
+    (
+        ["algorithm=async_sgd", "+train.time_scenarios={slow:{slowdown:2}}"],
+        "train.time_scenarios is set but AsyncSGD keeps its own event clock",
+    ),
+    (
+        ["+train.time_scenarios={wan:{network:wan_10mbit}}"],
+        "train.time_scenarios.wan: network: wan_10mbit is not a network preset",
+    ),
 ]
 # Issue 43, item 7: each tried by hand, each a traceback, silently accepted or printed over
 # several lines before.

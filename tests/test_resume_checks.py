@@ -231,3 +231,8 @@ def test_a_key_added_since_a_run_was_saved_differs_only_when_it_is_on():
     assert trajectory_differences(saved, clipped) == ["train.grad_clip"]
     averaged = compose_config(*RUN, "train.eval_bn_stats=recompute")
     assert trajectory_differences(saved, averaged) == ["train.eval_bn_stats"]
+    # a mapping added since (its default an empty one): `train.time_scenarios`
+    del saved["train"]["time_scenarios"]
+    assert trajectory_differences(saved, base) == []
+    timed = compose_config(*RUN, "+train.time_scenarios={slow:{slowdown:2}}")
+    assert trajectory_differences(saved, timed) == ["train.time_scenarios.slow.slowdown"]

@@ -91,6 +91,9 @@ def axis_label(metric: str, labels: Mapping[str, str] | None = None) -> tuple[st
         return labels[metric], LABELS.get(metric, ("", 1.0))[1]
     if metric in LABELS:
         return LABELS[metric]
+    if metric.startswith("time/modeled_s@"):  # a time scenario's clock (`train.time_scenarios`)
+        scenario = metric.split("@", 1)[1]
+        return f"modeled wall-clock time, scenario {scenario} (s)", 1.0
     if metric.startswith("modeled_s@"):
         net = metric.split("@", 1)[1]
         return f"modeled communication time on {NETWORKS.get(net, net)} (s)", 1.0

@@ -391,7 +391,7 @@ def headers(columns: Sequence[str]) -> dict[str, str]:
             out[c] = HEADS[c]
         elif c in LABELS or c.endswith("/acc"):
             out[c] = axis_label(c)[0]
-        elif c.startswith("tta/modeled_s"):
+        elif c.startswith(("tta/modeled_s", "tta/time/modeled_s@")):  # (@: a time scenario)
             out[c] = axis_label(c.removeprefix("tta/"))[0].replace(" (s)", " to the target (s)")
     return out
 

@@ -12,7 +12,8 @@ by its label:
      "config": {...resolved config...}, "summary": {...summary.json...} or null,
      "curves": {"step": [...], "epoch": [...], "test/acc": [..., null, ...], ...}}
 
-Curves keep the columns the reports use (`CURVES`, plus those a study names); floats are kept
+Curves keep the columns the reports use (`CURVES`, every `time/modeled_s@<scenario>` a run
+logs, plus those a study names); floats are kept
 to 7 significant digits (the report prints at most 4). Non-finite numbers are written as the
 logger writes them ("nan", "inf", "-inf"). `load_rundata` returns the same frames as
 `load_summaries` and `load_metrics_many` would from the directories.
@@ -30,6 +31,7 @@ from typing import Any
 
 from dpresearch.analysis.errors import AnalysisError
 from dpresearch.analysis.runs import load_metrics_many, read_run, run_row
+from dpresearch.analysis.timing import SCENARIO_CLOCK
 
 FORMAT = "dpresearch-rundata/1"
 CURVES = (
@@ -93,6 +95,7 @@ def pack_runs(
         config, summary, point, choices = read_run(run)
         point = {k: v for k, v in point.items() if k != "overrides"}  # the config holds them
         metrics = load_metrics_many([run]).drop(columns="run")
+        scenarios = [c for c in metrics.columns if c.startswith(SCENARIO_CLOCK)]
         records.append(
             {
                 "run": run.relative_to(root).as_posix(),
@@ -100,7 +103,7 @@ def pack_runs(
                 "choices": choices,
                 "config": config,
                 "summary": summary,
-                "curves": _curves(metrics, columns),
+                "curves": _curves(metrics, [*columns, *scenarios]),
             }
         )
     return write_rundata(records, path, header)

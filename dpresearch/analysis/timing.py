@@ -33,6 +33,9 @@ TTA_SOURCES = {
 }
 
 
+SCENARIO_CLOCK = "time/modeled_s@"  # + a time scenario's name (`run/time_scenarios.py`)
+
+
 def modeled_column(network: str | None) -> str:
     """Name of the per-step modeled-seconds column on `network` (None: the run's own)."""
     return f"modeled_s@{network}" if network else "comm/modeled_s"
@@ -115,6 +118,8 @@ def time_to_accuracy(metrics, metric: str, target: float, network: str | None = 
     modeled = modeled_column(network)
     if modeled in metrics:
         sources[modeled] = f"tta/{modeled}"
+    # each time scenario's modeled clock (`train.time_scenarios`): `tta/time/modeled_s@<name>`
+    sources.update({c: f"tta/{c}" for c in metrics.columns if c.startswith(SCENARIO_CLOCK)})
     present = {src: dst for src, dst in sources.items() if src in metrics}
     out = pd.DataFrame(index=pd.Index(metrics["run"].cat.categories, name="run"))
     out["tta/reached"] = out.index.isin(first.index).astype(int)

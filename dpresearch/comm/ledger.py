@@ -115,6 +115,9 @@ class CommLedger:
     heard: dict[str, dict[int, int]] = field(default_factory=dict)
     # per (bytes, purpose) of a message: [op, its modeled seconds, messages not yet counted]
     _messages: dict[tuple[int, str], list] = field(default_factory=dict)
+    # other networks' pricings of every op recorded (a time scenario's `Repricing`, each with
+    # `add(op)` and `reset()`: `run/time_scenarios.py`)
+    repricings: list = field(default_factory=list)
     _hidden_steps: int = 0
     _busy_closed: float = 0.0
     _frontier: tuple[float, float] | None = None
@@ -164,6 +167,8 @@ class CommLedger:
         self.modeled_by_purpose[op.purpose] = self.modeled_by_purpose.get(
             op.purpose, 0.0
         ) + self.network_of(op).op_seconds(op)
+        for pricing in self.repricings:
+            pricing.add(op)
         if op.purpose == ALGORITHM:
             self._op_counts[op.kind] += 1
         self._purpose_op_counts[(op.purpose, op.kind)] += 1
@@ -211,6 +216,8 @@ class CommLedger:
             self.clock[row] = time.perf_counter() - self._started if at is None else at
         modeled = self.modeled_by_purpose
         modeled[purpose] = modeled.get(purpose, 0.0) + entry[1]
+        for pricing in self.repricings:
+            pricing.add(entry[0])
         self.step_ops.append(entry[0])
 
     def _fold_messages(self) -> None:
@@ -317,6 +324,8 @@ class CommLedger:
         self.heard = {}
         self._started = time.perf_counter()
         self.modeled_by_purpose = {}
+        for pricing in self.repricings:
+            pricing.reset()
         self.exposed_s = 0.0
         self._busy_closed, self._frontier = 0.0, None
         self._pending.clear()

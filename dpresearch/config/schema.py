@@ -68,6 +68,12 @@ class TrainConfig:
     its local step; synchronous SGD clips the averaged gradient (as DDP + clip_grad_norm_), or,
     with a compressor, each worker's gradient before it is encoded (`dpresearch/grad_clip.py`).
     Logged as `train/grad_norm`, the mean pre-clip norm.
+
+    `time_scenarios`: further modeled clocks of a lockstep run, name → {speed keys of the
+    `async` node, `network: <preset>`} (a key left out is the run's own), each logged as
+    `time/modeled_s@<name>`: what `time/modeled_s` of a run with those keys would read
+    (`dpresearch/run/time_scenarios.py`); on the command line one at a time,
+    `+train.time_scenarios.slow4={slow_workers:[3],slowdown:4}`.
     """
 
     steps: int | None = None
@@ -93,6 +99,7 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     batched_workers: str = "auto"
     grad_clip: float | None = None
+    time_scenarios: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

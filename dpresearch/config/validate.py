@@ -240,11 +240,13 @@ def check_schema_keys(cfg: DictConfig) -> None:
             if key not in schema:
                 raise ConfigError(unknown_key_message(f"{prefix}{key}", list(schema)))
             sub, sub_schema = node[key], schema[key]
-            # an open node of the schema (`outer`) is a plug-in: its keys are its target's
+            # an open node of the schema (`outer`) is a plug-in: its keys are its target's; a
+            # mapping of names (`train.time_scenarios`) is checked by its node's own check
             if (
                 isinstance(sub, DictConfig)
                 and isinstance(sub_schema, DictConfig)
                 and OmegaConf.is_struct(sub_schema)
+                and OmegaConf.get_type(sub_schema) is not dict
             ):
                 walk(sub, sub_schema, f"{prefix}{key}.")
 

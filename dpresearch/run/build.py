@@ -54,6 +54,7 @@ from dpresearch.run import init_from
 from dpresearch.run.checkpoint_files import checkpoint_interval
 from dpresearch.run.compute import WorkerCompute
 from dpresearch.run.modeled_clock import ModeledClock
+from dpresearch.run.time_scenarios import Repricing, scenarios_of
 
 
 def algorithm_class(cfg: DictConfig) -> type[Algorithm] | None:
@@ -85,6 +86,16 @@ def network_model(cfg: DictConfig) -> NetworkModel:
     return NetworkModel.from_units(
         net.latency_us, net.bandwidth_gbit, **{key: net[key] for key in optional if key in net}
     )
+
+
+def scenario_pricings(cfg: DictConfig) -> dict[str, Repricing]:
+    """Each time scenario's (`train.time_scenarios`) pricing of the run's ops: its network and
+    its cluster's tiers, as a run of that network would price them."""
+    out = {}
+    for name, scenario in scenarios_of(cfg).items():
+        cluster = scenario.cluster(cfg)
+        out[name] = Repricing.on(network_model(cluster), hierarchy_of(cluster))
+    return out
 
 
 def hierarchy_of(cfg: DictConfig) -> Hierarchy | None:
@@ -351,7 +362,9 @@ def build_run(
         gradients_per_step=per_step,
         rng=GlobalRandom(),
         clip=clip,
-        modeled=ModeledClock.for_run(cfg, algorithm, comm.ledger, comm.num_workers),
+        modeled=ModeledClock.for_run(
+            cfg, algorithm, comm.ledger, comm.num_workers, scenario_pricings(cfg)
+        ),
         setup={**started, **algorithm.describe(), **compute.describe()},
     )
     comm.ledger.reset()  # the set-up's traffic is not the run's

@@ -155,6 +155,7 @@ class MetricsLog(Hook):
         state.algorithm_metrics = run.algorithm.metrics()
         row.update(state.algorithm_metrics)
         row["time/modeled_s"] = run.modeled.seconds(state.algorithm_metrics)
+        row.update(run.modeled.scenario_seconds())
         if evaluates:
             row.update(self.evaluate())
             if "test/acc" in row:

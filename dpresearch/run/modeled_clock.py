@@ -54,6 +54,10 @@ Every process of a lockstep run holds all K workers' streams and draws the same 
 the run's seed, and every process records the same collectives, so the clock is identical on
 every rank and in the simulator. The state (the streams and t) is checkpointed: a resumed run
 continues the same clock.
+
+`train.time_scenarios` (`run/time_scenarios.py`) adds clocks of other speed models and
+networks, each priced by its own `Repricing` of the ledger's ops (`pricing`) and logged as
+`time/modeled_s@<name>`; their state is checkpointed with this one's.
 """
 
 from __future__ import annotations
@@ -61,11 +65,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from dpresearch.asynchrony.clock import EventClock
 from dpresearch.asynchrony.options import AsyncOptions
 from dpresearch.asynchrony.speed import SpeedModel
 from dpresearch.comm.hierarchy import INTRA
 from dpresearch.comm.ledger import OFF_STEP_PURPOSES, CommLedger
+from dpresearch.run.time_scenarios import KEY, METRIC, Repricing, scenarios_of
 
 OWN_CLOCK = "time/simulated_s"  # the metric of an algorithm that simulates its own clock
 
@@ -82,8 +89,13 @@ class ModeledClock:
         ledger: CommLedger,
         meetings: Callable[[], Sequence[Sequence[int]] | None] | None = None,
         per_node: int | None = None,
+        pricing: Any = None,
     ) -> None:
         self.speed, self.ledger, self.per_node = speed, ledger, per_node
+        # what prices the ops (`modeled_s`, `network_of`): the ledger, or a scenario's
+        # `Repricing` of it on another network
+        self.pricing = pricing if pricing is not None else ledger
+        self.scenarios: dict[str, ModeledClock] = {}  # `train.time_scenarios`' clocks
         # the groups that met in the step (None: everyone, a round of all workers)
         self.meetings = meetings
         self.times = [0.0] * workers
@@ -93,31 +105,66 @@ class ModeledClock:
         self.pending: list[list[float]] = []  # [steps left, ready at] of background exchanges
 
     @classmethod
-    def for_run(cls, cfg: Any, algorithm: Any, ledger: CommLedger, workers: int) -> ModeledClock:
+    def for_run(
+        cls,
+        cfg: Any,
+        algorithm: Any,
+        ledger: CommLedger,
+        workers: int,
+        pricings: dict[str, Repricing] | None = None,
+    ) -> ModeledClock:
         """The clock of a run: the `async` node's speed model for a lockstep algorithm, none
-        for one with its own event clock (or one whose processes do not step together)."""
+        for one with its own event clock (or one whose processes do not step together).
+        `pricings`: each time scenario's (`train.time_scenarios`) pricing of the ops."""
         own = not algorithm.traits.lockstep or isinstance(
             getattr(algorithm, "clock", None), EventClock
         )
+        scenarios = scenarios_of(cfg)
         if own:
+            if scenarios:
+                raise ValueError(f"{KEY}: the algorithm keeps its own event clock")
             return cls(None, workers, ledger)
-        opts = AsyncOptions.from_node(cfg.get("async"))
+        node = cfg.get("async")
+        opts = AsyncOptions.from_node(node)
         per_node = cfg.get("comm", {}).get("hierarchy", {}).get("workers_per_node")
         speed = SpeedModel.from_options(opts, workers, cfg.seed)
-        return cls(speed, workers, ledger, getattr(algorithm, "meetings", None), per_node)
+        meetings = getattr(algorithm, "meetings", None)
+        clock = cls(speed, workers, ledger, meetings, per_node)
+        run_async = OmegaConf.to_container(node, resolve=True) if node is not None else {}
+        for name, scenario in scenarios.items():
+            pricing = (pricings or {})[name]
+            ledger.repricings.append(pricing)
+            scenario_speed = SpeedModel.from_options(
+                scenario.speed_options(run_async),  # type: ignore[arg-type]
+                workers,
+                cfg.seed,
+            )
+            clock.scenarios[name] = cls(scenario_speed, workers, ledger, None, per_node, pricing)
+        return clock
 
     def step_begins(self) -> None:
-        self._comm_at_begin = self.ledger.modeled_s
+        self._comm_at_begin = self.pricing.modeled_s
         self._ops_at_begin = len(self.ledger.step_ops)
+        for scenario in self.scenarios.values():
+            scenario.step_begins()
 
     def step_ends(self) -> None:
         """Every worker computed one step; a step that communicated is a round."""
         if self.speed is None:
             return
+        # asked once a step (NoLoCo hands its pairs over once), for every scenario's clock too
+        met = self.meetings() if self.meetings is not None else None
+        for scenario in self.scenarios.values():
+            scenario.advance(met)
+        self.advance(met)
+
+    def advance(self, met: Sequence[Sequence[int]] | None) -> None:
+        """`step_ends` with `met`, the groups that met in the step (None: everyone)."""
+        assert self.speed is not None
         times = self.times
         for w in range(len(times)):
             times[w] += self.speed.draw(w)
-        comm = self.ledger.modeled_s - self._comm_at_begin
+        comm = self.pricing.modeled_s - self._comm_at_begin
         ops = [
             op
             for op in self.ledger.step_ops[self._ops_at_begin :]
@@ -128,7 +175,7 @@ class ModeledClock:
         for entry in self.pending:
             entry[0] -= 1
         if hidden:  # background exchanges: their full seconds, charged here only when waited for
-            network = self.ledger.network_of
+            network = self.pricing.network_of
             comm -= sum(network(op).op_seconds(op) for op in hidden)
             start = max(arrived, self.link_free)
             self.link_free = start + sum(
@@ -136,7 +183,7 @@ class ModeledClock:
             )
             self.pending.append([float(max(op.hidden_steps for op in hidden)), self.link_free])
         if len(hidden) < len(ops) or (not hidden and comm > 0):
-            groups = self.meetings() if self.meetings is not None else None
+            groups = met
             g = self.per_node
             if groups is None and g and ops and all(op.tier == INTRA for op in ops):
                 groups = [range(start, start + g) for start in range(0, len(times), g)]
@@ -158,13 +205,22 @@ class ModeledClock:
             return float(algorithm_metrics.get(OWN_CLOCK, float("nan")))
         return max(self.times)
 
+    def scenario_seconds(self) -> dict[str, float]:
+        """`time/modeled_s@<name>` of every time scenario now."""
+        return {METRIC + name: max(clock.times) for name, clock in self.scenarios.items()}
+
     def state_dict(self) -> dict:
-        return {
+        state = {
             "times": list(self.times),
             "speed": self.speed.state_dict() if self.speed is not None else None,
             "link_free": self.link_free,
             "pending": [list(entry) for entry in self.pending],
         }
+        if self.pricing is not self.ledger:
+            state["pricing"] = self.pricing.state_dict()
+        if self.scenarios:
+            state["scenarios"] = {n: c.state_dict() for n, c in self.scenarios.items()}
+        return state
 
     def load_state_dict(self, state: dict | None) -> None:
         """Restore; None (a checkpoint from before the clock existed) starts it at the
@@ -176,3 +232,9 @@ class ModeledClock:
         self.pending = [[float(a), float(b)] for a, b in state.get("pending", [])]
         if self.speed is not None and state["speed"] is not None:
             self.speed.load_state_dict(state["speed"])
+        if "pricing" in state:
+            self.pricing.load_state_dict(state["pricing"])
+        saved = state.get("scenarios") or {}
+        for name, clock in self.scenarios.items():
+            # a scenario the checkpoint lacks (added with train.resume_allow_changes): from zero
+            clock.load_state_dict(saved.get(name))

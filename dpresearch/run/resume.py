@@ -117,6 +117,8 @@ def _declared_default(cfg: DictConfig, key: str) -> Any:
         return None
     for f in dataclasses.fields(kind):
         if f.name == leaf:
+            if f.default_factory is not dataclasses.MISSING:  # (`train.time_scenarios`: {})
+                return f.default_factory()
             return None if f.default is dataclasses.MISSING else f.default
     return None
 
@@ -220,19 +222,35 @@ def check_speed_streams(saved: Mapping[str, Any], cfg: DictConfig, path: Path) -
     from dpresearch.asynchrony.speed import drawn_streams
 
     default = AsyncOptions()
-    shown, streams = [], []
-    for node in (saved.get("async") or {}, cfg.get("async") or {}):
-        kind = node.get("speed", default.speed)
-        prob = node.get("straggler_prob", default.straggler_prob)
-        shown.append(f"async.speed={kind}, async.straggler_prob={prob}")
-        streams.append(drawn_streams(kind, prob))
-    if streams[0] != streams[1]:
-        raise ConfigError(
-            f"checkpoint {path} holds the random streams of {shown[0]}, which {shown[1]} does "
-            "not draw: a resume may change async.speed only between random kinds and "
-            f"async.straggler_prob only above 0; resume with {shown[0]}, or start a new run "
-            "without train.resume"
-        )
+    nodes = [saved.get("async") or {}, cfg.get("async") or {}]
+    # each time scenario's clock (`train.time_scenarios`) continues its own streams too
+    scenarios = [(saved.get("train") or {}).get("time_scenarios") or {}]
+    scenarios.append(cfg.train.get("time_scenarios") or {})
+    for key, nodes_of in [("async", nodes)] + [
+        (f"train.time_scenarios.{name}", [_over(nodes[i], scenarios[i][name]) for i in (0, 1)])
+        for name in scenarios[1]
+        if name in scenarios[0]
+    ]:
+        shown, streams = [], []
+        for node in nodes_of:
+            kind = node.get("speed") or default.speed
+            prob = node.get("straggler_prob")
+            prob = default.straggler_prob if prob is None else prob
+            shown.append(f"{key}.speed={kind}, {key}.straggler_prob={prob}")
+            streams.append(drawn_streams(kind, prob))
+        if streams[0] != streams[1]:
+            raise ConfigError(
+                f"checkpoint {path} holds the random streams of {shown[0]}, which {shown[1]} "
+                f"does not draw: a resume may change {key}.speed only between random kinds and "
+                f"{key}.straggler_prob only above 0; resume with {shown[0]}, or start a new run "
+                "without train.resume"
+            )
+
+
+def _over(node: Mapping[str, Any], scenario: Any) -> dict[str, Any]:
+    """A time scenario's keys over the run's `async` node (its null keys: the run's own)."""
+    keys = scenario.items() if isinstance(scenario, Mapping) else ()
+    return {**node, **{k: v for k, v in keys if v is not None}}
 
 
 def check_resume(cfg: DictConfig, run_dir: Path | None, processes: int) -> None:

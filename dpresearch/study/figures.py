@@ -30,7 +30,7 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
     against epochs, bytes, modeled and simulated time; the study's extra curves against epochs.
     Returns (path, figure) pairs."""
     from dpresearch.analysis.plots import plot_groups, plot_points
-    from dpresearch.analysis.timing import add_modeled_time, modeled_column
+    from dpresearch.analysis.timing import SCENARIO_CLOCK, add_modeled_time, modeled_column
 
     study, horizon = report.study, report.last
     metrics = report.metrics
@@ -103,6 +103,7 @@ def plot_files(report: StudyReport, out: Path) -> list[tuple[Path, Any]]:
     # tokens: the x axis of a language model (logged by text data), beside epochs
     xs = ["epoch", "tokens", "comm/bytes", *(modeled_column(n) for n in study.networks or [None])]
     xs += ["time/simulated_s", "time/modeled_s"]
+    xs += sorted(c for c in metrics.columns if c.startswith(SCENARIO_CLOCK))  # scenarios
     ys = [
         m
         for m in dict.fromkeys([*result_metrics(report), *study.curves])

@@ -184,9 +184,9 @@ def _horizon_sentence(report: StudyReport) -> str:
         f" ({int(max(steps))} steps)" if len(steps) else ""
     )
     if study.claim and study.claim.horizons:
-        from dpresearch.study.select import HORIZON_UNITS
+        from dpresearch.study.select import horizon_unit
 
-        unit = HORIZON_UNITS.get(study.claim.horizon_key, study.claim.horizon_key)
+        unit = horizon_unit(study.claim.horizon_key)
         hs = [f"{h:g}" for h in study.claim.horizons]
         column = runs.get("cfg.schedule._target_")
         schedule = (

@@ -100,6 +100,14 @@ HORIZON_UNITS = {
 }
 
 
+def horizon_unit(key: str) -> str:
+    """The unit horizons in `key` are given in (a time scenario's clock, `time/modeled_s@<name>`:
+    modeled s of that scenario)."""
+    if key.startswith("time/modeled_s@"):
+        return f"modeled s ({key.split('@', 1)[1]})"
+    return HORIZON_UNITS.get(key, key)
+
+
 @dataclass
 class Horizon:
     """The study at one horizon: `epochs` None is the runs' own end."""
@@ -116,7 +124,7 @@ class Horizon:
     def label(self) -> str:
         if self.epochs is None:
             return "the end of training"
-        return f"{self.epochs:g} {HORIZON_UNITS.get(self.key, self.key)}"
+        return f"{self.epochs:g} {horizon_unit(self.key)}"
 
 
 def lr_column(study: Study) -> str:

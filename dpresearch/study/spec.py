@@ -24,6 +24,7 @@ metric, the claim it tests and where its run data is shipped; expanded into poin
       horizons: [3, 10, 30]              # epochs; the runs' own length when omitted
       horizon_key: epoch                 # or time/simulated_s, time/modeled_s: horizons in
                                          # simulated / modeled wall-clock seconds
+                                         # (time/modeled_s@<name>: a train.time_scenarios clock)
       window: 0.2                        # metrics: mean over the last fifth of each horizon
       expect:
         - {better: top-k 1% + EF, than: top-k 1% (no EF)}

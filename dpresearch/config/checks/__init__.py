@@ -48,7 +48,14 @@ from dpresearch.config.checks.run import (
     check_train,
     check_workers,
 )
-from dpresearch.run.build import process_count
+from dpresearch.run.build import algorithm_class, process_count
+from dpresearch.run.time_scenarios import check_config
+
+
+def check_time_scenarios(cfg: DictConfig) -> None:
+    """`train.time_scenarios` (`run/time_scenarios.py`), for the configured algorithm."""
+    check_config(cfg, algorithm_class(cfg))
+
 
 # Every node's check, in the order `validate` runs them: the typed nodes, then (after the
 # plug-in targets are known to import and take their keys) the plug-in nodes.
@@ -71,6 +78,7 @@ PLUGIN_CHECKS: dict[str, Callable[[DictConfig], None]] = {
     "protocol": check_protocol,
     "algorithm": check_algorithm,
     "outer": check_outer,
+    "train.time_scenarios": check_time_scenarios,
 }
 
 __all__ = [
