@@ -468,9 +468,10 @@ def trainers_on_gloo(
     out: str,
     cases: dict[str, list[str]],
     keep: Callable[[Trainer, dict], Any],
+    dtype: torch.dtype = torch.float64,
 ) -> None:
     """This process as rank `rank` of `world` gloo processes (for `spawn_sequence`): each case
-    of `cases` (overrides of SMALL_512) trained in float64 (`build_trainer`), `keep(trainer,
+    of `cases` (overrides of SMALL_512) trained in `dtype` (`build_trainer`), `keep(trainer,
     summary)` of each saved to `out/rank{rank}.pt` as {case: kept}."""
     from dpresearch.comm.distributed import DistributedCommunicator
 
@@ -481,7 +482,7 @@ def trainers_on_gloo(
     results = {}
     for name, args in cases.items():
         cfg = compose_config(*SMALL_512, *args)
-        trainer = build_trainer(cfg, DistributedCommunicator(network_model(cfg)), torch.float64)
+        trainer = build_trainer(cfg, DistributedCommunicator(network_model(cfg)), dtype)
         results[name] = keep(trainer, trainer.run())
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.barrier()
@@ -489,11 +490,21 @@ def trainers_on_gloo(
 
 
 def cases_on_gloo(
-    world: int, out: Path, cases: dict[str, list[str]], keep: Callable[[Trainer, dict], Any]
+    world: int,
+    out: Path,
+    cases: dict[str, list[str]],
+    keep: Callable[[Trainer, dict], Any],
+    dtype: torch.dtype = torch.float64,
 ) -> list[dict]:
     """`trainers_on_gloo` on `world` processes: what each rank kept, rank by rank."""
-    spawn_sequence(world, [(trainers_on_gloo, (world, free_port(), str(out), cases, keep))])
+    args = (world, free_port(), str(out), cases, keep, dtype)
+    spawn_sequence(world, [(trainers_on_gloo, args)])
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
+def row_and_buffers(trainer: Trainer, summary: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """A `keep` for `cases_on_gloo`: this rank's parameter row, its buffer row, the summary."""
+    return trainer.replicas.params[0].clone(), trainer.replicas.buffers[0].clone(), summary
 
 
 def train_rank(rank: int, world: int, cfg: dict, run_dir: str, port: int) -> None:
@@ -992,6 +1003,18 @@ def run_main(args: list[str], tmp_path: Path, monkeypatch, capsys) -> tuple[int,
         train_entry.main()
     out = capsys.readouterr()
     return stopped.value.code, out.out, out.err
+
+
+def refused_before_start(args: list[str], fragment: str, tmp_path: Path, monkeypatch, capsys):
+    """`run_main(args)` with its run directory under `tmp_path`: exit code 2, one `error: `
+    line holding `fragment`, and nothing written (`tmp_path` stays empty)."""
+    argv = [*args, f"hydra.run.dir={tmp_path / 'run'}"]
+    code, _, err = run_main(argv, tmp_path, monkeypatch, capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert fragment in lines[0], lines[0]
+    assert list(tmp_path.iterdir()) == []
 
 
 # -- hand-written run directories with answers known in advance (the analysis tests) ------------

@@ -23,14 +23,12 @@ from helpers import (
     SHAKESPEARE_WORKS,
     SYNTHETIC_SMALL,
     TOL64,
-    build_trainer,
     compose_config,
-    free_port,
     gap,
     gpt_shakespeare_losses,
     least_squares_shards,
     metric_lines,
-    run_main,
+    refused_before_start,
     tiny_tanh_forward,
     tiny_tanh_model,
 )
@@ -41,12 +39,10 @@ from dpresearch.algorithms.local_sgd import LocalSGD
 from dpresearch.algorithms.outer.noloco import NoLoCo, NoLoCoOptions, pairing
 from dpresearch.asynchrony.options import AsyncOptions
 from dpresearch.asynchrony.speed import SpeedModel
-from dpresearch.comm.distributed import DistributedCommunicator
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.compress.rng import stream_seed
 from dpresearch.replicas import Replicas
-from dpresearch.run.build import network_model
 from dpresearch.run.checkpoint_files import latest_checkpoint
 from dpresearch.run.trainer import InjectedFailure
 from dpresearch.train import train
@@ -265,24 +261,6 @@ GLOO_ARGS = [*NOLOCO, "model.batch_norm=true", "optimizer.momentum=0.9", "worker
              "train.steps=16"]  # fmt: skip
 
 
-def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    cfg = compose_config(*QUICK, *GLOO_ARGS)
-    trainer = build_trainer(cfg, DistributedCommunicator(network_model(cfg)), torch.float64)
-    summary = trainer.run()
-    torch.save(
-        (trainer.replicas.params[0].clone(), trainer.replicas.buffers[0].clone(), summary),
-        f"{out}/rank{rank}.pt",
-    )
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_simulated_equals_four_gloo_processes(tmp_path):
@@ -290,13 +268,13 @@ def test_simulated_equals_four_gloo_processes(tmp_path):
     BatchNorm buffers too) ends with the simulated K = 4 run's parameters and buffers bit for
     bit (no sum is reordered: a pair's mean is taken the same way on both sides), and the same
     bytes and ops."""
-    from helpers import spawn_sequence
+    from helpers import cases_on_gloo, row_and_buffers
 
-    spawn_sequence(4, [(_gloo_worker, (4, free_port(), str(tmp_path)))])
+    real = cases_on_gloo(4, tmp_path, {"noloco": GLOO_ARGS}, row_and_buffers)
     simulated = run(*GLOO_ARGS, dtype=torch.float64)
     assert gap(simulated.replicas.params[0], simulated.replicas.params[1]) > 1e-4
     for rank in range(4):
-        params, buffers, summary = torch.load(tmp_path / f"rank{rank}.pt")
+        params, buffers, summary = real[rank]["noloco"]
         assert params.dtype == torch.float64
         assert gap(params, simulated.replicas.params[rank]) == 0.0, rank
         assert gap(buffers, simulated.replicas.buffers[rank]) == 0.0, rank
@@ -380,12 +358,6 @@ BAD = [
 def test_bad_values_are_one_line_before_any_worker(args, fragment, tmp_path, monkeypatch, capsys):
     """Each bad value of the NoLoCo node: exit code 2, one `error: ` line naming the key,
     nothing written. (A case naming its own algorithm replaces local SGD's.)"""
-    run_dir = tmp_path / "run"
     base = [] if args[0].startswith("algorithm=") else NOLOCO
-    argv = [*SYNTHETIC_SMALL, "workers=4", *base, *args, f"hydra.run.dir={run_dir}"]
-    code, _, err = run_main(argv, tmp_path, monkeypatch, capsys)
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert fragment in lines[0], lines[0]
-    assert list(tmp_path.iterdir()) == []
+    argv = [*SYNTHETIC_SMALL, "workers=4", *base, *args]
+    refused_before_start(argv, fragment, tmp_path, monkeypatch, capsys)
