@@ -1320,6 +1320,49 @@ def tiny_tanh_forward(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.tanh(x @ w1.view(24, 6).T + b1) @ w2.view(3, 24).T + b2
 
 
+def tiny_sgd_steps(
+    flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor, lr: float, steps: int
+) -> torch.Tensor:
+    """`steps` plain-SGD steps at `lr` of `tiny_tanh_forward`'s mean squared error on (x, y)
+    from the flat parameters `flat`, written on plain tensors (autograd for the gradient)."""
+    for _ in range(steps):
+        leaf = flat.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(F.mse_loss(tiny_tanh_forward(leaf, x), y), leaf)
+        flat = flat - lr * grad
+    return flat
+
+
+def tiny_local_sgd(workers: int, lr: float, period: int) -> tuple[torch.Tensor, Any, list, Any]:
+    """The base an outer method's from-paper test wraps: `workers` replicas of
+    `tiny_tanh_model` on a deterministic simulated 10 GbE communicator, each its own plain
+    SGD at `lr`, under local SGD with H = `period`. Returns (the flat start vector, the
+    replicas, the inner optimizers, the local SGD algorithm; its `comm` is the
+    communicator)."""
+    from dpresearch.algorithms.local_sgd import LocalSGD
+    from dpresearch.comm.network import NetworkModel
+    from dpresearch.replicas import Replicas
+
+    model = tiny_tanh_model()
+    start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    replicas = Replicas(model, workers, torch.device("cpu"))
+    comm = SimulatedCommunicator(workers, NetworkModel.preset("10gbe"), deterministic=True)
+    inner = [torch.optim.SGD(list(m.parameters()), lr=lr) for m in replicas.models]
+    return start, replicas, inner, LocalSGD(replicas, comm, inner, period=period)
+
+
+def train_on_shards(algorithm: Any, data: list, steps: int, per_epoch: int) -> None:
+    """Drive `algorithm` as the trainer does for `steps` steps (`per_epoch` of them an epoch):
+    each step its replica k's gradient of the mean squared error on `data[k]` (x, y), then
+    `after_backward`."""
+    algorithm.set_run_length(per_epoch, steps)
+    replicas = algorithm.replicas
+    for step in range(steps):
+        replicas.grads.zero_()
+        for m, (x, y) in zip(replicas.models, data, strict=True):
+            F.mse_loss(m(x), y).backward()
+        algorithm.after_backward(step)
+
+
 def least_squares_shards(workers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per worker, 32 float64 samples (6 inputs, 3 targets) of its own, seeded."""
     gen = torch.Generator().manual_seed(5)

@@ -22,6 +22,7 @@ from helpers import (
     compose_config,
     gap,
     refused_before_start,
+    train_on_shards,
     trainer_for,
 )
 from helpers import finished_run as run
@@ -117,12 +118,7 @@ def test_the_trajectory_is_the_papers_update_written_apart(one_thread):
         for m in replicas.models
     ]
     ours = DesLoc(replicas, comm, opts, period=KX, state_periods={"exp_avg": KU, "exp_avg_sq": KV})
-    ours.set_run_length(T, T)
-    for step in range(T):
-        replicas.grads.zero_()
-        for m, (x, y) in zip(replicas.models, data, strict=True):
-            F.mse_loss(m(x), y).backward()
-        ours.after_backward(step)
+    train_on_shards(ours, data, T, T)
 
     theta, u, v = paper_update(theta0, data, KX, KU, KV)
 

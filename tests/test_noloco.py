@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers import (
     SHAKESPEARE_WORKS,
     SYNTHETIC_SMALL,
@@ -29,20 +28,18 @@ from helpers import (
     least_squares_shards,
     metric_lines,
     refused_before_start,
-    tiny_tanh_forward,
-    tiny_tanh_model,
+    tiny_local_sgd,
+    tiny_sgd_steps,
+    train_on_shards,
 )
 from helpers import SMALL_512 as QUICK
 from helpers import finished_run as run
 
-from dpresearch.algorithms.local_sgd import LocalSGD
 from dpresearch.algorithms.outer.noloco import NoLoCo, NoLoCoOptions, pairing
 from dpresearch.asynchrony.options import AsyncOptions
 from dpresearch.asynchrony.speed import SpeedModel
 from dpresearch.comm.network import NetworkModel
-from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.compress.rng import stream_seed
-from dpresearch.replicas import Replicas
 from dpresearch.run.checkpoint_files import latest_checkpoint
 from dpresearch.run.trainer import InjectedFailure
 from dpresearch.train import train
@@ -101,19 +98,9 @@ def test_the_update_is_nolocos_written_apart(one_thread):
     their definitions: drift mean_k ‖θ_k − θ̄‖, momentum norm mean_k ‖Δ_k‖, pseudo-gradient
     cosines over the pairs k < j of δ rows, and the evaluated model is mean_k φ_k."""
     data = least_squares_shards(K)
-    model = tiny_tanh_model()
-    start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    replicas = Replicas(model, K, torch.device("cpu"))
-    comm = SimulatedCommunicator(K, NET, deterministic=True)
-    inner = [torch.optim.SGD(list(m.parameters()), lr=INNER_LR) for m in replicas.models]
-    base = LocalSGD(replicas, comm, inner, period=H)
-    ours = NoLoCo(replicas, comm, inner, base, momentum=ALPHA, lr=BETA, gamma=GAMMA, seed=SEED)
-    ours.set_run_length(H, H * ROUNDS)
-    for step in range(H * ROUNDS):
-        replicas.grads.zero_()
-        for m, (x, y) in zip(replicas.models, data, strict=True):
-            F.mse_loss(m(x), y).backward()
-        ours.after_backward(step)
+    start, replicas, inner, base = tiny_local_sgd(K, INNER_LR, H)
+    ours = NoLoCo(replicas, base.comm, inner, base, momentum=ALPHA, lr=BETA, gamma=GAMMA, seed=SEED)
+    train_on_shards(ours, data, H * ROUNDS, H)
 
     phi = [start.clone() for _ in range(K)]
     velocity = [torch.zeros_like(start) for _ in range(K)]
@@ -121,12 +108,7 @@ def test_the_update_is_nolocos_written_apart(one_thread):
     for round_ in range(ROUNDS):
         theta = []
         for w, (x, y) in enumerate(data):
-            t = phi[w].clone()
-            for _ in range(H):
-                flat = t.clone().requires_grad_(True)
-                (grad,) = torch.autograd.grad(F.mse_loss(tiny_tanh_forward(flat, x), y), flat)
-                t = t - INNER_LR * grad
-            theta.append(t)
+            theta.append(tiny_sgd_steps(phi[w], x, y, INNER_LR, H))
         peer = reference_peers(round_)
         pairings.add(tuple(peer))
         delta = [phi[w] - theta[w] for w in range(K)]

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers import (
     SHAKESPEARE_WORKS,
     SYNTHETIC_SMALL,
@@ -28,18 +27,18 @@ from helpers import (
     gpt_shakespeare_losses,
     least_squares_shards,
     refused_before_start,
-    tiny_tanh_forward,
+    tiny_local_sgd,
+    tiny_sgd_steps,
     tiny_tanh_model,
+    train_on_shards,
 )
 from helpers import finished_run as run
 
-from dpresearch.algorithms.local_sgd import LocalSGD
 from dpresearch.algorithms.outer import OuterOptimizer
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.compress import Chunk, CompressedReducer, ErrorFeedback, TopK
 from dpresearch.compress.quantized_topk import QuantizedTopK
-from dpresearch.replicas import Replicas
 from dpresearch.run.checkpoint_files import latest_checkpoint
 from dpresearch.run.trainer import InjectedFailure
 
@@ -197,37 +196,23 @@ def test_the_update_is_sparselocos_algorithm_1_written_apart(one_thread):
         f"outer.error_feedback.decay={BETA}",
     ).outer
     data = least_squares_shards(K)
-
-    model = tiny_tanh_model()
-    theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    replicas = Replicas(model, K, torch.device("cpu"))
-    comm = SimulatedCommunicator(K, NET, deterministic=True)
-    inner = [torch.optim.SGD(list(m.parameters()), lr=INNER_LR) for m in replicas.models]
-    base = LocalSGD(replicas, comm, inner, period=H)
+    theta, replicas, inner, base = tiny_local_sgd(K, INNER_LR, H)
     ours = OuterOptimizer(
         replicas,
-        comm,
+        base.comm,
         inner,
         base,
         node.optimizer,
         compressor=node.compressor,
         error_feedback=node.error_feedback,
     )
-    ours.set_run_length(H, H * ROUNDS)
-    for step in range(H * ROUNDS):
-        replicas.grads.zero_()
-        for m, (x, y) in zip(replicas.models, data, strict=True):
-            F.mse_loss(m(x), y).backward()
-        ours.after_backward(step)
+    train_on_shards(ours, data, H * ROUNDS, H)
 
     workers = [theta.clone() for _ in range(K)]
     memory = [torch.zeros_like(theta) for _ in range(K)]
     for _ in range(ROUNDS):
         for w, (x, y) in enumerate(data):
-            for _ in range(H):
-                flat = workers[w].clone().requires_grad_(True)
-                (grad,) = torch.autograd.grad(F.mse_loss(tiny_tanh_forward(flat, x), y), flat)
-                workers[w] = workers[w] - INNER_LR * grad
+            workers[w] = tiny_sgd_steps(workers[w], x, y, INNER_LR, H)
         sent = []
         for w in range(K):
             memory[w] = BETA * memory[w] + (theta - workers[w])
