@@ -469,9 +469,10 @@ def trainers_on_gloo(
     cases: dict[str, list[str]],
     keep: Callable[[Trainer, dict], Any],
     dtype: torch.dtype = torch.float64,
+    base: Sequence[str] = SMALL_512,
 ) -> None:
     """This process as rank `rank` of `world` gloo processes (for `spawn_sequence`): each case
-    of `cases` (overrides of SMALL_512) trained in `dtype` (`build_trainer`), `keep(trainer,
+    of `cases` (overrides of `base`) trained in `dtype` (`build_trainer`), `keep(trainer,
     summary)` of each saved to `out/rank{rank}.pt` as {case: kept}."""
     from dpresearch.comm.distributed import DistributedCommunicator
 
@@ -481,7 +482,7 @@ def trainers_on_gloo(
     )
     results = {}
     for name, args in cases.items():
-        cfg = compose_config(*SMALL_512, *args)
+        cfg = compose_config(*base, *args)
         trainer = build_trainer(cfg, DistributedCommunicator(network_model(cfg)), dtype)
         results[name] = keep(trainer, trainer.run())
     torch.save(results, f"{out}/rank{rank}.pt")
@@ -495,9 +496,10 @@ def cases_on_gloo(
     cases: dict[str, list[str]],
     keep: Callable[[Trainer, dict], Any],
     dtype: torch.dtype = torch.float64,
+    base: Sequence[str] = SMALL_512,
 ) -> list[dict]:
     """`trainers_on_gloo` on `world` processes: what each rank kept, rank by rank."""
-    args = (world, free_port(), str(out), cases, keep, dtype)
+    args = (world, free_port(), str(out), cases, keep, dtype, list(base))
     spawn_sequence(world, [(trainers_on_gloo, args)])
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
