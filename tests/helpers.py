@@ -468,9 +468,11 @@ def trainers_on_gloo(
     out: str,
     cases: dict[str, list[str]],
     keep: Callable[[Trainer, dict], Any],
+    dtype: torch.dtype = torch.float64,
+    base: Sequence[str] = SMALL_512,
 ) -> None:
     """This process as rank `rank` of `world` gloo processes (for `spawn_sequence`): each case
-    of `cases` (overrides of SMALL_512) trained in float64 (`build_trainer`), `keep(trainer,
+    of `cases` (overrides of `base`) trained in `dtype` (`build_trainer`), `keep(trainer,
     summary)` of each saved to `out/rank{rank}.pt` as {case: kept}."""
     from dpresearch.comm.distributed import DistributedCommunicator
 
@@ -480,8 +482,8 @@ def trainers_on_gloo(
     )
     results = {}
     for name, args in cases.items():
-        cfg = compose_config(*SMALL_512, *args)
-        trainer = build_trainer(cfg, DistributedCommunicator(network_model(cfg)), torch.float64)
+        cfg = compose_config(*base, *args)
+        trainer = build_trainer(cfg, DistributedCommunicator(network_model(cfg)), dtype)
         results[name] = keep(trainer, trainer.run())
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.barrier()
@@ -489,11 +491,22 @@ def trainers_on_gloo(
 
 
 def cases_on_gloo(
-    world: int, out: Path, cases: dict[str, list[str]], keep: Callable[[Trainer, dict], Any]
+    world: int,
+    out: Path,
+    cases: dict[str, list[str]],
+    keep: Callable[[Trainer, dict], Any],
+    dtype: torch.dtype = torch.float64,
+    base: Sequence[str] = SMALL_512,
 ) -> list[dict]:
     """`trainers_on_gloo` on `world` processes: what each rank kept, rank by rank."""
-    spawn_sequence(world, [(trainers_on_gloo, (world, free_port(), str(out), cases, keep))])
+    args = (world, free_port(), str(out), cases, keep, dtype, list(base))
+    spawn_sequence(world, [(trainers_on_gloo, args)])
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
+def row_and_buffers(trainer: Trainer, summary: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """A `keep` for `cases_on_gloo`: this rank's parameter row, its buffer row, the summary."""
+    return trainer.replicas.params[0].clone(), trainer.replicas.buffers[0].clone(), summary
 
 
 def train_rank(rank: int, world: int, cfg: dict, run_dir: str, port: int) -> None:
@@ -994,6 +1007,18 @@ def run_main(args: list[str], tmp_path: Path, monkeypatch, capsys) -> tuple[int,
     return stopped.value.code, out.out, out.err
 
 
+def refused_before_start(args: list[str], fragment: str, tmp_path: Path, monkeypatch, capsys):
+    """`run_main(args)` with its run directory under `tmp_path`: exit code 2, one `error: `
+    line holding `fragment`, and nothing written (`tmp_path` stays empty)."""
+    argv = [*args, f"hydra.run.dir={tmp_path / 'run'}"]
+    code, _, err = run_main(argv, tmp_path, monkeypatch, capsys)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert fragment in lines[0], lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- hand-written run directories with answers known in advance (the analysis tests) ------------
 STEPS_PER_EPOCH = 5
 OPS = [["allreduce", 1000, 4, 0, 10]]  # 10 steps × one allreduce of 1000 bytes, K = 4
@@ -1295,6 +1320,49 @@ def tiny_tanh_forward(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     plain tensors (x @ W.T + b)."""
     w1, b1, w2, b2 = flat.split([144, 24, 72, 3])
     return torch.tanh(x @ w1.view(24, 6).T + b1) @ w2.view(3, 24).T + b2
+
+
+def tiny_sgd_steps(
+    flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor, lr: float, steps: int
+) -> torch.Tensor:
+    """`steps` plain-SGD steps at `lr` of `tiny_tanh_forward`'s mean squared error on (x, y)
+    from the flat parameters `flat`, written on plain tensors (autograd for the gradient)."""
+    for _ in range(steps):
+        leaf = flat.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(F.mse_loss(tiny_tanh_forward(leaf, x), y), leaf)
+        flat = flat - lr * grad
+    return flat
+
+
+def tiny_local_sgd(workers: int, lr: float, period: int) -> tuple[torch.Tensor, Any, list, Any]:
+    """The base an outer method's from-paper test wraps: `workers` replicas of
+    `tiny_tanh_model` on a deterministic simulated 10 GbE communicator, each its own plain
+    SGD at `lr`, under local SGD with H = `period`. Returns (the flat start vector, the
+    replicas, the inner optimizers, the local SGD algorithm; its `comm` is the
+    communicator)."""
+    from dpresearch.algorithms.local_sgd import LocalSGD
+    from dpresearch.comm.network import NetworkModel
+    from dpresearch.replicas import Replicas
+
+    model = tiny_tanh_model()
+    start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    replicas = Replicas(model, workers, torch.device("cpu"))
+    comm = SimulatedCommunicator(workers, NetworkModel.preset("10gbe"), deterministic=True)
+    inner = [torch.optim.SGD(list(m.parameters()), lr=lr) for m in replicas.models]
+    return start, replicas, inner, LocalSGD(replicas, comm, inner, period=period)
+
+
+def train_on_shards(algorithm: Any, data: list, steps: int, per_epoch: int) -> None:
+    """Drive `algorithm` as the trainer does for `steps` steps (`per_epoch` of them an epoch):
+    each step its replica k's gradient of the mean squared error on `data[k]` (x, y), then
+    `after_backward`."""
+    algorithm.set_run_length(per_epoch, steps)
+    replicas = algorithm.replicas
+    for step in range(steps):
+        replicas.grads.zero_()
+        for m, (x, y) in zip(replicas.models, data, strict=True):
+            F.mse_loss(m(x), y).backward()
+        algorithm.after_backward(step)
 
 
 def least_squares_shards(workers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

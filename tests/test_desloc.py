@@ -12,32 +12,26 @@ D. Bad inputs are one `error:` line before any worker.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import (
     MLP_RUN,
-    SMALL_512,
     SYNTHETIC_SMALL,
     TOL64,
-    build_trainer,
     compose_config,
-    free_port,
     gap,
-    run_main,
+    refused_before_start,
+    train_on_shards,
     trainer_for,
 )
 from helpers import finished_run as run
 from torch import nn
 
 from dpresearch.algorithms.desloc import DesLoc
-from dpresearch.comm.distributed import DistributedCommunicator
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.replicas import Replicas
-from dpresearch.run.build import network_model
 from dpresearch.run.trainer import InjectedFailure
 
 NET = NetworkModel.preset("10gbe")
@@ -124,12 +118,7 @@ def test_the_trajectory_is_the_papers_update_written_apart(one_thread):
         for m in replicas.models
     ]
     ours = DesLoc(replicas, comm, opts, period=KX, state_periods={"exp_avg": KU, "exp_avg_sq": KV})
-    ours.set_run_length(T, T)
-    for step in range(T):
-        replicas.grads.zero_()
-        for m, (x, y) in zip(replicas.models, data, strict=True):
-            F.mse_loss(m(x), y).backward()
-        ours.after_backward(step)
+    train_on_shards(ours, data, T, T)
 
     theta, u, v = paper_update(theta0, data, KX, KU, KV)
 
@@ -198,23 +187,16 @@ def test_bytes_per_kind_are_the_hand_count(one_thread):
 GLOO_ARGS = [*DESLOC, "workers=2", "train.steps=14"]
 
 
-def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
+def second_moments(trainer, row: int = 0) -> torch.Tensor:
+    """Local worker row `row`'s Adam second moments v, flattened in parameter order."""
+    opt = trainer.optimizers[row]
+    params = trainer.replicas.models[row].parameters()
+    return torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in params])
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    cfg = compose_config(*SMALL_512, *GLOO_ARGS)
-    trainer = build_trainer(cfg, DistributedCommunicator(network_model(cfg)), torch.float64)
-    summary = trainer.run()
-    opt = trainer.optimizers[0]
-    v = torch.cat(
-        [opt.state[p]["exp_avg_sq"].reshape(-1) for p in trainer.replicas.models[0].parameters()]
-    )
-    torch.save((trainer.replicas.params[0].clone(), v, summary), f"{out}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+
+def row_and_moments(trainer, summary: dict) -> tuple:
+    """What each rank keeps: its parameter row, its second moments, the summary."""
+    return trainer.replicas.params[0].clone(), second_moments(trainer), summary
 
 
 @pytest.mark.distributed
@@ -223,18 +205,15 @@ def test_simulated_k2_equals_two_gloo_processes(tmp_path):
     """DES-LOC on 2 gloo processes (one worker each) ends with the simulated K = 2 run's
     parameters and second moments (float64, to 1e-9: gloo need not add in the simulated
     order), the same bytes per kind and ops."""
-    from helpers import spawn_sequence
+    from helpers import cases_on_gloo
 
-    spawn_sequence(2, [(_gloo_worker, (2, free_port(), str(tmp_path)))])
+    real = cases_on_gloo(2, tmp_path, {"desloc": GLOO_ARGS}, row_and_moments)
     simulated = run(*GLOO_ARGS, dtype=torch.float64)
-    opt = simulated.optimizers
     for rank in range(2):
-        params, v, summary = torch.load(tmp_path / f"rank{rank}.pt")
+        params, v, summary = real[rank]["desloc"]
         assert params.dtype == torch.float64
         assert gap(params, simulated.replicas.params[rank]) <= TOL64, rank
-        mine = torch.cat([opt[rank].state[p]["exp_avg_sq"].reshape(-1)
-                          for p in simulated.replicas.models[rank].parameters()])  # fmt: skip
-        assert gap(v, mine) <= TOL64, rank
+        assert gap(v, second_moments(simulated, rank)) <= TOL64, rank
         for key in ("comm/bytes", "desloc/bytes_params", "desloc/bytes_exp_avg_sq"):
             assert summary[key] == simulated.summary[key], key
         assert sorted(summary["comm/ops"]) == sorted(simulated.summary["comm/ops"])
@@ -293,14 +272,9 @@ BAD = [
 
 @pytest.mark.parametrize("args,fragment", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_input_is_one_line_before_any_worker(args, fragment, tmp_path, monkeypatch, capsys):
-    run_dir = tmp_path / "run"
-    args = [*SYNTHETIC_SMALL, "algorithm=desloc", *args, f"hydra.run.dir={run_dir}"]
-    code, out, err = run_main(args, tmp_path, monkeypatch, capsys)
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert fragment in lines[0], lines[0]
-    assert not Path(run_dir).exists()
+    refused_before_start(
+        [*SYNTHETIC_SMALL, "algorithm=desloc", *args], fragment, tmp_path, monkeypatch, capsys
+    )
 
 
 def test_yaml_carries_the_options_defaults():

@@ -11,25 +11,18 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import SMALL_512 as QUICK
 from helpers import (
     SYNTHETIC_SMALL,
-    build_trainer,
-    compose_config,
+    cases_on_gloo,
     fp4_reference,
     fp4_values,
-    free_port,
     layout_of,
-    run_main,
-    spawn_sequence,
+    refused_before_start,
 )
 from helpers import finished_run as run
 
-from dpresearch.comm.distributed import DistributedCommunicator
 from dpresearch.compress import FP4, CompressedReducer, plan_buckets, rng
 from dpresearch.compress.fp4 import FORMATS
-from dpresearch.run.build import network_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -280,27 +273,20 @@ def test_streaming_fp4_e2m1_and_stochastic_options_run():
         assert trainer.summary["train/loss"] < 0.6 * math.log(10)
 
 
-def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    cfg = compose_config(*QUICK, *STREAMING, "workers=2", "outer=streaming_fp4")
-    trainer = build_trainer(cfg, DistributedCommunicator(network_model(cfg)), torch.float32)
-    summary = trainer.run()
-    torch.save((trainer.replicas.params[0].clone(), summary), f"{out}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+def row_only(trainer, summary: dict) -> tuple:
+    """What each rank keeps: its parameter row and the summary."""
+    return trainer.replicas.params[0].clone(), summary
 
 
 @pytest.mark.distributed
 @pytest.mark.slow  # ~10 s: two processes; the allgather path is covered by faster tests
 def test_streaming_fp4_simulated_equals_two_gloo_processes_bit_for_bit(tmp_path):
     """An allgather of FP4 rows, decoded and summed in rank order on both sides: bit for bit."""
-    spawn_sequence(2, [(_gloo_worker, (2, free_port(), str(tmp_path)))])
-    simulated = run(*STREAMING, "workers=2", "outer=streaming_fp4")
+    args = [*STREAMING, "workers=2", "outer=streaming_fp4"]
+    real = cases_on_gloo(2, tmp_path, {"fp4": args}, row_only, torch.float32)
+    simulated = run(*args)
     for rank in range(2):
-        params, summary = torch.load(tmp_path / f"rank{rank}.pt")
+        params, summary = real[rank]["fp4"]
         assert torch.equal(params, simulated.replicas.params[rank]), rank
         assert summary["comm/bytes"] == simulated.summary["comm/bytes"]
         assert sorted(summary["comm/ops"]) == sorted(simulated.summary["comm/ops"])
@@ -321,14 +307,4 @@ BAD = [
 
 @pytest.mark.parametrize("args,fragment", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_a_bad_value_is_one_error_line(args, fragment, tmp_path, monkeypatch, capsys):
-    code, _, err = run_main(
-        [*SYNTHETIC_SMALL, *args, f"hydra.run.dir={tmp_path / 'run'}"],
-        tmp_path,
-        monkeypatch,
-        capsys,
-    )
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert fragment in lines[0], lines[0]
-    assert not (tmp_path / "run").exists()
+    refused_before_start([*SYNTHETIC_SMALL, *args], fragment, tmp_path, monkeypatch, capsys)

@@ -11,26 +11,24 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from helpers import (
     REPO,
     SMALL,
     TOL,
     TOL64,
     build_trainer,
+    cases_on_gloo,
     compose_config,
-    free_port,
     gap,
     load_scaled,
     max_diff,
+    row_and_buffers,
     run_cli,
     run_ours,
-    spawn_sequence,
     torchrun_two_nodes,
 )
 
 from dpresearch.algorithms.gossip import DPSGD
-from dpresearch.comm.distributed import DistributedCommunicator
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.config.validate import ConfigError, validate
@@ -164,36 +162,14 @@ def simulated(cfg) -> tuple[torch.Tensor, torch.Tensor, dict]:
     return trainer.replicas.params.clone(), trainer.replicas.buffers.clone(), summary
 
 
-def _gloo_worker(rank: int, world: int, port: int, out: str, names: list[str]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    results = {}
-    for name in names:
-        cfg = case_config(name)
-        comm = DistributedCommunicator(network_model(cfg))
-        trainer = build_trainer(cfg, comm, F64)
-        summary = trainer.run()
-        results[name] = (
-            trainer.replicas.params[0].clone(),
-            trainer.replicas.buffers[0].clone(),
-            summary,
-        )
-    torch.save(results, f"{out}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize(  # 2 and 3 slow: the default suite keeps K = 4 (five cases)
     "world", [pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow), 4]
 )
 def test_every_worker_matches_between_simulated_and_gloo(tmp_path, world):
-    names = [n for n, (k, _) in CASES.items() if k == world]
-    spawn_sequence(world, [(_gloo_worker, (world, free_port(), str(tmp_path), names))])
-    real = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    for name in names:
+    cases = {n: [f"workers={k}", *more] for n, (k, more) in CASES.items() if k == world}
+    real = cases_on_gloo(world, tmp_path, cases, row_and_buffers, F64, COMMON)
+    for name in cases:
         params, buffers, summary = simulated_rows(name)
         assert spread(params) > 1e-8, name  # the workers' models really differ
         for rank in range(world):

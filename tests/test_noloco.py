@@ -18,35 +18,28 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers import (
     SHAKESPEARE_WORKS,
     SYNTHETIC_SMALL,
     TOL64,
-    build_trainer,
     compose_config,
-    free_port,
     gap,
     gpt_shakespeare_losses,
     least_squares_shards,
     metric_lines,
-    run_main,
-    tiny_tanh_forward,
-    tiny_tanh_model,
+    refused_before_start,
+    tiny_local_sgd,
+    tiny_sgd_steps,
+    train_on_shards,
 )
 from helpers import SMALL_512 as QUICK
 from helpers import finished_run as run
 
-from dpresearch.algorithms.local_sgd import LocalSGD
 from dpresearch.algorithms.outer.noloco import NoLoCo, NoLoCoOptions, pairing
 from dpresearch.asynchrony.options import AsyncOptions
 from dpresearch.asynchrony.speed import SpeedModel
-from dpresearch.comm.distributed import DistributedCommunicator
 from dpresearch.comm.network import NetworkModel
-from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.compress.rng import stream_seed
-from dpresearch.replicas import Replicas
-from dpresearch.run.build import network_model
 from dpresearch.run.checkpoint_files import latest_checkpoint
 from dpresearch.run.trainer import InjectedFailure
 from dpresearch.train import train
@@ -105,19 +98,9 @@ def test_the_update_is_nolocos_written_apart(one_thread):
     their definitions: drift mean_k ‖θ_k − θ̄‖, momentum norm mean_k ‖Δ_k‖, pseudo-gradient
     cosines over the pairs k < j of δ rows, and the evaluated model is mean_k φ_k."""
     data = least_squares_shards(K)
-    model = tiny_tanh_model()
-    start = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    replicas = Replicas(model, K, torch.device("cpu"))
-    comm = SimulatedCommunicator(K, NET, deterministic=True)
-    inner = [torch.optim.SGD(list(m.parameters()), lr=INNER_LR) for m in replicas.models]
-    base = LocalSGD(replicas, comm, inner, period=H)
-    ours = NoLoCo(replicas, comm, inner, base, momentum=ALPHA, lr=BETA, gamma=GAMMA, seed=SEED)
-    ours.set_run_length(H, H * ROUNDS)
-    for step in range(H * ROUNDS):
-        replicas.grads.zero_()
-        for m, (x, y) in zip(replicas.models, data, strict=True):
-            F.mse_loss(m(x), y).backward()
-        ours.after_backward(step)
+    start, replicas, inner, base = tiny_local_sgd(K, INNER_LR, H)
+    ours = NoLoCo(replicas, base.comm, inner, base, momentum=ALPHA, lr=BETA, gamma=GAMMA, seed=SEED)
+    train_on_shards(ours, data, H * ROUNDS, H)
 
     phi = [start.clone() for _ in range(K)]
     velocity = [torch.zeros_like(start) for _ in range(K)]
@@ -125,12 +108,7 @@ def test_the_update_is_nolocos_written_apart(one_thread):
     for round_ in range(ROUNDS):
         theta = []
         for w, (x, y) in enumerate(data):
-            t = phi[w].clone()
-            for _ in range(H):
-                flat = t.clone().requires_grad_(True)
-                (grad,) = torch.autograd.grad(F.mse_loss(tiny_tanh_forward(flat, x), y), flat)
-                t = t - INNER_LR * grad
-            theta.append(t)
+            theta.append(tiny_sgd_steps(phi[w], x, y, INNER_LR, H))
         peer = reference_peers(round_)
         pairings.add(tuple(peer))
         delta = [phi[w] - theta[w] for w in range(K)]
@@ -265,24 +243,6 @@ GLOO_ARGS = [*NOLOCO, "model.batch_norm=true", "optimizer.momentum=0.9", "worker
              "train.steps=16"]  # fmt: skip
 
 
-def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    cfg = compose_config(*QUICK, *GLOO_ARGS)
-    trainer = build_trainer(cfg, DistributedCommunicator(network_model(cfg)), torch.float64)
-    summary = trainer.run()
-    torch.save(
-        (trainer.replicas.params[0].clone(), trainer.replicas.buffers[0].clone(), summary),
-        f"{out}/rank{rank}.pt",
-    )
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_simulated_equals_four_gloo_processes(tmp_path):
@@ -290,13 +250,13 @@ def test_simulated_equals_four_gloo_processes(tmp_path):
     BatchNorm buffers too) ends with the simulated K = 4 run's parameters and buffers bit for
     bit (no sum is reordered: a pair's mean is taken the same way on both sides), and the same
     bytes and ops."""
-    from helpers import spawn_sequence
+    from helpers import cases_on_gloo, row_and_buffers
 
-    spawn_sequence(4, [(_gloo_worker, (4, free_port(), str(tmp_path)))])
+    real = cases_on_gloo(4, tmp_path, {"noloco": GLOO_ARGS}, row_and_buffers)
     simulated = run(*GLOO_ARGS, dtype=torch.float64)
     assert gap(simulated.replicas.params[0], simulated.replicas.params[1]) > 1e-4
     for rank in range(4):
-        params, buffers, summary = torch.load(tmp_path / f"rank{rank}.pt")
+        params, buffers, summary = real[rank]["noloco"]
         assert params.dtype == torch.float64
         assert gap(params, simulated.replicas.params[rank]) == 0.0, rank
         assert gap(buffers, simulated.replicas.buffers[rank]) == 0.0, rank
@@ -380,12 +340,6 @@ BAD = [
 def test_bad_values_are_one_line_before_any_worker(args, fragment, tmp_path, monkeypatch, capsys):
     """Each bad value of the NoLoCo node: exit code 2, one `error: ` line naming the key,
     nothing written. (A case naming its own algorithm replaces local SGD's.)"""
-    run_dir = tmp_path / "run"
     base = [] if args[0].startswith("algorithm=") else NOLOCO
-    argv = [*SYNTHETIC_SMALL, "workers=4", *base, *args, f"hydra.run.dir={run_dir}"]
-    code, _, err = run_main(argv, tmp_path, monkeypatch, capsys)
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert fragment in lines[0], lines[0]
-    assert list(tmp_path.iterdir()) == []
+    argv = [*SYNTHETIC_SMALL, "workers=4", *base, *args]
+    refused_before_start(argv, fragment, tmp_path, monkeypatch, capsys)

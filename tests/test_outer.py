@@ -589,16 +589,12 @@ GLOO_CASES = {
 EXACT = ("diloco_topk",)
 
 
-def kept_on_gloo(trainer: Trainer, summary: dict) -> tuple:
-    return trainer.replicas.params[0].clone(), trainer.replicas.buffers[0].clone(), summary
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_every_worker_matches_between_simulated_and_gloo(tmp_path):
-    from helpers import cases_on_gloo
+    from helpers import cases_on_gloo, row_and_buffers
 
-    real = cases_on_gloo(4, tmp_path, GLOO_CASES, kept_on_gloo)
+    real = cases_on_gloo(4, tmp_path, GLOO_CASES, row_and_buffers)
     for name, args in GLOO_CASES.items():
         simulated = run(*args, dtype=F64)
         params, buffers, summary = simulated.replicas.params, simulated.replicas.buffers, {}

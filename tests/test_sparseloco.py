@@ -18,33 +18,27 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers import (
     SHAKESPEARE_WORKS,
     SYNTHETIC_SMALL,
     TOL64,
-    build_trainer,
     compose_config,
-    free_port,
     gap,
     gpt_shakespeare_losses,
     least_squares_shards,
-    run_main,
-    tiny_tanh_forward,
+    refused_before_start,
+    tiny_local_sgd,
+    tiny_sgd_steps,
     tiny_tanh_model,
+    train_on_shards,
 )
-from helpers import SMALL_512 as QUICK
 from helpers import finished_run as run
 
-from dpresearch.algorithms.local_sgd import LocalSGD
 from dpresearch.algorithms.outer import OuterOptimizer
-from dpresearch.comm.distributed import DistributedCommunicator
 from dpresearch.comm.network import NetworkModel
 from dpresearch.comm.simulated import SimulatedCommunicator
 from dpresearch.compress import Chunk, CompressedReducer, ErrorFeedback, TopK
 from dpresearch.compress.quantized_topk import QuantizedTopK
-from dpresearch.replicas import Replicas
-from dpresearch.run.build import network_model
 from dpresearch.run.checkpoint_files import latest_checkpoint
 from dpresearch.run.trainer import InjectedFailure
 
@@ -202,37 +196,23 @@ def test_the_update_is_sparselocos_algorithm_1_written_apart(one_thread):
         f"outer.error_feedback.decay={BETA}",
     ).outer
     data = least_squares_shards(K)
-
-    model = tiny_tanh_model()
-    theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    replicas = Replicas(model, K, torch.device("cpu"))
-    comm = SimulatedCommunicator(K, NET, deterministic=True)
-    inner = [torch.optim.SGD(list(m.parameters()), lr=INNER_LR) for m in replicas.models]
-    base = LocalSGD(replicas, comm, inner, period=H)
+    theta, replicas, inner, base = tiny_local_sgd(K, INNER_LR, H)
     ours = OuterOptimizer(
         replicas,
-        comm,
+        base.comm,
         inner,
         base,
         node.optimizer,
         compressor=node.compressor,
         error_feedback=node.error_feedback,
     )
-    ours.set_run_length(H, H * ROUNDS)
-    for step in range(H * ROUNDS):
-        replicas.grads.zero_()
-        for m, (x, y) in zip(replicas.models, data, strict=True):
-            F.mse_loss(m(x), y).backward()
-        ours.after_backward(step)
+    train_on_shards(ours, data, H * ROUNDS, H)
 
     workers = [theta.clone() for _ in range(K)]
     memory = [torch.zeros_like(theta) for _ in range(K)]
     for _ in range(ROUNDS):
         for w, (x, y) in enumerate(data):
-            for _ in range(H):
-                flat = workers[w].clone().requires_grad_(True)
-                (grad,) = torch.autograd.grad(F.mse_loss(tiny_tanh_forward(flat, x), y), flat)
-                workers[w] = workers[w] - INNER_LR * grad
+            workers[w] = tiny_sgd_steps(workers[w], x, y, INNER_LR, H)
         sent = []
         for w in range(K):
             memory[w] = BETA * memory[w] + (theta - workers[w])
@@ -280,22 +260,9 @@ def test_a_run_sends_the_hand_counted_bytes_every_outer_round():
 GLOO_ARGS = [*SPARSELOCO, *SMALL_BLOCKS, "optimizer.momentum=0.9", "workers=2", "train.steps=24"]
 
 
-def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    cfg = compose_config(*QUICK, *GLOO_ARGS)
-    trainer = build_trainer(cfg, DistributedCommunicator(network_model(cfg)), torch.float64)
-    summary = trainer.run()
-    torch.save(
-        (trainer.replicas.params[0].clone(), trainer.algorithm.anchor.params[0].clone(), summary),
-        f"{out}/rank{rank}.pt",
-    )
-    dist.barrier()
-    dist.destroy_process_group()
+def row_and_anchor(trainer, summary: dict) -> tuple:
+    """What each rank keeps: its parameter row, the outer anchor θ, the summary."""
+    return trainer.replicas.params[0].clone(), trainer.algorithm.anchor.params[0].clone(), summary
 
 
 @pytest.mark.distributed
@@ -305,12 +272,12 @@ def test_simulated_k2_equals_two_gloo_processes(tmp_path):
     float64 (`helpers.build_trainer`), to 1e-9: the same math on both sides, but gloo's
     collectives need not add in the simulated order, and in float32 a reordering is a
     CPU-dependent few ulps per step that training amplifies."""
-    from helpers import spawn_sequence
+    from helpers import cases_on_gloo
 
-    spawn_sequence(2, [(_gloo_worker, (2, free_port(), str(tmp_path)))])
+    real = cases_on_gloo(2, tmp_path, {"sparseloco": GLOO_ARGS}, row_and_anchor)
     simulated = run(*GLOO_ARGS, dtype=torch.float64)
     for rank in range(2):
-        params, anchor, summary = torch.load(tmp_path / f"rank{rank}.pt")
+        params, anchor, summary = real[rank]["sparseloco"]
         assert params.dtype == torch.float64
         assert gap(params, simulated.replicas.params[rank]) <= TOL64, rank
         assert gap(anchor, simulated.algorithm.anchor.params[0]) <= TOL64, rank
@@ -412,11 +379,5 @@ BAD = [
 def test_bad_values_are_one_line_before_any_worker(args, fragment, tmp_path, monkeypatch, capsys):
     """Each bad value of the SparseLoCo nodes: exit code 2, one `error: ` line naming the key,
     nothing written."""
-    run_dir = tmp_path / "run"
-    argv = [*SYNTHETIC_SMALL, *SPARSELOCO, *args, f"hydra.run.dir={run_dir}"]
-    code, _, err = run_main(argv, tmp_path, monkeypatch, capsys)
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert fragment in lines[0], lines[0]
-    assert list(tmp_path.iterdir()) == []
+    argv = [*SYNTHETIC_SMALL, *SPARSELOCO, *args]
+    refused_before_start(argv, fragment, tmp_path, monkeypatch, capsys)

@@ -24,8 +24,8 @@ from helpers import (
     SYNTHETIC_SMALL,
     compose_config,
     gap,
+    refused_before_start,
     run_cli,
-    run_main,
 )
 
 from dpresearch.algorithms.sparta import SPARTA
@@ -431,14 +431,9 @@ BAD = [
 @pytest.mark.parametrize("args,fragment", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_input_is_one_line_before_any_worker(args, fragment, tmp_path, monkeypatch, capsys):
     """Each bad value: exit 2, one `error:` line naming it, nothing written."""
-    run_dir = tmp_path / "run"
-    args = [*SYNTHETIC_SMALL, "algorithm=sparta", *args, f"hydra.run.dir={run_dir}"]
-    code, out, err = run_main(args, tmp_path, monkeypatch, capsys)
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert fragment in lines[0], lines[0]
-    assert not run_dir.exists() and list(tmp_path.iterdir()) == []
+    refused_before_start(
+        [*SYNTHETIC_SMALL, "algorithm=sparta", *args], fragment, tmp_path, monkeypatch, capsys
+    )
 
 
 @pytest.mark.distributed
