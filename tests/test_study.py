@@ -179,8 +179,10 @@ def test_shipped_studies_compose_and_validate(path):
     configuration (not run)."""
     study = load_study(path)
     for case in study.cases:
-        lr = study.case(case.lr_from).lrs[0] if case.lr_from else case.lrs[0]
-        point = study.point(case, lr, study.seeds[0])
+        source = study.case(case.lr_from) if case.lr_from else case
+        # the first grid value of the lr and of each key tuned with it (`tune_also`)
+        setting = (source.lrs[0], *(grid.values[0] for _, grid in source.also))
+        point = study.point(case, setting if source.also else setting[0], study.seeds[0])
         overrides = point.overrides
         if not torch.cuda.is_available():  # a GPU study (gpu.yaml) checked on the CPU
             overrides = tuple(o.replace("train.device=cuda", "train.device=cpu") for o in overrides)
