@@ -2,7 +2,7 @@
 # The test command: set up .venv (with the dev extras) and run the test suite.
 #
 #   bash scripts/test.sh              # the default suite, slow tests (marked `slow`) left out:
-#                                     #   ≈ 7 min on a 2-core machine (README, "Tests")
+#                                     #   7–9 min on a 2-core machine (README, "Tests")
 #   bash scripts/test.sh --all        # every test, slow ones included (CI: .ci/run runs the
 #                                     #   default suite, then -m slow)
 #   bash scripts/test.sh -m quick     # the core in ≈ 20 s (helpers.QUICK_CORE)
