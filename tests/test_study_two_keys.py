@@ -142,3 +142,21 @@ def test_the_second_key_grows_past_its_edge_then_the_final_seeds_run_at_the_pair
     ran.clear()  # resumed: nothing runs again
     run_study(study, out, launcher=stub_runner(objective, ran), log=lambda line: None)
     assert ran == []
+
+
+def test_a_study_still_running_reports_before_a_two_key_case_has_run(tmp_path):
+    """`study report` while a study runs (its points of a two-key case not started yet): the
+    report is written, the case's row says "not run", and no other case's counts change."""
+    study = stub_study(
+        tmp_path,
+        {"sync": {"overrides": [], "tune_also": None}, "diloco": {"overrides": DILOCO}},
+        lrs=[0.032, 0.1, 0.32],
+        tune_also={"key": OUTER, "values": [0.35, 0.7, 1.4]},
+    )
+    out = tmp_path / "out"
+    peak = stub_runner(lambda case, lr, seed: 0.8 - abs(math.log10(lr / 0.1)), [])
+    run_study(study, out, launcher=peak, only=["sync"], log=lambda line: None)
+    text = report_study(study, out, tmp_path / "results").read_text()
+    assert "| diloco | – | – |" in text and "not run" in text.split("| diloco |")[1], text
+    assert "| sync | 0.1 | – |" in text
+    assert "grids grown past their initial lrs: 0 of 2 tuned cases" in text

@@ -70,10 +70,13 @@ def grown_grids(study: Study, runs) -> dict[str, tuple[int, int]]:
     for case in study.cases:
         if case.lr_from is not None or not case.lrs:
             continue
+        ran = tuning[tuning["case"] == case.name]
+        if ran.empty:  # a study still running: nothing tried yet (its columns may not exist)
+            continue
         up = down = 0
         grids = [case.grid, *(grid for _, grid in case.also)]
         for grid, column in zip(grids, case_columns(study, case.name), strict=True):
-            tried = {float(v) for v in tuning[tuning["case"] == case.name][column].dropna()}
+            tried = {float(v) for v in ran[column].dropna()}
             up += sum(v > max(grid.values) for v in tried)
             down += sum(v < min(grid.values) for v in tried)
         if up or down:

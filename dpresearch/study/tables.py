@@ -244,6 +244,8 @@ def grid_frame(report: StudyReport, horizon: Horizon):
     rows = []
     for case in study.cases:
         frame = runs[runs["case"] == case.name]
+        if frame.empty:  # a study still running: this case has no run yet
+            continue
         pick = pick_for(horizon, study, case.name)
         columns = case_columns(study, case.name)
         tried = frame[columns].dropna().drop_duplicates()
