@@ -350,3 +350,24 @@ def test_a_bound_that_drops_its_nearest_grid_value_warns_and_the_dry_run_shows_l
     assert "   a: 4 missing (lrs 0.032, 0.1)" in out and "   b: 4 missing (lrs 0.01, 0.1)" in out
     stub_study(tmp_path, {"a": {"overrides": [], "lrs": {**grid, "to": 0.32}}})
     assert capsys.readouterr().err == ""  # 0.32 is a grid value: nothing dropped
+
+
+def test_a_point_of_an_earlier_grid_left_running_in_the_book_does_not_stop_the_study(tmp_path):
+    """A study whose grid changed after a killed run: status.json still books a point the study
+    no longer has, as running. Only the current grid's points gate the extensions and the
+    final seeds, so the study grows its grid and runs its final seeds."""
+    study = stub_study(tmp_path, {"free": {"overrides": [], "lrs": [0.1, 0.32, 1.0]}})
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = {"case": "gone", "lr": 0.5, "seed": 0, "dir": "runs/gone/lr0.5/seed0",
+             "status": "running", "pid": None}  # fmt: skip
+    (out / "status.json").write_text(json.dumps({"points": {"gone | lr 0.5 | seed 0": stale}}))
+    ran: list[str] = []
+    lines: list[str] = []
+    run_study(study, out, launcher=stub_runner(peak_at(1.0), ran), log=lines.append)
+    assert not any("did not finish" in line for line in lines), lines
+    assert "free | lr 3.2 | seed 0" in ran  # the edge pick 1.0 grew the grid
+    assert [p for p in ran if p.endswith(("seed 2", "seed 3"))] == [
+        "free | lr 1 | seed 2",
+        "free | lr 1 | seed 3",
+    ]

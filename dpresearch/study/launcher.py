@@ -329,8 +329,11 @@ def run_study(
         log=log,
         start_until=start_until,
     )
-    records = _run_points(study, out, study.points(only), **run)
-    if not dry_run and not all(r.get("status") in DONE for r in records.values()):
+    grid = study.points(only)
+    records = _run_points(study, out, grid, **run)
+    # status.json may also hold points of an earlier version of the study (a grid since
+    # changed): only this grid's points gate the extensions
+    if not dry_run and not all(records.get(p.id, {}).get("status") in DONE for p in grid):
         log("== some grid points did not finish; the extensions and final seeds wait for them")
         return records
     wanted = {c.name for c in study._cases(only)}
