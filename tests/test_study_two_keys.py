@@ -139,6 +139,7 @@ def test_the_second_key_grows_past_its_edge_then_the_final_seeds_run_at_the_pair
     assert grid.count("| free |") == 12 and grid.count("| bounded |") == 6
     assert "| free | 0.1 | 1.4 | 0,1 |" in grid and "| 2,3 |" in grid
     assert "**Two keys:**" in text
+    assert "several runs with the same seed" not in text  # one run per seed at each pair
     ran.clear()  # resumed: nothing runs again
     run_study(study, out, launcher=stub_runner(objective, ran), log=lambda line: None)
     assert ran == []

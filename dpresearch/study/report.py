@@ -151,7 +151,9 @@ def build(study: Study, header: dict, runs, metrics, include_failed: bool = Fals
             "the standard errors come from the validation split alone"
         )
     finished = runs[runs["status"] == FINISHED]
-    report.notes += duplicate_seed_notes(finished, ["case", lr_column(study)], "cfg.seed")
+    report.notes += duplicate_seed_notes(
+        finished, ["case", *tuned_columns(study, finished)], "cfg.seed"
+    )
     if header.get("source"):
         report.notes.append(f"run data: {header['source']}")
     report.notes += summary_sentences(report)
