@@ -177,6 +177,8 @@ def row_state_dict(
     `params` row (4-D ones NHWC inside it where the row was laid out `channels_last`), its
     floating-point buffers from `buffers` and its integer buffers from `int_buffers` (one tensor
     each), in the order `Replicas` lays `model` out (`Replicas.state_dict` holds these rows).
+    Named as `model.state_dict()` names them: a tensor the model holds under several names (a
+    GPT's output head tied to its token embedding) is laid out once and given under each name.
     Raises ValueError naming the first size that does not fit `model`."""
     state: dict[str, Tensor] = {}
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -202,6 +204,12 @@ def row_state_dict(
                 f"{name} of shape {tuple(saved.shape)} where this model's is {tuple(b.shape)}"
             )
         state[name] = saved
+    # A row holds each tensor once, under the first name `named_parameters`/`named_buffers`
+    # give it; the state dict's other names of the same tensor (found by identity) alias it.
+    first = {id(t): n for n, t in (*model.named_parameters(), *model.named_buffers())}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name not in state and first.get(id(t)) in state:
+            state[name] = state[first[id(t)]]
     return state
 
 

@@ -26,6 +26,9 @@ from helpers import (
 )
 
 from dpresearch.comm.simulated import SimulatedCommunicator
+from dpresearch.errors import ConfigError
+from dpresearch.models.gpt import GPT
+from dpresearch.run import init_from
 from dpresearch.run.build import network_model
 from dpresearch.run.checkpoint_files import load_checkpoint
 from dpresearch.run.trainer import InjectedFailure
@@ -188,23 +191,64 @@ def test_init_from_with_a_resume_of_another_start_is_one_line(
     assert "started from a random initialisation" in line, line
 
 
+# A GPT (its output head tied to its token embedding) on a corpus of 8 characters.
+TEXT = [
+    "data=text",
+    "model=gpt_tiny",
+    "train.batch_size=4",
+    "train.progress=false",
+    "backend.threads=1",
+]
+
+
+def corpus(path: Path, letters: str = "abcdefg\n", seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    path.write_text("".join(rng.choice(letters) for _ in range(20000)))
+    return path
+
+
+def test_a_tied_gpt_starts_from_a_checkpoint_mid_run(tmp_path, monkeypatch, capsys, one_thread):
+    """A checkpoint's row holds a tied tensor once: the GPT's `lm_head.weight` (its token
+    embedding's) is taken from it, tied still; the weights equal those of a run that finished
+    at the checkpoint's step (its model_final.pt, torch's state dict: both names), the
+    optimizer fresh. Another GPT is still refused in one line."""
+    text = [*TEXT, f"data.root={corpus(tmp_path / 'a.txt')}", "schedule=constant", "workers=1"]
+    train(compose_config(*text, "train.steps=4", "train.checkpoint_every=2"), tmp_path / "src")
+    train(compose_config(*text, "train.steps=2"), tmp_path / "ref")
+    checkpoint = tmp_path / "src" / "checkpoints" / "step_2.pt"
+    cfg = compose_config(*text, "workers=2", f"train.init_from={checkpoint}")
+    trainer = build_trainer(
+        cfg, SimulatedCommunicator(cfg.workers, network_model(cfg), deterministic=True)
+    )
+    final = torch.load(tmp_path / "ref" / "model_final.pt")
+    assert "lm_head.weight" in final and "transformer.wte.weight" in final
+    row = load_checkpoint(checkpoint)["states"][0]["replicas"]["params"][0]
+    assert torch.equal(trainer.replicas.params, row.expand(2, -1))
+    flat = trainer.replicas.params.untyped_storage().data_ptr()
+    for model in trainer.replicas.models:
+        assert same(model.state_dict(), final)
+        assert model.lm_head.weight is model.transformer.wte.weight  # tied still, ...
+        assert model.lm_head.weight.untyped_storage().data_ptr() == flat  # ... in the flat row
+    assert all(not opt.state for opt in trainer.optimizers)
+    assert trainer.start_step == 0
+    assert trainer.built.setup["init_from"]["step"] == 2
+
+    other = [*text, "model.n_embd=32", f"train.init_from={checkpoint}"]
+    line = one_line(other, tmp_path, monkeypatch, capsys)
+    assert "its model differs: model.n_embd (64 → 32)" in line, line
+    # past the settings: a GPT whose rows do not fit (the check behind that line)
+    source = init_from.resolve(str(checkpoint))
+    with pytest.raises(ConfigError, match=r"does not fit this one \(\d+ parameters where"):
+        init_from.weights(source, GPT(8, [64], n_layer=2, n_head=2, n_embd=32))
+
+
 def test_another_vocabulary_is_one_line(tmp_path, monkeypatch, capsys):
     """Two corpora of 8 characters each: the same tensors, other characters."""
-    rng = random.Random(0)
-    for name, letters in (("a.txt", "abcdefg\n"), ("b.txt", "hijklmn\n")):
-        (tmp_path / name).write_text("".join(rng.choice(letters) for _ in range(20000)))
-    text = [
-        "data=text",
-        "model=gpt_tiny",
-        "workers=1",
-        "train.batch_size=4",
-        "train.steps=1",
-        "train.progress=false",
-        "backend.threads=1",
-    ]
-    train(compose_config(*text, f"data.root={tmp_path / 'a.txt'}"), tmp_path / "a")
+    text = [*TEXT, "workers=1", "train.steps=1"]
+    train(compose_config(*text, f"data.root={corpus(tmp_path / 'a.txt')}"), tmp_path / "a")
+    b = corpus(tmp_path / "b.txt", "hijklmn\n", seed=1)
     line = one_line(
-        [*text, f"data.root={tmp_path / 'b.txt'}", f"train.init_from={tmp_path / 'a'}"],
+        [*text, f"data.root={b}", f"train.init_from={tmp_path / 'a'}"],
         tmp_path,
         monkeypatch,
         capsys,

@@ -187,7 +187,7 @@ FIX = "start from a run of this model (the same model= and model.* settings, the
 
 def _frozen(model: nn.Module, name: str) -> bool:
     """A parameter that does not train: not in a replica's flat row (kept as initialised)."""
-    parameter = dict(model.named_parameters()).get(name)
+    parameter = dict(model.named_parameters(remove_duplicate=False)).get(name)  # tied: any name
     return parameter is not None and not parameter.requires_grad
 
 
