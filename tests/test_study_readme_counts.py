@@ -233,6 +233,23 @@ LP = "lm_shakespeare/probe_clip"  # the gradient-clipping probe beside it
 SYNC_CASES = ("sync AdamW", "sync AdamW (by work)")
 GS = "gossip_subset/study"
 OS, OL = "outer/study", "outer/outer_lr"  # the outer study's two stages
+ST = "stragglers/study"
+ST_CASES = (  # the results rows with a mean (plain asynchronous Local-SGD diverged)
+    "DP AdamW",
+    "DiLoCo H=50",
+    "Streaming DiLoCo H=50 F=4",
+    "eager DiLoCo H=50",
+    "delayed DiLoCo H=50",
+    "NoLoCo H=50",
+    "async DN+DyLU (4x slow WAN)",
+    "async DN (4x slow WAN)",
+    "async DN+DyLU (2x slow WAN)",
+    "async DN (log-normal WAN)",
+)
+ST_CLOCKS = tuple(
+    f"time/modeled_s{s}"
+    for s in ("", "@even_wan", "@slow2_wan", "@lognormal_wan", "@slow4_1gbe", "@even_1gbe")
+)
 SLOW_SEEDS = 3.3  # between the fast (≈ 3.0) and slow (≈ 3.6) plateaus of the DiLoCo family
 
 CLAIMS = [
@@ -918,6 +935,51 @@ CLAIMS = [
             int(runs("lm_shakespeare/gpu")["outer/rounds"].dropna().max()),
         ),
     ),
+    # -- stragglers/README.md -----------------------------------------------------------------
+    Claim(
+        "stragglers/runs-picks",
+        "experiments/stragglers",
+        r"(\d+) runs \((\d+) grid, (\d+) grid extensions, (\d+) final seeds\).*(Every) pick "
+        r"is interior \((\d+) of (\d+)\); (\d+) of the (\d+) picks was won within the "
+        r"selection's noise",
+        lambda: (
+            len(runs(ST)),
+            *roles(ST).values(),
+            quantifier(picks(ST).interior, picks(ST).picks),
+            picks(ST).interior,
+            picks(ST).picks,
+            picks(ST).close,
+            picks(ST).picks,
+        ),
+    ),
+    Claim(
+        "stragglers/protocol",
+        "experiments/stragglers",
+        r"final validation bits per character of seeds (\d) and (\d), .* Seeds (\d), (\d) and "
+        r"(\d) then run at the pick and alone make the results table \(n = (\d)\)",
+        lambda: (
+            *report(ST).study.selection_seeds,
+            *final_seeds(ST),
+            *{int(n) for c, n in final_means(ST, "n").items() if c != "async plain (4x slow WAN)"},
+        ),
+    ),
+    Claim(
+        "stragglers/bpc",
+        "experiments/stragglers",
+        "".join(rf"\| {re.escape(c)} \| [^|]+ \| [^|]+ \| (\d\.\d\d) ± .*" for c in ST_CASES),
+        lambda: tuple(f"{final_means(ST, 'test/bpc')[c]:.2f}" for c in ST_CASES),
+    ),
+    Claim(
+        "stragglers/clocks",
+        "experiments/stragglers",
+        r"\| DiLoCo H=50 \| [^|]+ \| [^|]+ \| [^|]+ \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| "
+        r"(\d+) \| (\d+) \|.*\| async DN\+DyLU \(4x slow WAN\) \| [^|]+ \| [^|]+ \| [^|]+ \| "
+        r"(\d+) \|",
+        lambda: (
+            *(f"{final_means(ST, m)['DiLoCo H=50']:.0f}" for m in ST_CLOCKS),
+            f"{final_means(ST, 'time/modeled_s')['async DN+DyLU (4x slow WAN)']:.0f}",
+        ),
+    ),
     # -- the main README's table of studies -------------------------------------------------
     *(
         Claim(
@@ -933,6 +995,7 @@ CLAIMS = [
             ("gossip_subset", "gossip_subset/study"),
             ("async", "async/least_squares"),
             ("lm_shakespeare/gpu.yaml", "lm_shakespeare/gpu"),
+            ("stragglers", ST),
         )
     ),
     # -- async/README.md ---------------------------------------------------------------------
