@@ -277,28 +277,38 @@ def test_recorded_status_wins_over_inference(tmp_path):
     assert agg.loc[0, "n"] == 1 and agg.loc[0, "excluded"] == "1 diverged, 1 interrupted"
 
 
+def untrained_status(cases: dict, classes: int = 10) -> dict[str, str]:
+    """`mark_untrained`'s status of finished runs, each case's (train losses, test losses, test
+    accuracy) logged at the same steps (None: not logged there)."""
+    import pandas as pd
+
+    from dpresearch.analysis.quality import mark_untrained
+
+    summaries, steps = [], []
+    for name, (losses, tested, acc) in cases.items():
+        summaries.append(
+            {
+                "run": name,
+                "status": "finished",
+                "train/loss": losses[-1],
+                "test/acc": acc,
+                "data/classes": classes,
+                "data/test_examples": 1000,
+            }
+        )
+        steps += [
+            {"run": name, "step": i, "train/loss": t, "test/loss": e}
+            for i, (t, e) in enumerate(zip(losses, tested, strict=True))
+        ]
+    runs, metrics = pd.DataFrame(summaries), pd.DataFrame(steps)
+    return dict(zip(runs["run"], mark_untrained(runs, metrics)["status"], strict=True))
+
+
 def test_a_run_did_not_train_by_its_loss_or_its_chance_accuracy():
     """`mark_untrained`: a finished run whose training loss rose, or whose accuracy is at
     chance, did not train — unless the evaluated model's test loss fell (gossip workers on
     label-skewed data log local losses that rise while the averaged model improves)."""
-    import pandas as pd
-
-    from dpresearch.analysis.quality import UNTRAINED, mark_untrained
-
-    def run(name, train, test, acc):
-        summary = {
-            "run": name,
-            "status": "finished",
-            "train/loss": train[-1],
-            "test/acc": acc,
-            "data/classes": 10,
-            "data/test_examples": 1000,
-        }
-        steps = [
-            {"run": name, "step": i, "train/loss": t, "test/loss": e}
-            for i, (t, e) in enumerate(zip(train, test, strict=True))
-        ]
-        return summary, steps
+    from dpresearch.analysis.quality import UNTRAINED
 
     cases = {
         "learnt": ([2.3, 1.5], [2.3, 1.6], 0.45),
@@ -307,14 +317,41 @@ def test_a_run_did_not_train_by_its_loss_or_its_chance_accuracy():
         "rose, evaluated once": ([1.6, 1.8], [None, 2.0], 0.35),
         "at chance": ([2.3, 2.2], [2.3, 2.25], 0.10),
     }
-    pairs = [run(name, *values) for name, values in cases.items()]
-    runs = pd.DataFrame([summary for summary, _ in pairs])
-    metrics = pd.DataFrame([step for _, steps in pairs for step in steps])
-    status = dict(zip(runs["run"], mark_untrained(runs, metrics)["status"], strict=True))
-    assert status == {
+    assert untrained_status(cases) == {
         "learnt": "finished",
         "local loss rose, averaged model learnt": "finished",
         "both losses rose": UNTRAINED,
         "rose, evaluated once": UNTRAINED,
         "at chance": UNTRAINED,
+    }
+
+
+def test_a_test_loss_that_fell_but_ends_above_a_uniform_prediction_did_not_train():
+    """The exception needs the evaluated model to have trained: a run that blew up and
+    recovered part of the way (test loss falling from 9.0 to 3.0 nats, above ln 10 = 2.30)
+    did not train; a gossip run whose averaged model ends at 2.2 nats trained, though that is
+    above its workers' first (local, label-skewed) training loss of 1.3; for a regression
+    (one class: no uniform prediction) the bar is the first training loss."""
+    from dpresearch.analysis.quality import UNTRAINED
+
+    assert untrained_status(
+        {
+            "blew up, recovered part of the way": ([1.6, 9.5], [9.0, 3.0], 0.30),
+            "just above uniform": ([1.6, 1.8], [2.4, 2.31], 0.30),
+            "gossip, local loss below the averaged model's": ([1.3, 1.7], [2.4, 2.2], 0.30),
+        }
+    ) == {
+        "blew up, recovered part of the way": UNTRAINED,
+        "just above uniform": UNTRAINED,
+        "gossip, local loss below the averaged model's": "finished",
+    }
+    assert untrained_status(
+        {
+            "regression, ends above its start": ([0.5, 0.8], [0.9, 0.6], None),
+            "regression, ends below its start": ([0.5, 0.8], [0.9, 0.4], None),
+        },
+        classes=1,
+    ) == {
+        "regression, ends above its start": UNTRAINED,
+        "regression, ends below its start": "finished",
     }

@@ -208,6 +208,18 @@ def lm_final_machines() -> tuple[int, int, int]:
     return elsewhere["case"].nunique(), len(elsewhere), len(here) + len(none)
 
 
+def async_plain_finals() -> tuple[Any, ...]:
+    """(all / how many of the stragglers study's plain asynchronous final seeds did not train,
+    how many final seeds it has, each one's test bits per character in seed order)."""
+    rows = runs(ST)[runs(ST)["case"] == "async plain (4x slow WAN)"]
+    finals = rows[rows["cfg.seed"].isin(list(final_seeds(ST)))].sort_values("cfg.seed")
+    return (
+        quantifier(int((finals["status"] == "did not train").sum()), len(finals)),
+        len(finals),
+        *(f"{v:.1f}" for v in finals["test/bpc"]),
+    )
+
+
 def fetchsgd_lrs() -> tuple[Any, ...]:
     rows = runs(f"{CM}/codecs").query("case == 'FetchSGD sketch'")
     return (
@@ -234,7 +246,7 @@ SYNC_CASES = ("sync AdamW", "sync AdamW (by work)")
 GS = "gossip_subset/study"
 OS, OL = "outer/study", "outer/outer_lr"  # the outer study's two stages
 ST = "stragglers/study"
-ST_CASES = (  # the results rows with a mean (plain asynchronous Local-SGD diverged)
+ST_CASES = (  # the results rows with a mean (plain asynchronous Local-SGD did not train)
     "DP AdamW",
     "DiLoCo H=50",
     "Streaming DiLoCo H=50 F=4",
@@ -968,6 +980,13 @@ CLAIMS = [
         "experiments/stragglers",
         "".join(rf"\| {re.escape(c)} \| [^|]+ \| [^|]+ \| (\d\.\d\d) ± .*" for c in ST_CASES),
         lambda: tuple(f"{final_means(ST, 'test/bpc')[c]:.2f}" for c in ST_CASES),
+    ),
+    Claim(
+        "stragglers/async-plain",
+        "experiments/stragglers",
+        r"\| async plain \(4x slow WAN\) \| [^|]+ \| [^|]+ \| did not train \((all) (\d) final "
+        r"seeds: test bits per character ([\d.]+), ([\d.]+), ([\d.]+)\)",
+        async_plain_finals,
     ),
     Claim(
         "stragglers/clocks",

@@ -2,11 +2,19 @@
 
 - `did_not_train`: a finished run whose final training loss is above its initial one (the
   first logged value; without a curve, ln(classes), a uniform prediction's loss) — unless the
-  evaluated model's own test loss fell from its first evaluation to its last —, or whose
-  accuracy is at chance (within two binomial standard errors of 1/classes on its test split).
+  evaluated model trained: its own test loss fell from its first evaluation to its last AND
+  ended below a uniform prediction's, ln(classes) (without classes, e.g. a regression, below
+  the initial training loss) —, or whose accuracy is at chance (within two binomial standard
+  errors of 1/classes on its test split).
   The exception is for runs whose logged training loss is not the evaluated model's: gossip
   workers on label-skewed data log their local losses, which rise as mixing pulls each model
-  toward the others' classes while the averaged (evaluated) model improves.
+  toward the others' classes while the averaged (evaluated) model improves. Its bar is
+  ln(classes), not the first logged training loss: both losses are mean cross-entropies in
+  nats (per example; per token for a language model), but those local losses are on each
+  worker's own few classes and start below ln(classes), where the averaged model's test loss
+  on all classes need not go. A model whose held-out loss ends above a uniform prediction's
+  did not train, whatever its curve did in between (a run that blew up at once and then
+  recovered part of the way is no exception).
   `mark_untrained` gives such runs the status `did not train`, so no mean includes them and
   tables print the status instead of a number.
 - `standard_error`: the standard error of a mean over seeds of a metric: the seeds' spread
@@ -83,13 +91,20 @@ def did_not_train(
     loss = row.get("train/loss")
     if initial_loss is None and isinstance(classes, numbers.Real) and classes >= 2:
         initial_loss = math.log(classes)
-    evaluated_improved = test_losses is not None and test_losses[1] < test_losses[0]
+    uniform = math.log(classes) if isinstance(classes, numbers.Real) and classes >= 2 else None
+    bar = uniform if uniform is not None else initial_loss
+    evaluated_trained = (
+        test_losses is not None
+        and test_losses[1] < test_losses[0]
+        and bar is not None
+        and test_losses[1] < bar
+    )
     if (
         isinstance(loss, numbers.Real)
         and initial_loss is not None
         and math.isfinite(loss)
         and loss > initial_loss
-        and not evaluated_improved
+        and not evaluated_trained
     ):
         return True
     acc, n = row.get("test/acc"), row.get("data/test_examples")

@@ -283,10 +283,11 @@ def _results_and_bytes(report: StudyReport, averaged: str) -> list[str]:
     study = report.study
     lines = [
         f"**Results:** mean ± sample standard deviation {averaged}; accuracy in %. A run whose "
-        "final training loss is above its first logged one while its test loss did not fall "
-        "(a gossip worker's logged loss is its local one, not the evaluated model's), or whose "
-        "test accuracy is within two binomial standard errors of chance, is shown as "
-        '"did not train", a non-finite loss as "diverged"; neither enters a mean.'
+        "final training loss is above its first logged one, unless its test loss fell and ended "
+        "below a uniform prediction's, ln(classes) (a gossip worker's logged loss is its local "
+        "one, not the evaluated model's), or whose test accuracy is within two binomial "
+        'standard errors of chance, is shown as "did not train", a non-finite loss as '
+        '"diverged"; neither enters a mean.'
         + (
             " (here diverged and unfinished runs are included: --include-failed.)"
             if report.include_failed
