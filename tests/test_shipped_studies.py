@@ -37,8 +37,8 @@ def test_every_study_ships_its_run_data():
 # Files beside a report made by the study's own scripts, not by the report.
 MADE_ELSEWHERE = {"full_scale_bytes.md", "modeled.md"}
 
-# The two largest reports (several seconds each) are slow; the default suite regenerates the rest.
-SLOW_REPORTS = {"async", "gossip_subset", "stragglers"}
+# The largest reports (several seconds each) are slow; the default suite regenerates the rest.
+SLOW_REPORTS = {"async", "diloco_scaling", "gossip_subset", "stragglers"}
 
 
 @pytest.mark.parametrize(

@@ -220,6 +220,50 @@ def async_plain_finals() -> tuple[Any, ...]:
     )
 
 
+def final_values(study: str, case: str) -> list[float]:
+    """The test bits per character of `case`'s final-seed runs, in seed order."""
+    rows = runs(study)[runs(study)["case"] == case]
+    finals = rows[rows["cfg.seed"].isin(list(final_seeds(study)))].sort_values("cfg.seed")
+    return [float(v) for v in finals["test/bpc"]]
+
+
+def scaling_row(study: str, case: str) -> tuple[str, ...]:
+    """A row of the diloco_scaling README's results table as written: the mean and std of the
+    final seeds' test bits per character, each seed's, and the gap to DP AdamW (absolute and
+    relative; "–" for DP AdamW itself)."""
+    values = final_values(study, case)
+    dp = final_means(DS, "test/bpc")["DP AdamW"]
+    mean, std = float(np.mean(values)), float(np.std(values, ddof=1))
+    seeds = ", ".join(f"{v:.2f}" for v in values)
+    if (study, case) == (DS, "DP AdamW"):
+        return (f"{mean:.2f}", f"{std:.2f}", seeds, "–", "–")
+    gap = mean - dp
+    return (f"{mean:.2f}", f"{std:.2f}", seeds, f"{gap:+.2f}", f"{100 * gap / dp:+.1f}")
+
+
+def verdicts(study: str) -> list[str]:
+    """Each expectation's verdict at the end of training, as results.md writes it."""
+    from dpresearch.study.claims import claim_frame
+
+    frame = claim_frame(report(study))
+    return list(frame[frame.columns[-1]])
+
+
+def split_verdict(verdict: str) -> tuple[str, str]:
+    """("holds", "(+0.1 ± 0.02)") from "holds (+0.1 ± 0.02)"."""
+    word, figures = verdict.split(" (", 1)
+    return word, f"({figures}"
+
+
+def warm_verdict() -> tuple[str, str, str]:
+    """Claim (e) by the harness's rule, applied across the two reports: the difference of the
+    final means (from scratch minus warm), its standard error, and how many standard errors."""
+    scratch, warm = final_values(DS, "DiLoCo M=8"), final_values(DW, "DiLoCo M=8 warm")
+    diff = float(np.mean(scratch) - np.mean(warm))
+    se = float(np.sqrt(np.var(scratch, ddof=1) / len(scratch) + np.var(warm, ddof=1) / len(warm)))
+    return f"{diff:.2f}", f"{se:.2f}", f"{diff / se:.1f}"
+
+
 def fetchsgd_lrs() -> tuple[Any, ...]:
     rows = runs(f"{CM}/codecs").query("case == 'FetchSGD sketch'")
     return (
@@ -261,6 +305,18 @@ ST_CASES = (  # the results rows with a mean (plain asynchronous Local-SGD did n
 ST_CLOCKS = tuple(
     f"time/modeled_s{s}"
     for s in ("", "@even_wan", "@slow2_wan", "@lognormal_wan", "@slow4_1gbe", "@even_1gbe")
+)
+DS, DW = "diloco_scaling/study", "diloco_scaling/warm"  # DiLoCo's scaling-law findings
+DS_ROWS = (  # the README's results rows, in its order: (study, case)
+    (DS, "DP AdamW"),
+    (DS, "DiLoCo M=1"),
+    (DS, "DiLoCo M=2"),
+    (DS, "DiLoCo M=4"),
+    (DS, "DiLoCo M=8"),
+    (DS, "DiLoCo M=8 H=10"),
+    (DS, "DiLoCo M=8 H=30"),
+    (DS, "DiLoCo M=8 H=100"),
+    (DW, "DiLoCo M=8 warm"),
 )
 SLOW_SEEDS = 3.3  # between the fast (≈ 3.0) and slow (≈ 3.6) plateaus of the DiLoCo family
 
@@ -999,6 +1055,89 @@ CLAIMS = [
             f"{final_means(ST, 'time/modeled_s')['async DN+DyLU (4x slow WAN)']:.0f}",
         ),
     ),
+    # -- diloco_scaling/README.md ------------------------------------------------------------
+    Claim(
+        "diloco_scaling/runs-picks",
+        "experiments/diloco_scaling",
+        r"`study.yaml` (\d+) runs \((\d+) grid, (\d+) grid extensions, (\d+) final seeds\), "
+        r"`warm.yaml` (\d+) runs \((\d+) grid, (\d+) grid extensions, (\d+) final seeds\)\. "
+        r"(Every) pick is interior on both keys \((\d+) of (\d+) and (\d+) of (\d+)\); (\d+) of "
+        r"the (\d+) picks were won within the selection's noise",
+        lambda: (
+            len(runs(DS)),
+            *roles(DS).values(),
+            len(runs(DW)),
+            *roles(DW).values(),
+            quantifier(picks(DS).interior + picks(DW).interior, picks(DS).picks + picks(DW).picks),
+            picks(DS).interior,
+            picks(DS).picks,
+            picks(DW).interior,
+            picks(DW).picks,
+            picks(DS).close,
+            picks(DS).picks,
+        ),
+    ),
+    Claim(
+        "diloco_scaling/protocol",
+        "experiments/diloco_scaling",
+        r"validation bits per character of seeds (\d) and (\d), .* Seeds (\d), (\d) and (\d) then "
+        r"run at the pick and alone make the results table \(n = (\d)\)",
+        lambda: (
+            *report(DS).study.selection_seeds,
+            *final_seeds(DS),
+            *{len(final_values(s, c)) for s, c in DS_ROWS},
+        ),
+    ),
+    Claim(
+        "diloco_scaling/rows",
+        "experiments/diloco_scaling",
+        "".join(
+            rf"\| {re.escape(c)} \| [^|]+ \| [^|]+ \| (\d\.\d\d) ± (\d\.\d\d) \| ([\d., ]+) \| "
+            r"(–|[+-]\d\.\d\d) \| (–|[+-]\d+\.\d) ?%? ?\|.*"
+            for _, c in DS_ROWS
+        ),
+        lambda: tuple(v for s, c in DS_ROWS for v in scaling_row(s, c)),
+    ),
+    Claim(
+        "diloco_scaling/verdicts",
+        "experiments/diloco_scaling",
+        r"\| \(a\) \| DiLoCo M=1 > DP AdamW \| \*?\*?([a-z ]+?)\*?\*? (\([^)]+\)) \|.*"
+        r"\| \(b\) \| DiLoCo M=1 > DiLoCo M=2 \| \*?\*?([a-z ]+?)\*?\*? (\([^)]+\)) \|.*"
+        r"\| \(b\) \| DiLoCo M=2 > DiLoCo M=4 \| \*?\*?([a-z ]+?)\*?\*? (\([^)]+\)) \|.*"
+        r"\| \(b\) \| DiLoCo M=4 > DiLoCo M=8 \| \*?\*?([a-z ]+?)\*?\*? (\([^)]+\)) \|.*"
+        r"\| \(d\) \| H = 10, 30, 100 each within 0\.05 of H = 15, both ways \((\d) "
+        r"expectations\) \| (unresolved), (all) (six) \(H = 10: ([^;]+); H = 30: ([^;]+); "
+        r"H = 100: ([^;]+);",
+        lambda: (
+            *(part for v in verdicts(DS)[:4] for part in split_verdict(v)),
+            len(verdicts(DS)[4:]),
+            *{split_verdict(v)[0] for v in verdicts(DS)[4:]},
+            quantifier(
+                sum(split_verdict(v)[0] == "unresolved" for v in verdicts(DS)[4:]),
+                len(verdicts(DS)[4:]),
+            ),
+            len(verdicts(DS)[4:]),
+            *(split_verdict(v)[1][1:-1] for v in verdicts(DS)[4::2]),
+        ),
+    ),
+    Claim(
+        "lm_shakespeare/since-diloco-scaling",
+        "experiments/lm_shakespeare",
+        r"with M = 2 and M = 4 replicas DiLoCo ends (\d\.\d) % and (\d\.\d) % behind "
+        r"data-parallel AdamW .* a warm start from a 375-step data-parallel model removes it too "
+        r"and ends (\d\.\d) % behind",
+        lambda: tuple(
+            scaling_row(s, c)[4].lstrip("+")
+            for s, c in ((DS, "DiLoCo M=2"), (DS, "DiLoCo M=4"), (DW, "DiLoCo M=8 warm"))
+        ),
+    ),
+    Claim(
+        "diloco_scaling/warm-verdict",
+        "experiments/diloco_scaling",
+        r"\(e\) \| DiLoCo M=8 warm > DiLoCo M=8 .*?\*\*holds\*\* \(\+(\d\.\d\d) ± (\d\.\d\d)\).*"
+        r"The harness's rule gives \"holds\" \(\+\d\.\d\d, (\d\.\d) standard errors\)",
+        lambda: (*warm_verdict()[:2], warm_verdict()[2]),
+    ),
     # -- the main README's table of studies -------------------------------------------------
     *(
         Claim(
@@ -1015,6 +1154,7 @@ CLAIMS = [
             ("async", "async/least_squares"),
             ("lm_shakespeare/gpu.yaml", "lm_shakespeare/gpu"),
             ("stragglers", ST),
+            ("diloco_scaling", DS),
         )
     ),
     # -- async/README.md ---------------------------------------------------------------------
