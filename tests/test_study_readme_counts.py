@@ -1061,7 +1061,8 @@ CLAIMS = [
         "experiments/diloco_scaling",
         r"`study.yaml` (\d+) runs \((\d+) grid, (\d+) grid extensions, (\d+) final seeds\), "
         r"`warm.yaml` (\d+) runs \((\d+) grid, (\d+) grid extensions, (\d+) final seeds\)\. "
-        r"(Every) pick is interior on both keys \((\d+) of (\d+) and (\d+) of (\d+)\); (\d+) of "
+        r"(Every) pick is interior on each key its case tunes \((\d+) of (\d+), the pretrain's "
+        r"one fixed lr among them, and (\d+) of (\d+)\); (\d+) of "
         r"the (\d+) picks were won within the selection's noise",
         lambda: (
             len(runs(DS)),
