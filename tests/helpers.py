@@ -822,11 +822,14 @@ def start_cli(args: list[str], cwd: Path) -> subprocess.Popen:
 
 
 def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: float) -> None:
+    """Return once the running `proc` has logged `step` in `run_dir`'s metrics.jsonl."""
     deadline = time.monotonic() + load_scaled(timeout)
     path = run_dir / "metrics.jsonl"
     while True:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        lines = path.read_text().splitlines() if path.exists() else []
+        text = path.read_text() if path.exists() else ""
+        # complete lines only: the trainer may be halfway through writing the last one
+        lines = text[: text.rfind("\n") + 1].splitlines()
         if lines and json.loads(lines[-1])["step"] >= step:
             return
         assert time.monotonic() < deadline, "the run logged too few steps in time"
