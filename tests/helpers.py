@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import shlex
 import signal
 import socket
@@ -414,15 +415,34 @@ def torchrun_two_nodes(
 # itself, torch's elastic agent, is exercised by the tests that start runs through `train()` or
 # the command line).
 def free_ports(n: int) -> list[int]:
-    """`n` distinct ports free now (all held open until every one is chosen)."""
-    sockets = [socket.socket() for _ in range(n)]
+    """`n` distinct ports free now (all held open until every one is chosen), drawn below the
+    kernel's ephemeral range where it says: a port chosen by binding port 0 is free again once
+    closed, so the kernel may hand it to the next bind(0) anywhere on the machine (gloo's pair
+    sockets, another test process) before a rank binds it (EADDRINUSE, seen in the suite);
+    ports the kernel never picks by itself leave only other explicit picks to collide with."""
+    low = _ephemeral_low()
+    rng = random.Random()  # the suite seeds the global generator; ports must not repeat
+    sockets: list[socket.socket] = []
     try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
+        while len(sockets) < n:
+            s = socket.socket()
+            sockets.append(s)
+            try:
+                s.bind(("127.0.0.1", rng.randrange(10_000, low) if low > 12_000 else 0))
+            except OSError:
+                sockets.pop().close()
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
             s.close()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel picks by itself (Linux's ip_local_port_range), else 0."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _run_calls(rank: int, calls: Sequence[tuple[Callable[..., Any], tuple]], context) -> None:
