@@ -241,6 +241,70 @@ def scaling_row(study: str, case: str) -> tuple[str, ...]:
     return (f"{mean:.2f}", f"{std:.2f}", seeds, f"{gap:+.2f}", f"{100 * gap / dp:+.1f}")
 
 
+def clipped_row(case: str, baseline: str | None) -> tuple[str, ...]:
+    """A row of the LM README's clipped results table as written: the inner lr (the pick, or
+    the case it takes it from), the final seeds' mean and std of test bits per character, each
+    seed's, and the gap of the mean to `baseline`'s ("–" for a baseline itself)."""
+    values = final_values(LC, case)
+    lr = one_pick(LC, report(LC).study.case(case).lr_from or case).lr
+    mean, std = float(np.mean(values)), float(np.std(values, ddof=1))
+    seeds = ", ".join(f"{v:.2f}" for v in values)
+    base = "–" if baseline is None else f"{mean - np.mean(final_values(LC, baseline)):+.2f}"
+    return (f"{lr:g}", f"{mean:.2f}", f"{std:.2f}", seeds, base)
+
+
+def runs_and_picks(study: str) -> tuple[Any, ...]:
+    """What a README's "N runs (g grid, e grid extensions, f final seeds). Every pick is
+    interior (i of p); c of the p picks were won within the selection's noise" states."""
+    counts = picks(study)
+    return (
+        len(runs(study)),
+        *roles(study).values(),
+        quantifier(counts.interior, counts.picks),
+        counts.interior,
+        counts.picks,
+        counts.close,
+        counts.picks,
+    )
+
+
+def gap_exact(case: str, baseline: str) -> float:
+    """`case`'s mean final test bits per character above `baseline`'s, relative to it
+    (clipped.yaml)."""
+    means = final_means(LC, "test/bpc")
+    return (means[case] - means[baseline]) / means[baseline]
+
+
+def density_gain() -> tuple[str, str, str, str]:
+    """SparseLoCo H=15 at 1.56 % minus at 3.1 % (mean final test bits per character), its
+    standard error, how many standard errors, and the verdict the harness's rule gives."""
+    low, high = final_values(LC, "SparseLoCo H=15"), final_values(LC, "SparseLoCo H=15 3.1%")
+    diff = float(np.mean(low) - np.mean(high))
+    se = float(np.sqrt(np.var(low, ddof=1) / len(low) + np.var(high, ddof=1) / len(high)))
+    verdict = "holds" if diff > 2 * se else "does not hold" if diff < -2 * se else "unresolved"
+    return f"{diff:.3f}", f"{se:.3f}", f"{diff / se:.1f}", verdict
+
+
+def runs_as_scaling() -> list[tuple[Any, Any]]:
+    """Pairs (clipped.yaml's run, diloco_scaling's run) of the cases configured alike
+    (`LC_AS_DS`) at the same inner lr and seed."""
+    ours, theirs = runs(LC), runs(DS)
+    pairs = []
+    for case, other, outer in LC_AS_DS:
+        mine = ours[ours["case"] == case]
+        rows = theirs[theirs["case"] == other]
+        if outer is not None:
+            rows = rows[rows["cfg.outer.optimizer.lr"] == outer]
+        for _, row in mine.iterrows():
+            match = rows[
+                (rows["cfg.optimizer.lr"] == row["cfg.optimizer.lr"])
+                & (rows["cfg.seed"] == row["cfg.seed"])
+            ]
+            assert len(match) <= 1
+            pairs += [(row, match.iloc[0])] if len(match) else []
+    return pairs
+
+
 def verdicts(study: str) -> list[str]:
     """Each expectation's verdict at the end of training, as results.md writes it."""
     from dpresearch.study.claims import claim_frame
@@ -318,7 +382,29 @@ DS_ROWS = (  # the README's results rows, in its order: (study, case)
     (DS, "DiLoCo M=8 H=100"),
     (DW, "DiLoCo M=8 warm"),
 )
+LC = "lm_shakespeare/clipped"  # the LM study re-run with clipping, H = 15 (issue 40, item 3)
+LC_ROWS = (  # the README's results rows, in its order: (case, the sync case it is set against)
+    ("sync AdamW", None),
+    ("DiLoCo H=15", "sync AdamW"),
+    ("DiLoCo H=15 outer lr 0.35", "sync AdamW"),
+    ("DiLoCo H=50", "sync AdamW"),
+    ("SparseLoCo H=15", "sync AdamW"),
+    ("SparseLoCo H=15 3.1%", "sync AdamW"),
+    ("sync AdamW (by work)", None),
+    ("DiLoCo H=15 (by work)", "sync AdamW (by work)"),
+    ("SparseLoCo H=15 (by work)", "sync AdamW (by work)"),
+)
+# Cases of clipped.yaml configured as diloco_scaling's (same model, data, workers, batch,
+# steps, clipping; DiLoCo at H = 15 with outer lr 0.7): (ours, theirs, their outer lr)
+LC_AS_DS = (("sync AdamW", "DP AdamW", None), ("DiLoCo H=15", "DiLoCo M=8", 0.7))
 SLOW_SEEDS = 3.3  # between the fast (≈ 3.0) and slow (≈ 3.6) plateaus of the DiLoCo family
+
+
+def table_rows(id: str, folder: str, names: list[str], cells: str, expected) -> Claim:
+    """A claim on the rows of a README table, in order: each row starts with its name in
+    `names`, then `cells` (a regex whose groups are that row's counts)."""
+    return Claim(id, folder, "".join(rf"\| {re.escape(n)} \| {cells}.*" for n in names), expected)
+
 
 CLAIMS = [
     # -- compression_subset/README.md -------------------------------------------------------
@@ -1010,15 +1096,7 @@ CLAIMS = [
         r"(\d+) runs \((\d+) grid, (\d+) grid extensions, (\d+) final seeds\).*(Every) pick "
         r"is interior \((\d+) of (\d+)\); (\d+) of the (\d+) picks was won within the "
         r"selection's noise",
-        lambda: (
-            len(runs(ST)),
-            *roles(ST).values(),
-            quantifier(picks(ST).interior, picks(ST).picks),
-            picks(ST).interior,
-            picks(ST).picks,
-            picks(ST).close,
-            picks(ST).picks,
-        ),
+        lambda: runs_and_picks(ST),
     ),
     Claim(
         "stragglers/protocol",
@@ -1089,14 +1167,12 @@ CLAIMS = [
             *{len(final_values(s, c)) for s, c in DS_ROWS},
         ),
     ),
-    Claim(
+    table_rows(
         "diloco_scaling/rows",
         "experiments/diloco_scaling",
-        "".join(
-            rf"\| {re.escape(c)} \| [^|]+ \| [^|]+ \| (\d\.\d\d) ± (\d\.\d\d) \| ([\d., ]+) \| "
-            r"(–|[+-]\d\.\d\d) \| (–|[+-]\d+\.\d) ?%? ?\|.*"
-            for _, c in DS_ROWS
-        ),
+        [c for _, c in DS_ROWS],
+        r"[^|]+ \| [^|]+ \| (\d\.\d\d) ± (\d\.\d\d) \| ([\d., ]+) \| (–|[+-]\d\.\d\d) \| "
+        r"(–|[+-]\d+\.\d) ?%? ?\|",
         lambda: tuple(v for s, c in DS_ROWS for v in scaling_row(s, c)),
     ),
     Claim(
@@ -1139,6 +1215,58 @@ CLAIMS = [
         r"The harness's rule gives \"holds\" \(\+\d\.\d\d, (\d\.\d) standard errors\)",
         lambda: (*warm_verdict()[:2], warm_verdict()[2]),
     ),
+    Claim(
+        "lm/clipped/runs-picks",
+        "experiments/lm_shakespeare",
+        r"`clipped\.yaml`: (\d+) runs \((\d+) grid, (\d+) grid extensions, (\d+) final seeds\)\. "
+        r"(Every) pick is interior \((\d+) of (\d+)\); (\d+) of the (\d+) picks were won within "
+        r"the selection's noise",
+        lambda: runs_and_picks(LC),
+    ),
+    Claim(
+        "lm/clipped/as-diloco-scaling",
+        "experiments/lm_shakespeare",
+        r"end where those did, to the last bit, in all (\d+) runs they share",
+        lambda: (len(runs_as_scaling()),),
+    ),
+    table_rows(
+        "lm/clipped/rows",
+        "experiments/lm_shakespeare",
+        [c for c, _ in LC_ROWS],
+        r"([\d.]+) \| (\d\.\d\d) ± (\d\.\d\d) \| ([\d., ]+) \| (–|[+-]\d\.\d\d) \|",
+        lambda: tuple(v for c, b in LC_ROWS for v in clipped_row(c, b)),
+    ),
+    table_rows(
+        "lm/clipped/verdicts",
+        "experiments/lm_shakespeare",
+        [
+            "DiLoCo H=15 within 0.05 of sync AdamW",
+            "DiLoCo H=15 (by work) within 0.05 of sync AdamW (by work)",
+            "SparseLoCo H=15 > DiLoCo H=15",
+            "SparseLoCo H=15 (by work) > DiLoCo H=15 (by work)",
+        ],
+        r"([a-z ]+?) (\([^)]+\)) \|",
+        lambda: tuple(part for v in verdicts(LC) for part in split_verdict(v)),
+    ),
+    Claim(
+        "lm/clipped/stable-gap",
+        "experiments/lm_shakespeare",
+        r"all three seeds at (\d\.\d\d)–(\d\.\d\d), \*\*(\d\.\d\d) bits per character "
+        r"\((\d\.\d) %\) behind synchronous AdamW\*\*",
+        lambda: (
+            f"{min(final_values(LC, 'DiLoCo H=15 outer lr 0.35')):.2f}",
+            f"{max(final_values(LC, 'DiLoCo H=15 outer lr 0.35')):.2f}",
+            gap(LC, "DiLoCo H=15 outer lr 0.35", "sync AdamW"),
+            f"{100 * float(gap_exact('DiLoCo H=15 outer lr 0.35', 'sync AdamW')):.1f}",
+        ),
+    ),
+    Claim(
+        "lm/clipped/density",
+        "experiments/lm_shakespeare",
+        r"doubling it to 3\.1 % .* gains (\d\.\d\d\d) ± (\d\.\d\d\d) bits per character "
+        r"\((\d\.\d) standard errors: (unresolved)\)",
+        density_gain,
+    ),
     # -- the main README's table of studies -------------------------------------------------
     *(
         Claim(
@@ -1156,6 +1284,7 @@ CLAIMS = [
             ("lm_shakespeare/gpu.yaml", "lm_shakespeare/gpu"),
             ("stragglers", ST),
             ("diloco_scaling", DS),
+            ("lm_shakespeare/clipped.yaml", LC),
         )
     ),
     # -- async/README.md ---------------------------------------------------------------------
@@ -1249,6 +1378,19 @@ CLAIMS = [
         ),
     ),
 ]
+
+
+def test_clipped_runs_configured_as_diloco_scalings_end_where_those_did():
+    """clipped.yaml's sync AdamW and DiLoCo H=15 are diloco_scaling's DP AdamW and DiLoCo M=8
+    (outer lr 0.7) in every setting that reaches training (only `data.sample_tokens`, text
+    generated after the last evaluation, differs): every run they share (same inner lr and
+    seed) ends at the same losses, two studies apart — the runs are reproducible, and the two
+    READMEs read the same numbers."""
+    pairs = runs_as_scaling()
+    assert len(pairs) >= 10, len(pairs)  # both cases' tuning grids and the final seeds
+    for ours, theirs in pairs:
+        for metric in ("test/bpc", "val/bpc", "train/loss"):
+            assert ours[metric] == theirs[metric], (ours["run"], metric)
 
 
 @pytest.mark.parametrize("claim", CLAIMS, ids=lambda c: c.id)
