@@ -4,11 +4,13 @@ outer optimizer (plain SGD, lr α, no momentum), EF14 with a decay β (e ← β�
 
 A. The codec: each block keeps exactly its k largest |x|; the decoded values are the
    statistical quantizer's, restated here in float64; the wire bytes are a hand count, in the
-   codec and in the ledger.
-B. The whole update equals SparseLoCo's Algorithm 1 written here on plain tensors (float64).
-C. Runs: simulated K = 2 equals 2 gloo processes; killed (also kill -9) and resumed exactly;
-   the GPT trains on Shakespeare.
-D. decay = 1 is EF14 as it was; bad values are one `error:` line.
+   codec and in the ledger; `average=senders` is each entry's mean over its senders.
+B. The whole update equals SparseLoCo's Algorithm 1 written here on plain tensors (float64),
+   with either average.
+C. Runs: simulated K = 2 equals 2 gloo processes (either average); killed (also kill -9) and
+   resumed exactly; the GPT trains on Shakespeare.
+D. decay = 1 is EF14 as it was; bad values are one `error:` line; `average=senders` (the
+   reference code's per-entry mean) against a hand restatement, and refused for gossip.
 """
 
 from __future__ import annotations
@@ -76,6 +78,25 @@ def kept_positions(x: list[float], chunk: int, density: float) -> list[int]:
         k = min(len(block), max(1, round(density * len(block))))
         positions += sorted(sorted(block, key=lambda j: -abs(x[j]))[:k])
     return positions
+
+
+def sent_positions(e: torch.Tensor, sizes: list[int], chunk: int, density: float) -> torch.Tensor:
+    """1.0 where one worker's flat accumulator `e` over tensors of `sizes` sends an entry."""
+    mask, offset = torch.zeros_like(e), 0
+    for size in sizes:
+        for j in kept_positions(e[offset : offset + size].tolist(), chunk, density):
+            mask[offset + j] = 1.0
+        offset += size
+    return mask
+
+
+def aggregate(sent: list[torch.Tensor], masks: list[torch.Tensor], average: str) -> torch.Tensor:
+    """The anchor's step direction from the workers' decoded messages: their mean over all K
+    (`all`, Algorithm 1) or each entry's mean over the workers that sent it (`senders`, the
+    reference code's `scatter_reduce(..., "mean", include_self=False)`: 0 where none did)."""
+    if average == "all":
+        return sum(sent) / len(sent)
+    return sum(sent) / torch.clamp(sum(masks), min=1.0)
 
 
 def message(
@@ -173,17 +194,48 @@ def test_wire_bytes_are_the_hand_count(shape, chunk, density, bits, dtype, expec
     assert reducer.payload_bytes(dtype) == expected
 
 
+def test_senders_average_is_each_entrys_mean_over_the_workers_that_sent_it():
+    """One exchange of K = 5 workers (blocks of 64 at 10 %; workers 0 and 1 send the same row,
+    so some entries have 2 senders or more): `average=senders` equals the per-entry mean of the
+    decoded messages over the workers that sent it, restated with `kept_positions` (float64,
+    to 1e-12); at every entry s of K workers sent it is K/s times `average=all`, 0 where none
+    did; the ledger's bytes are the same for both."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(5, N, dtype=torch.float64, generator=gen)
+    x[1] = x[0]
+    outs, ledgers = {}, {}
+    for average in ("all", "senders"):
+        comm = SimulatedCommunicator(5, NET)
+        compressor = QuantizedTopK(density=0.1, chunk_size=64, average=average)
+        aggregation = compressor.aggregation(CHUNKS, range(5), torch.float64, "cpu")
+        outs[average] = torch.empty(N, dtype=torch.float64)
+        aggregation.run(x, comm, 0, outs[average])
+        ledgers[average] = comm.ledger.bytes_by_worker
+    sent = [message(row, [200, 64, 7], 64, 0.1, 2) for row in x]
+    masks = [sent_positions(row, [200, 64, 7], 64, 0.1) for row in x]
+    senders = sum(masks)
+    assert gap(outs["senders"], aggregate(sent, masks, "senders")) <= 1e-12
+    assert gap(outs["all"], aggregate(sent, masks, "all")) <= 1e-12
+    hit = senders > 0
+    assert gap(outs["senders"][hit] * senders[hit], outs["all"][hit] * 5) <= 1e-12
+    assert torch.equal(outs["senders"][~hit], torch.zeros_like(outs["senders"][~hit]))
+    assert int(senders.max()) >= 2 and int(senders[hit].min()) == 1  # both kinds of entry
+    assert ledgers["senders"] == ledgers["all"]
+
+
 # -- B: the whole update against SparseLoCo's Algorithm 1 ---------------------------------------
 K, H, ROUNDS, INNER_LR = 4, 3, 5, 0.1
 ALPHA, BETA, CHUNK, DENSITY = 0.8, 0.9, 64, 0.1
 
 
-def test_the_update_is_sparselocos_algorithm_1_written_apart(one_thread):
+@pytest.mark.parametrize("average", ["all", "senders"])
+def test_the_update_is_sparselocos_algorithm_1_written_apart(average, one_thread):
     """Ours (the outer optimizer over local SGD, the `outer=sparseloco` nodes with α = 0.8,
     β = 0.9, blocks of 64 at 10 %) against SparseLoCo's Algorithm 1 on plain float64 tensors:
     K = 4 workers, H = 3 inner plain-SGD steps on their own least-squares data, then per worker
     Δ_i = θ − x_i, e_i ← β·e_i + Δ_i, m_i = Q(TopK_chunk(e_i)), e_i ← e_i − m_i; the anchor
-    θ ← θ − α·(1/K)·Σ_i m_i; every worker restarts from θ. After 5 rounds the anchor, the
+    θ ← θ − α·(1/K)·Σ_i m_i (`average=all`; `senders`: each entry divided by the number of
+    workers that sent it instead of K); every worker restarts from θ. After 5 rounds the anchor, the
     workers and the accumulators agree (α ≠ 1 separates this update from the
     reference code's e ← β·e + α·Δ). Agree to 1e-9 (`helpers.TOL64`): ours (nn.Linear, the
     allgather's sum) and the reference (x @ W.T + b, Python's sum) are different computations
@@ -194,6 +246,7 @@ def test_the_update_is_sparselocos_algorithm_1_written_apart(one_thread):
         *SMALL_BLOCKS,
         f"outer.optimizer.lr={ALPHA}",
         f"outer.error_feedback.decay={BETA}",
+        f"outer.compressor.average={average}",
     ).outer
     data = least_squares_shards(K)
     theta, replicas, inner, base = tiny_local_sgd(K, INNER_LR, H)
@@ -213,12 +266,13 @@ def test_the_update_is_sparselocos_algorithm_1_written_apart(one_thread):
     for _ in range(ROUNDS):
         for w, (x, y) in enumerate(data):
             workers[w] = tiny_sgd_steps(workers[w], x, y, INNER_LR, H)
-        sent = []
+        sent, masks = [], []
         for w in range(K):
             memory[w] = BETA * memory[w] + (theta - workers[w])
             sent.append(message(memory[w], [144, 24, 72, 3], CHUNK, DENSITY, 2))
+            masks.append(sent_positions(memory[w], [144, 24, 72, 3], CHUNK, DENSITY))
             memory[w] = memory[w] - sent[w]
-        theta = theta - ALPHA * sum(sent) / K
+        theta = theta - ALPHA * aggregate(sent, masks, average)
         workers = [theta.clone() for _ in range(K)]
 
     assert gap(ours.anchor.params[0], theta) <= TOL64
@@ -274,16 +328,21 @@ def test_simulated_k2_equals_two_gloo_processes(tmp_path):
     CPU-dependent few ulps per step that training amplifies."""
     from helpers import cases_on_gloo
 
-    real = cases_on_gloo(2, tmp_path, {"sparseloco": GLOO_ARGS}, row_and_anchor)
-    simulated = run(*GLOO_ARGS, dtype=torch.float64)
-    for rank in range(2):
-        params, anchor, summary = real[rank]["sparseloco"]
-        assert params.dtype == torch.float64
-        assert gap(params, simulated.replicas.params[rank]) <= TOL64, rank
-        assert gap(anchor, simulated.algorithm.anchor.params[0]) <= TOL64, rank
-        assert summary["comm/bytes"] == simulated.summary["comm/bytes"]
-        assert sorted(summary["comm/ops"]) == sorted(simulated.summary["comm/ops"])
-    assert simulated.summary["outer/rounds"] == 6
+    cases = {"all": GLOO_ARGS, "senders": [*GLOO_ARGS, "outer.compressor.average=senders"]}
+    real = cases_on_gloo(2, tmp_path, cases, row_and_anchor)
+    finals = {}
+    for case, args in cases.items():
+        simulated = run(*args, dtype=torch.float64)
+        for rank in range(2):
+            params, anchor, summary = real[rank][case]
+            assert params.dtype == torch.float64
+            assert gap(params, simulated.replicas.params[rank]) <= TOL64, (case, rank)
+            assert gap(anchor, simulated.algorithm.anchor.params[0]) <= TOL64, (case, rank)
+            assert summary["comm/bytes"] == simulated.summary["comm/bytes"]
+            assert sorted(summary["comm/ops"]) == sorted(simulated.summary["comm/ops"])
+        assert simulated.summary["outer/rounds"] == 6
+        finals[case] = simulated.algorithm.anchor.params[0]
+    assert gap(finals["all"], finals["senders"]) > 1e-3  # the two averages differ
 
 
 def test_killed_and_resumed_equals_uninterrupted(tmp_path, one_thread):
@@ -372,6 +431,7 @@ BAD = [
     (["outer.compressor.range_sigmas=0"], "outer.compressor.range_sigmas=0: must be a number > 0"),
     (["outer.error_feedback.decay=1.5"], "outer.error_feedback.decay=1.5: must be a number in"),
     (["outer.error_feedback.mode=ef21"], "set error_feedback@outer.error_feedback=ef14"),
+    (["outer.compressor.average=some"], "outer.compressor.average=some: choose one of: all, se"),
 ]
 
 
@@ -381,3 +441,20 @@ def test_bad_values_are_one_line_before_any_worker(args, fragment, tmp_path, mon
     nothing written."""
     argv = [*SYNTHETIC_SMALL, *SPARSELOCO, *args]
     refused_before_start(argv, fragment, tmp_path, monkeypatch, capsys)
+
+
+def test_senders_average_is_refused_where_messages_are_decoded_one_at_a_time(
+    tmp_path, monkeypatch, capsys
+):
+    """`average=senders` needs every worker's message at once: the pairing check refuses it
+    for gossip and pushes (and takes `average=all` there), and a CHOCO-SGD run asking for it
+    is one `error:` line before any worker."""
+    from dpresearch.compress.pairing import check_pairing
+
+    for use in ("gossip", "push"):
+        check_pairing(QuantizedTopK(), use=use)
+        with pytest.raises(ValueError, match="needs every worker's message at once"):
+            check_pairing(QuantizedTopK(average="senders"), use=use)
+    argv = [*SYNTHETIC_SMALL, "algorithm=choco", "compressor=quantized_topk",
+            "compressor.average=senders"]  # fmt: skip
+    refused_before_start(argv, "set compressor.average=all", tmp_path, monkeypatch, capsys)

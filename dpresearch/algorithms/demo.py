@@ -44,7 +44,8 @@ the momentum is EF14's memory with decay β (`compress/error_feedback.py`); the 
 `sign_sgd.decoupled_step`. So `algorithm=sync compressor=dct_topk error_feedback=ef14
 error_feedback.decay=β optimizer=sign_sgd` (or `optimizer=sgd` for `sign=false`) is this
 algorithm bit for bit (tests/test_dct_topk.py). What stays here is DeMo's own: `average=senders`
-(each coefficient's mean over the workers that sent it, which no compressor's mean sees),
+(each DCT coefficient's mean over the workers that sent it, before the inverse DCT: a
+compressor's `finalize_gathered` sees the decoded sum after it),
 `lr_in_momentum`, and one node for all its options. The reference all-gathers torch.topk's int64
 indices (eight bytes each) and the values in two collectives.
 

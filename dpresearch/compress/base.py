@@ -6,7 +6,7 @@ capabilities, declared as class traits and checked in one place (`pairing.check_
 - `linear`: payloads of different workers can be summed element-wise and the sum decoded
   (allreduce; sums happen in the payload's dtype, so fp16 casts are summed in fp16). Otherwise
   every worker's payload is gathered (allgather), each is decoded, and the decoded tensors are
-  combined by `finalize` (by default their mean).
+  combined by `finalize_gathered` (by default `finalize`: their mean).
 - `rounds`: collectives per bucket per step (PowerSGD: 2).
 - `gossip`: decoded messages may be combined with arbitrary weights, one sender at a time —
   compressed gossip (CHOCO-SGD) and asynchronous pushes need this (false for majority vote,
@@ -170,6 +170,8 @@ class CollectiveAggregation(Aggregation):
             gathered = comm.all_gather(wire, charge=self.charge)
             out.zero_()
             codec.accumulate(gathered.unsqueeze(0), step, out.unsqueeze(0))
+            self.compressor.finalize_gathered(out, gathered, codec)
+            return
         self.compressor.finalize(out, comm.world_size)
 
 
@@ -220,6 +222,13 @@ class SingleRoundCompressor(Compressor):
     def finalize(self, total: Tensor, count: int) -> None:
         """Turn the sum of `count` decoded messages into the aggregate, in place (mean)."""
         total.div_(count)
+
+    def finalize_gathered(self, total: Tensor, gathered: Tensor, codec: Codec) -> None:
+        """Turn `total`, the sum of the decoded all-gathered rows `gathered` `[K, L]` (every
+        worker's message, worker order), into the aggregate, in place: by default `finalize`
+        over the K messages. A sparse codec's mean over the workers that sent each entry
+        (`QuantizedTopK(average="senders")`) reads the rows' positions here."""
+        self.finalize(total, gathered.shape[0])
 
     def payload_bytes(
         self, numel: int, shape: tuple[int, ...] | None = None, dtype: torch.dtype = torch.float32

@@ -31,9 +31,15 @@ Wire bytes per tensor chunk (elements of the input dtype for the scales, e.g. 4 
 4096 gives the paper's 12 bits per index). Exactly that: no header, K is fixed by d.
 
 Non-linear (indices and codebooks are per worker): payloads are gathered (allgather) and every
-receiver decodes all of them; the aggregate is their mean (1/K_workers · Σ, SparseLoCo's
-Algorithm 1). SparseLoCo's reference code instead averages each coordinate over the workers
-that sent it (`scatter_reduce(..., "mean")`); that is not what this compressor does.
+receiver decodes all of them. The aggregate, `average`:
+    all      (default) their mean over all K workers, (1/K)·Σ_k m_k — SparseLoCo's Algorithm 1;
+    senders  each entry's mean over the workers that sent it, Σ_k m_k[j] / #{k : j sent by k}
+             (0 where none did) — SparseLoCo's reference code, which aggregates with
+             `scatter_reduce(..., "mean", include_self=False)` as DeMo's does (demo.py:296).
+At an entry s of the K workers sent, `senders` is K/s times `all`: at density 1.56 % most
+entries are sent by one worker, so the anchor's step there is up to K times larger at the same
+outer lr. The bytes are the same. `senders` needs every worker's message at once, so it
+serves the synchronous exchange only (not gossip or pushes).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from dpresearch.compress.topk import kept
 from dpresearch.compress.wire import Spec, pack_rows, packed_size, unpack_rows
 
 MAX_CHUNK = 1 << 16  # block-local indices in at most 16 bits
+AVERAGES = ("all", "senders")
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,18 @@ class QuantizedTopKCodec(Codec):
             local = self._unpack_indices(row[:, blocks.value_bytes :], blocks)
             out.scatter_(1, local + self.bases[i], values.to(out.dtype))
 
+    def sent_counts(self, wire: Tensor) -> Tensor:
+        """How many of the wire rows `[R, L]` sent each entry: `[numel]`, in the codec's dtype
+        (whole numbers; a row sends an entry at most once)."""
+        packed = self.layout.region(wire, torch.uint8)
+        counts = torch.zeros(self.numel, dtype=torch.long, device=self.device)
+        for i, blocks in enumerate(self.blocks):
+            row = packed[:, self.payload[i] + blocks.value_bytes : self.payload[i]
+                         + blocks.value_bytes + blocks.index_bytes]  # fmt: skip
+            positions = self._unpack_indices(row, blocks) + self.bases[i]
+            counts += torch.bincount(positions.reshape(-1), minlength=self.numel)
+        return counts.to(self.dtype)
+
     def _unpack_indices(self, row: Tensor, blocks: Blocks) -> Tensor:
         bits, kept_ = blocks.index_bits, blocks.kept
         if bits <= 8:
@@ -197,7 +216,9 @@ class QuantizedTopK(SingleRoundCompressor):
 
     density: k / block length, in (0, 1]; chunk_size: the block length B (1..65536; the
     paper's 4096); bits: 1..8 (the paper's 2); range_sigmas: the quantizer's range R in
-    standard deviations (the reference's 6)."""
+    standard deviations (the reference's 6); average: "all" (the mean over all workers,
+    Algorithm 1) or "senders" (each entry's mean over the workers that sent it, the reference
+    code's)."""
 
     codec_class = QuantizedTopKCodec
 
@@ -207,6 +228,7 @@ class QuantizedTopK(SingleRoundCompressor):
         chunk_size: int = 4096,
         bits: int = 2,
         range_sigmas: float = 6.0,
+        average: str = "all",
         seed: int = 0,
     ) -> None:
         super().__init__(seed)
@@ -227,8 +249,29 @@ class QuantizedTopK(SingleRoundCompressor):
             raise ValueError(f"range_sigmas={range_sigmas}: must be a number > 0")
         if not (range_sigmas > 0 and math.isfinite(range_sigmas)):
             raise ValueError(f"range_sigmas={range_sigmas}: must be a number > 0")
+        if average not in AVERAGES:
+            raise ValueError(
+                f"average={average}: choose one of: {', '.join(AVERAGES)} (all: the mean over "
+                "all workers, the paper's; senders: over the workers that sent each entry, "
+                "the reference code's)"
+            )
         self.density, self.chunk_size = float(density), int(chunk_size)
         self.bits, self.range_sigmas = int(bits), float(range_sigmas)
+        self.average = average
+        if average == "senders":
+            # an instance trait: the per-entry mean needs every worker's message at once
+            self.gossip = False
+            self.gossip_note = (
+                "with average=senders averages each entry over the workers that sent it, "
+                "which needs every worker's message at once (set compressor.average=all)"
+            )
+
+    def finalize_gathered(self, total: Tensor, gathered: Tensor, codec: Codec) -> None:
+        if self.average == "all":
+            super().finalize_gathered(total, gathered, codec)
+            return
+        assert isinstance(codec, QuantizedTopKCodec)
+        total.div_(codec.sent_counts(gathered).to(total.dtype).clamp_(min=1))
 
     def blocks(self, numel: int) -> Blocks:
         """The blocks of a chunk of `numel` entries and what each keeps."""
