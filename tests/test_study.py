@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -342,6 +343,33 @@ def test_a_grown_study_runs_only_what_its_unpacked_run_data_lacks(tmp_path, caps
     assert study_main(["unpack", str(grown), "--out", str(out)]) == 2  # runs there: refused
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "already holds runs" in err[0]
+
+
+def test_report_refuses_to_pack_fewer_runs_over_the_run_data(tmp_path, capsys):
+    """A study whose run data holds its runs, run again in part (`--only` one case) into
+    another folder: `report` from there would replace the run data with fewer runs, so it is
+    refused in one `error:` line naming a missing point and `unpack`, the run data left byte
+    for byte; unpacked into that folder (every packed point there again), it reports."""
+    path = write_study(tmp_path)
+    first, part = tmp_path / "first", tmp_path / "part"
+    inprocess = ["--launcher", "inprocess"]
+    assert study_main(["run", str(path), "--out", str(first), *inprocess]) == 0
+    report_study(load_study(path), first, tmp_path / "results", wandb=False)
+    data = load_study(path).data_path
+    shipped = data.read_bytes()
+    assert study_main(["run", str(path), "--out", str(part), *inprocess, "--only", "dense"]) == 0
+    capsys.readouterr()
+    report = ["report", str(path), "--out", str(part), "--results", str(tmp_path / "again")]
+    assert study_main(report) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert "holds 1 runs that" in err[0] and "'top-k 10% + EF | lr 0.1 | seed 0'" in err[0]
+    assert "would drop them" in err[0] and "study unpack" in err[0]
+    assert data.read_bytes() == shipped
+    shutil.rmtree(part)
+    assert study_main(["unpack", str(path), "--out", str(part)]) == 0
+    assert study_main(report) == 0
+    assert data.read_bytes() == shipped  # the same runs, packed again
 
 
 def test_a_study_without_grids_says_nothing_was_selected(tmp_path):

@@ -64,14 +64,40 @@ from dpresearch.study.tables import grid_frame, published_frame, result_metrics,
 # -- run data ------------------------------------------------------------------------------------
 def pack_study(study: Study, out: str | Path) -> Path | None:
     """Pack the run directories under `out/runs` into the study's run-data file (None when
-    there are none: the shipped file stays as it is)."""
+    there are none: the shipped file stays as it is). Refused (StudyError) where the run data
+    already holds a point that `out/runs` lacks — a study still running, or run with `--only`,
+    would otherwise replace the shipped runs with fewer."""
     from dpresearch.analysis.rundata import pack_runs
 
     out = Path(out)
     paths = find_runs([out / "runs"])
     if not paths:
         return None
+    if study.data_path.exists():
+        _refuse_to_drop(study, out)
     return pack_runs(paths, out, study.data_path, study.curves, {"study": study.name})
+
+
+def _refuse_to_drop(study: Study, out: Path) -> None:
+    """StudyError naming the fix if the run data holds points no directory under `out/runs`
+    holds (by the point's name: case, lr, any second key, seed)."""
+    import json
+
+    from dpresearch.analysis.rundata import read_rundata
+    from dpresearch.analysis.runs import POINT_FILE
+
+    _, records = read_rundata(study.data_path)
+    packed = {(r.get("point") or {}).get("point") for r in records} - {None}
+    on_disk = {json.loads(p.read_text()).get("point") for p in (out / "runs").rglob(POINT_FILE)}
+    missing = sorted(packed - on_disk)
+    if missing:
+        data, runs = relative(study.data_path), out / "runs"
+        raise StudyError(
+            f"{data} holds {len(missing)} runs that {runs} lacks (e.g. {missing[0]!r}): packing "
+            f"{runs} would drop them; unpack them there first (python -m dpresearch.study "
+            f"unpack {relative(study.path)} --out {out}), report the shipped data from another "
+            f"--out, or delete {data} to replace it"
+        )
 
 
 def load_data(study: Study):
