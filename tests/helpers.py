@@ -152,6 +152,8 @@ SLOW_BY_MEASURE = (
     "tests/test_shipped_studies.py::test_report_regenerates_byte_for_byte_with_readable_figures"
     "[lm_shakespeare/clipped]",
     "tests/test_shipped_studies.py::test_report_regenerates_byte_for_byte_with_readable_figures"
+    "[lm_shakespeare/clipped_more]",
+    "tests/test_shipped_studies.py::test_report_regenerates_byte_for_byte_with_readable_figures"
     "[lm_shakespeare/gpu]",
     "tests/test_shipped_studies.py::test_report_regenerates_byte_for_byte_with_readable_figures"
     "[lm_shakespeare/probe_clip]",

@@ -241,15 +241,19 @@ def scaling_row(study: str, case: str) -> tuple[str, ...]:
     return (f"{mean:.2f}", f"{std:.2f}", seeds, f"{gap:+.2f}", f"{100 * gap / dp:+.1f}")
 
 
-def clipped_row(case: str, baseline: str | None) -> tuple[str, ...]:
-    """A row of the LM README's clipped results table as written: the inner lr (the pick, or
-    the case it takes it from), the final seeds' mean and std of test bits per character, each
-    seed's, and the gap of the mean to `baseline`'s ("–" for a baseline itself)."""
-    values = final_values(LC, case)
-    lr = one_pick(LC, report(LC).study.case(case).lr_from or case).lr
+def clipped_row(
+    case: str, baseline: str | None, study: str | None = None, base_study: str | None = None
+) -> tuple[str, ...]:
+    """A row of an LM README clipped results table as written: the inner lr (the pick, or the
+    case it takes it from), the final seeds' mean and std of test bits per character, each
+    seed's, and the gap of the mean to `baseline`'s ("–" for a baseline itself). `study`:
+    the row's study, `base_study`: the baseline's (both clipped.yaml unless given)."""
+    study, base_study = study or LC, base_study or LC
+    values = final_values(study, case)
+    lr = one_pick(study, report(study).study.case(case).lr_from or case).lr
     mean, std = float(np.mean(values)), float(np.std(values, ddof=1))
     seeds = ", ".join(f"{v:.2f}" for v in values)
-    base = "–" if baseline is None else f"{mean - np.mean(final_values(LC, baseline)):+.2f}"
+    base = "–" if baseline is None else f"{mean - np.mean(final_values(base_study, baseline)):+.2f}"
     return (f"{lr:g}", f"{mean:.2f}", f"{std:.2f}", seeds, base)
 
 
@@ -393,6 +397,15 @@ LC_ROWS = (  # the README's results rows, in its order: (case, the sync case it 
     ("sync AdamW (by work)", None),
     ("DiLoCo H=15 (by work)", "sync AdamW (by work)"),
     ("SparseLoCo H=15 (by work)", "sync AdamW (by work)"),
+)
+LM_MORE = "lm_shakespeare/clipped_more"  # clipped.yaml's protocol for the seven other cases
+LM_MORE_ROWS = (  # the README's rows in order: (case, the clipped.yaml sync case it is set against)
+    ("Streaming DiLoCo H=15 F=4", "sync AdamW"),
+    ("DeMo", "sync AdamW"),
+    ("SPARTA p=0.005", "sync AdamW"),
+    ("top-k 1% + EF", "sync AdamW"),
+    ("DeMo (by work)", "sync AdamW (by work)"),
+    ("SPARTA p=0.005 (by work)", "sync AdamW (by work)"),
 )
 # Cases of clipped.yaml configured as diloco_scaling's (same model, data, workers, batch,
 # steps, clipping; DiLoCo at H = 15 with outer lr 0.7): (ours, theirs, their outer lr)
@@ -1224,6 +1237,21 @@ CLAIMS = [
         lambda: runs_and_picks(LC),
     ),
     Claim(
+        "lm/clipped-more/runs-picks",
+        "experiments/lm_shakespeare",
+        r"`clipped_more\.yaml`: (\d+) runs \((\d+) grid, (\d+) grid extensions, (\d+) final "
+        r"seeds\)\. (Every) pick is interior \((\d+) of (\d+)\); (\d+) of the (\d+) picks were "
+        r"won within the selection's noise",
+        lambda: runs_and_picks(LM_MORE),
+    ),
+    table_rows(
+        "lm/clipped-more/rows",
+        "experiments/lm_shakespeare",
+        [c for c, _ in LM_MORE_ROWS],
+        r"([\d.e-]+) \| (\d\.\d\d) ± (\d\.\d\d) \| ([\d., ]+) \| (–|[+-]\d\.\d\d) \|",
+        lambda: tuple(v for c, b in LM_MORE_ROWS for v in clipped_row(c, b, LM_MORE, LC)),
+    ),
+    Claim(
         "lm/clipped/as-diloco-scaling",
         "experiments/lm_shakespeare",
         r"end where those did, to the last bit, in all (\d+) runs they share",
@@ -1285,6 +1313,7 @@ CLAIMS = [
             ("stragglers", ST),
             ("diloco_scaling", DS),
             ("lm_shakespeare/clipped.yaml", LC),
+            ("lm_shakespeare/clipped_more.yaml", LM_MORE),
         )
     ),
     # -- async/README.md ---------------------------------------------------------------------
