@@ -74,6 +74,7 @@ from dpresearch.algorithms.compressed_adam import (
 )
 from dpresearch.algorithms.sync import BUFFER_MODES
 from dpresearch.comm.base import Communicator
+from dpresearch.compress.base import AVERAGES
 from dpresearch.compress.chunks import Chunk
 from dpresearch.compress.dct import ChunkedDCT, DCTTopK, DCTTopKCodec, block_side
 from dpresearch.compress.error_feedback import ErrorFeedback
@@ -82,7 +83,6 @@ from dpresearch.options import Options
 from dpresearch.replicas import Replicas
 from dpresearch.sign_sgd import decoupled_step
 
-AVERAGES = ("all", "senders")
 __all__ = ["AVERAGES", "ChunkedDCT", "DeMo", "DeMoAlgorithm", "block_side", "check_options"]
 
 

@@ -71,6 +71,11 @@ __all__ = [
 ]
 
 
+# How a sparse aggregate is averaged: over all K workers (the papers' algorithms), or each
+# entry over the workers that sent it (the DeMo and SparseLoCo reference codes).
+AVERAGES = ("all", "senders")
+
+
 class Aggregation(ABC):
     """One chunk set's synchronous protocol on one process, built once with its plan and
     buffers (`Compressor.aggregation`): for `chunks`, run by the local workers `workers`

@@ -50,13 +50,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dpresearch.compress.base import Chunk, SingleRoundCompressor
+from dpresearch.compress.base import AVERAGES, Chunk, SingleRoundCompressor
 from dpresearch.compress.codec import Codec
 from dpresearch.compress.topk import kept
 from dpresearch.compress.wire import Spec, pack_rows, packed_size, unpack_rows
 
 MAX_CHUNK = 1 << 16  # block-local indices in at most 16 bits
-AVERAGES = ("all", "senders")
 
 
 @dataclass(frozen=True)
@@ -152,8 +151,8 @@ class QuantizedTopKCodec(Codec):
             out.scatter_(1, local + self.bases[i], values.to(out.dtype))
 
     def sent_counts(self, wire: Tensor) -> Tensor:
-        """How many of the wire rows `[R, L]` sent each entry: `[numel]`, in the codec's dtype
-        (whole numbers; a row sends an entry at most once)."""
+        """How many of the wire rows `[R, L]` sent each entry: `[numel]` integers (a row sends an
+        entry at most once)."""
         packed = self.layout.region(wire, torch.uint8)
         counts = torch.zeros(self.numel, dtype=torch.long, device=self.device)
         for i, blocks in enumerate(self.blocks):
@@ -161,7 +160,7 @@ class QuantizedTopKCodec(Codec):
                          + blocks.value_bytes + blocks.index_bytes]  # fmt: skip
             positions = self._unpack_indices(row, blocks) + self.bases[i]
             counts += torch.bincount(positions.reshape(-1), minlength=self.numel)
-        return counts.to(self.dtype)
+        return counts
 
     def _unpack_indices(self, row: Tensor, blocks: Blocks) -> Tensor:
         bits, kept_ = blocks.index_bits, blocks.kept

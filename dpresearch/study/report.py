@@ -81,14 +81,12 @@ def pack_study(study: Study, out: str | Path) -> Path | None:
 def _refuse_to_drop(study: Study, out: Path) -> None:
     """StudyError naming the fix if the run data holds points no directory under `out/runs`
     holds (by the point's name: case, lr, any second key, seed)."""
-    import json
-
     from dpresearch.analysis.rundata import read_rundata
-    from dpresearch.analysis.runs import POINT_FILE
+    from dpresearch.study.status import launched_points
 
     _, records = read_rundata(study.data_path)
     packed = {(r.get("point") or {}).get("point") for r in records} - {None}
-    on_disk = {json.loads(p.read_text()).get("point") for p in (out / "runs").rglob(POINT_FILE)}
+    on_disk = {point.get("point") for _, point in launched_points(out)}
     missing = sorted(packed - on_disk)
     if missing:
         data, runs = relative(study.data_path), out / "runs"

@@ -53,20 +53,27 @@ def packed_points(study: Study) -> list[tuple[str, float, int, str]]:
     return points
 
 
-def directory_points(out: Path) -> list[tuple[str, float, int, str]]:
-    """(case, lr, seed, state) of every run directory under `out/runs` that a study launched
-    (state as `launcher.point_state` reads it)."""
+def launched_points(out: Path) -> list[tuple[Path, dict]]:
+    """(run directory, its `study_point.json` record) of every run a study launched under
+    `out/runs` (none where that folder does not exist), in path order."""
     import json
 
     from dpresearch.analysis.runs import POINT_FILE
+
+    runs = out / "runs"
+    paths = sorted(runs.rglob(POINT_FILE)) if runs.is_dir() else []
+    return [(path.parent, json.loads(path.read_text())) for path in paths]
+
+
+def directory_points(out: Path) -> list[tuple[str, float, int, str]]:
+    """(case, lr, seed, state) of every run directory under `out/runs` that a study launched
+    (state as `launcher.point_state` reads it)."""
     from dpresearch.study.launcher import point_state
 
-    points = []
-    for path in sorted((out / "runs").rglob(POINT_FILE)) if (out / "runs").is_dir() else []:
-        point = json.loads(path.read_text())
-        state = point_state(path.parent)
-        points.append((point["case"], float(point["lr"]), int(point["seed"]), state))
-    return points
+    return [
+        (point["case"], float(point["lr"]), int(point["seed"]), point_state(run_dir))
+        for run_dir, point in launched_points(out)
+    ]
 
 
 def describe(counts: dict[str, Counter]) -> list[str]:
