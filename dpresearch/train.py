@@ -34,6 +34,7 @@ from dpresearch.config.schema import register_configs
 from dpresearch.config.validate import ConfigError, forget_data
 from dpresearch.launch.environment import from_agent
 from dpresearch.launch.processes import (
+    StoppedNow,
     WorkerFrozen,
     global_rank,
     launch_local,
@@ -131,6 +132,9 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         except (ConfigError, CheckpointError, WorkerFrozen) as exc:
             user_error = isinstance(exc, (ConfigError, CheckpointError))
             _fail(f"error: {exc}", 2 if user_error else 1, multirun)
+        except StoppedNow as exc:  # in a sweep too: the user stopped the whole job
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(128 + exc.signum)
         except RunIOError as exc:  # before the loop (config.yaml, provenance.json, ...)
             _fail(f"error: {exc.describe()}; free space and run again", IO_EXIT, multirun)
         except KeyboardInterrupt:  # Ctrl-C before the training loop took over the signal

@@ -252,3 +252,36 @@ def test_twenty_stops_never_hang_and_the_run_stays_resumable(tmp_path):
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(ln)["step"] for ln in lines] == list(range(1, len(lines) + 1))
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
+
+
+@pytest.mark.slow  # ~45 s, 30 of them torch's grace before its SIGKILL
+@pytest.mark.timeout(600)  # a hang guard
+def test_a_second_sigterm_ends_a_job_whose_workers_cannot_stop(tmp_path):
+    """The first SIGTERM asks the workers to stop at their next step; workers that cannot take
+    one (frozen here with SIGSTOP) must not hold the job: the second SIGTERM makes the launcher
+    terminate them now (torch's agent: SIGTERM, then SIGKILL after its grace period)."""
+    run_dir = tmp_path / "run"
+    launcher = start(
+        [*GLOO, "train.steps=1000000", f"hydra.run.dir={run_dir}"], tmp_path, background=False
+    )
+    wait_for(lambda: last_step(run_dir) > 5, 300, "no step")
+    job = {launcher: _stat(launcher)[19], **descendants(launcher)}
+    # the workers: the forkserver's children (the launcher's own are the forkserver and
+    # multiprocessing's resource tracker, which must keep running)
+    workers = [pid for pid in descendants(launcher) if int(_stat(pid)[1]) != launcher]
+    assert len(workers) == 2, workers
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    frozen_at = last_step(run_dir)
+    os.kill(launcher, signal.SIGTERM)
+    time.sleep(2)
+    assert alive(job), "the first SIGTERM ended a job whose workers were frozen"
+    assert last_step(run_dir) == frozen_at
+    os.kill(launcher, signal.SIGTERM)
+    sent = time.monotonic()
+    wait_for(lambda: not alive(job), 120, "the second SIGTERM did not end the job")
+    print(f"the second SIGTERM ended the job in {time.monotonic() - sent:.1f} s")
+    assert _STARTED[-1].wait(timeout=load_scaled(30)) == 128 + signal.SIGTERM
+    log = (tmp_path / "launcher.log").read_text()
+    assert "Traceback" not in log, log[-3000:]
+    assert f"error: a second SIGTERM terminated the workers at once; {run_dir} keeps" in log

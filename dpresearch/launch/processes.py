@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dpresearch.errors import ConfigError
@@ -56,6 +57,15 @@ LAUNCHED_AT_ENV = "DPRESEARCH_LAUNCHED_AT"
 
 class WorkerFrozen(RuntimeError):
     """A local worker process went silent for `backend.heartbeat_s`; the message names it."""
+
+
+class StoppedNow(RuntimeError):
+    """A second stop signal made the launcher terminate its workers at once (the first asks
+    them to stop at their next step, with a checkpoint); `signum` is the signal."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
 
 
 def under_torchrun() -> bool:
@@ -203,18 +213,22 @@ def launch_local(cfg: DictConfig, run_dir: Path | None) -> dict[str, Any]:
             stack.enter_context(_environment({HEARTBEAT_ENV: beats}))
             watchdog = Watchdog(Path(beats), heartbeat_s)
             stack.callback(watchdog.stop)
-        from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
-
         folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="dpresearch-stop-"))
         stop_file = Path(folder) / "stop"
         stack.enter_context(_environment({stop.STOP_FILE_ENV: str(stop_file)}))
-        stack.enter_context(stop.forwarding(stop_file, _terminate_process_handler))
+        stack.enter_context(stop.forwarding(stop_file, _stop_workers_now))
         method, context = forkserver.choose(cfg.backend.start_method)
         config = dataclasses.replace(config, start_method=method)
         try:
             results = elastic_launch(config, _worker_entry)(
                 container, str(run_dir) if run_dir else None, context
             )
+        except SignalException as exc:  # _stop_workers_now's, once torch's agent ended them
+            kept = f"; {run_dir} keeps the checkpoints written before it" if run_dir else ""
+            raise StoppedNow(
+                f"a second {exc.sigval.name} terminated the workers at once{kept}",
+                int(exc.sigval),
+            ) from None
         except ChildFailedError as exc:
             if watchdog is not None and watchdog.frozen is not None:
                 who = "worker" if processes == cfg.workers else "rank"  # ranks are workers?
@@ -351,3 +365,11 @@ def _spawnable_start_method() -> Iterator[None]:
         yield
     finally:
         multiprocessing.set_start_method(current, force=True)
+
+
+def _stop_workers_now(signum: int, frame: object) -> None:
+    """A second stop signal: raise the exception on which torch's elastic agent terminates
+    the workers at once (what its own handler for SIGTERM/SIGINT does)."""
+    raise SignalException(
+        f"process {os.getpid()} got {signal.Signals(signum).name}", signal.Signals(signum)
+    )
