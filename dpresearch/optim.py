@@ -46,7 +46,7 @@ def build_optimizer(
     )  # type: ignore[assignment]
     exclude = bool(node.pop("exclude_bn_bias_from_weight_decay", False))
     node["_partial_"] = True
-    node["lr"] = float(node.get("lr", 0.1)) * lr_scale
+    node["lr"] = float(node["lr"]) * lr_scale
     if "adamw_lr" in node:
         node["adamw_lr"] = float(node["adamw_lr"]) * lr_scale
     factory = instantiate(node)

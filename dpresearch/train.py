@@ -185,7 +185,7 @@ def _end_of_run(
         kept = summary.get("last_checkpoint")
         line = (
             f"error: non-finite training loss at step {summary['diverged_at_step']} "
-            f"(lr {summary.get('lr', float('nan')):.4g}); the run was stopped and no model "
+            f"(lr {summary['lr']:.4g}); the run was stopped and no model "
             "written: lower optimizer.lr (or set train.on_nonfinite=skip_step)"
             + (f"; last finite checkpoint {kept}" if kept else "")
         )

@@ -36,7 +36,7 @@ from dpresearch.run.build import algorithm_class
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dpresearch"
 # Modules that read config nodes: they take a node's values from its declaration.
-READERS = (PACKAGE / "algorithms", PACKAGE / "config")
+READERS = (PACKAGE,)  # every module of the package
 NOT_OPTIONS = {"_target_", "_recursive_", "defaults"}
 
 

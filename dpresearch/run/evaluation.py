@@ -55,7 +55,7 @@ class Evaluator:
         run = self.run
         comm = run.comm
         params, buffers = run.algorithm.consensus()
-        mode = run.cfg.train.get("eval_bn_stats", "consensus")
+        mode = run.cfg.train.eval_bn_stats
         if mode == "average":
             every = run.replicas.buffers.clone()
             comm.all_reduce(every, op="mean", record=EVAL)
