@@ -197,10 +197,8 @@ def _worker0_row(source: Source, model: nn.Module) -> dict[str, Tensor]:
     file = load_checkpoint(source.path, mmap=True)
     processes, workers = int(file["processes"]), int(file["workers"])
     replicas = file["states"][processes - workers if processes > 1 else 0]["replicas"]
-    from dpresearch.config.schema import TrainConfig
-
-    train = (source.config or {}).get("train", {})
-    layout = train.get("channels_last", TrainConfig.channels_last)  # a run from before the key
+    # a run saved before `train.channels_last` existed ran channels-first
+    layout = bool((source.config or {}).get("train", {}).get("channels_last"))
     return row_state_dict(
         model,
         replicas["params"][0],

@@ -190,9 +190,7 @@ class RunLogger(NullLogger):
         )
         if mode != "online":
             return wandb.init(mode=mode, **fields)
-        from dpresearch.config.schema import LoggerConfig
-
-        timeout = float(logger_cfg.get("init_timeout_s", LoggerConfig.init_timeout_s))
+        timeout = float(logger_cfg.init_timeout_s)
         silent = _unanswered(min(timeout, PROBE_S))
         if silent is not None:  # no network, or a server that never answers: offline at once
             return self._offline(wandb, silent, fields, id_file, started=False)
