@@ -399,6 +399,7 @@ LC_ROWS = (  # the README's results rows, in its order: (case, the sync case it 
     ("SparseLoCo H=15 (by work)", "sync AdamW (by work)"),
 )
 LM_MORE = "lm_shakespeare/clipped_more"  # clipped.yaml's protocol for the seven other cases
+LM_MUON = "lm_shakespeare/clipped_muloco"  # and for MuLoCo, the seventh
 LM_MORE_ROWS = (  # the README's rows in order: (case, the clipped.yaml sync case it is set against)
     ("Streaming DiLoCo H=15 F=4", "sync AdamW"),
     ("DeMo", "sync AdamW"),
@@ -1252,6 +1253,21 @@ CLAIMS = [
         lambda: tuple(v for c, b in LM_MORE_ROWS for v in clipped_row(c, b, LM_MORE, LC)),
     ),
     Claim(
+        "lm/clipped-muloco/runs-picks",
+        "experiments/lm_shakespeare",
+        r"`clipped_muloco\.yaml`: (\d+) runs \((\d+) grid, (\d+) grid extensions, (\d+) final "
+        r"seeds\)\. (Every) pick is interior \((\d+) of (\d+)\); (\d+) of the (\d+) picks were "
+        r"won within the selection's noise",
+        lambda: runs_and_picks(LM_MUON),
+    ),
+    table_rows(
+        "lm/clipped-muloco/rows",
+        "experiments/lm_shakespeare",
+        ["MuLoCo H=15"],
+        r"([\d.e-]+) \| (\d\.\d\d) ± (\d\.\d\d) \| ([\d., ]+) \| (–|[+-]\d\.\d\d) \|",
+        lambda: clipped_row("MuLoCo H=15", "sync AdamW", LM_MUON, LC),
+    ),
+    Claim(
         "lm/clipped/as-diloco-scaling",
         "experiments/lm_shakespeare",
         r"end where those did, to the last bit, in all (\d+) runs they share",
@@ -1314,6 +1330,7 @@ CLAIMS = [
             ("diloco_scaling", DS),
             ("lm_shakespeare/clipped.yaml", LC),
             ("lm_shakespeare/clipped_more.yaml", LM_MORE),
+            ("lm_shakespeare/clipped_muloco.yaml", LM_MUON),
         )
     ),
     # -- async/README.md ---------------------------------------------------------------------
